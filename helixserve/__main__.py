@@ -1,0 +1,3 @@
+from helixserve.cli import main
+
+raise SystemExit(main())

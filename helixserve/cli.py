@@ -1,0 +1,68 @@
+"""The `helixserve` command: parses flags and calls the layers that do the work.
+
+Each subcommand lives in `helixserve/commands/<name>.py` with two functions:
+`register(subparsers)` adds its parser (and sets `func`), and the function set as `func`
+takes the parsed args and returns an exit code. Command modules import only the standard
+library at module level, so `helixserve plan` runs without torch, grpc or fastapi.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from helixserve import __version__
+from helixserve.errors import UserError
+
+# Order is the order shown in --help.
+COMMAND_MODULES = (
+    "plan",
+    "evaluate",
+    "simulate",
+    "model",
+    "profile",
+    "worker",
+    "serve",
+    "demo",
+    "bench",
+    "deploy",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="helixserve",
+        description="Serve one LLM from a cluster of mixed GPUs (Helix max-flow placement).",
+    )
+    parser.add_argument("--version", action="version", version=f"helixserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"helixserve.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"helixserve.commands.{name}":
+                continue  # command not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(func(args) or 0)
+    except UserError as exc:
+        print(f"helixserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

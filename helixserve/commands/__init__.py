@@ -1,0 +1,1 @@
+"""Subcommands of the `helixserve` CLI, one module each (see helixserve/cli.py)."""

@@ -1,0 +1,79 @@
+"""Plain data passed between the router and its callers (the simulator, the coordinator).
+
+A `Route` is the pipeline of one request: hops in order, each running layers
+`[start_layer, end_layer)` on one node, together covering `[0, num_layers)` exactly once.
+A hop may run only the tail of the node's range (partial inference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Hop:
+    node: str
+    start_layer: int
+    end_layer: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+
+@dataclass(frozen=True)
+class Route:
+    hops: tuple[Hop, ...]
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(h.node for h in self.hops)
+
+    def covers(self, num_layers: int) -> bool:
+        """True when the hops run layers 0..num_layers-1 in order, each exactly once."""
+        layer = 0
+        for h in self.hops:
+            if h.start_layer != layer or h.end_layer <= h.start_layer:
+                return False
+            layer = h.end_layer
+        return layer == num_layers
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What the router needs to know of a request."""
+
+    request_id: str
+    prompt_tokens: int
+    #: tokens the request may still generate (max_tokens, or an expected output length)
+    max_new_tokens: int
+
+
+@dataclass
+class NodeState:
+    """Live state of one node, as the router sees it (from worker stats or the simulator)."""
+
+    name: str
+    #: KV cache tokens still free on this node, per layer held (a token needs one slot per layer)
+    kv_free_tokens: int
+    #: work items waiting in the node's queue
+    queue_len: int = 0
+    alive: bool = True
+
+
+class Router(Protocol):
+    """A routing policy: pure and synchronous; no clocks, sockets or threads."""
+
+    def route(self, req: RequestInfo, state: Mapping[str, NodeState]) -> Route | None:
+        """The request's pipeline, or None when no route can admit it now (it waits)."""
+        ...
+
+    def on_finish(self, request_id: str) -> None: ...
+
+    def on_cancel(self, request_id: str) -> None: ...
+
+    def node_down(self, node: str) -> None: ...
+
+    def node_up(self, node: str) -> None: ...
