@@ -1,0 +1,23 @@
+"""The CLI dispatcher: help lists every built command, bad usage exits 2 with one line."""
+
+import subprocess
+import sys
+
+from helixserve.cli import COMMAND_MODULES, build_parser
+
+
+def test_every_command_module_registers():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    # every command listed in the dispatcher is built and registered
+    assert set(COMMAND_MODULES) <= set(sub.choices)
+
+
+def test_unknown_flag_exits_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "helixserve", "plan", "--no-such-flag"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "--no-such-flag" in proc.stderr
