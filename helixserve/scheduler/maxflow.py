@@ -1,0 +1,95 @@
+"""Helix's router: per-request pipelines drawn by interleaved weighted round-robin (IWRR)
+over the placement's max-flow solution.
+
+The rule. Every vertex `v` of the flow graph (the coordinator and each node) keeps a credit
+`c[v, j]` per outgoing flow edge `v -> j`, of weight `w[v, j]` = the edge's flow in tokens/s.
+Edges carrying less than `min_flow_share` of `v`'s outflow are masked (rounding noise of the
+LP, not capacity). A request of work `W = prompt_tokens + max_new_tokens` (the tokens it will
+push through its route: its prompt once, then one per decode step; the route is fixed for
+its life, so it is drawn once) is routed hop by hop from the coordinator at layer 0:
+
+    A     = the admissible edges out of v (node alive, its range holds the current layer,
+            its KV can hold the request: see `base.py`)
+    c'[j] = c[v, j] + W * w[v, j] / sum(w[v, a] for a in A)      for j in A
+    choose j = argmax c'[j] (ties: by name); then c[v, ·] = c'; c[v, j] -= W
+
+which is smooth weighted round-robin (nginx) with work-weighted steps: choices interleave
+rather than burst, and the work sent down each edge converges to its flow share (the
+credits stay bounded). If the chosen hop cannot complete a route (every continuation is
+masked), the next-best candidate is tried; credits change only along the route finally
+taken, so failed attempts leave no trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from helixserve.errors import UserError
+from helixserve.planner.placement import COORDINATOR, Placement
+from helixserve.scheduler.base import GraphRouter
+from helixserve.scheduler.types import NodeState, RequestInfo, Route
+
+
+class MaxFlowRouter(GraphRouter):
+    name = "maxflow"
+
+    def __init__(self, placement: Placement, seed: int = 0, min_flow_share: float = 0.01) -> None:
+        if not placement.flows:
+            raise UserError(
+                "placement: flows: empty; the maxflow router routes over the max-flow "
+                "solution (run `helixserve evaluate` to fill the flows)"
+            )
+        # Outflow per vertex, to mask edges whose share is negligible.
+        outflow: dict[str, float] = {}
+        for f in placement.flows:
+            if f.tokens_per_s > 0:
+                outflow[f.src] = outflow.get(f.src, 0.0) + f.tokens_per_s
+        vertices = {COORDINATOR} | {n.name for n in placement.nodes}
+        self.weights: dict[str, dict[str, float]] = {}
+        for f in placement.flows:
+            if f.src not in vertices or f.dst not in vertices:
+                raise UserError(
+                    f"placement: flows: edge {f.src!r} -> {f.dst!r} names a node that holds "
+                    f"no layers; known: {sorted(vertices)}"
+                )
+            if f.tokens_per_s > 0 and f.tokens_per_s >= min_flow_share * outflow[f.src]:
+                self.weights.setdefault(f.src, {})[f.dst] = f.tokens_per_s
+        super().__init__(
+            placement,
+            seed=seed,
+            edges=[(s, d) for s, out in self.weights.items() for d in out],
+        )
+        self.credit: dict[tuple[str, str], float] = {}
+        # Candidates seen at each vertex during the current search, for `_commit`.
+        self._seen: dict[str, list[str]] = {}
+
+    def route(self, req: RequestInfo, state: Mapping[str, NodeState]) -> Route | None:
+        self._seen = {}
+        return super().route(req, state)
+
+    def _order(
+        self,
+        vertex: str,
+        layer: int,
+        cands: Sequence[str],
+        req: RequestInfo,
+        state: Mapping[str, NodeState],
+    ) -> list[str]:
+        self._seen[vertex] = list(cands)
+        projected = self._projected(vertex, cands, req)
+        return sorted(cands, key=lambda j: (-projected[j], j))
+
+    def _commit(self, route: Route, req: RequestInfo, state: Mapping[str, NodeState]) -> None:
+        work = float(req.prompt_tokens + req.max_new_tokens)
+        prev = COORDINATOR
+        for j in route.nodes:
+            for c, value in self._projected(prev, self._seen[prev], req).items():
+                self.credit[prev, c] = value
+            self.credit[prev, j] -= work
+            prev = j
+
+    def _projected(self, vertex: str, cands: Sequence[str], req: RequestInfo) -> dict[str, float]:
+        work = float(req.prompt_tokens + req.max_new_tokens)
+        w = self.weights[vertex]
+        total = sum(w[c] for c in cands)
+        return {c: self.credit.get((vertex, c), 0.0) + work * w[c] / total for c in cands}
