@@ -1,0 +1,96 @@
+"""`helixserve deploy k8s`: render Kubernetes manifests for exactly one placement."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "deploy",
+        help="render deployment manifests (Kubernetes) from a placement",
+        description="Render deployment manifests for a cluster file and a placement.",
+    )
+    targets = p.add_subparsers(dest="target", metavar="TARGET", required=True)
+    k = targets.add_parser(
+        "k8s",
+        help="Kubernetes: one worker StatefulSet per placement node + the coordinator",
+        description="Render plain Kubernetes YAML (one file per object, plus a "
+        "kustomization.yaml) for exactly this placement: one worker StatefulSet per node that "
+        "holds layers, selected onto its GPU type, and the coordinator with the cluster file "
+        "and placement in a ConfigMap. Apply with `kubectl apply -k OUT`. Re-rendering after "
+        "a re-plan changes only what must change.",
+    )
+    k.add_argument("--cluster", required=True, help="cluster YAML the placement was planned for")
+    k.add_argument("--placement", required=True, help="placement JSON (helixserve plan --out)")
+    k.add_argument("--model-path", required=True,
+                   help="model directory inside the containers, e.g. /models/llama-2-70b; the "
+                   "model volume is mounted at its parent directory")
+    k.add_argument("--image", required=True, help="helixserve image (deploy/docker/)")
+    k.add_argument("--namespace", default="default", help="namespace of every object")
+    k.add_argument("--out", required=True, help="output directory (created; stale rendered "
+                   "files in it are removed)")
+    k.add_argument("--name", default="helixserve",
+                   help="instance name: prefix of every object (default helixserve)")
+    k.add_argument("--model-volume", default="pvc:helixserve-models",
+                   help="pvc:CLAIM (existing claim holding the model directories) or "
+                   "hostpath:/DIR (directory on every node); default pvc:helixserve-models")
+    k.add_argument("--gpu-product", action="append", default=[], metavar="GPU=LABEL",
+                   help="nvidia.com/gpu.product value for a catalog GPU, e.g. "
+                   "A100-40GB=NVIDIA-A100-PCIE-40GB (repeatable)")
+    k.add_argument("--dtype", default="auto",
+                   help="worker dtype: auto (bfloat16, or float16 on GPUs without bf16), "
+                   "bfloat16, float16, float32")
+    k.add_argument("--region-label", default=None, metavar="KEY",
+                   help="pin each worker to nodes whose label KEY equals its cluster region, "
+                   "e.g. topology.kubernetes.io/region")
+    k.add_argument("--service-monitor", action="store_true",
+                   help="also render a Prometheus operator ServiceMonitor for /metrics")
+    k.add_argument("--startup-timeout-s", type=int, default=1800,
+                   help="time a pod may take to load weights before it is restarted")
+    k.add_argument("--shm-size", default="8Gi", help="size of the memory-backed /dev/shm")
+    k.add_argument("--cluster-domain", default="cluster.local")
+    k.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from helixserve.deploy import (
+        RenderOptions,
+        parse_gpu_product_overrides,
+        render_k8s,
+        write_manifests,
+    )
+    from helixserve.deploy.k8s import worker_address
+
+    opts = RenderOptions(
+        image=args.image,
+        model_path=args.model_path,
+        namespace=args.namespace,
+        name=args.name,
+        model_volume=args.model_volume,
+        gpu_products=parse_gpu_product_overrides(args.gpu_product),
+        dtype=args.dtype,
+        cluster_domain=args.cluster_domain,
+        startup_timeout_s=args.startup_timeout_s,
+        shm_size=args.shm_size,
+        region_label=args.region_label,
+        service_monitor=args.service_monitor,
+    )
+    rendering = render_k8s(args.cluster, args.placement, opts)
+    written, removed = write_manifests(rendering, args.out)
+
+    print(f"{'node':<12} {'gpu':<12} {'gpus':>4} {'layers':<11} {'gpu.product':<24} address")
+    for w in rendering.workers:
+        layers = f"[{w.start_layer}, {w.end_layer})"
+        print(f"{w.node:<12} {w.gpu:<12} {w.num_gpus:>4} {layers:<11} "
+              f"{w.gpu_product or '-':<24} {worker_address(opts, w.node)}")
+    if rendering.idle_nodes:
+        print(f"no pod for nodes without layers: {', '.join(rendering.idle_nodes)}")
+    print(f"{args.out}: {len(rendering.files)} files, {len(written)} changed"
+          + (f" ({', '.join(written)})" if written else "")
+          + (f", {len(removed)} removed ({', '.join(removed)})" if removed else ""))
+    print(f"apply: kubectl apply -k {args.out}")
+    for warning in rendering.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return 0

@@ -1,0 +1,432 @@
+"""Kubernetes objects for one placement, as plain dicts (one function per object).
+
+Shape of a deployment named NAME in namespace NS:
+
+    NAME-config       ConfigMap: cluster.yaml (addresses rewritten to worker DNS names)
+                      and placement.json, mounted read-only at /etc/helixserve
+    NAME-coordinator  Deployment, 1 replica: `helixserve serve`, HTTP 8000
+    NAME-api          Service (ClusterIP) in front of the coordinator: the OpenAI endpoint
+    NAME-workers      headless Service: gives every worker pod a stable DNS name
+    NAME-worker-NODE  StatefulSet, 1 replica, per placement node: `helixserve worker --node NODE`
+                      on a `nvidia.com/gpu.product` node with `nvidia.com/gpu: num_gpus`
+    NAME-workers      PodDisruptionBudget over the workers: one voluntary eviction at a time
+    NAME              ServiceMonitor (optional; needs the Prometheus operator CRDs)
+
+A worker is a one-replica StatefulSet (not a Deployment) for its stable identity: the pod is
+always `NAME-worker-NODE-0`, so its DNS name, which the coordinator reads from the cluster
+file, survives restarts and reschedules. Selectors carry only identity labels (never the
+layer range): a selector is immutable, and a re-plan must be a plain `kubectl apply`.
+Nothing here reads files or clocks: same inputs, same objects.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from helixserve.deploy.gpu_labels import GPU_RESOURCE, PRODUCT_LABEL
+
+WORKER_PORT = 50051
+HTTP_PORT = 8000
+CONFIG_DIR = "/etc/helixserve"
+CLUSTER_FILE = "cluster.yaml"
+PLACEMENT_FILE = "placement.json"
+#: uid/gid of the `helix` user the images in deploy/docker create.
+RUN_AS_UID = 10001
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """Everything about the deployment that is not in the cluster file or the placement."""
+
+    #: container image holding helixserve (both the coordinator and the workers)
+    image: str
+    #: model directory inside the containers, e.g. /models/llama-2-70b; its parent directory
+    #: is where the model volume is mounted
+    model_path: str
+    namespace: str = "default"
+    #: instance name: prefix of every object and the app.kubernetes.io/instance label
+    name: str = "helixserve"
+    #: "pvc:CLAIM" (an existing PersistentVolumeClaim) or "hostpath:/DIR" (a directory present
+    #: on every GPU node)
+    model_volume: str = "pvc:helixserve-models"
+    #: catalog GPU name -> nvidia.com/gpu.product label, overriding gpu_labels' defaults
+    gpu_products: dict[str, str] = field(default_factory=dict)
+    #: "auto" (bfloat16 where the GPU has it, else float16), or a dtype passed to every GPU worker
+    dtype: str = "auto"
+    cluster_domain: str = "cluster.local"
+    #: time a pod may take to load its weights before its startup probe gives up
+    startup_timeout_s: int = 1800
+    #: size limit of the memory-backed /dev/shm volume (counts against the pod's memory)
+    shm_size: str = "8Gi"
+    #: node label that holds a machine's region; when set, every worker (and the coordinator)
+    #: whose cluster node has a region other than "default" is pinned to nodes with that label
+    region_label: str | None = None
+    #: also render a Prometheus operator ServiceMonitor for the coordinator's /metrics
+    service_monitor: bool = False
+    image_pull_policy: str = "IfNotPresent"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker pod: a cluster node that holds layers [start_layer, end_layer)."""
+
+    node: str
+    gpu: str
+    num_gpus: int
+    region: str
+    start_layer: int
+    end_layer: int
+    #: nvidia.com/gpu.product value; None for a CPU node
+    gpu_product: str | None
+    #: --dtype passed to the worker; None leaves the worker's default
+    dtype: str | None
+
+
+# ---- names -------------------------------------------------------------------------------
+
+
+def config_map_name(opts: RenderOptions) -> str:
+    return f"{opts.name}-config"
+
+
+def headless_service_name(opts: RenderOptions) -> str:
+    return f"{opts.name}-workers"
+
+
+def worker_name(opts: RenderOptions, node: str) -> str:
+    return f"{opts.name}-worker-{node}"
+
+
+def coordinator_name(opts: RenderOptions) -> str:
+    return f"{opts.name}-coordinator"
+
+
+def api_service_name(opts: RenderOptions) -> str:
+    return f"{opts.name}-api"
+
+
+def worker_address(opts: RenderOptions, node: str) -> str:
+    """Stable DNS name of a worker: pod 0 of its StatefulSet under the headless Service."""
+    return (
+        f"{worker_name(opts, node)}-0.{headless_service_name(opts)}.{opts.namespace}"
+        f".svc.{opts.cluster_domain}:{WORKER_PORT}"
+    )
+
+
+def model_mount_dir(opts: RenderOptions) -> str:
+    parent = opts.model_path.rstrip("/").rsplit("/", 1)[0]
+    return parent or "/"
+
+
+# ---- shared pieces -------------------------------------------------------------------------
+
+
+def base_labels(opts: RenderOptions, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "helixserve",
+        "app.kubernetes.io/instance": opts.name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": "helixserve",
+    }
+
+
+def selector_labels(opts: RenderOptions, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "helixserve",
+        "app.kubernetes.io/instance": opts.name,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def metadata(opts: RenderOptions, name: str, component: str, **extra: Any) -> Obj:
+    meta: Obj = {"name": name, "namespace": opts.namespace, "labels": base_labels(opts, component)}
+    meta.update(extra)
+    return meta
+
+
+def _model_volume(opts: RenderOptions) -> Obj:
+    kind, _, where = opts.model_volume.partition(":")
+    if kind == "pvc":
+        return {"name": "models", "persistentVolumeClaim": {"claimName": where, "readOnly": True}}
+    return {"name": "models", "hostPath": {"path": where, "type": "Directory"}}
+
+
+def _volumes(opts: RenderOptions, with_shm: bool) -> list[Obj]:
+    volumes: list[Obj] = [
+        {
+            "name": "config",
+            "configMap": {
+                "name": config_map_name(opts),
+                "items": [
+                    {"key": CLUSTER_FILE, "path": CLUSTER_FILE},
+                    {"key": PLACEMENT_FILE, "path": PLACEMENT_FILE},
+                ],
+            },
+        },
+        _model_volume(opts),
+    ]
+    if with_shm:
+        # PyTorch and NCCL use /dev/shm for inter-process buffers; the container runtime's
+        # default is 64 MiB, far too small for tensor parallelism inside a node.
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": opts.shm_size}})
+    return volumes
+
+
+def _mounts(opts: RenderOptions, with_shm: bool) -> list[Obj]:
+    mounts: list[Obj] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "models", "mountPath": model_mount_dir(opts), "readOnly": True},
+    ]
+    if with_shm:
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    return mounts
+
+
+def _env() -> list[Obj]:
+    # Weights come from the model volume only: never let a pod reach for a model hub.
+    return [
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
+    ]
+
+
+def _container_security() -> Obj:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _pod_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_UID,
+        "runAsGroup": RUN_AS_UID,
+        "fsGroup": RUN_AS_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _probes(opts: RenderOptions, action: Obj) -> Obj:
+    """Startup probe that waits for the weights to load, then readiness and liveness."""
+    startup_period_s = 10
+    return {
+        "startupProbe": {
+            **action,
+            "periodSeconds": startup_period_s,
+            "timeoutSeconds": 5,
+            "failureThreshold": max(1, math.ceil(opts.startup_timeout_s / startup_period_s)),
+        },
+        "readinessProbe": {**action, "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
+        # Liveness is slower to give up than readiness: a busy pod drops out of service first
+        # and is only restarted when it stays unresponsive for a minute.
+        "livenessProbe": {**action, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+    }
+
+
+# ---- objects -------------------------------------------------------------------------------
+
+
+def config_map(opts: RenderOptions, cluster_yaml: str, placement_json: str) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(opts, config_map_name(opts), "config"),
+        "data": {CLUSTER_FILE: cluster_yaml, PLACEMENT_FILE: placement_json},
+    }
+
+
+def worker_statefulset(opts: RenderOptions, w: WorkerSpec) -> Obj:
+    name = worker_name(opts, w.node)
+    identity = {**selector_labels(opts, "worker"), "helixserve.io/node": w.node}
+    labels = {
+        **base_labels(opts, "worker"),
+        "helixserve.io/node": w.node,
+        "helixserve.io/gpu": w.gpu,
+        "helixserve.io/num-gpus": str(w.num_gpus),
+        "helixserve.io/region": w.region,
+        "helixserve.io/start-layer": str(w.start_layer),
+        "helixserve.io/end-layer": str(w.end_layer),
+    }
+    annotations = {
+        "helixserve.io/layers": f"[{w.start_layer}, {w.end_layer})",
+        "helixserve.io/address": worker_address(opts, w.node),
+    }
+    command = [
+        "helixserve", "worker",
+        "--model", opts.model_path,
+        "--placement", f"{CONFIG_DIR}/{PLACEMENT_FILE}",
+        "--node", w.node,
+        "--host", "0.0.0.0",
+        "--port", str(WORKER_PORT),
+        "--device", "cpu" if w.gpu_product is None else "cuda",
+    ]  # fmt: skip
+    if w.dtype is not None:
+        command += ["--dtype", w.dtype]
+    container: Obj = {
+        "name": "worker",
+        "image": opts.image,
+        "imagePullPolicy": opts.image_pull_policy,
+        "command": command,
+        "env": _env(),
+        "ports": [{"name": "grpc", "containerPort": WORKER_PORT, "protocol": "TCP"}],
+        # Native gRPC probes (Kubernetes >= 1.27) call grpc.health.v1 Check on the worker's
+        # own port; the worker reports SERVING once its layers are loaded.
+        **_probes(opts, {"grpc": {"port": WORKER_PORT}}),
+        "volumeMounts": _mounts(opts, with_shm=True),
+        "securityContext": _container_security(),
+    }
+    pod_spec: Obj = {
+        "containers": [container],
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        # Long enough for the worker's SIGTERM drain of in-flight batches.
+        "terminationGracePeriodSeconds": 60,
+        "volumes": _volumes(opts, with_shm=True),
+    }
+    node_selector: dict[str, str] = {}
+    if w.gpu_product is not None:
+        node_selector[PRODUCT_LABEL] = w.gpu_product
+        container["resources"] = {
+            "limits": {GPU_RESOURCE: w.num_gpus},
+            "requests": {GPU_RESOURCE: w.num_gpus},
+        }
+        # GPU node pools are commonly tainted so that only GPU pods land there.
+        pod_spec["tolerations"] = [
+            {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+        ]
+    if opts.region_label and w.region != "default":
+        node_selector[opts.region_label] = w.region
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(opts, name, "worker", annotations=annotations),
+        "spec": {
+            "serviceName": headless_service_name(opts),
+            "replicas": 1,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": identity},
+            "template": {
+                "metadata": {"labels": labels, "annotations": annotations},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def headless_service(opts: RenderOptions) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(opts, headless_service_name(opts), "worker"),
+        "spec": {
+            "clusterIP": "None",
+            # DNS names exist as soon as a pod has an IP, not only when it is ready: the
+            # coordinator tracks worker health itself and must be able to dial a starting pod.
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(opts, "worker"),
+            "ports": [{"name": "grpc", "port": WORKER_PORT, "targetPort": "grpc", "protocol": "TCP"}],
+        },
+    }
+
+
+def coordinator_deployment(
+    opts: RenderOptions, config_sha256: str, coordinator_region: str | None
+) -> Obj:
+    name = coordinator_name(opts)
+    command = [
+        "helixserve", "serve",
+        "--cluster", f"{CONFIG_DIR}/{CLUSTER_FILE}",
+        "--placement", f"{CONFIG_DIR}/{PLACEMENT_FILE}",
+        "--model", opts.model_path,
+        "--host", "0.0.0.0",
+        "--port", str(HTTP_PORT),
+    ]  # fmt: skip
+    container: Obj = {
+        "name": "coordinator",
+        "image": opts.image,
+        "imagePullPolicy": opts.image_pull_policy,
+        "command": command,
+        "env": _env(),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        **_probes(opts, {"httpGet": {"path": "/health", "port": "http"}}),
+        "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
+        "volumeMounts": _mounts(opts, with_shm=False),
+        "securityContext": _container_security(),
+    }
+    pod_spec: Obj = {
+        "containers": [container],
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        "terminationGracePeriodSeconds": 60,
+        "volumes": _volumes(opts, with_shm=False),
+    }
+    if opts.region_label and coordinator_region and coordinator_region != "default":
+        pod_spec["nodeSelector"] = {opts.region_label: coordinator_region}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(opts, name, "coordinator"),
+        "spec": {
+            # One coordinator: it owns the routing state (KV bookkeeping of every request).
+            "replicas": 1,
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "selector": {"matchLabels": selector_labels(opts, "coordinator")},
+            "template": {
+                "metadata": {
+                    "labels": base_labels(opts, "coordinator"),
+                    # The coordinator reads cluster + placement at start; a new config (a
+                    # re-plan) must roll it, so the pod template carries the config's hash.
+                    "annotations": {"helixserve.io/config-sha256": config_sha256},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def api_service(opts: RenderOptions) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(opts, api_service_name(opts), "coordinator"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(opts, "coordinator"),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def worker_pdb(opts: RenderOptions) -> Obj:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(opts, headless_service_name(opts), "worker"),
+        "spec": {
+            # A drain evicts one worker at a time; the coordinator re-routes around it.
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(opts, "worker")},
+        },
+    }
+
+
+def service_monitor(opts: RenderOptions) -> Obj:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": metadata(opts, opts.name, "coordinator"),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(opts, "coordinator")},
+            "namespaceSelector": {"matchNames": [opts.namespace]},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        },
+    }
