@@ -1,0 +1,243 @@
+"""Cost model: time of a batch on a layer range of a machine, memory, node throughput T(k).
+
+Time of ONE layer for a mixed batch of P prompt tokens and D decode sequences is, as in
+Helix, t(P, D) = t_prompt(P) + t_decode(D):
+  * measured: linear interpolation in the profiles table when (model, gpu, num_gpus) has
+    both curves (clamped below the first point, linear extrapolation past the last);
+  * analytic otherwise, a roofline summed over its parts on num_gpus x the catalog rates:
+      t_decode(D) = W/(BW e_bw) + 2 N D/(F e_f) + D c kv/(BW e_bw)
+      t_prompt(P) = W/(BW e_bw) + 2 N P/(F e_f)
+    (W layer weight bytes, N layer params, kv KV bytes per token per layer, c the context
+    length a decoding sequence reads). e_bw, e_f and c are fitted to the measured curves.
+Memory of a machine holding k layers: k W for weights (at most WEIGHT_FRACTION of the
+memory, Helix's rule) and the rest (times MEMORY_UTILIZATION) for KV cache.
+T(k) (docs/planner.md): decode tokens/s of the machine with the largest batch its KV cache
+and its batch limit allow, each sequence holding `context_tokens` of KV:
+      b(k) = min(max_decode_tokens, kv_capacity_tokens(k) / context_tokens)
+      T(k) = b(k) / (k t_decode(b(k)))
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from helixserve.errors import UserError
+from helixserve.spec import ClusterSpec, Curve, GpuCatalog, ModelSpec, NodeSpec, ProfileTable
+from helixserve.spec.gpus import load_gpu_catalog
+
+GIB = 2**30
+#: weights may use at most this fraction of a machine's memory (Helix's cap); the rest is KV
+WEIGHT_FRACTION = 0.5
+#: per-GPU memory held by the CUDA context, activations and the allocator, never usable
+RESERVED_BYTES_PER_GPU = 1 * GIB
+#: fraction of memory the serving engine may allocate (vLLM's gpu_memory_utilization)
+MEMORY_UTILIZATION = 0.9
+#: KV tokens a decoding sequence holds on average (the Azure conversation trace: ~1000)
+DEFAULT_CONTEXT_TOKENS = 1024
+#: batch limits of the analytic model (a measured curve's last point otherwise)
+ANALYTIC_MAX_PROMPT_TOKENS = 8192
+ANALYTIC_MAX_DECODE_TOKENS = 512
+#: fallbacks when no measured curve is there to fit the factors to
+DEFAULT_EFFICIENCY = (0.8, 0.5, 512.0)  # (e_bw, e_f, decode context tokens)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fitted factors of the analytic model."""
+
+    memory_bandwidth: float
+    tensor_flops: float
+    decode_context_tokens: float
+
+
+def _interp(curve: Curve, tokens: float) -> float:
+    """Time at `tokens`: linear between points, clamped below, extrapolated above."""
+    xs, ys = curve.batch_tokens, curve.layer_ms
+    if tokens <= xs[0]:
+        return ys[0]
+    if tokens >= xs[-1]:
+        if len(xs) == 1:
+            return ys[-1]
+        # slope of a least-squares line through the upper half: robust to the last point's noise
+        half = max(2, len(xs) // 2)
+        tx, ty = xs[-half:], ys[-half:]
+        mx, my = statistics.fmean(tx), statistics.fmean(ty)
+        var = sum((x - mx) ** 2 for x in tx)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(tx, ty, strict=True)) / var)
+        return ys[-1] + slope * (tokens - xs[-1])
+    lo, hi = 0, len(xs) - 1
+    while hi - lo > 1:  # bisect
+        mid = (lo + hi) // 2
+        if xs[mid] <= tokens:
+            lo = mid
+        else:
+            hi = mid
+    frac = (tokens - xs[lo]) / (xs[hi] - xs[lo])
+    return ys[lo] + frac * (ys[hi] - ys[lo])
+
+
+class CostModel:
+    def __init__(
+        self,
+        model: ModelSpec,
+        profiles: ProfileTable | None = None,
+        catalog: GpuCatalog | None = None,
+        *,
+        context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+    ) -> None:
+        self.model = model
+        self.profiles = profiles or ProfileTable.empty()
+        self.catalog = catalog or load_gpu_catalog()
+        self.context_tokens = context_tokens
+        self.efficiency = self._fit_efficiency()
+        self._throughput_cache: dict[tuple[str, int, float | None, int], float] = {}
+
+    # ---- time -------------------------------------------------------------------------
+    def measured(self, gpu: str, num_gpus: int) -> bool:
+        return self.profiles.has(self.model.name, gpu, num_gpus)
+
+    def layer_time_ms(self, gpu: str, num_gpus: int, prompt_tokens: int,
+                      decode_tokens: int) -> float:
+        """Time of one layer for a batch of `prompt_tokens` prefill + `decode_tokens` decode."""
+        total = 0.0
+        if self.measured(gpu, num_gpus):
+            if prompt_tokens > 0:
+                c = self.profiles.curve(self.model.name, gpu, num_gpus, "prompt")
+                assert c is not None
+                total += _interp(c, prompt_tokens)
+            if decode_tokens > 0:
+                c = self.profiles.curve(self.model.name, gpu, num_gpus, "decode")
+                assert c is not None
+                total += _interp(c, decode_tokens)
+            return total
+        if prompt_tokens > 0:
+            total += self._analytic_ms(gpu, num_gpus, prompt_tokens, "prompt", self.efficiency)
+        if decode_tokens > 0:
+            total += self._analytic_ms(gpu, num_gpus, decode_tokens, "decode", self.efficiency)
+        return total
+
+    def batch_time_s(self, node: NodeSpec, num_layers: int, prompt_tokens: int,
+                     decode_tokens: int) -> float:
+        """Time for `node` to run the batch through `num_layers` layers."""
+        ms = self.layer_time_ms(node.gpu, node.num_gpus, prompt_tokens, decode_tokens)
+        return num_layers * ms / 1000.0
+
+    def _analytic_ms(self, gpu: str, num_gpus: int, tokens: float, phase: str,
+                     eff: Efficiency) -> float:
+        spec = self.catalog.get(gpu)
+        bw_bytes_per_s = spec.memory_bandwidth_gbytes_per_s * 1e9 * num_gpus * eff.memory_bandwidth
+        flops_per_s = max(spec.dense_tflops, 1e-3) * 1e12 * num_gpus * eff.tensor_flops
+        m = self.model
+        t_s = m.layer_weight_bytes / bw_bytes_per_s + 2.0 * m.layer_params * tokens / flops_per_s
+        if phase == "decode":
+            t_s += tokens * eff.decode_context_tokens * m.kv_bytes_per_token_per_layer / bw_bytes_per_s
+        return t_s * 1000.0
+
+    def _fit_efficiency(self) -> Efficiency:
+        """Fit e_bw, e_f and the decode context to every measured curve of a catalog GPU."""
+        m = self.model
+        e_bw: list[float] = []
+        e_f: list[float] = []
+        machines = {(g, n) for (_, g, n, _) in self.profiles.curves if g in self.catalog}
+        models = {mod for (mod, _, _, _) in self.profiles.curves}
+        # curves of another model of the table still tell how efficient the GPU is, but the
+        # byte and FLOP counts are this model's, so only use this model's curves when present
+        use_model = m.name if m.name in models else None
+        if use_model is None:
+            return Efficiency(*DEFAULT_EFFICIENCY)
+        for gpu, n in sorted(machines):
+            spec = self.catalog.get(gpu)
+            dec = self.profiles.curve(use_model, gpu, n, "decode")
+            pro = self.profiles.curve(use_model, gpu, n, "prompt")
+            if dec is None or pro is None:
+                continue
+            bw = spec.memory_bandwidth_gbytes_per_s * 1e9 * n
+            e_bw.append(min(1.0, m.layer_weight_bytes / bw / (dec.layer_ms[0] / 1000.0)))
+            t_last_s = pro.layer_ms[-1] / 1000.0 - m.layer_weight_bytes / (bw * e_bw[-1])
+            if t_last_s > 0 and spec.dense_tflops > 0:
+                flops = 2.0 * m.layer_params * pro.batch_tokens[-1]
+                e_f.append(min(1.0, flops / (spec.dense_tflops * 1e12 * n) / t_last_s))
+        if not e_bw or not e_f:
+            return Efficiency(*DEFAULT_EFFICIENCY)
+        base = Efficiency(statistics.median(e_bw), statistics.median(e_f), 0.0)
+        contexts: list[float] = []
+        for gpu, n in sorted(machines):
+            dec = self.profiles.curve(use_model, gpu, n, "decode")
+            if dec is None or not self.profiles.has(use_model, gpu, n):
+                continue
+            d = dec.batch_tokens[-1]
+            residual_ms = dec.layer_ms[-1] - self._analytic_ms(gpu, n, d, "decode", base)
+            bw = self.catalog.get(gpu).memory_bandwidth_gbytes_per_s * 1e9 * n * base.memory_bandwidth
+            contexts.append(max(0.0, residual_ms / 1000.0 * bw / (d * m.kv_bytes_per_token_per_layer)))
+        ctx = statistics.median(contexts) if contexts else DEFAULT_EFFICIENCY[2]
+        return Efficiency(base.memory_bandwidth, base.tensor_flops, ctx)
+
+    # ---- memory -----------------------------------------------------------------------
+    def memory_bytes(self, node: NodeSpec) -> float:
+        """Usable memory of the node: its budget, or the catalog memory less a per-GPU reserve."""
+        if node.memory_gb is not None:
+            return node.memory_gb * 1e9
+        spec = self.catalog.get(node.gpu)
+        return node.num_gpus * (spec.memory_gb * GIB - RESERVED_BYTES_PER_GPU)
+
+    def max_layers(self, node: NodeSpec) -> int:
+        """Most layers the node can hold: weights within WEIGHT_FRACTION of its memory."""
+        k = int(self.memory_bytes(node) * WEIGHT_FRACTION // self.model.layer_weight_bytes)
+        return min(k, self.model.num_layers)
+
+    def kv_capacity_tokens(self, node: NodeSpec, num_layers: int) -> int:
+        """Tokens of KV cache per layer held, with `num_layers` layers loaded."""
+        if num_layers <= 0:
+            return 0
+        free = (self.memory_bytes(node) * MEMORY_UTILIZATION
+                - num_layers * self.model.layer_weight_bytes)
+        per_token = num_layers * self.model.kv_bytes_per_token_per_layer
+        return max(0, int(free // per_token))
+
+    def batch_limits(self, node: NodeSpec) -> tuple[int, int]:
+        """(max prompt tokens, max decode sequences) of one iteration of the node."""
+        if self.measured(node.gpu, node.num_gpus):
+            pro = self.profiles.curve(self.model.name, node.gpu, node.num_gpus, "prompt")
+            dec = self.profiles.curve(self.model.name, node.gpu, node.num_gpus, "decode")
+            assert pro is not None and dec is not None
+            return pro.batch_tokens[-1], dec.batch_tokens[-1]
+        return ANALYTIC_MAX_PROMPT_TOKENS, ANALYTIC_MAX_DECODE_TOKENS
+
+    # ---- throughput -------------------------------------------------------------------
+    def decode_batch(self, node: NodeSpec, num_layers: int) -> int:
+        """b(k): decode sequences the node batches when holding `num_layers` layers."""
+        kv_seqs = self.kv_capacity_tokens(node, num_layers) // self.context_tokens
+        return max(0, min(self.batch_limits(node)[1], kv_seqs))
+
+    def node_throughput_tokens_per_s(self, node: NodeSpec, num_layers: int) -> float:
+        """T(k): decode tokens/s through the node holding `num_layers` layers (0 if it can't)."""
+        key = (node.gpu, node.num_gpus, node.memory_gb, num_layers)
+        cached = self._throughput_cache.get(key)
+        if cached is not None:
+            return cached
+        value = 0.0
+        if 0 < num_layers <= self.max_layers(node):
+            b = self.decode_batch(node, num_layers)
+            if b > 0:
+                value = b / self.batch_time_s(node, num_layers, 0, b)
+        self._throughput_cache[key] = value
+        return value
+
+    def check_fits(self, cluster: ClusterSpec) -> None:
+        """Raise UserError when the whole cluster cannot hold every layer of the model."""
+        total = sum(self.max_layers(n) for n in cluster.nodes)
+        if total >= self.model.num_layers:
+            return
+        m = self.model
+        need_gb = m.num_layers * m.layer_weight_bytes / WEIGHT_FRACTION / 1e9
+        have_gb = sum(self.memory_bytes(n) for n in cluster.nodes) / 1e9
+        short = max(need_gb - have_gb, (m.num_layers - total) * m.layer_weight_bytes
+                    / WEIGHT_FRACTION / 1e9)
+        raise UserError(
+            f"{cluster.source}: model {m.name!r} ({m.num_layers} layers x "
+            f"{m.layer_weight_bytes / 1e9:.3f} GB) does not fit in the cluster: its nodes hold at "
+            f"most {total} layers ({have_gb:.1f} GB usable, weights at most "
+            f"{WEIGHT_FRACTION:.0%} of it); short by {math.ceil(short * 10) / 10:.1f} GB"
+        )

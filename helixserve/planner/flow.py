@@ -1,0 +1,172 @@
+"""The flow graph of a placement and its max flow (the cluster's token throughput).
+
+Vertices: the coordinator as source and as sink, and every node that holds layers split
+into in/out vertices joined by an edge of capacity T_i(k_i) (`CostModel`). Edges:
+  * coordinator -> i   when start_i = 0            (token ids: TOKEN_ID_BYTES per token)
+  * i -> coordinator   when end_i = L              (token ids)
+  * i -> j             when end_i = start_j, or with partial inference when
+                       start_j <= end_i < end_j (j runs only the tail end_i..end_j)
+                                                   (activations: hidden x dtype bytes per token)
+A link's capacity in tokens/s is its bandwidth (capped by both NICs) / bytes per token.
+Max flow by scipy's Dinic on integer capacities (tokens/s scaled by `_scale`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.sparse import csr_array
+from scipy.sparse.csgraph import maximum_flow
+
+from helixserve.costmodel import CostModel
+from helixserve.errors import UserError
+from helixserve.planner.placement import COORDINATOR, Flow, Placement
+from helixserve.spec import ClusterSpec, ModelSpec
+
+#: bytes per token on a coordinator link: one int32 token id (plus framing, ignored)
+TOKEN_ID_BYTES = 4
+
+
+@dataclass
+class FlowResult:
+    throughput_tokens_per_s: float
+    #: per-edge flows, "coordinator" as source and sink; node-internal edges left out
+    flows: list[Flow]
+
+
+class FlowNetwork:
+    """Link capacities of a cluster in tokens/s, computed once and reused for many placements."""
+
+    def __init__(self, cluster: ClusterSpec, model: ModelSpec, cost: CostModel) -> None:
+        self.cluster = cluster
+        self.model = model
+        self.cost = cost
+        self.names = cluster.node_names()
+        self.index = {n: i for i, n in enumerate(self.names)}
+        n = len(self.names)
+        act = model.activation_bytes_per_token
+        #: node -> node capacity, tokens/s; 0 = no link
+        self.link_cap = np.zeros((n, n))
+        self.source_cap = np.zeros(n)  # coordinator -> node
+        self.sink_cap = np.zeros(n)  # node -> coordinator
+        for i, a in enumerate(self.names):
+            self.source_cap[i] = (cluster.effective_bandwidth_gbps(COORDINATOR, a) * 1e9 / 8
+                                  / TOKEN_ID_BYTES)
+            self.sink_cap[i] = (cluster.effective_bandwidth_gbps(a, COORDINATOR) * 1e9 / 8
+                                / TOKEN_ID_BYTES)
+            for j, b in enumerate(self.names):
+                if i != j:
+                    self.link_cap[i, j] = cluster.effective_bandwidth_gbps(a, b) * 1e9 / 8 / act
+        self.max_layers = np.array([cost.max_layers(nd) for nd in cluster.nodes], dtype=int)
+        #: throughput[i][k] = T_i(k), k = 0..max_layers_i (T_i(0) = 0)
+        self.throughput = [
+            [0.0] + [cost.node_throughput_tokens_per_s(nd, k) for k in range(1, K + 1)]
+            for nd, K in zip(cluster.nodes, self.max_layers, strict=True)
+        ]
+
+    def node_cap(self, i: int, k: int) -> float:
+        if k <= 0 or k > self.max_layers[i]:
+            return 0.0
+        return self.throughput[i][k]
+
+    def max_flow(
+        self,
+        ranges: dict[int, tuple[int, int]],
+        partial_inference: bool = True,
+        with_flows: bool = False,
+    ) -> tuple[float, list[Flow]]:
+        """Max flow for node index -> [start, end); flows only when `with_flows`."""
+        L = self.model.num_layers
+        held = sorted(ranges)
+        if not held:
+            return 0.0, []
+        pos = {i: p for p, i in enumerate(held)}
+        src, snk = 0, 1
+        rows: list[int] = []
+        cols: list[int] = []
+        caps: list[float] = []
+        node_caps = {i: self.node_cap(i, e - s) for i, (s, e) in ranges.items()}
+        total = sum(node_caps.values())
+        if total <= 0:
+            return 0.0, []
+
+        def add(u: int, v: int, c: float) -> None:
+            if c > 0:
+                rows.append(u)
+                cols.append(v)
+                caps.append(min(c, total))
+
+        for i in held:
+            s, e = ranges[i]
+            vin, vout = 2 + 2 * pos[i], 3 + 2 * pos[i]
+            add(vin, vout, node_caps[i])
+            if s == 0:
+                add(src, vin, self.source_cap[i])
+            if e == L:
+                add(vout, snk, self.sink_cap[i])
+            for j in held:
+                if j == i:
+                    continue
+                s2, e2 = ranges[j]
+                ok = (s2 <= e < e2) if partial_inference else (s2 == e)
+                if ok:
+                    add(vout, 2 + 2 * pos[j], self.link_cap[i, j])
+        if not rows:
+            return 0.0, []
+        scale = min(1000.0, 2.0e9 / total)
+        num_v = 2 + 2 * len(held)
+        data = np.floor(np.asarray(caps) * scale).astype(np.int32)
+        graph = csr_array((data, (np.asarray(rows), np.asarray(cols))), shape=(num_v, num_v))
+        res = maximum_flow(graph, src, snk)
+        value = res.flow_value / scale
+        if not with_flows:
+            return value, []
+        flow = res.flow.tocoo()
+        names = [COORDINATOR, COORDINATOR]
+        for i in held:
+            names += [self.names[i], self.names[i]]
+        flows: list[Flow] = []
+        for u, v, f in zip(flow.row, flow.col, flow.data, strict=True):
+            # keep positive flows on real edges; skip node-internal in->out and reverse entries
+            if f <= 0 or (u >= 2 and v == u + 1 and u % 2 == 0):
+                continue
+            if v == src or u == snk:
+                continue
+            flows.append(Flow(names[u], names[v], float(f) / scale))
+        flows.sort(key=lambda fl: (fl.src != COORDINATOR, fl.src, fl.dst))
+        return value, flows
+
+    def ranges_of(self, placement: Placement) -> dict[int, tuple[int, int]]:
+        out: dict[int, tuple[int, int]] = {}
+        for r in placement.nodes:
+            idx = self.index.get(r.name)
+            if idx is None:
+                raise UserError(f"placement: node {r.name!r} is not in cluster "
+                                f"{self.cluster.name!r}; known: {', '.join(self.names[:20])}")
+            out[idx] = (r.start_layer, r.end_layer)
+        return out
+
+
+def evaluate(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel,
+    placement: Placement,
+    partial_inference: bool = True,
+    network: FlowNetwork | None = None,
+) -> FlowResult:
+    """Max-flow throughput of `placement` on `cluster`, with the per-edge flows."""
+    if placement.num_layers != model.num_layers:
+        raise UserError(f"placement: num_layers: {placement.num_layers} but model "
+                        f"{model.name!r} has {model.num_layers}")
+    net = network or FlowNetwork(cluster, model, cost)
+    ranges = net.ranges_of(placement)
+    for i, (s, e) in ranges.items():
+        if e - s > net.max_layers[i]:
+            raise UserError(
+                f"placement: node {net.names[i]!r} holds {e - s} layers [{s}, {e}) but its "
+                f"memory fits at most {net.max_layers[i]}"
+            )
+    value, flows = net.max_flow(ranges, partial_inference, with_flows=True)
+    return FlowResult(value, flows)

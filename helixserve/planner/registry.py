@@ -1,0 +1,84 @@
+"""The planners by name, and `plan()`: run one, evaluate it, fill flows and throughput."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from helixserve.costmodel import CostModel
+from helixserve.errors import UserError
+from helixserve.planner.baselines import BASELINES, Ranges
+from helixserve.planner.flow import FlowNetwork
+from helixserve.planner.placement import NodeRange, Placement
+from helixserve.spec import ClusterSpec, ModelSpec
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class PlanOutcome:
+    ranges: Ranges
+    #: proven upper bound on the throughput (tokens/s), when the planner has one
+    upper_bound_tokens_per_s: float | None = None
+
+
+class Planner(Protocol):
+    def __call__(self, net: FlowNetwork, time_limit_s: float, seed: int,
+                 progress: Progress | None) -> PlanOutcome: ...
+
+
+def _baseline(fn: Callable[[FlowNetwork], Ranges]) -> Planner:
+    def run(net: FlowNetwork, time_limit_s: float, seed: int,
+            progress: Progress | None) -> PlanOutcome:
+        return PlanOutcome(fn(net))
+
+    run.__name__ = fn.__name__
+    return run
+
+
+def _milp(net: FlowNetwork, time_limit_s: float, seed: int,
+          progress: Progress | None) -> PlanOutcome:
+    from helixserve.planner.milp import solve_milp
+
+    return solve_milp(net, time_limit_s=time_limit_s, seed=seed, progress=progress)
+
+
+PLANNERS: dict[str, Planner] = {"milp": _milp} | {
+    name: _baseline(fn) for name, fn in BASELINES.items()
+}
+
+
+def plan(
+    name: str,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel,
+    time_limit_s: float = 60.0,
+    seed: int = 0,
+    progress: Progress | None = None,
+    partial_inference: bool = True,
+) -> Placement:
+    """Run planner `name`; the Placement comes back with flows and throughput filled."""
+    planner = PLANNERS.get(name)
+    if planner is None:
+        raise UserError(f"--planner: unknown planner {name!r}; known: {', '.join(PLANNERS)}")
+    cost.check_fits(cluster)
+    started = time.perf_counter()
+    net = FlowNetwork(cluster, model, cost)
+    outcome = planner(net, time_limit_s, seed, progress)
+    nodes = [NodeRange(net.names[i], s, e) for i, (s, e) in sorted(outcome.ranges.items())]
+    value, flows = net.max_flow(outcome.ranges, partial_inference, with_flows=True)
+    bound = outcome.upper_bound_tokens_per_s
+    return Placement(
+        model=model.name,
+        cluster=cluster.name,
+        num_layers=model.num_layers,
+        planner=name,
+        nodes=nodes,
+        flows=flows,
+        throughput_tokens_per_s=value,
+        upper_bound_tokens_per_s=None if bound is None else max(bound, value),
+        solve_time_s=time.perf_counter() - started,
+    )

@@ -1,0 +1,240 @@
+"""The cluster file (YAML): machines, their GPUs, and the network between them.
+
+Format: `shared/specs/FORMATS.md`, plus one optional node field, `memory_gb`, a memory
+budget for the whole node that overrides the catalog (used by the local CPU demo).
+A link between two endpoints resolves as: `explicit` (directed) > `between_regions`
+(symmetric, endpoints in different regions) > `default`. Bandwidth 0 means no link.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from helixserve.errors import UserError
+from helixserve.spec.gpus import GpuCatalog, load_gpu_catalog
+
+COORDINATOR = "coordinator"
+DEFAULT_REGION = "default"
+_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    bandwidth_gbps: float
+    latency_ms: float = 0.0
+
+
+#: used when a cluster file has no `links.default`: a plain datacenter LAN
+DEFAULT_LINK = LinkSpec(bandwidth_gbps=10.0, latency_ms=1.0)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str
+    #: GPU type, a key of the GPU catalog
+    gpu: str
+    #: GPUs inside the machine (tensor parallel inside the node)
+    num_gpus: int = 1
+    region: str = DEFAULT_REGION
+    #: NIC bandwidth per direction; None = unlimited
+    nic_gbps: float | None = None
+    #: where the node's worker listens at run time, host:port
+    address: str | None = None
+    #: memory budget of the whole node; None = catalog memory_gb x num_gpus
+    memory_gb: float | None = None
+
+
+@dataclass
+class ClusterSpec:
+    name: str
+    nodes: list[NodeSpec]
+    coordinator_region: str = DEFAULT_REGION
+    coordinator_nic_gbps: float | None = None
+    default_link: LinkSpec | None = DEFAULT_LINK
+    #: frozenset({region_a, region_b}) -> link
+    between_regions: dict[frozenset[str], LinkSpec] = field(default_factory=dict)
+    #: (src, dst) -> link, directed
+    explicit: dict[tuple[str, str], LinkSpec] = field(default_factory=dict)
+    source: str = "cluster"
+
+    def __post_init__(self) -> None:
+        self._by_name = {n.name: n for n in self.nodes}
+
+    def node(self, name: str) -> NodeSpec:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise UserError(
+                f"{self.source}: unknown node {name!r}; known: {', '.join(self._by_name)}"
+            ) from None
+
+    def node_names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+    def region_of(self, name: str) -> str:
+        return self.coordinator_region if name == COORDINATOR else self.node(name).region
+
+    def nic_gbps_of(self, name: str) -> float | None:
+        return self.coordinator_nic_gbps if name == COORDINATOR else self.node(name).nic_gbps
+
+    def link(self, src: str, dst: str) -> LinkSpec | None:
+        """The directed link src -> dst (either may be "coordinator"); None = no link."""
+        found = self.explicit.get((src, dst))
+        if found is None:
+            ra, rb = self.region_of(src), self.region_of(dst)
+            if ra != rb:
+                found = self.between_regions.get(frozenset((ra, rb)))
+            if found is None:
+                found = self.default_link
+        if found is None or found.bandwidth_gbps <= 0:
+            return None
+        return found
+
+    def effective_bandwidth_gbps(self, src: str, dst: str) -> float:
+        """Link bandwidth capped by both NICs; 0 when there is no link."""
+        link = self.link(src, dst)
+        if link is None:
+            return 0.0
+        bw = link.bandwidth_gbps
+        for end in (src, dst):
+            nic = self.nic_gbps_of(end)
+            if nic is not None:
+                bw = min(bw, nic)
+        return bw
+
+
+def _num(value: Any, where: str, *, allow_zero: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise UserError(f"{where}: expected a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise UserError(f"{where}: bad value {value!r}; must be {'>= 0' if allow_zero else '> 0'}")
+    return float(value)
+
+
+def _link(raw: Any, where: str) -> LinkSpec:
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: expected a mapping, got {raw!r}")
+    if "bandwidth_gbps" not in raw:
+        raise UserError(f"{where}.bandwidth_gbps: missing")
+    return LinkSpec(
+        bandwidth_gbps=_num(raw["bandwidth_gbps"], f"{where}.bandwidth_gbps"),
+        latency_ms=_num(raw.get("latency_ms", 0.0), f"{where}.latency_ms"),
+    )
+
+
+def parse_cluster(data: Any, source: str = "cluster",
+                  catalog: GpuCatalog | None = None) -> ClusterSpec:
+    """Validate a parsed cluster YAML document; errors name `source`, the field path, the value."""
+    catalog = catalog or load_gpu_catalog()
+    if not isinstance(data, dict):
+        raise UserError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    nodes_raw = data.get("nodes")
+    if not isinstance(nodes_raw, list) or not nodes_raw:
+        raise UserError(f"{source}: nodes: expected a non-empty list, got {nodes_raw!r}")
+    nodes: list[NodeSpec] = []
+    seen: dict[str, int] = {}
+    for i, raw in enumerate(nodes_raw):
+        where = f"{source}: nodes[{i}]"
+        if not isinstance(raw, dict):
+            raise UserError(f"{where}: expected a mapping, got {raw!r}")
+        name = raw.get("name")
+        if not isinstance(name, str) or not _NAME_RE.match(name) or name == COORDINATOR:
+            raise UserError(f"{where}.name: bad value {name!r}; use [a-z0-9-], not 'coordinator'")
+        if name in seen:
+            raise UserError(f"{where}.name: duplicate node name {name!r} (also nodes[{seen[name]}])")
+        seen[name] = i
+        gpu = raw.get("gpu")
+        if not isinstance(gpu, str) or gpu not in catalog:
+            raise UserError(f"{where}.gpu: unknown GPU {gpu!r}; known: {', '.join(catalog.names())}")
+        num_gpus = raw.get("num_gpus", 1)
+        if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+            raise UserError(f"{where}.num_gpus: bad value {num_gpus!r}; must be an integer >= 1")
+        region = raw.get("region", DEFAULT_REGION)
+        if not isinstance(region, str):
+            raise UserError(f"{where}.region: bad value {region!r}; expected a string")
+        nic = raw.get("nic_gbps")
+        address = raw.get("address")
+        if address is not None and not isinstance(address, str):
+            raise UserError(f"{where}.address: bad value {address!r}; expected host:port")
+        mem = raw.get("memory_gb")
+        unknown = set(raw) - {"name", "gpu", "num_gpus", "region", "nic_gbps", "address",
+                              "memory_gb"}
+        if unknown:
+            raise UserError(f"{where}: unknown field {sorted(unknown)[0]!r}; known: name, gpu, "
+                            "num_gpus, region, nic_gbps, address, memory_gb")
+        nodes.append(NodeSpec(
+            name=name, gpu=gpu, num_gpus=num_gpus, region=region,
+            nic_gbps=None if nic is None else _num(nic, f"{where}.nic_gbps", allow_zero=False),
+            address=address,
+            memory_gb=None if mem is None else _num(mem, f"{where}.memory_gb", allow_zero=False),
+        ))
+
+    coord = data.get("coordinator") or {}
+    if not isinstance(coord, dict):
+        raise UserError(f"{source}: coordinator: expected a mapping, got {coord!r}")
+    coord_region = coord.get("region", DEFAULT_REGION)
+    if not isinstance(coord_region, str):
+        raise UserError(f"{source}: coordinator.region: bad value {coord_region!r}")
+    coord_nic = coord.get("nic_gbps")
+
+    links = data.get("links") or {}
+    if not isinstance(links, dict):
+        raise UserError(f"{source}: links: expected a mapping, got {links!r}")
+    default_link: LinkSpec | None = DEFAULT_LINK
+    if "default" in links:
+        default_link = _link(links["default"], f"{source}: links.default")
+    between: dict[frozenset[str], LinkSpec] = {}
+    for i, raw in enumerate(links.get("between_regions") or []):
+        where = f"{source}: links.between_regions[{i}]"
+        if not isinstance(raw, dict) or not isinstance(raw.get("a"), str) or not isinstance(
+                raw.get("b"), str):
+            raise UserError(f"{where}: expected {{a: REGION, b: REGION, bandwidth_gbps: ...}}, "
+                            f"got {raw!r}")
+        between[frozenset((raw["a"], raw["b"]))] = _link(raw, where)
+    explicit: dict[tuple[str, str], LinkSpec] = {}
+    # 600 entries per shared cluster: one dict lookup per endpoint, no per-entry scans
+    for i, raw in enumerate(links.get("explicit") or []):
+        where = f"{source}: links.explicit[{i}]"
+        if not isinstance(raw, dict):
+            raise UserError(f"{where}: expected a mapping, got {raw!r}")
+        ends = []
+        for key in ("src", "dst"):
+            end = raw.get(key)
+            if end != COORDINATOR and end not in seen:
+                raise UserError(f"{where}.{key}: unknown node {end!r}; known: coordinator, "
+                                f"{', '.join(list(seen)[:20])}{', ...' if len(seen) > 20 else ''}")
+            ends.append(end)
+        if ends[0] == ends[1]:
+            raise UserError(f"{where}: src and dst are the same node {ends[0]!r}")
+        explicit[(ends[0], ends[1])] = _link(raw, where)
+
+    name = data.get("name", Path(source).stem)
+    return ClusterSpec(
+        name=str(name), nodes=nodes, coordinator_region=coord_region,
+        coordinator_nic_gbps=None if coord_nic is None else _num(
+            coord_nic, f"{source}: coordinator.nic_gbps", allow_zero=False),
+        default_link=default_link, between_regions=between, explicit=explicit, source=source,
+    )
+
+
+def load_cluster(path: str | Path, catalog: GpuCatalog | None = None) -> ClusterSpec:
+    """Read and validate a cluster YAML file."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise UserError(f"{p}: cannot read cluster file: {exc.strerror}") from None
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    try:
+        data = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"{p}: bad YAML{at}: {problem}") from None
+    return parse_cluster(data, source=str(p), catalog=catalog)
