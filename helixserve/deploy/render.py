@@ -49,14 +49,18 @@ class Rendering:
     warnings: list[str] = field(default_factory=list)
 
 
-class _Dumper(yaml.SafeDumper):
+# libyaml's emitter when present: the geo-24 cluster file alone is 600 link entries.
+_BaseDumper: type[yaml.SafeDumper] = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+
+class _Dumper(_BaseDumper):  # type: ignore[valid-type,misc]
     """Block style, multi-line strings as `|` literals, no anchors: readable, stable YAML."""
 
     def ignore_aliases(self, data: Any) -> bool:
         return True
 
 
-def _str_representer(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+def _str_representer(dumper: Any, data: str) -> yaml.ScalarNode:
     style = "|" if "\n" in data else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
 
@@ -91,6 +95,8 @@ def validate_options(opts: k8s.RenderOptions) -> None:
         raise UserError(f"--model-volume: bad claim name {where!r}; use [a-z0-9-.]")
     if kind == "hostpath" and not where.startswith("/"):
         raise UserError(f"--model-volume: bad host path {where!r}; expected an absolute path")
+    for gpu, label in opts.gpu_products.items():
+        check_label_value(label, f"--gpu-product {gpu}")
     if opts.dtype not in DTYPES:
         raise UserError(f"--dtype: bad value {opts.dtype!r}; known: {', '.join(DTYPES)}")
     if not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", opts.cluster_domain):
