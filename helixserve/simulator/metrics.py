@@ -1,0 +1,176 @@
+"""Turn a `SimResult` into the JSON summary and a text table.
+
+Throughputs count tokens that reach the coordinator in `[warmup_s, duration_s]`: every
+output token (the first comes from the prompt pass) is a decode token; a prompt's tokens
+count when its first token arrives. Latencies are over requests that arrived at or after
+`warmup_s` and finished: TTFT = first token - arrival (admission wait included), TPOT =
+(finish - first token) / (output - 1), E2E = finish - arrival.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from helixserve.simulator.sim import SimResult
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """{mean, p50, p90, p99} by linear interpolation; NaN-free (zeros) when empty."""
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    xs = sorted(values)
+
+    def q(p: float) -> float:
+        pos = p * (len(xs) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {"mean": sum(xs) / len(xs), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
+
+
+def latencies(result: SimResult) -> dict[str, list[float]]:
+    warm = result.config.warmup_s
+    ttft, tpot, e2e = [], [], []
+    for r in result.finished:
+        if r.arrival_s < warm:
+            continue
+        ttft.append(r.first_s - r.arrival_s)
+        e2e.append(r.finish_s - r.arrival_s)
+        if r.output > 1:
+            tpot.append((r.finish_s - r.first_s) / (r.output - 1))
+    return {"ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e}
+
+
+def summarize(result: SimResult) -> dict[str, Any]:
+    cfg = result.config
+    window_s = result.end_s - cfg.warmup_s
+    duration_s = result.end_s
+    lat = latencies(result)
+    nodes = []
+    for n in result.nodes:
+        nodes.append(
+            {
+                "name": n.name,
+                "gpu": n.spec.gpu,
+                "num_gpus": n.spec.num_gpus,
+                "start_layer": n.start,
+                "end_layer": n.end,
+                "utilization": n.busy_s / duration_s,
+                "iterations": n.iters,
+                # over the iterations that had decode (prompt) work
+                "mean_decode_batch": n.decode_tokens / n.decode_iters if n.decode_iters else 0.0,
+                "mean_prompt_batch_tokens": (
+                    n.prompt_tokens / n.prompt_iters if n.prompt_iters else 0.0
+                ),
+                "kv_capacity_tokens": n.kv_cap,
+                "kv_mean_usage": n.kv_area / duration_s / n.kv_cap if n.kv_cap else 0.0,
+                "kv_peak_usage": n.kv_peak / n.kv_cap if n.kv_cap else 0.0,
+                "queue_len_end": len(n.pq) + len(n.dq),
+            }
+        )
+    links = [
+        {
+            "src": k.src,
+            "dst": k.dst,
+            "utilization": k.busy_s / duration_s,
+            "bytes": k.bytes_sent,
+        }
+        for k in result.links
+    ]
+    decode_tps = result.decode_tokens / window_s
+    out: dict[str, Any] = {
+        "format": "helixserve.simulation/v1",
+        "model": result.placement.model,
+        "cluster": result.placement.cluster,
+        "planner": result.placement.planner,
+        "scheduler": cfg.scheduler,
+        "mode": "offline" if cfg.offline else "online",
+        "seed": cfg.seed,
+        "duration_s": duration_s,
+        "warmup_s": cfg.warmup_s,
+        "decode_throughput_tokens_per_s": decode_tps,
+        "prompt_throughput_tokens_per_s": result.prompt_tokens / window_s,
+        "max_flow_tokens_per_s": result.max_flow_tokens_per_s,
+        "requests_arrived": result.arrived,
+        "requests_finished": len(result.finished),
+        "requests_in_flight": result.in_flight,
+        "requests_waiting": result.waiting,
+        "requests_rejected": result.rejected,
+        "ttft_s": percentiles(lat["ttft_s"]),
+        "tpot_s": percentiles(lat["tpot_s"]),
+        "e2e_s": percentiles(lat["e2e_s"]),
+        "nodes": nodes,
+        "links": links,
+        "timeline": {
+            "bucket_s": result.bucket_s,
+            "decode_tokens_per_s": [c / result.bucket_s for c in result.token_timeline],
+            "node_utilization": {
+                n.name: [b / result.bucket_s for b in n.busy_timeline] for n in result.nodes
+            },
+        },
+        "events": result.events,
+        "wall_s": result.wall_s,
+        "events_per_s": result.events / result.wall_s if result.wall_s > 0 else 0.0,
+    }
+    if result.max_flow_tokens_per_s:
+        out["throughput_over_max_flow"] = decode_tps / result.max_flow_tokens_per_s
+    return out
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The human summary the CLI prints."""
+    s = summary
+    rows = [
+        ("placement / scheduler", f"{s['planner']} / {s['scheduler']} ({s['mode']})"),
+        ("simulated", f"{s['duration_s']:.0f} s (warmup {s['warmup_s']:.0f} s)"),
+        ("decode throughput", f"{s['decode_throughput_tokens_per_s']:.1f} tokens/s"),
+        ("prompt throughput", f"{s['prompt_throughput_tokens_per_s']:.1f} tokens/s"),
+    ]
+    if s.get("max_flow_tokens_per_s"):
+        rows.append(
+            (
+                "max-flow bound",
+                f"{s['max_flow_tokens_per_s']:.1f} tokens/s "
+                f"(decode = {s.get('throughput_over_max_flow', 0):.0%} of it)",
+            )
+        )
+    rows.append(
+        (
+            "requests",
+            f"{s['requests_finished']} finished, {s['requests_in_flight']} in flight, "
+            f"{s['requests_waiting']} waiting, {s['requests_rejected']} rejected",
+        )
+    )
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E latency")):
+        v = s[key]
+        rows.append(
+            (
+                f"{label} (s)",
+                f"mean {v['mean']:.3f}  p50 {v['p50']:.3f}  p90 {v['p90']:.3f}  p99 {v['p99']:.3f}",
+            )
+        )
+    util = [n["utilization"] for n in s["nodes"]]
+    kv = [n["kv_peak_usage"] for n in s["nodes"]]
+    if util:
+        rows.append(
+            (
+                "node utilisation",
+                f"mean {sum(util) / len(util):.0%}, min {min(util):.0%}, max {max(util):.0%}",
+            )
+        )
+        rows.append(("KV peak usage", f"max {max(kv):.0%}"))
+    if s["links"]:
+        busiest = max(s["links"], key=lambda k: k["utilization"])
+        rows.append(
+            (
+                "busiest link",
+                f"{busiest['src']} -> {busiest['dst']} {busiest['utilization']:.0%}",
+            )
+        )
+    rows.append(
+        ("simulator", f"{s['events']} events in {s['wall_s']:.2f} s ({s['events_per_s']:.0f}/s)")
+    )
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,505 @@
+"""Discrete-event simulation of a placement serving a request stream with a router.
+
+Model (one event heap, `heapq`, ordered by time then insertion):
+- Admission: an arriving request joins a FIFO queue; the head is routed by the router
+  (`helixserve.scheduler`, the same code the live coordinator calls); when no route can
+  admit it, it waits until a request finishes (head-of-line, so nothing starves). A request
+  no route could hold even on an idle cluster is rejected and counted.
+- KV cache: on admission every node of the route allocates `prompt + output` tokens (one
+  slot per layer it runs; vLLM's block table is shared by the layers), freed at finish.
+  The router is told each node's capacity and tracks its own promises, and the simulator
+  asserts the allocation never exceeds the capacity.
+- Nodes run continuous batching: when idle with work queued, an iteration takes the decode
+  steps queued (up to `max_decode` sequences) and prompts in FIFO order (up to `max_prompt`
+  tokens; one longer prompt runs alone) and lasts the cost model's time for that mixed batch.
+  Requests whose route enters the node mid-range (partial inference) run fewer layers, so
+  the time is summed over layer segments: segment `[s_k, s_k+1)` runs every request that
+  starts at or before `s_k` (the cost model is per-layer additive).
+- Links carry a finished batch's requests to their next hop as one transfer: activations
+  (`tokens x activation_bytes_per_token`) between nodes, token ids (4 bytes each) to and
+  from the coordinator. A transfer holds its directed link, the sender's NIC egress and the
+  receiver's NIC ingress, each for `bytes / its bandwidth`, starting when all three are free
+  (one transfer at a time per direction, FIFO), and arrives `latency` after the slowest.
+- The coordinator takes no time: it counts the token, finishes the request or sends the
+  next decode step to the route's first node.
+- Offline mode keeps the admission queue non-empty (the next trace request, cycled, arrives
+  whenever the queue drains): the cluster stays saturated and the run measures its maximum
+  throughput.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from helixserve.costmodel import CostModel
+from helixserve.errors import UserError
+from helixserve.planner.placement import COORDINATOR, Placement
+from helixserve.scheduler import NodeState, RequestInfo, make_router
+from helixserve.simulator.workload import TraceRequest, offline_stream
+from helixserve.spec import ClusterSpec, ModelSpec, NodeSpec
+
+#: bytes of one token id on a coordinator link (int32), as in the planner's flow graph
+TOKEN_ID_BYTES = 4
+
+_ARRIVE, _DONE, _DELIVER = 0, 1, 2
+
+
+@dataclass
+class SimConfig:
+    #: simulated seconds to run
+    duration_s: float = 600.0
+    #: keep the cluster saturated (ignore arrival times) instead of replaying arrivals
+    offline: bool = False
+    #: tokens and latencies are counted from this simulated time on (pipeline fill excluded)
+    warmup_s: float = 0.0
+    #: routing policy name (helixserve.scheduler.ROUTERS)
+    scheduler: str = "maxflow"
+    seed: int = 0
+    #: time buckets of the throughput and utilisation timelines
+    timeline_buckets: int = 100
+
+
+class SimRequest:
+    __slots__ = (
+        "rid", "arrival_s", "prompt", "output", "nodes", "starts", "hop", "in_prompt",
+        "generated", "admit_s", "first_s", "finish_s",
+    )  # fmt: skip
+
+    def __init__(self, rid: str, arrival_s: float, prompt: int, output: int) -> None:
+        self.rid = rid
+        self.arrival_s = arrival_s
+        self.prompt = prompt
+        self.output = output
+        self.nodes: tuple[SimNode, ...] = ()
+        self.starts: tuple[int, ...] = ()  # first layer each hop runs
+        self.hop = 0
+        self.in_prompt = True
+        self.generated = 0
+        self.admit_s = math.nan
+        self.first_s = math.nan
+        self.finish_s = math.nan
+
+
+class SimNode:
+    __slots__ = (
+        "name", "spec", "start", "end", "may_partial", "pq", "dq", "busy", "max_prompt",
+        "max_decode", "kv_cap", "kv_used", "kv_peak", "kv_area", "kv_t", "busy_s", "iters",
+        "decode_iters", "prompt_iters", "prompt_tokens", "decode_tokens", "state", "busy_timeline",
+    )  # fmt: skip
+
+    def __init__(self, spec: NodeSpec, start: int, end: int, cost: CostModel, buckets: int):
+        self.name = spec.name
+        self.spec = spec
+        self.start, self.end = start, end
+        self.may_partial = False  # some route may enter mid-range
+        self.pq: deque[SimRequest] = deque()  # prompts waiting
+        self.dq: list[SimRequest] = []  # decode steps waiting
+        self.busy = False
+        self.max_prompt, self.max_decode = cost.batch_limits(spec)
+        self.kv_cap = cost.kv_capacity_tokens(spec, end - start)
+        self.kv_used = self.kv_peak = 0
+        self.kv_area = self.kv_t = 0.0  # integral of kv_used over time, and its last update
+        self.busy_s = 0.0
+        self.iters = self.decode_iters = self.prompt_iters = 0
+        self.prompt_tokens = self.decode_tokens = 0
+        self.state = NodeState(spec.name, kv_free_tokens=self.kv_cap)
+        self.busy_timeline = [0.0] * buckets
+
+
+@dataclass
+class SimLink:
+    src: str
+    dst: str
+    bytes_per_s: float
+    latency_s: float
+    free_at_s: float = 0.0
+    busy_s: float = 0.0
+    bytes_sent: int = 0
+
+
+@dataclass
+class SimResult:
+    """Raw outcome of a run; `helixserve.simulator.metrics.summarize` turns it into JSON."""
+
+    config: SimConfig
+    placement: Placement
+    nodes: list[SimNode]
+    links: list[SimLink]
+    finished: list[SimRequest]
+    in_flight: int
+    waiting: int
+    rejected: int
+    arrived: int
+    decode_tokens: int
+    prompt_tokens: int
+    #: decode tokens per timeline bucket
+    token_timeline: list[int]
+    bucket_s: float
+    end_s: float
+    events: int
+    wall_s: float
+    max_flow_tokens_per_s: float | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class Simulation:
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        model: ModelSpec,
+        cost: CostModel,
+        placement: Placement,
+        requests: list[TraceRequest],
+        config: SimConfig,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        if config.duration_s <= 0:
+            raise UserError(f"--duration: must be > 0 s, got {config.duration_s}")
+        if not 0 <= config.warmup_s < config.duration_s:
+            raise UserError(
+                f"--warmup: must be in [0, duration={config.duration_s}), got {config.warmup_s}"
+            )
+        if placement.num_layers != model.num_layers:
+            raise UserError(
+                f"placement: num_layers: {placement.num_layers} but model {model.name!r} "
+                f"has {model.num_layers}"
+            )
+        self.cluster, self.model, self.cost, self.cfg = cluster, model, cost, config
+        self.placement = placement
+        self.progress = progress
+        self.buckets = max(1, config.timeline_buckets)
+        self.bucket_s = config.duration_s / self.buckets
+        self.nodes: dict[str, SimNode] = {}
+        for r in placement.nodes:
+            self.nodes[r.name] = SimNode(
+                cluster.node(r.name), r.start_layer, r.end_layer, cost, self.buckets
+            )
+        for j in self.nodes.values():
+            j.may_partial = any(j.start < i.end < j.end for i in self.nodes.values())
+        names = [COORDINATOR, *self.nodes]
+        edges = [(a, b) for a in names for b in names if a != b and cluster.link(a, b)]
+        throughput = {
+            n.name: cost.node_throughput_tokens_per_s(n.spec, n.end - n.start)
+            for n in self.nodes.values()
+        }
+        self.router = make_router(
+            config.scheduler,
+            placement,
+            seed=config.seed,
+            edges=edges,
+            node_throughput_tokens_per_s=throughput,
+        )
+        self.states = {n.name: n.state for n in self.nodes.values()}
+        self.links: dict[tuple[str, str], SimLink] = {}
+        #: NIC bytes/s (None: unlimited) and when egress / ingress are free next
+        self.nic_bps: dict[str, float | None] = {}
+        self.nic_out_free: dict[str, float] = {}
+        self.nic_in_free: dict[str, float] = {}
+        for name in names:
+            gbps = cluster.nic_gbps_of(name)
+            self.nic_bps[name] = gbps * 1e9 / 8 if gbps else None
+            self.nic_out_free[name] = self.nic_in_free[name] = 0.0
+        self.act_bytes = model.activation_bytes_per_token
+        self.requests = sorted(requests, key=lambda q: q.arrival_s)
+        self.stream: Iterator[tuple[int, int]] | None = (
+            offline_stream(self.requests) if config.offline else None
+        )
+        self.heap: list[tuple[float, int, int, object, object]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.waiting: deque[SimRequest] = deque()
+        self.finished: list[SimRequest] = []
+        self.in_flight = self.rejected = self.arrived = 0
+        self.decode_tokens = self.prompt_tokens = 0
+        self.token_timeline = [0] * self.buckets
+        self.next_arrival = 0
+
+    # ---- event plumbing --------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, a: object, b: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        end = self.cfg.duration_s
+        if self.cfg.offline:
+            self._admit()
+        elif self.requests:
+            self._push(self.requests[0].arrival_s, _ARRIVE, None, None)
+        heap, pop = self.heap, heapq.heappop
+        events = 0
+        next_report = 0
+        while heap:
+            t, _, kind, a, b = pop(heap)
+            if t > end:
+                break
+            self.now = t
+            events += 1
+            if kind == _DELIVER:
+                if a is None:
+                    self._at_coordinator(b)  # type: ignore[arg-type]
+                else:
+                    self._enqueue(a, b)  # type: ignore[arg-type]
+            elif kind == _DONE:
+                self._done(a, b)  # type: ignore[arg-type]
+            else:
+                self._arrive()
+            if self.progress is not None and events >= next_report:
+                next_report = events + 2048
+                self.progress(t / end)
+        self.now = end
+        for n in self.nodes.values():
+            n.kv_area += n.kv_used * (end - n.kv_t)
+            n.kv_t = end
+        if self.progress is not None:
+            self.progress(1.0)
+        return SimResult(
+            config=self.cfg,
+            placement=self.placement,
+            nodes=list(self.nodes.values()),
+            links=sorted(self.links.values(), key=lambda k: (k.src, k.dst)),
+            finished=self.finished,
+            in_flight=self.in_flight,
+            waiting=len(self.waiting),
+            rejected=self.rejected,
+            arrived=self.arrived,
+            decode_tokens=self.decode_tokens,
+            prompt_tokens=self.prompt_tokens,
+            token_timeline=self.token_timeline,
+            bucket_s=self.bucket_s,
+            end_s=end,
+            events=events,
+            wall_s=time.perf_counter() - wall0,
+            max_flow_tokens_per_s=self.placement.throughput_tokens_per_s,
+        )
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def _arrive(self) -> None:
+        q = self.requests[self.next_arrival]
+        self.next_arrival += 1
+        if self.next_arrival < len(self.requests):
+            self._push(self.requests[self.next_arrival].arrival_s, _ARRIVE, None, None)
+        self.arrived += 1
+        self.waiting.append(SimRequest(q.request_id, q.arrival_s, q.prompt_tokens, q.output_tokens))
+        if len(self.waiting) == 1:
+            self._admit()
+
+    def _admit(self) -> None:
+        waiting, router, now = self.waiting, self.router, self.now
+        while True:
+            if not waiting:
+                if self.stream is None:
+                    return
+                prompt, output = next(self.stream)
+                self.arrived += 1
+                waiting.append(SimRequest(f"req-{self.arrived}", now, prompt, output))
+            r = waiting[0]
+            route = router.route(RequestInfo(r.rid, r.prompt, r.output), self.states)
+            if route is None:
+                if self.in_flight == 0:
+                    # Not even an idle cluster holds it: waiting would block the queue forever.
+                    waiting.popleft()
+                    self.rejected += 1
+                    continue
+                return
+            waiting.popleft()
+            self.in_flight += 1
+            r.nodes = tuple(self.nodes[h.node] for h in route.hops)
+            r.starts = tuple(h.start_layer for h in route.hops)
+            r.admit_s = now
+            need = r.prompt + r.output
+            for n in r.nodes:
+                n.kv_area += n.kv_used * (now - n.kv_t)
+                n.kv_t = now
+                n.kv_used += need
+                if n.kv_used > n.kv_cap:
+                    raise AssertionError(
+                        f"router {self.cfg.scheduler} overfilled the KV cache of {n.name}: "
+                        f"{n.kv_used} > {n.kv_cap} tokens"
+                    )
+                n.kv_peak = max(n.kv_peak, n.kv_used)
+            self._send(COORDINATOR, r.nodes[0], r.prompt * TOKEN_ID_BYTES, [r])
+
+    def _finish(self, r: SimRequest) -> None:
+        now = self.now
+        r.finish_s = now
+        need = r.prompt + r.output
+        for n in r.nodes:
+            n.kv_area += n.kv_used * (now - n.kv_t)
+            n.kv_t = now
+            n.kv_used -= need
+        self.router.on_finish(r.rid)
+        self.in_flight -= 1
+        self.finished.append(r)
+
+    # ---- nodes -----------------------------------------------------------------------------
+
+    def _enqueue(self, node: SimNode, reqs: list[SimRequest]) -> None:
+        for r in reqs:
+            if r.in_prompt:
+                node.pq.append(r)
+            else:
+                node.dq.append(r)
+        node.state.queue_len = len(node.pq) + len(node.dq)
+        if not node.busy:
+            self._start(node)
+
+    def _start(self, node: SimNode) -> None:
+        dq = node.dq
+        if len(dq) <= node.max_decode:
+            decode, node.dq = dq, []
+        else:
+            decode, node.dq = dq[: node.max_decode], dq[node.max_decode :]
+        pq = node.pq
+        prompts: list[SimRequest] = []
+        prompt_tokens = 0
+        while pq and (not prompts or prompt_tokens + pq[0].prompt <= node.max_prompt):
+            r = pq.popleft()
+            prompts.append(r)
+            prompt_tokens += r.prompt
+        if not decode and not prompts:
+            return
+        node.state.queue_len = len(pq) + len(node.dq)
+        if node.may_partial:
+            dt = self._partial_batch_time(node, prompts, decode)
+        else:
+            dt = self.cost.batch_time_s(
+                node.spec, node.end - node.start, prompt_tokens, len(decode)
+            )
+        node.busy = True
+        node.iters += 1
+        if prompts:
+            node.prompt_iters += 1
+            node.prompt_tokens += prompt_tokens
+        if decode:
+            node.decode_iters += 1
+            node.decode_tokens += len(decode)
+        self._account_busy(node, self.now, dt)
+        self._push(self.now + dt, _DONE, node, (prompts, decode))
+
+    def _partial_batch_time(
+        self, node: SimNode, prompts: list[SimRequest], decode: list[SimRequest]
+    ) -> float:
+        # start layer -> [prompt tokens, decode sequences] entering there
+        by_start: dict[int, list[int]] = {}
+        for r in prompts:
+            by_start.setdefault(r.starts[r.hop], [0, 0])[0] += r.prompt
+        for r in decode:
+            by_start.setdefault(r.starts[r.hop], [0, 0])[1] += 1
+        starts = sorted(by_start)
+        total_s, p, d = 0.0, 0, 0
+        for k, s in enumerate(starts):
+            p += by_start[s][0]
+            d += by_start[s][1]
+            seg_end = starts[k + 1] if k + 1 < len(starts) else node.end
+            total_s += self.cost.batch_time_s(node.spec, seg_end - s, p, d)
+        return total_s
+
+    def _account_busy(self, node: SimNode, t0: float, dt: float) -> None:
+        end = self.cfg.duration_s
+        t1 = min(t0 + dt, end)
+        node.busy_s += max(0.0, t1 - t0)
+        b = int(t0 / self.bucket_s)
+        while t0 < t1 and b < self.buckets:
+            edge = min((b + 1) * self.bucket_s, t1)
+            node.busy_timeline[b] += edge - t0
+            t0 = edge
+            b += 1
+
+    def _done(self, node: SimNode, batch: tuple[list[SimRequest], list[SimRequest]]) -> None:
+        node.busy = False
+        # next hop -> (requests, tokens carried); None is the coordinator
+        out: dict[SimNode | None, list[SimRequest]] = {}
+        for part in batch:
+            for r in part:
+                h = r.hop + 1
+                r.hop = h
+                nxt = r.nodes[h] if h < len(r.nodes) else None
+                group = out.get(nxt)
+                if group is None:
+                    out[nxt] = [r]
+                else:
+                    group.append(r)
+        for nxt, reqs in out.items():
+            if nxt is None:
+                nbytes = TOKEN_ID_BYTES * len(reqs)  # the sampled token of each request
+            else:
+                tokens = sum(r.prompt if r.in_prompt else 1 for r in reqs)
+                nbytes = tokens * self.act_bytes
+            self._send(node.name, nxt, nbytes, reqs)
+        if node.pq or node.dq:
+            self._start(node)
+
+    # ---- coordinator -----------------------------------------------------------------------
+
+    def _at_coordinator(self, reqs: list[SimRequest]) -> None:
+        now = self.now
+        counted = now >= self.cfg.warmup_s
+        b = min(int(now / self.bucket_s), self.buckets - 1)
+        out: dict[SimNode, list[SimRequest]] = {}
+        finished_any = False
+        for r in reqs:
+            if r.in_prompt:
+                r.in_prompt = False
+                r.first_s = now
+                r.generated = 1
+                if counted:
+                    self.prompt_tokens += r.prompt
+            else:
+                r.generated += 1
+            if counted:
+                self.decode_tokens += 1
+            self.token_timeline[b] += 1
+            if r.generated >= r.output:
+                self._finish(r)
+                finished_any = True
+            else:
+                r.hop = 0
+                out.setdefault(r.nodes[0], []).append(r)
+        for first, group in out.items():
+            self._send(COORDINATOR, first, TOKEN_ID_BYTES * len(group), group)
+        if finished_any and (self.waiting or self.stream is not None):
+            self._admit()
+
+    # ---- network ---------------------------------------------------------------------------
+
+    def _link(self, src: str, dst: str) -> SimLink:
+        spec = self.cluster.link(src, dst)
+        if spec is None:
+            raise UserError(
+                f"route uses {src} -> {dst} but the cluster has no link there; the placement's "
+                "flows do not match the cluster"
+            )
+        link = SimLink(src, dst, spec.bandwidth_gbps * 1e9 / 8, spec.latency_ms / 1000.0)
+        self.links[src, dst] = link
+        return link
+
+    def _send(self, src: str, dst: SimNode | None, nbytes: int, reqs: list[SimRequest]) -> None:
+        dst_name = COORDINATOR if dst is None else dst.name
+        link = self.links.get((src, dst_name)) or self._link(src, dst_name)
+        now = self.now
+        busy_s = nbytes / link.bytes_per_s
+        start = max(now, link.free_at_s)
+        out_bps, in_bps = self.nic_bps[src], self.nic_bps[dst_name]
+        out_s = nbytes / out_bps if out_bps else 0.0
+        in_s = nbytes / in_bps if in_bps else 0.0
+        if out_bps:
+            start = max(start, self.nic_out_free[src])
+        if in_bps:
+            start = max(start, self.nic_in_free[dst_name])
+        link.free_at_s = start + busy_s
+        link.busy_s += busy_s
+        link.bytes_sent += nbytes
+        if out_bps:
+            self.nic_out_free[src] = start + out_s
+        if in_bps:
+            self.nic_in_free[dst_name] = start + in_s
+        arrive = start + max(busy_s, out_s, in_s) + link.latency_s
+        self._push(arrive, _DELIVER, dst, reqs)
