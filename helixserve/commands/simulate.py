@@ -1,0 +1,230 @@
+"""`helixserve simulate`: replay a request trace on a placement with a routing policy."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate serving a request trace on a placement (throughput, latency)",
+        description="Discrete-event simulation of the cluster serving a request stream: "
+        "continuous batching per node, links and NICs, KV-cache admission, the same router "
+        "the coordinator runs. Prints a summary table; --json and --plot write the details.",
+    )
+    p.add_argument("--cluster", required=True, help="cluster YAML")
+    p.add_argument("--model", required=True, help="model directory or config.json")
+    p.add_argument(
+        "--model-name",
+        default=None,
+        help="model name in the profiles table (default: the directory name)",
+    )
+    p.add_argument("--profiles", default=None, help="profiles CSV (default: analytic model)")
+    p.add_argument(
+        "--placement",
+        required=True,
+        help="placement JSON, or a planner name (milp, petals, swarm, separate, "
+        "uniform) to plan first",
+    )
+    p.add_argument(
+        "--plan-time-limit",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="time limit of the planner when --placement names one (default 60)",
+    )
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)",
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        metavar="R",
+        help="online: rescale arrivals to R requests/s (default: as recorded)",
+    )
+    mode.add_argument(
+        "--offline",
+        action="store_true",
+        help="keep the cluster saturated to measure its maximum throughput",
+    )
+    p.add_argument(
+        "--poisson",
+        action="store_true",
+        help="Poisson arrivals at --rate instead of the trace's times (lengths "
+        "from the trace, or --prompt-tokens/--output-tokens without one)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=512,
+        help="prompt length of synthetic requests without a trace",
+    )
+    p.add_argument(
+        "--output-tokens",
+        type=int,
+        default=128,
+        help="output length of synthetic requests without a trace",
+    )
+    p.add_argument(
+        "--duration", type=float, default=600.0, metavar="S", help="simulated seconds (default 600)"
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="do not count tokens and latencies before this time (default 0)",
+    )
+    p.add_argument(
+        "--scheduler",
+        default="maxflow",
+        help="routing policy: maxflow, random, shortest-queue, swarm",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--sample",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="keep a seeded random fraction of the trace's requests",
+    )
+    p.add_argument("--max-prompt-tokens", type=int, default=2048)
+    p.add_argument("--max-output-tokens", type=int, default=1024)
+    p.add_argument("--min-tokens", type=int, default=4)
+    p.add_argument(
+        "--lengths",
+        choices=("drop", "clip"),
+        default="drop",
+        help="requests outside the length bounds: drop them (Helix) or clip them",
+    )
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="OUT",
+        help="write the JSON summary to OUT (stdout without OUT)",
+    )
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _progress_bar() -> Callable[[float], None]:
+    last = [-1]
+
+    def show(frac: float) -> None:
+        pct = int(frac * 100)
+        if pct == last[0]:
+            return
+        last[0] = pct
+        filled = pct // 4
+        sys.stderr.write(f"\rsimulating [{'#' * filled}{'.' * (25 - filled)}] {pct:3d}%")
+        if pct >= 100:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return show
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from helixserve.costmodel import CostModel
+    from helixserve.errors import UserError
+    from helixserve.planner import PLANNERS, evaluate, load_placement, plan
+    from helixserve.simulator.metrics import format_table, latencies, summarize
+    from helixserve.simulator.sim import SimConfig, Simulation
+    from helixserve.simulator.workload import (
+        LengthFilter,
+        load_azure_trace,
+        poisson_arrivals,
+        prepare_trace,
+    )
+    from helixserve.spec import load_cluster, load_model, load_profiles
+
+    cluster = load_cluster(args.cluster)
+    model = load_model(args.model, name=args.model_name)
+    profiles = load_profiles(args.profiles) if args.profiles else None
+    cost = CostModel(model, profiles)
+
+    if args.placement in PLANNERS:
+        print(f"planning with {args.placement} ...", file=sys.stderr)
+        placement = plan(args.placement, cluster, model, cost, time_limit_s=args.plan_time_limit)
+    elif Path(args.placement).exists() or args.placement.endswith(".json"):
+        placement = load_placement(args.placement)
+        if not placement.flows or placement.throughput_tokens_per_s is None:
+            res = evaluate(cluster, model, cost, placement)
+            placement.flows = res.flows
+            placement.throughput_tokens_per_s = res.throughput_tokens_per_s
+    else:
+        raise UserError(
+            f"--placement: {args.placement!r} is neither a file nor a planner; "
+            f"known planners: {', '.join(PLANNERS)}"
+        )
+
+    lengths = LengthFilter(
+        args.max_prompt_tokens, args.max_output_tokens, args.min_tokens, args.lengths
+    )
+    trace = None
+    if args.trace:
+        trace = prepare_trace(
+            load_azure_trace(args.trace),
+            lengths=lengths,
+            sample_fraction=args.sample,
+            seed=args.seed,
+        )
+    if args.poisson:
+        if args.rate is None:
+            raise UserError("--poisson: needs --rate R (requests/s)")
+        requests = poisson_arrivals(
+            args.rate,
+            args.duration,
+            lengths_from=trace,
+            prompt_tokens=args.prompt_tokens,
+            output_tokens=args.output_tokens,
+            seed=args.seed,
+        )
+    elif trace is not None:
+        requests = trace
+        if args.rate is not None:
+            requests = prepare_trace(trace, lengths=None, rate_per_s=args.rate)
+    elif args.offline:
+        from helixserve.simulator.workload import TraceRequest
+
+        requests = [TraceRequest("synthetic", 0.0, args.prompt_tokens, args.output_tokens)]
+    else:
+        raise UserError("--trace: needed (or --poisson --rate R, or --offline) for requests")
+
+    config = SimConfig(
+        duration_s=args.duration,
+        offline=args.offline,
+        warmup_s=args.warmup,
+        scheduler=args.scheduler,
+        seed=args.seed,
+    )
+    progress = None if args.quiet else _progress_bar()
+    sim = Simulation(cluster, model, cost, placement, requests, config, progress=progress)
+    result = sim.run()
+    summary = summarize(result)
+    if args.json == "-":
+        print(json.dumps(summary, indent=1))
+    else:
+        print(format_table(summary))
+        if args.json:
+            Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+            print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        from helixserve.simulator.plots import write_plots
+
+        for path in write_plots(summary, latencies(result), Path(args.plot)):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
