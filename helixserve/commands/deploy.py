@@ -45,6 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     k.add_argument("--region-label", default=None, metavar="KEY",
                    help="pin each worker to nodes whose label KEY equals its cluster region, "
                    "e.g. topology.kubernetes.io/region")
+    k.add_argument("--coordinator-image", default=None,
+                   help="image of the coordinator if not --image (e.g. the CPU image)")
+    k.add_argument("--api-key-secret", default=None, metavar="SECRET",
+                   help="Secret whose key `api-key` the API requires as a Bearer token")
     k.add_argument("--service-monitor", action="store_true",
                    help="also render a Prometheus operator ServiceMonitor for /metrics")
     k.add_argument("--startup-timeout-s", type=int, default=1800,
@@ -76,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         shm_size=args.shm_size,
         region_label=args.region_label,
         service_monitor=args.service_monitor,
+        coordinator_image=args.coordinator_image,
+        api_key_secret=args.api_key_secret,
     )
     rendering = render_k8s(args.cluster, args.placement, opts)
     written, removed = write_manifests(rendering, args.out)

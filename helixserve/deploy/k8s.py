@@ -68,6 +68,10 @@ class RenderOptions:
     #: also render a Prometheus operator ServiceMonitor for the coordinator's /metrics
     service_monitor: bool = False
     image_pull_policy: str = "IfNotPresent"
+    #: image of the coordinator when it differs from the workers' (e.g. the CPU image)
+    coordinator_image: str | None = None
+    #: Secret whose key `api-key` becomes HELIXSERVE_API_KEY of the coordinator (Bearer auth)
+    api_key_secret: str | None = None
 
 
 @dataclass(frozen=True)
@@ -347,12 +351,18 @@ def coordinator_deployment(
         "--host", "0.0.0.0",
         "--port", str(HTTP_PORT),
     ]  # fmt: skip
+    env = _env()
+    if opts.api_key_secret:
+        env.insert(0, {
+            "name": "HELIXSERVE_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": opts.api_key_secret, "key": "api-key"}},
+        })
     container: Obj = {
         "name": "coordinator",
-        "image": opts.image,
+        "image": opts.coordinator_image or opts.image,
         "imagePullPolicy": opts.image_pull_policy,
         "command": command,
-        "env": _env(),
+        "env": env,
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         **_probes(opts, {"httpGet": {"path": "/health", "port": "http"}}),
         "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},

@@ -34,6 +34,8 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 CONFIG_MAP_MAX_BYTES = 1024 * 1024
 # DNS-1123 label: object names that become pod host names.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# DNS-1123 subdomain: names of Secrets, claims; the cluster domain.
+_DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 # A StatefulSet's controller-revision-hash label is "<name>-<10 chars>", at most 63 characters.
 _MAX_STATEFULSET_NAME = 52
 
@@ -81,9 +83,12 @@ def validate_options(opts: k8s.RenderOptions) -> None:
         if not _DNS_LABEL.match(value) or len(value) > 63:
             raise UserError(f"{flag}: bad value {value!r}; use a DNS label: [a-z0-9-], "
                             "at most 63 characters, starting and ending with a letter or digit")
-    if not opts.image or any(c.isspace() for c in opts.image):
-        raise UserError(f"--image: bad value {opts.image!r}; expected an image reference "
-                        "such as ghcr.io/org/helixserve:0.1.0-cuda")
+    for flag, image in (("--image", opts.image), ("--coordinator-image", opts.coordinator_image)):
+        if image is not None and (not image or any(c.isspace() for c in image)):
+            raise UserError(f"{flag}: bad value {image!r}; expected an image reference "
+                            "such as ghcr.io/org/helixserve:0.1.0-cuda")
+    if opts.api_key_secret is not None and not _DNS_NAME.match(opts.api_key_secret):
+        raise UserError(f"--api-key-secret: bad Secret name {opts.api_key_secret!r}")
     if not opts.model_path.startswith("/") or opts.model_path.rstrip("/") == "":
         raise UserError(f"--model-path: bad value {opts.model_path!r}; expected an absolute "
                         "directory inside the container, e.g. /models/llama-2-70b")
@@ -91,7 +96,7 @@ def validate_options(opts: k8s.RenderOptions) -> None:
     if not sep or kind not in ("pvc", "hostpath") or not where:
         raise UserError(f"--model-volume: bad value {opts.model_volume!r}; expected "
                         "pvc:CLAIM or hostpath:/DIR")
-    if kind == "pvc" and not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", where):
+    if kind == "pvc" and not _DNS_NAME.match(where):
         raise UserError(f"--model-volume: bad claim name {where!r}; use [a-z0-9-.]")
     if kind == "hostpath" and not where.startswith("/"):
         raise UserError(f"--model-volume: bad host path {where!r}; expected an absolute path")
@@ -99,7 +104,7 @@ def validate_options(opts: k8s.RenderOptions) -> None:
         check_label_value(label, f"--gpu-product {gpu}")
     if opts.dtype not in DTYPES:
         raise UserError(f"--dtype: bad value {opts.dtype!r}; known: {', '.join(DTYPES)}")
-    if not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", opts.cluster_domain):
+    if not _DNS_NAME.match(opts.cluster_domain):
         raise UserError(f"--cluster-domain: bad value {opts.cluster_domain!r}")
     if opts.startup_timeout_s < 10:
         raise UserError(f"--startup-timeout-s: bad value {opts.startup_timeout_s}; must be >= 10")

@@ -219,7 +219,8 @@ def test_multi_gpu_cpu_nodes_overrides_and_regions(tmp_path: Path) -> None:
     r = render_k8s(cluster, placement, opts(
         gpu_products={"A100-40GB": "NVIDIA-A100-PCIE-40GB"},
         region_label="topology.kubernetes.io/region", dtype="auto",
-        model_volume="hostpath:/srv/models", service_monitor=True))
+        model_volume="hostpath:/srv/models", service_monitor=True,
+        coordinator_image="helixserve:0.1.0-cpu", api_key_secret="helix-api"))
     objs = objects(r.files)
     big, t4s, box = (objs[f"worker-{n}.yaml"] for n in ("big", "t4s", "box"))
     assert big["spec"]["template"]["spec"]["nodeSelector"] == {
@@ -236,6 +237,11 @@ def test_multi_gpu_cpu_nodes_overrides_and_regions(tmp_path: Path) -> None:
     assert "--dtype" not in container(box)["command"]
     models = next(v for v in box_pod["volumes"] if v["name"] == "models")
     assert models["hostPath"] == {"path": "/srv/models", "type": "Directory"}
+    coord = container(objs["coordinator-deployment.yaml"])
+    assert coord["image"] == "helixserve:0.1.0-cpu"
+    assert container(big)["image"] == "registry.example.com/helixserve:0.1.0-cuda"
+    assert coord["env"][0] == {"name": "HELIXSERVE_API_KEY", "valueFrom": {
+        "secretKeyRef": {"name": "helix-api", "key": "api-key"}}}
     sm = objs["servicemonitor.yaml"]
     assert sm["kind"] == "ServiceMonitor"
     assert sm["spec"]["endpoints"][0] == {"port": "http", "path": "/metrics", "interval": "15s"}

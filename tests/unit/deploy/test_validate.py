@@ -56,7 +56,9 @@ def manifests(tmp_path_factory: pytest.TempPathFactory, geo_cluster: Path) -> li
         ("geo", geo_cluster, geo, opts(service_monitor=True,
                                        region_label="topology.kubernetes.io/region")),
         ("mini", mini, mini_p, opts(model_volume="hostpath:/srv/models", dtype="float16",
-                                    name="llm-a", namespace="prod", startup_timeout_s=600)),
+                                    name="llm-a", namespace="prod", startup_timeout_s=600,
+                                    api_key_secret="helix-api",
+                                    coordinator_image="helixserve:0.1.0-cpu")),
     ]
     files: list[Path] = []
     for label, cluster, placement, o in variants:
