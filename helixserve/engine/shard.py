@@ -1,0 +1,380 @@
+"""`ShardEngine`: runs layers [start, end) of a model for a batch of work items.
+
+One `step(items)` is one batched forward pass. The tokens of all items are concatenated
+into `x: [total_tokens, hidden_size]`; items that start at layer 0 are embedded, the others
+bring their hidden states. Each item may run only a sub-range of the shard's layers
+(partial inference): layers are applied to the rows of the items that run them, grouped
+into runs of consecutive layers with the same active items. Items whose sub-range ends at
+the model's last layer get the final norm, lm_head and the sampler (on their last token);
+the others hand back their hidden states.
+
+Per request the engine keeps: its KV blocks (shared by all local layers), the number of
+tokens in its KV (the next position), and on the last stage its token history and its
+random generator for sampling.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from helixserve.engine.config import ModelArgs
+from helixserve.engine.kv_cache import KVCacheLayout, PagedKVCache
+from helixserve.engine.loader import load_range
+from helixserve.engine.model import AttentionPlan, LayerWeights, Rope, layer_forward, rms_norm
+from helixserve.engine.sampling import RequestHistory, SamplingParams, sample_rows
+from helixserve.errors import UserError
+
+DEFAULT_CPU_KV_FRACTION = 0.25
+DEFAULT_CPU_KV_CAP_BYTES = 2 * 1024**3
+DEFAULT_CUDA_KV_FRACTION = 0.85  # of the memory left free after loading the weights
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class WorkItem:
+    """One request's share of a step on this shard."""
+
+    request_id: str
+    start_layer: int
+    """First layer to run here (may be after the shard's start: partial inference)."""
+    end_layer: int
+    """One past the last layer to run here."""
+    position: int
+    """Position of the first token of this step (= tokens already in this request's KV)."""
+    token_ids: list[int]
+    """Input token ids of this step; always carried, even to middle and last stages."""
+    hidden: torch.Tensor | None = None
+    """[num_tokens, hidden_size] when start_layer > 0, else None (tokens are embedded)."""
+    sampling: SamplingParams | None = None
+    """Set when this step ends at the model's last layer."""
+    sample: bool = True
+    """Last stage: False for a non-final prompt chunk (no token wanted)."""
+    num_prompt_tokens: int | None = None
+    """Optional: tokens at positions >= this are generated ones (for penalties after a
+    re-prefill of prompt + output). None: tokens before the first sampled one are prompt."""
+
+
+@dataclass
+class ItemOutput:
+    request_id: str
+    hidden: torch.Tensor | None = None
+    """[num_tokens, hidden_size] if the item ended before the model's last layer."""
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype: unknown '{dtype}'; known: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"--device: unknown '{device}'; known: cpu, cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device: '{device}' requested but CUDA is not available")
+    return dev
+
+
+def default_kv_budget_bytes(device: torch.device) -> int:
+    """A fraction of free memory: 85% of free GPU memory, or 25% of available RAM capped at 2 GiB."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * DEFAULT_CUDA_KV_FRACTION)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(min(available * DEFAULT_CPU_KV_FRACTION, DEFAULT_CPU_KV_CAP_BYTES))
+
+
+class ShardEngine:
+    """A contiguous layer range of one model on one device, with its paged KV cache."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        weights: dict[str, torch.Tensor],
+        start_layer: int,
+        end_layer: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_cache_bytes: int | None = None,
+        block_size: int = 16,
+    ) -> None:
+        self.args = args
+        self.num_model_layers = args.num_layers
+        self.start_layer, self.end_layer = start_layer, end_layer
+        self.hidden_size = args.hidden_size
+        self.vocab_size = args.vocab_size
+        self.eos_token_ids = list(args.eos_token_ids)
+        self.device, self.dtype = device, dtype
+        self.is_first = start_layer == 0
+        self.is_last = end_layer == args.num_layers
+        self.loaded_tensor_names = sorted(weights)
+        w = dict(weights)
+        self.embed = w.pop("model.embed_tokens.weight", None)  # [vocab, hidden] or None
+        self.final_norm = w.pop("model.norm.weight", None)
+        self.lm_head = w.pop("lm_head.weight", None)  # [vocab, hidden] (may be the embedding)
+        self.layers = [LayerWeights.from_tensors(w, i, args) for i in range(start_layer, end_layer)]
+        self.rope = Rope(args, device, dtype)
+        layout = KVCacheLayout(
+            num_layers=end_layer - start_layer,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            block_size=block_size,
+            dtype=dtype,
+        )
+        budget = default_kv_budget_bytes(device) if kv_cache_bytes is None else kv_cache_bytes
+        self.kv = PagedKVCache(layout, layout.num_blocks_for(budget), device)
+        self._seq_len: dict[str, int] = {}
+        self._history: dict[str, RequestHistory] = {}
+        self.last_logits: torch.Tensor | None = None
+        """Logits of the rows sampled in the last step, [num_sampled, vocab] (tests, debugging)."""
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        start_layer: int,
+        end_layer: int,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = None,
+        kv_cache_bytes: int | None = None,
+        block_size: int = 16,
+    ) -> ShardEngine:
+        """Load only the tensors of [start_layer, end_layer) from an HF dir or a GGUF file."""
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        loaded = load_range(Path(model_dir), start_layer, end_layer, dt, dev)
+        return cls(
+            loaded.args,
+            loaded.tensors,
+            start_layer,
+            end_layer,
+            dev,
+            dt,
+            kv_cache_bytes=kv_cache_bytes,
+            block_size=block_size,
+        )
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    def kv_stats(self) -> dict[str, int]:
+        return {
+            "block_size": self.kv.block_size,
+            "total_blocks": self.kv.num_blocks,
+            "used_blocks": self.kv.used_blocks,
+            "free_blocks": self.kv.free_blocks,
+            "capacity_tokens": self.kv.capacity_tokens,
+        }
+
+    def free(self, request_id: str) -> None:
+        """Release a request's KV blocks and sampler state; idempotent."""
+        self.kv.free(request_id)
+        self._seq_len.pop(request_id, None)
+        self._history.pop(request_id, None)
+
+    def seq_len(self, request_id: str) -> int:
+        """Tokens of this request held in this shard's KV cache (0 if unknown)."""
+        return self._seq_len.get(request_id, 0)
+
+    # ---- the step ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, items: list[WorkItem]) -> list[ItemOutput]:
+        """One batched forward over all items; outputs in the order of `items`."""
+        if not items:
+            return []
+        self._validate(items)
+        # Reserve KV first: it raises KVCacheFullError before any state changes.
+        for it in items:
+            if it.position < self._seq_len.get(it.request_id, 0):
+                self._rewind(it.request_id, it.position)
+        self.kv.reserve({it.request_id: it.position + len(it.token_ids) for it in items})
+
+        x = self._input_rows(items)  # [total_tokens, hidden]
+        offsets = [0]
+        for it in items:
+            offsets.append(offsets[-1] + len(it.token_ids))
+        plans: dict[tuple[int, ...], tuple[AttentionPlan, torch.Tensor, torch.Tensor]] = {}
+        for layer in range(self.start_layer, self.end_layer):
+            active = tuple(
+                i for i, it in enumerate(items) if it.start_layer <= layer < it.end_layer
+            )
+            if not active:
+                continue
+            if active not in plans:
+                plans[active] = self._plan(items, active)
+            plan, cos, sin = plans[active]
+            local = layer - self.start_layer
+            w = self.layers[local]
+            kc, vc = self.kv.k[local], self.kv.v[local]
+            if len(active) == len(items):
+                x = layer_forward(x, w, kc, vc, plan, cos, sin, self.args)
+            else:
+                rows = self._rows(offsets, active)
+                x = x.index_copy(
+                    0, rows, layer_forward(x[rows], w, kc, vc, plan, cos, sin, self.args)
+                )
+
+        for it in items:
+            self._seq_len[it.request_id] = it.position + len(it.token_ids)
+        return self._outputs(items, offsets, x)
+
+    def _validate(self, items: list[WorkItem]) -> None:
+        seen: set[str] = set()
+        for it in items:
+            if it.request_id in seen:
+                raise ValueError(f"request {it.request_id!r} appears twice in one step")
+            seen.add(it.request_id)
+            if not self.start_layer <= it.start_layer < it.end_layer <= self.end_layer:
+                raise ValueError(
+                    f"request {it.request_id!r}: layers [{it.start_layer}, {it.end_layer}) not "
+                    f"inside this shard's [{self.start_layer}, {self.end_layer})"
+                )
+            if not it.token_ids:
+                raise ValueError(f"request {it.request_id!r}: no token ids")
+            have = self._seq_len.get(it.request_id, 0)
+            if it.position > have:
+                raise ValueError(
+                    f"request {it.request_id!r}: position {it.position} but only {have} tokens "
+                    "in this shard's KV cache (a step was skipped?)"
+                )
+            shape = None if it.hidden is None else tuple(it.hidden.shape)
+            if it.start_layer > 0 and shape != (len(it.token_ids), self.hidden_size):
+                raise ValueError(
+                    f"request {it.request_id!r}: starts at layer {it.start_layer} so needs "
+                    f"hidden [{len(it.token_ids)}, {self.hidden_size}], got {shape}"
+                )
+            if it.end_layer == self.num_model_layers and it.sample and it.sampling is None:
+                raise ValueError(
+                    f"request {it.request_id!r}: reaches the last layer without sampling params"
+                )
+
+    def _rewind(self, request_id: str, position: int) -> None:
+        """The coordinator restarts a request from an earlier position (e.g. re-prefill)."""
+        self.kv.truncate(request_id, position)
+        self._seq_len[request_id] = position
+        if position == 0:
+            self._history.pop(request_id, None)
+
+    def _input_rows(self, items: list[WorkItem]) -> torch.Tensor:
+        parts = []
+        for it in items:
+            if it.start_layer == 0:
+                assert self.embed is not None, "layer 0 is held, so the embedding is loaded"
+                ids = torch.tensor(it.token_ids, dtype=torch.long, device=self.device)
+                parts.append(F.embedding(ids, self.embed))
+            else:
+                assert it.hidden is not None
+                parts.append(it.hidden.to(device=self.device, dtype=self.dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    @staticmethod
+    def _rows(offsets: list[int], active: tuple[int, ...]) -> torch.Tensor:
+        rows: list[int] = []
+        for i in active:
+            rows.extend(range(offsets[i], offsets[i + 1]))
+        return torch.tensor(rows, dtype=torch.long)
+
+    def _plan(
+        self, items: list[WorkItem], active: tuple[int, ...]
+    ) -> tuple[AttentionPlan, torch.Tensor, torch.Tensor]:
+        """Slots, positions and attention groups of the active items, shared by their layers."""
+        dev = self.device
+        slots: list[int] = []
+        positions: list[int] = []
+        decode_rows: list[int] = []
+        decode_ctx: list[list[int]] = []
+        prefills: list[tuple[int, int, Any]] = []
+        row = 0
+        for i in active:
+            it = items[i]
+            n = len(it.token_ids)
+            end = it.position + n
+            slots += self.kv.slot_ids(it.request_id, it.position, n)
+            positions += range(it.position, end)
+            if n == 1:
+                decode_rows.append(row)
+                decode_ctx.append(self.kv.slot_ids(it.request_id, 0, end))
+            elif it.position == 0:
+                prefills.append((row, n, None))
+            else:
+                ctx = torch.tensor(self.kv.slot_ids(it.request_id, 0, end), device=dev)
+                prefills.append((row, n, ctx))
+            row += n
+        d_rows = d_slots = d_mask = None
+        if decode_rows:
+            max_ctx = max(len(c) for c in decode_ctx)
+            # Pad with the request's own first slot: finite values, masked out anyway.
+            padded = [c + [c[0]] * (max_ctx - len(c)) for c in decode_ctx]
+            d_rows = torch.tensor(decode_rows, device=dev)
+            d_slots = torch.tensor(padded, device=dev)  # [d, max_ctx]
+            lens = torch.tensor([len(c) for c in decode_ctx], device=dev)
+            d_mask = (torch.arange(max_ctx, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        pos_t = torch.tensor(positions, device=dev)
+        max_pos = max(positions)
+        plan = AttentionPlan(
+            slots=torch.tensor(slots, device=dev),
+            positions=pos_t,
+            max_pos=max_pos,
+            decode_rows=d_rows,
+            decode_kv_slots=d_slots,
+            decode_mask=d_mask,
+            prefills=prefills,
+        )
+        cos, sin = self.rope.tables(pos_t, max_pos)
+        return plan, cos, sin
+
+    def _outputs(
+        self, items: list[WorkItem], offsets: list[int], x: torch.Tensor
+    ) -> list[ItemOutput]:
+        outs = [ItemOutput(it.request_id) for it in items]
+        to_sample: list[int] = []
+        for i, it in enumerate(items):
+            if it.end_layer < self.num_model_layers:
+                outs[i].hidden = x[offsets[i] : offsets[i + 1]]  # [num_tokens, hidden]
+                continue
+            hist = self._history.setdefault(it.request_id, RequestHistory())
+            self._record_tokens(hist, it)
+            if it.sample:
+                to_sample.append(i)
+        if to_sample:
+            assert self.final_norm is not None and self.lm_head is not None
+            last_rows = torch.tensor([offsets[i + 1] - 1 for i in to_sample], device=self.device)
+            h = rms_norm(x[last_rows], self.final_norm, self.args.rms_norm_eps)
+            logits = F.linear(h, self.lm_head)  # [num_sampled, vocab]
+            self.last_logits = logits
+            params = [items[i].sampling or SamplingParams() for i in to_sample]
+            hists = [self._history[items[i].request_id] for i in to_sample]
+            for i, res in zip(to_sample, sample_rows(logits, params, hists), strict=True):
+                outs[i].token_id, outs[i].logprob = res.token_id, res.logprob
+                outs[i].top_logprobs = res.top_logprobs
+                self._history[items[i].request_id].sampled_once = True
+        return outs
+
+    @staticmethod
+    def _record_tokens(hist: RequestHistory, it: WorkItem) -> None:
+        if it.num_prompt_tokens is None:
+            hist.add_tokens(it.token_ids, generated=hist.sampled_once)
+            return
+        split = max(0, min(len(it.token_ids), it.num_prompt_tokens - it.position))
+        hist.add_tokens(it.token_ids[:split], generated=False)
+        hist.add_tokens(it.token_ids[split:], generated=True)
