@@ -1,0 +1,445 @@
+"""The coordinator: the lifecycle of every request across the workers.
+
+    coord = await Coordinator.create(cluster, placement, model_dir)
+    async for ev in coord.generate(GenerationRequest(...)): ...   # TokenEvent per token
+
+One request: admit (ask the scheduler's router for a route, fed with live worker stats; wait
+in a bounded FIFO while no route has KV room) -> prefill (prompt split into chunks of at most
+`prefill_chunk_tokens`, all sent at once to the first hop; workers run a request's chunks in
+order, so chunks pipeline along the route) -> decode (one item per token along the same route;
+the last hop returns the sampled token on this coordinator's stream) -> finish (stop token, stop
+string, max_tokens) -> release KV on every hop. Closing the generator early (client gone) or
+cancelling its task takes the same release path.
+
+Faults: the coordinator keeps one Work stream per worker. When a stream breaks, the node is
+marked down in the router and every request routed through it is re-routed over surviving
+nodes and re-prefilled with its prompt + the tokens generated so far; the client's stream
+continues without a gap or duplicate. A request fails only when no route covers the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from helixserve.errors import UserError
+from helixserve.runtime.node_client import NodeClient, NodeFailure
+from helixserve.runtime.output import OutputProcessor
+from helixserve.runtime.transport import WireHop, WireItem, WireResult
+
+log = logging.getLogger("helixserve.coordinator")
+
+
+class NoRouteError(RuntimeError):
+    """No route over the live workers covers the whole model (the API answers 503)."""
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full (the API answers 503/429)."""
+
+
+class RequestFailedError(RuntimeError):
+    """A worker reported an error for the request that re-routing cannot fix."""
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Any  # helixserve.engine.SamplingParams
+    max_tokens: int
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    #: incremental detokenized text (stop strings applied and removed); may be "" while held back
+    text: str
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]]
+    finish_reason: str | None  # None | "stop" | "length"
+
+
+@dataclass
+class _Active:
+    """A request being served: what a re-route needs to replay it."""
+
+    req: GenerationRequest
+    internal_id: str
+    route_hops: tuple[WireHop, ...] = ()
+    results: asyncio.Queue[WireResult | NodeFailure] = field(default_factory=asyncio.Queue)
+    generated: list[int] = field(default_factory=list)
+    reroutes: int = 0
+
+
+class Coordinator:
+    """Use `await Coordinator.create(...)`; see the module doc."""
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    eos_token_ids: list[int]
+    prefill_chunk_tokens: int
+
+    def __init__(self, placement: Any, model_dir: Path, router: Any, max_queue: int,
+                 max_reroutes: int, stats_interval_s: float) -> None:
+        self.placement = placement
+        self.model_dir = Path(model_dir)
+        self.router = router
+        self.max_queue = max_queue
+        self.max_reroutes = max_reroutes
+        self.stats_interval_s = stats_interval_s
+        self.coordinator_id = f"coord-{uuid.uuid4().hex[:12]}"
+        self.nodes: dict[str, NodeClient] = {}
+        self.active: dict[str, _Active] = {}
+        self.waiting = 0
+        self._ids = itertools.count()
+        self._steps = itertools.count(1)
+        self._admit = asyncio.Condition()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._releases: set[asyncio.Task[Any]] = set()
+        self.hop_counts: dict[tuple[str, ...], int] = {}
+        self.tokens_generated = 0
+
+    @classmethod
+    async def create(
+        cls,
+        cluster: Any,
+        placement: Any,
+        model_dir: Path,
+        scheduler: str = "maxflow",
+        max_queue: int = 256,
+        max_model_len: int | None = None,
+        *,
+        connect_timeout_s: float = 120.0,
+        prefill_chunk_tokens: int = 512,
+        stats_interval_s: float = 0.5,
+        max_reroutes: int = 3,
+    ) -> Coordinator:
+        from helixserve.scheduler import make_router
+
+        router = make_router(scheduler, placement, seed=0)
+        self = cls(placement, model_dir, router, max_queue, max_reroutes, stats_interval_s)
+        self.model_name = placement.model or self.model_dir.name
+        addresses = {n.name: getattr(n, "address", None) for n in cluster.nodes}
+        for i, nr in enumerate(placement.nodes):
+            address = addresses.get(nr.name)
+            if nr.name not in addresses:
+                raise UserError(f"placement: nodes[{i}].name: node {nr.name!r} not in the cluster; "
+                                f"known: {', '.join(sorted(addresses))}")
+            if not address:
+                raise UserError(f"cluster: node {nr.name!r}: address: missing (host:port of its worker)")
+            self.nodes[nr.name] = NodeClient(nr.name, address, nr.start_layer, nr.end_layer,
+                                             self.coordinator_id, self._on_result, self._on_node_down)
+        loop = asyncio.get_running_loop()
+        tokenizer_task = loop.run_in_executor(None, _load_tokenizer, self.model_dir)
+        await asyncio.gather(*(n.connect(placement.num_layers, connect_timeout_s)
+                               for n in self.nodes.values()))
+        self.tokenizer = await tokenizer_task
+        any_info = next(iter(self.nodes.values())).info
+        assert any_info is not None
+        self.prefill_chunk_tokens = _chunk_tokens(any_info, prefill_chunk_tokens)
+        self.max_model_len = max_model_len or _config_max_len(self.model_dir) or 2048
+        eos: set[int] = set()
+        for n in self.nodes.values():
+            if n.info is not None and n.end_layer == placement.num_layers:
+                eos |= set(n.info.eos_token_ids)
+        if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = sorted(eos)
+        self._spawn(self._poll_stats())
+        return self
+
+    async def close(self) -> None:
+        # Let KV releases already under way reach the workers, then stop everything.
+        if self._releases:
+            await asyncio.wait(list(self._releases), timeout=5.0)
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- live state -----------------------------------------------------------------------
+
+    async def _poll_stats(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_interval_s)
+            await asyncio.gather(*(n.refresh_info() for n in self.nodes.values() if n.alive),
+                                 return_exceptions=True)
+            for n in self.nodes.values():
+                if not n.alive and n.reconnectable():
+                    self._spawn(self._try_revive(n))
+
+    async def _try_revive(self, node: NodeClient) -> None:
+        if await node.revive(self.placement.num_layers):
+            self.router.node_up(node.name)
+            log.info("node %s is back", node.name)
+            async with self._admit:
+                self._admit.notify_all()
+
+    def _node_states(self) -> dict[str, Any]:
+        from helixserve.scheduler import NodeState
+
+        # The router keeps its own KV promises per routed request (scheduler/base.py), so it
+        # gets each node's capacity, not its live free count.
+        return {
+            name: NodeState(name, kv_free_tokens=n.kv_capacity_tokens, queue_len=n.queue_len,
+                            alive=n.alive)
+            for name, n in self.nodes.items()
+        }
+
+    def _covered(self) -> bool:
+        covered = [False] * self.placement.num_layers
+        for n in self.nodes.values():
+            if n.alive:
+                for layer in range(n.start_layer, n.end_layer):
+                    covered[layer] = True
+        return all(covered)
+
+    def stats(self) -> dict[str, Any]:
+        """Snapshot for metrics: requests running/waiting, per node, per route."""
+        nodes = {}
+        for name, n in self.nodes.items():
+            info = n.info
+            nodes[name] = {
+                "address": n.address,
+                "alive": n.alive,
+                "start_layer": n.start_layer,
+                "end_layer": n.end_layer,
+                "layers": n.end_layer - n.start_layer,
+                "queue_len": info.queue_len if info else 0,
+                "batch_size": info.last_batch_size if info else 0,
+                "kv_used_blocks": info.kv_used_blocks if info else 0,
+                "kv_total_blocks": info.kv_total_blocks if info else 0,
+                "kv_block_size": info.kv_block_size if info else 0,
+                "busy_fraction": info.busy_fraction if info else 0.0,
+                "active_requests": info.active_requests if info else 0,
+            }
+        return {
+            "running": len(self.active),
+            "waiting": self.waiting,
+            "tokens_generated": self.tokens_generated,
+            "nodes": nodes,
+            "routes": {"->".join(r): c for r, c in self.hop_counts.items()},
+        }
+
+    # ---- results from the node streams --------------------------------------------------
+
+    def _on_result(self, r: WireResult) -> None:
+        act = self.active.get(r.request_id)
+        if act is not None:
+            act.results.put_nowait(r)
+
+    def _on_node_down(self, node: str, reason: str) -> None:
+        log.warning("node %s down: %s", node, reason)
+        self.router.node_down(node)
+        for act in self.active.values():
+            if any(h.node == node for h in act.route_hops):
+                act.results.put_nowait(NodeFailure(node, reason))
+
+    # ---- one request ----------------------------------------------------------------------
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Stream the request's tokens; see the module doc for the lifecycle."""
+        self._validate(req)
+        act = _Active(req=req, internal_id=f"{req.request_id}#{next(self._ids)}")
+        out = OutputProcessor(
+            tokenizer=self.tokenizer,
+            prompt_token_ids=req.prompt_token_ids,
+            max_tokens=req.max_tokens,
+            min_tokens=req.min_tokens,
+            stop=list(req.stop),
+            stop_token_ids=list(req.stop_token_ids),
+            eos_token_ids=self.eos_token_ids,
+            ignore_eos=req.ignore_eos,
+            max_model_len=self.max_model_len,
+        )
+        await self._route(act)
+        try:
+            self._send_prefill(act, req.prompt_token_ids)
+            while True:
+                r = await self._next_token(act)
+                assert r.token_id is not None
+                act.generated.append(r.token_id)
+                self.tokens_generated += 1
+                step = out.add(r.token_id)
+                yield TokenEvent(r.token_id, step.text, r.logprob, r.top_logprobs,
+                                 step.finish_reason)
+                if step.finish_reason is not None:
+                    return
+                self._send(act, position=len(req.prompt_token_ids) + len(act.generated) - 1,
+                           token_ids=[r.token_id], sample=True)
+        finally:
+            self._finish(act)
+
+    def _validate(self, req: GenerationRequest) -> None:
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise UserError("prompt: empty; need at least one token")
+        if req.max_tokens < 1:
+            raise UserError(f"max_tokens: bad value {req.max_tokens}; must be >= 1")
+        if n >= self.max_model_len:
+            raise UserError(f"prompt: {n} tokens; the model's context is {self.max_model_len}")
+
+    async def _route(self, act: _Active, replay_tokens: int = 0) -> None:
+        from helixserve.scheduler import RequestInfo
+
+        req = act.req
+        prompt_tokens = len(req.prompt_token_ids) + replay_tokens
+        remaining = max(1, req.max_tokens - len(act.generated))
+        info = RequestInfo(act.internal_id, prompt_tokens,
+                           min(remaining, self.max_model_len - prompt_tokens))
+        waited = False
+        try:
+            while True:
+                if not self._covered():
+                    raise NoRouteError(
+                        f"no route covers the model's {self.placement.num_layers} layers over "
+                        f"the live workers ({', '.join(n for n, c in self.nodes.items() if c.alive) or 'none'})"
+                    )
+                route = self.router.route(info, self._node_states())
+                if route is not None:
+                    break
+                if not waited:
+                    if self.waiting >= self.max_queue:
+                        raise QueueFullError(f"waiting queue full ({self.max_queue} requests)")
+                    self.waiting += 1
+                    waited = True
+                async with self._admit:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._admit.wait(), self.stats_interval_s)
+        finally:
+            if waited:
+                self.waiting -= 1
+        act.route_hops = tuple(
+            WireHop(h.node, self.nodes[h.node].address, h.start_layer, h.end_layer)
+            for h in route.hops
+        )
+        key = route.nodes
+        self.hop_counts[key] = self.hop_counts.get(key, 0) + 1
+        self.active[act.internal_id] = act
+
+    def _send_prefill(self, act: _Active, token_ids: list[int]) -> None:
+        chunk = self.prefill_chunk_tokens
+        for start in range(0, len(token_ids), chunk):
+            part = token_ids[start : start + chunk]
+            self._send(act, position=start, token_ids=part,
+                       sample=start + chunk >= len(token_ids))
+
+    def _send(self, act: _Active, position: int, token_ids: list[int], sample: bool) -> None:
+        item = WireItem(
+            request_id=act.internal_id,
+            coordinator_id=self.coordinator_id,
+            step_id=next(self._steps),
+            hop_index=0,
+            route=act.route_hops,
+            position=position,
+            token_ids=token_ids,
+            hidden=None,
+            sampling=act.req.sampling,
+            sample=sample,
+        )
+        self.nodes[act.route_hops[0].node].send(item)
+
+    async def _next_token(self, act: _Active) -> WireResult:
+        """Wait for the next sampled token, skipping prefill acks; re-route on node failure."""
+        while True:
+            r = await act.results.get()
+            if isinstance(r, NodeFailure):
+                await self._reroute(act, f"node {r.node} failed: {r.reason}")
+                continue
+            if not r.ok:
+                from helixserve.runtime.transport import UNAVAILABLE
+
+                if r.status_code == UNAVAILABLE:
+                    await self._reroute(act, r.error)
+                    continue
+                raise RequestFailedError(f"request {act.req.request_id}: {r.error}")
+            if r.token_id is not None:
+                return r
+
+    async def _reroute(self, act: _Active, reason: str) -> None:
+        if act.reroutes >= self.max_reroutes:
+            raise RequestFailedError(f"request {act.req.request_id}: {reason} "
+                                     f"(gave up after {act.reroutes} re-routes)")
+        act.reroutes += 1
+        log.warning("re-routing %s: %s", act.internal_id, reason)
+        old_id = act.internal_id
+        self._release_kv(old_id, act.route_hops)
+        self.router.on_cancel(old_id)
+        self.active.pop(old_id, None)
+        # A fresh internal id: workers drop any late item of the old one (released ids).
+        act.internal_id = f"{act.req.request_id}#{next(self._ids)}"
+        act.results = asyncio.Queue()
+        await self._route(act, replay_tokens=len(act.generated))
+        self._send_prefill(act, act.req.prompt_token_ids + act.generated)
+
+    def _finish(self, act: _Active) -> None:
+        if self.active.pop(act.internal_id, None) is None:
+            return
+        self.router.on_finish(act.internal_id)
+        self._release_kv(act.internal_id, act.route_hops)
+        self._spawn(self._notify_admit())
+
+    def _release_kv(self, internal_id: str, hops: tuple[WireHop, ...]) -> None:
+        for h in hops:
+            node = self.nodes[h.node]
+            if node.alive:
+                task = self._spawn(node.release([internal_id]))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+
+    async def _notify_admit(self) -> None:
+        async with self._admit:
+            self._admit.notify_all()
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _config_max_len(model_dir: Path) -> int | None:
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    value = cfg.get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def _chunk_tokens(info: Any, max_tokens: int) -> int:
+    import torch
+
+    from helixserve.runtime.transport import prefill_chunk_tokens
+
+    return prefill_chunk_tokens(info.hidden_size, getattr(torch, info.dtype), max_tokens)
+
+
+__all__ = [
+    "Coordinator",
+    "GenerationRequest",
+    "NoRouteError",
+    "QueueFullError",
+    "RequestFailedError",
+    "TokenEvent",
+]

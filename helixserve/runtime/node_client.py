@@ -1,0 +1,201 @@
+"""The coordinator's connection to one worker: a persistent Work stream plus unary calls.
+
+Items for the worker are queued and sent in batches (all items queued since the last write go in
+one WorkBatch message). Results (sampled tokens, prefill acks, per-item errors) arrive on the
+stream's responses and are handed to the coordinator's callback. When the stream breaks the node
+is reported down; `revive` reconnects once the worker answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from helixserve.runtime import transport as tp
+from helixserve.runtime.proto import helix_pb2 as pb
+from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
+
+log = logging.getLogger("helixserve.coordinator")
+
+#: seconds between reconnection attempts to a node that went down
+REVIVE_INTERVAL_S = 2.0
+
+
+@dataclass
+class NodeFailure:
+    """Put in a request's result queue when a node on its route went down."""
+
+    node: str
+    reason: str
+
+
+class NodeClient:
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        start_layer: int,
+        end_layer: int,
+        coordinator_id: str,
+        on_result: Callable[[tp.WireResult], None],
+        on_down: Callable[[str, str], None],
+    ) -> None:
+        self.name = name
+        self.address = address
+        self.start_layer = start_layer
+        self.end_layer = end_layer
+        self.coordinator_id = coordinator_id
+        self.on_result = on_result
+        self.on_down = on_down
+        self.info: tp.WorkerInfo | None = None
+        self.alive = False
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.HelixWorkerStub | None = None
+        self._outgoing: asyncio.Queue[pb.WorkItem | None] = asyncio.Queue()
+        self._stream_task: asyncio.Task[None] | None = None
+        self._last_revive = 0.0
+        self._route_pb_cache: dict[tuple[tp.WireHop, ...], list[pb.Hop]] = {}
+
+    # ---- connection ------------------------------------------------------------------------
+
+    async def connect(self, num_model_layers: int, timeout_s: float) -> None:
+        """Wait until the worker is SERVING, check it holds the placement's range, open the stream."""
+        self._channel = grpc.aio.insecure_channel(self.address, options=tp.CHANNEL_OPTIONS)
+        self._stub = pb_grpc.HelixWorkerStub(self._channel)
+        health = health_pb2_grpc.HealthStub(self._channel)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=""),
+                                           timeout=min(5.0, max(0.1, deadline - time.monotonic())))
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() > deadline:
+                    raise ConnectionError(
+                        f"node {self.name}: worker at {self.address} not reachable after "
+                        f"{timeout_s:.0f} s: {exc.code().name}"
+                    ) from None
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"node {self.name}: worker at {self.address} not SERVING")
+            await asyncio.sleep(0.2)
+        await self.refresh_info(raise_errors=True)
+        info = self.info
+        assert info is not None
+        if (info.start_layer, info.end_layer) != (self.start_layer, self.end_layer) and not (
+            info.start_layer <= self.start_layer and self.end_layer <= info.end_layer
+        ):
+            raise ConnectionError(
+                f"node {self.name}: worker at {self.address} holds layers [{info.start_layer}, "
+                f"{info.end_layer}), the placement says [{self.start_layer}, {self.end_layer})"
+            )
+        if info.num_model_layers != num_model_layers:
+            raise ConnectionError(
+                f"node {self.name}: worker model has {info.num_model_layers} layers, "
+                f"the placement {num_model_layers}"
+            )
+        self._outgoing = asyncio.Queue()
+        self._stream_task = asyncio.get_running_loop().create_task(self._run_stream())
+        self.alive = True
+
+    async def close(self) -> None:
+        self.alive = False
+        self._outgoing.put_nowait(None)
+        if self._stream_task is not None:
+            self._stream_task.cancel()
+            await asyncio.gather(self._stream_task, return_exceptions=True)
+        if self._channel is not None:
+            await self._channel.close()
+
+    def reconnectable(self) -> bool:
+        return time.monotonic() - self._last_revive > REVIVE_INTERVAL_S
+
+    async def revive(self, num_model_layers: int) -> bool:
+        self._last_revive = time.monotonic()
+        if self._channel is not None:
+            await self._channel.close()
+        try:
+            await self.connect(num_model_layers, timeout_s=1.0)
+        except (ConnectionError, grpc.aio.AioRpcError):
+            return False
+        return True
+
+    # ---- the Work stream -------------------------------------------------------------------
+
+    async def _requests(self) -> AsyncIterator[pb.WorkBatch]:
+        yield tp.work_batch_pb([], coordinator_id=self.coordinator_id, sender="coordinator")
+        while True:
+            first = await self._outgoing.get()
+            if first is None:
+                return
+            items = [first]
+            while not self._outgoing.empty():
+                nxt = self._outgoing.get_nowait()
+                if nxt is None:
+                    yield tp.work_batch_pb(items)
+                    return
+                items.append(nxt)
+            yield tp.work_batch_pb(items)
+
+    async def _run_stream(self) -> None:
+        assert self._stub is not None
+        reason = "stream closed by the worker"
+        try:
+            call = self._stub.Work(self._requests())
+            async for batch in call:
+                for r in batch.results:
+                    self.on_result(tp.result_from_pb(r))
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            return
+        if self.alive:
+            self.alive = False
+            self.on_down(self.name, reason)
+
+    def send(self, item: tp.WireItem) -> None:
+        route_pb = self._route_pb_cache.get(item.route)
+        if route_pb is None:
+            if len(self._route_pb_cache) > 1024:
+                self._route_pb_cache.clear()
+            route_pb = self._route_pb_cache[item.route] = tp.route_to_pb(item.route)
+        self._outgoing.put_nowait(tp.item_to_pb(item, route_pb))
+
+    # ---- unary calls -----------------------------------------------------------------------
+
+    async def refresh_info(self, raise_errors: bool = False) -> None:
+        assert self._stub is not None
+        try:
+            self.info = tp.info_from_pb(await self._stub.Info(pb.InfoRequest(), timeout=5.0))
+        except grpc.aio.AioRpcError:
+            if raise_errors:
+                raise
+
+    async def release(self, request_ids: list[str]) -> int:
+        assert self._stub is not None
+        try:
+            reply = await self._stub.Release(tp.release_pb(request_ids), timeout=10.0)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("release on %s failed: %s", self.name, exc.code().name)
+            return 0
+        return int(reply.released)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.info.kv_capacity_tokens if self.info else 0
+
+    @property
+    def queue_len(self) -> int:
+        return self.info.queue_len if self.info else 0
+
+    def __repr__(self) -> str:
+        return f"NodeClient({self.name}@{self.address} [{self.start_layer},{self.end_layer}))"
+
+
+__all__ = ["NodeClient", "NodeFailure"]

@@ -1,0 +1,410 @@
+"""Conversion between helixserve's Python types and the protobuf messages of proto/helix.proto.
+
+This is the only module that builds or reads `helix_pb2` messages. Tensors travel as raw
+row-major bytes with dtype and shape (never pickled); `tensor_from_pb` checks dtype, shape and
+byte length against what the receiver expects and raises `WireError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import torch
+
+from helixserve.runtime.proto import helix_pb2 as pb
+
+if TYPE_CHECKING:
+    from helixserve.engine import SamplingParams
+
+#: gRPC message size limit on every channel and server. Raised deliberately from gRPC's 4 MiB
+#: default: a prefill chunk carries hidden: [chunk_tokens, hidden_size]; at 512 tokens of a
+#: 8192-wide fp32 model that is 16 MiB. Prefills longer than `prefill_chunk_tokens(...)` are split.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Loopback and LAN links: keep persistent streams alive through idle periods and NATs.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+OK = grpc.StatusCode.OK.value[0]
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+
+
+class WireError(ValueError):
+    """An incoming message does not match what the receiver expects (-> INVALID_ARGUMENT)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def prefill_chunk_tokens(hidden_size: int, dtype: torch.dtype, max_tokens: int = 512) -> int:
+    """Tokens per prefill chunk so one chunk's hidden states stay under half the message limit."""
+    bytes_per_token = hidden_size * torch.empty((), dtype=dtype).element_size()
+    return max(1, min(max_tokens, (MAX_MESSAGE_BYTES // 2) // bytes_per_token))
+
+
+# ---- tensors ----------------------------------------------------------------------------
+
+
+def tensor_to_pb(t: torch.Tensor) -> pb.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    # Reinterpret as bytes: works for bf16, which numpy cannot represent.
+    data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    return pb.Tensor(dtype=dtype_name(t.dtype), shape=list(t.shape), data=data)
+
+
+def tensor_from_pb(
+    msg: pb.Tensor, where: str, dtype: torch.dtype, shape: Sequence[int | None]
+) -> torch.Tensor:
+    """Decode a tensor, checking dtype, rank, each fixed dim (None = any) and byte length."""
+    want = dtype_name(dtype)
+    if msg.dtype != want:
+        known = ", ".join(_DTYPES) if msg.dtype not in _DTYPES else want
+        raise WireError(f"{where}.dtype: got {msg.dtype!r}, expected {want!r} (known: {known})")
+    got_shape = list(msg.shape)
+    if len(got_shape) != len(shape) or any(
+        w is not None and g != w for g, w in zip(got_shape, shape, strict=False)
+    ):
+        pretty = ["*" if w is None else w for w in shape]
+        raise WireError(f"{where}.shape: got {got_shape}, expected {pretty}")
+    if any(g <= 0 for g in got_shape):
+        raise WireError(f"{where}.shape: dims must be positive, got {got_shape}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    want_bytes = math.prod(got_shape) * itemsize
+    if len(msg.data) != want_bytes:
+        raise WireError(
+            f"{where}.data: {len(msg.data)} bytes, expected {want_bytes} "
+            f"(shape {got_shape} x {itemsize} bytes of {want})"
+        )
+    # bytearray: torch needs a writable buffer, and the engine may work in place.
+    flat = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)
+    return flat.view(dtype).reshape(got_shape)
+
+
+# ---- work items -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WireHop:
+    node: str
+    address: str
+    start_layer: int
+    end_layer: int
+
+
+@dataclass
+class WireItem:
+    """One unit of work for one hop: a prefill chunk or one decode token of one request."""
+
+    request_id: str
+    coordinator_id: str
+    step_id: int
+    hop_index: int
+    route: tuple[WireHop, ...]
+    #: position of token_ids[0] in the request's sequence
+    position: int
+    token_ids: list[int]
+    #: hidden: [num_tokens, hidden_size]; None on the first hop (it embeds token_ids)
+    hidden: torch.Tensor | None
+    sampling: SamplingParams | None
+    sample: bool
+    compute_s: float = 0.0
+    #: set on a re-prefill of prompt + output: tokens at positions >= this are generated ones
+    num_prompt_tokens: int | None = None
+
+    @property
+    def hop(self) -> WireHop:
+        return self.route[self.hop_index]
+
+    @property
+    def is_last_hop(self) -> bool:
+        return self.hop_index == len(self.route) - 1
+
+
+@dataclass
+class WireResult:
+    """What comes back to the coordinator for one item: a token, an ack, or an error."""
+
+    request_id: str
+    step_id: int
+    token_id: int | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    status_code: int = OK
+    error: str = ""
+    node: str = ""
+    compute_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status_code == OK
+
+
+def route_to_pb(route: Sequence[WireHop]) -> list[pb.Hop]:
+    return [
+        pb.Hop(node=h.node, address=h.address, start_layer=h.start_layer, end_layer=h.end_layer)
+        for h in route
+    ]
+
+
+def sampling_to_pb(s: SamplingParams | None) -> pb.SamplingParams | None:
+    if s is None:
+        return None
+    return pb.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k if s.top_k is not None else 0,
+        min_p=s.min_p,
+        has_seed=s.seed is not None,
+        seed=s.seed or 0,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logprobs=-1 if s.logprobs is None else s.logprobs,
+    )
+
+
+def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    from helixserve.engine import SamplingParams
+
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.has_seed else None,
+        repetition_penalty=msg.repetition_penalty,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        logprobs=None if msg.logprobs < 0 else msg.logprobs,
+    )
+
+
+def item_to_pb(item: WireItem, route_pb: list[pb.Hop] | None = None) -> pb.WorkItem:
+    """`route_pb` lets a caller reuse the converted route across a request's steps."""
+    msg = pb.WorkItem(
+        request_id=item.request_id,
+        coordinator_id=item.coordinator_id,
+        step_id=item.step_id,
+        hop_index=item.hop_index,
+        route=route_pb if route_pb is not None else route_to_pb(item.route),
+        position=item.position,
+        token_ids=item.token_ids,
+        sample=item.sample,
+        compute_s=item.compute_s,
+        num_prompt_tokens=item.num_prompt_tokens or 0,
+    )
+    if item.hidden is not None:
+        msg.hidden.CopyFrom(tensor_to_pb(item.hidden))
+    sampling = sampling_to_pb(item.sampling)
+    if sampling is not None:
+        msg.sampling.CopyFrom(sampling)
+    return msg
+
+
+def forward_item_pb(msg: pb.WorkItem, hidden: torch.Tensor, compute_s: float) -> pb.WorkItem:
+    """The same item for the next hop: hidden states replace nothing else."""
+    out = pb.WorkItem()
+    out.CopyFrom(msg)
+    out.hop_index = msg.hop_index + 1
+    out.compute_s = compute_s
+    out.hidden.CopyFrom(tensor_to_pb(hidden))
+    return out
+
+
+@dataclass(frozen=True)
+class ExpectedInput:
+    """What a worker accepts: its layer range, the model's depth, the hidden width and dtype."""
+
+    start_layer: int
+    end_layer: int
+    num_model_layers: int
+    hidden_size: int
+    dtype: torch.dtype
+
+
+def item_from_pb(msg: pb.WorkItem, expect: ExpectedInput, where: str = "item") -> WireItem:
+    """Decode and validate one incoming item; raise WireError naming the bad field."""
+    if not msg.request_id:
+        raise WireError(f"{where}.request_id: empty")
+    where = f"{where}[{msg.request_id}]"
+    route = tuple(
+        WireHop(node=h.node, address=h.address, start_layer=h.start_layer, end_layer=h.end_layer)
+        for h in msg.route
+    )
+    if not route:
+        raise WireError(f"{where}.route: empty")
+    if msg.hop_index >= len(route):
+        raise WireError(f"{where}.hop_index: {msg.hop_index} outside route of {len(route)} hops")
+    layer = 0
+    for i, h in enumerate(route):
+        if h.start_layer != layer or h.end_layer <= h.start_layer:
+            raise WireError(
+                f"{where}.route[{i}]: layers [{h.start_layer}, {h.end_layer}) do not continue "
+                f"from layer {layer}"
+            )
+        layer = h.end_layer
+    if layer != expect.num_model_layers:
+        raise WireError(
+            f"{where}.route: covers layers [0, {layer}), model has {expect.num_model_layers}"
+        )
+    hop = route[msg.hop_index]
+    if not (expect.start_layer <= hop.start_layer and hop.end_layer <= expect.end_layer):
+        raise WireError(
+            f"{where}.route[{msg.hop_index}]: layers [{hop.start_layer}, {hop.end_layer}) "
+            f"not held by this worker [{expect.start_layer}, {expect.end_layer})"
+        )
+    num_tokens = len(msg.token_ids)
+    if num_tokens == 0:
+        raise WireError(f"{where}.token_ids: empty")
+    if msg.position < 0:
+        raise WireError(f"{where}.position: {msg.position} < 0")
+    hidden: torch.Tensor | None = None
+    if hop.start_layer == 0:
+        if msg.HasField("hidden"):
+            raise WireError(f"{where}.hidden: set on the first hop, which embeds token_ids")
+    else:
+        if not msg.HasField("hidden"):
+            raise WireError(f"{where}.hidden: missing for a hop starting at layer {hop.start_layer}")
+        # hidden: [num_tokens, hidden_size]
+        hidden = tensor_from_pb(
+            msg.hidden, f"{where}.hidden", expect.dtype, (num_tokens, expect.hidden_size)
+        )
+    sampling = sampling_from_pb(msg.sampling) if msg.HasField("sampling") else None
+    return WireItem(
+        request_id=msg.request_id,
+        coordinator_id=msg.coordinator_id,
+        step_id=msg.step_id,
+        hop_index=msg.hop_index,
+        route=route,
+        position=msg.position,
+        token_ids=list(msg.token_ids),
+        hidden=hidden,
+        sampling=sampling,
+        sample=msg.sample,
+        compute_s=msg.compute_s,
+        num_prompt_tokens=msg.num_prompt_tokens or None,
+    )
+
+
+def work_batch_pb(
+    items: Sequence[pb.WorkItem], coordinator_id: str = "", sender: str = ""
+) -> pb.WorkBatch:
+    batch = pb.WorkBatch(items=items)
+    if coordinator_id or sender:
+        batch.hello.CopyFrom(pb.StreamHello(coordinator_id=coordinator_id, sender=sender))
+    return batch
+
+
+def hello_of(batch: pb.WorkBatch) -> tuple[str, str] | None:
+    """(coordinator_id, sender) when the batch opens a stream, else None."""
+    if not batch.HasField("hello"):
+        return None
+    return batch.hello.coordinator_id, batch.hello.sender
+
+
+# ---- results ----------------------------------------------------------------------------
+
+
+def result_to_pb(r: WireResult) -> pb.WorkResult:
+    msg = pb.WorkResult(
+        request_id=r.request_id,
+        step_id=r.step_id,
+        has_token=r.token_id is not None,
+        token_id=r.token_id or 0,
+        logprob=r.logprob or 0.0,
+        top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in r.top_logprobs],
+        status_code=r.status_code,
+        error=r.error,
+        node=r.node,
+        compute_s=r.compute_s,
+    )
+    return msg
+
+
+def result_from_pb(msg: pb.WorkResult, want_logprob: bool = True) -> WireResult:
+    return WireResult(
+        request_id=msg.request_id,
+        step_id=msg.step_id,
+        token_id=msg.token_id if msg.has_token else None,
+        logprob=msg.logprob if msg.has_token and want_logprob else None,
+        top_logprobs=[(t.token_id, t.logprob) for t in msg.top_logprobs],
+        status_code=msg.status_code,
+        error=msg.error,
+        node=msg.node,
+        compute_s=msg.compute_s,
+    )
+
+
+def result_batch_pb(results: Sequence[pb.WorkResult]) -> pb.ResultBatch:
+    return pb.ResultBatch(results=results)
+
+
+def release_pb(request_ids: Sequence[str]) -> pb.ReleaseRequest:
+    return pb.ReleaseRequest(request_ids=list(request_ids))
+
+
+# ---- info -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    node: str
+    model: str
+    num_model_layers: int
+    start_layer: int
+    end_layer: int
+    backend: str
+    device: str
+    dtype: str
+    hidden_size: int
+    kv_block_size: int
+    kv_total_blocks: int
+    kv_used_blocks: int
+    kv_capacity_tokens: int
+    queue_len: int
+    last_batch_size: int
+    busy_fraction: float
+    steps: int
+    active_requests: int
+    draining: bool
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def kv_free_tokens(self) -> int:
+        return (self.kv_total_blocks - self.kv_used_blocks) * self.kv_block_size
+
+
+def info_to_pb(info: WorkerInfo) -> pb.InfoReply:
+    fields = {k: getattr(info, k) for k in WorkerInfo.__dataclass_fields__}
+    fields["eos_token_ids"] = list(info.eos_token_ids)
+    return pb.InfoReply(**fields)
+
+
+def info_from_pb(msg: pb.InfoReply) -> WorkerInfo:
+    fields = {k: getattr(msg, k) for k in WorkerInfo.__dataclass_fields__}
+    fields["eos_token_ids"] = tuple(msg.eos_token_ids)
+    return WorkerInfo(**fields)

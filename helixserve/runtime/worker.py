@@ -1,0 +1,472 @@
+"""The gRPC worker: one engine (one layer range) behind the `HelixWorker` service.
+
+Threads and loops:
+- the asyncio loop (main thread) runs the gRPC server, the outgoing streams to next hops and the
+  per-stream result writers; it only converts messages and moves them between queues;
+- ONE engine thread runs the continuous-batching loop: take everything queued, run it as one
+  `engine.step`, hand the outputs back to the loop. Releases (KV frees) are executed by the same
+  thread, ordered with the work, because the engine is not thread-safe.
+
+Per step, a request contributes at most one item (its prefill chunks or a decode token arrive in
+order and must run in order: an item's KV writes must land before the next item reads them);
+later items of the same request wait for the next step, which also pipelines chunked prefills.
+
+Where results go: an item names the coordinator that sent it; the coordinator keeps a Work stream
+open to every worker, so the last hop writes the sampled token straight onto that stream (one
+message, not relayed back along the route). Per-item errors (validation, KV full, next hop
+unreachable) go the same way, to the coordinator, which fails or re-routes the request.
+
+Released request ids are remembered (bounded) so that an item still in flight when its request
+was released is dropped instead of allocating KV that nobody would free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from helixserve.runtime import transport as tp
+from helixserve.runtime.proto import helix_pb2 as pb
+from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
+
+log = logging.getLogger("helixserve.worker")
+
+SERVICE_NAME = "helixserve.v1.HelixWorker"
+#: Remember this many released request ids (see module doc).
+RELEASED_MEMORY = 100_000
+#: Window of the busy-fraction estimate reported by Info.
+BUSY_WINDOW_S = 5.0
+
+
+@dataclass
+class _Stream:
+    """One incoming Work stream: results for its sender are queued here and written in batches."""
+
+    coordinator_id: str
+    sender: str
+    out: asyncio.Queue[pb.WorkResult | None] = field(default_factory=asyncio.Queue)
+
+
+@dataclass
+class _Job:
+    item: tp.WireItem
+    msg: pb.WorkItem
+    origin: _Stream
+
+
+@dataclass
+class _Release:
+    request_ids: list[str]
+    done: Future[int]
+
+
+class _Peer:
+    """A persistent Work stream to one next-hop worker; all items for it go out in batches."""
+
+    def __init__(self, worker: Worker, address: str) -> None:
+        self.worker = worker
+        self.address = address
+        self.queue: asyncio.Queue[pb.WorkItem] = asyncio.Queue()
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            first = await self.queue.get()
+            channel = grpc.aio.insecure_channel(self.address, options=tp.CHANNEL_OPTIONS)
+            outgoing: asyncio.Queue[pb.WorkBatch | None] = asyncio.Queue()
+            outgoing.put_nowait(tp.work_batch_pb([first], sender=self.worker.node))
+
+            async def requests(q: asyncio.Queue[pb.WorkBatch | None] = outgoing) -> Any:
+                while (b := await q.get()) is not None:
+                    yield b
+
+            call = pb_grpc.HelixWorkerStub(channel).Work(requests())
+            reader = asyncio.create_task(self._read(call))
+            try:
+                while not reader.done():
+                    get = asyncio.create_task(self.queue.get())
+                    done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
+                    if get not in done:
+                        get.cancel()
+                        break
+                    items = [get.result()]
+                    while not self.queue.empty():
+                        items.append(self.queue.get_nowait())
+                    outgoing.put_nowait(tp.work_batch_pb(items))
+                await reader  # re-raises the stream's error
+            except (grpc.aio.AioRpcError, grpc.RpcError) as exc:
+                log.warning("stream to %s broke: %s", self.address, exc)
+                self._fail_queued(f"next hop {self.address} unreachable: {exc.details()}")  # type: ignore[attr-defined]
+            finally:
+                outgoing.put_nowait(None)
+                await channel.close()
+
+    async def _read(self, call: Any) -> None:
+        # Downstream normally reports to the coordinator directly; anything arriving here is a
+        # per-item error that could not be delivered there.
+        async for batch in call:
+            for r in batch.results:
+                self.worker.deliver(r, coordinator_id="", origin=None)
+
+    def _fail_queued(self, message: str) -> None:
+        while not self.queue.empty():
+            msg = self.queue.get_nowait()
+            self.worker.report_error(msg.request_id, msg.step_id, msg.coordinator_id,
+                                     tp.UNAVAILABLE, message)
+
+
+class Worker(pb_grpc.HelixWorkerServicer):
+    """Serve one engine's layer range; see the module doc for threads and message flow."""
+
+    def __init__(self, engine: Any, node: str, model: str, backend: str, device: str) -> None:
+        self.engine = engine
+        self.node = node
+        self.model = model
+        self.backend = backend
+        self.device = device
+        self.expect = tp.ExpectedInput(
+            start_layer=engine.start_layer,
+            end_layer=engine.end_layer,
+            num_model_layers=engine.num_model_layers,
+            hidden_size=engine.hidden_size,
+            dtype=engine.dtype,
+        )
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.inbox: queue.SimpleQueue[_Job | _Release | None] = queue.SimpleQueue()
+        self.coordinators: dict[str, _Stream] = {}
+        self.peers: dict[str, _Peer] = {}
+        self.draining = False
+        # Engine-thread state (read approximately by Info from the loop thread).
+        self.active: dict[str, str] = {}  # request id -> coordinator id, holding KV here
+        self.released: OrderedDict[str, None] = OrderedDict()
+        self.queue_len = 0
+        self.last_batch_size = 0
+        self.steps = 0
+        self._busy: deque[tuple[float, float]] = deque()  # (end time, step seconds)
+        self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self.inbox.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        for peer in self.peers.values():
+            peer.task.cancel()
+        for stream in list(self.coordinators.values()):
+            stream.out.put_nowait(None)
+
+    def fail_active(self, message: str) -> int:
+        """Tell every coordinator that its requests here are lost (shutdown after drain)."""
+        fut: Future[int] = Future()
+        ids = list(self.active.items())
+        for rid, cid in ids:
+            self.report_error(rid, 0, cid, tp.UNAVAILABLE, message)
+        self.inbox.put(_Release([rid for rid, _ in ids], fut))
+        return len(ids)
+
+    # ---- engine thread -----------------------------------------------------------------
+
+    def _engine_loop(self) -> None:
+        from helixserve.engine import KVCacheFullError, WorkItem
+
+        pending: deque[_Job] = deque()
+        while True:
+            msgs: list[_Job | _Release | None] = []
+            if not pending:
+                msgs.append(self.inbox.get())
+            while True:
+                try:
+                    msgs.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for m in msgs:
+                if m is None:
+                    return
+                if isinstance(m, _Release):
+                    freed = self._free(m.request_ids)
+                    if not m.done.cancelled():  # the caller may have gone away
+                        m.done.set_result(freed)
+                else:
+                    pending.append(m)
+            # One item per request per step, FIFO; the rest waits (module doc).
+            batch: list[_Job] = []
+            seen: set[str] = set()
+            later: deque[_Job] = deque()
+            for job in pending:
+                rid = job.item.request_id
+                if rid in self.released:
+                    continue
+                if rid in seen:
+                    later.append(job)
+                else:
+                    seen.add(rid)
+                    batch.append(job)
+            pending = later
+            self.queue_len = len(pending)
+            if not batch:
+                continue
+            items = [
+                WorkItem(
+                    request_id=j.item.request_id,
+                    start_layer=j.item.hop.start_layer,
+                    end_layer=j.item.hop.end_layer,
+                    position=j.item.position,
+                    token_ids=j.item.token_ids,
+                    hidden=j.item.hidden,
+                    sampling=j.item.sampling,
+                    sample=j.item.sample,
+                    num_prompt_tokens=j.item.num_prompt_tokens,
+                )
+                for j in batch
+            ]
+            for j in batch:
+                self.active[j.item.request_id] = j.item.coordinator_id
+            t0 = time.perf_counter()
+            outputs: list[Any]
+            try:
+                outputs = self.engine.step(items)
+            except Exception as exc:
+                # KV full, or an item the wire validation let through that the engine refuses:
+                # retry one by one so that only the offending requests fail.
+                if not isinstance(exc, KVCacheFullError):
+                    log.warning("engine step of %d items failed: %s", len(items), exc)
+                outputs = []
+                for it in items:
+                    try:
+                        outputs.extend(self.engine.step([it]))
+                    except Exception as one_exc:
+                        outputs.append(one_exc)
+            step_s = time.perf_counter() - t0
+            self._record_step(step_s, len(items))
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(self._dispatch, batch, outputs, step_s)
+
+    def _free(self, request_ids: list[str]) -> int:
+        freed = 0
+        for rid in request_ids:
+            self.released[rid] = None
+            if len(self.released) > RELEASED_MEMORY:
+                self.released.popitem(last=False)
+            if self.active.pop(rid, None) is not None:
+                freed += 1
+            self.engine.free(rid)
+        return freed
+
+    def _record_step(self, step_s: float, batch_size: int) -> None:
+        now = time.monotonic()
+        self._busy.append((now, step_s))
+        while self._busy and self._busy[0][0] < now - BUSY_WINDOW_S:
+            self._busy.popleft()
+        self.last_batch_size = batch_size
+        self.steps += 1
+
+    def busy_fraction(self) -> float:
+        now = time.monotonic()
+        busy = sum(s for t, s in list(self._busy) if t >= now - BUSY_WINDOW_S)
+        return min(1.0, busy / BUSY_WINDOW_S)
+
+    # ---- loop thread: after a step ------------------------------------------------------
+
+    def _dispatch(self, batch: list[_Job], outputs: list[Any], step_s: float) -> None:
+        for job, out in zip(batch, outputs, strict=True):
+            item = job.item
+            compute_s = item.compute_s + step_s
+            if isinstance(out, Exception):
+                code = tp.RESOURCE_EXHAUSTED if type(out).__name__ == "KVCacheFullError" else tp.INTERNAL
+                self.report_error(item.request_id, item.step_id, item.coordinator_id, code,
+                                  f"node {self.node}: {type(out).__name__}: {out}", job.origin)
+                continue
+            if item.is_last_hop:
+                result = tp.WireResult(
+                    request_id=item.request_id,
+                    step_id=item.step_id,
+                    token_id=out.token_id,
+                    logprob=out.logprob,
+                    top_logprobs=list(out.top_logprobs or []),
+                    node=self.node,
+                    compute_s=compute_s,
+                )
+                self.deliver(tp.result_to_pb(result), item.coordinator_id, job.origin)
+            else:
+                nxt = item.route[item.hop_index + 1]
+                # hidden: [num_tokens, hidden_size] leaves for the next hop
+                msg = tp.forward_item_pb(job.msg, out.hidden, compute_s)
+                peer = self.peers.get(nxt.address)
+                if peer is None or peer.task.done():
+                    peer = self.peers[nxt.address] = _Peer(self, nxt.address)
+                peer.queue.put_nowait(msg)
+
+    def deliver(self, result: pb.WorkResult, coordinator_id: str, origin: _Stream | None) -> None:
+        stream = self.coordinators.get(coordinator_id) or origin
+        if stream is None:
+            log.warning("no stream for result of %s: %s", result.request_id, result.error)
+            return
+        stream.out.put_nowait(result)
+
+    def report_error(self, request_id: str, step_id: int, coordinator_id: str, code: int,
+                     message: str, origin: _Stream | None = None) -> None:
+        r = tp.WireResult(request_id=request_id, step_id=step_id, status_code=code,
+                          error=message, node=self.node)
+        self.deliver(tp.result_to_pb(r), coordinator_id, origin)
+
+    # ---- gRPC methods --------------------------------------------------------------------
+
+    async def Work(  # noqa: N802 (gRPC method name)
+        self, request_iterator: AsyncIterator[pb.WorkBatch], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ResultBatch]:
+        stream = _Stream(coordinator_id="", sender="")
+        reader = asyncio.create_task(self._read_stream(request_iterator, stream))
+        try:
+            while True:
+                first = await stream.out.get()
+                if first is None:
+                    break
+                results = [first]
+                while not stream.out.empty():
+                    r = stream.out.get_nowait()
+                    if r is None:
+                        stream.out.put_nowait(None)
+                        break
+                    results.append(r)
+                yield tp.result_batch_pb(results)
+        finally:
+            reader.cancel()
+            if stream.coordinator_id and self.coordinators.get(stream.coordinator_id) is stream:
+                del self.coordinators[stream.coordinator_id]
+
+    async def _read_stream(self, request_iterator: AsyncIterator[pb.WorkBatch],
+                           stream: _Stream) -> None:
+        try:
+            async for batch in request_iterator:
+                hello = tp.hello_of(batch)
+                if hello is not None:
+                    stream.coordinator_id, stream.sender = hello
+                    if stream.coordinator_id:
+                        self.coordinators[stream.coordinator_id] = stream
+                for i, msg in enumerate(batch.items):
+                    self._accept(msg, stream, f"items[{i}]")
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+        finally:
+            stream.out.put_nowait(None)
+
+    def _accept(self, msg: pb.WorkItem, stream: _Stream, where: str) -> None:
+        try:
+            item = tp.item_from_pb(msg, self.expect, where)
+        except tp.WireError as exc:
+            self.report_error(msg.request_id, msg.step_id, msg.coordinator_id,
+                              tp.INVALID_ARGUMENT, f"node {self.node}: {exc}", stream)
+            return
+        if self.draining and item.request_id not in self.active:
+            self.report_error(item.request_id, item.step_id, item.coordinator_id, tp.UNAVAILABLE,
+                              f"node {self.node}: draining for shutdown, not accepting new requests",
+                              stream)
+            return
+        self.inbox.put(_Job(item, msg, stream))
+
+    async def Release(  # noqa: N802
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseReply:
+        fut: Future[int] = Future()
+        self.inbox.put(_Release(list(request.request_ids), fut))
+        freed = await asyncio.wrap_future(fut)
+        return pb.ReleaseReply(released=freed)
+
+    async def Info(  # noqa: N802
+        self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InfoReply:
+        return tp.info_to_pb(self.info())
+
+    def info(self) -> tp.WorkerInfo:
+        kv = self.engine.kv_stats()
+        return tp.WorkerInfo(
+            node=self.node,
+            model=self.model,
+            num_model_layers=self.engine.num_model_layers,
+            start_layer=self.engine.start_layer,
+            end_layer=self.engine.end_layer,
+            backend=self.backend,
+            device=self.device,
+            dtype=tp.dtype_name(self.engine.dtype),
+            hidden_size=self.engine.hidden_size,
+            kv_block_size=int(kv["block_size"]),
+            kv_total_blocks=int(kv["total_blocks"]),
+            kv_used_blocks=int(kv["used_blocks"]),
+            kv_capacity_tokens=int(kv["capacity_tokens"]),
+            queue_len=self.queue_len + self.inbox.qsize(),
+            last_batch_size=self.last_batch_size,
+            busy_fraction=self.busy_fraction(),
+            steps=self.steps,
+            active_requests=len(self.active),
+            draining=self.draining,
+            eos_token_ids=tuple(int(t) for t in (self.engine.eos_token_ids or ())),
+        )
+
+
+async def serve(
+    worker: Worker,
+    host: str,
+    port: int,
+    drain_timeout_s: float = 30.0,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Run the worker's gRPC server until `stop` is set (SIGTERM), then drain and exit.
+
+    Shutdown: health goes NOT_SERVING and new requests are refused; requests already holding KV
+    here keep being served until the coordinator releases them or `drain_timeout_s` passes;
+    whatever is left then is failed explicitly (UNAVAILABLE to its coordinator) and freed.
+    Returns the bound port.
+    """
+    server = grpc.aio.server(options=tp.CHANNEL_OPTIONS)
+    pb_grpc.add_HelixWorkerServicer_to_server(worker, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    worker.start()
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    info = worker.info()
+    print(
+        f"helixserve worker {worker.node}: layers [{info.start_layer}, {info.end_layer}) of "
+        f"{info.num_model_layers}, {info.backend} on {info.device} ({info.dtype}), "
+        f"KV {info.kv_capacity_tokens} tokens, listening on {host}:{bound}",
+        flush=True,
+    )
+    if ready is not None:
+        ready.set()
+    stop = stop or asyncio.Event()
+    await stop.wait()
+    worker.draining = True
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    deadline = time.monotonic() + drain_timeout_s
+    while worker.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    lost = worker.fail_active(f"node {worker.node}: shut down before the request finished")
+    if lost:
+        log.warning("failed %d requests still active after %.1f s drain", lost, drain_timeout_s)
+    await asyncio.sleep(0.1)  # let the error results reach their streams
+    await worker.stop()
+    await server.stop(grace=1.0)
+    print(f"helixserve worker {worker.node}: stopped ({lost} requests failed at shutdown)",
+          flush=True)
+    return bound
