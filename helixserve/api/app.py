@@ -1,0 +1,438 @@
+"""The OpenAI-compatible HTTP app: `create_app(coordinator, served_model_name, api_key)`.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
+GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version.
+
+A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would buffer and
+break client-disconnect cancellation of streams) does two things for every request: takes
+`X-Request-Id` (or makes one) and echoes it on the response, and checks the API key on
+/v1/*, /tokenize and /detokenize. /health, /metrics and /version stay open for probes and
+Prometheus, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from helixserve import __version__
+from helixserve.api.errors import APIError, install_error_handlers
+from helixserve.api.metrics import ServingMetrics
+from helixserve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from helixserve.api.serving import Batch, Choice, CoordinatorLike, Serving, map_error
+from helixserve.runtime import TokenEvent
+
+T = TypeVar("T")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+#: status nginx uses for "client closed the request"; the client never sees it
+_CLIENT_CLOSED = 499
+
+Events = AsyncGenerator[tuple[Choice, TokenEvent], None]
+
+
+class RequestContextMiddleware:
+    """X-Request-Id in and out, and Bearer API-key auth, as plain ASGI."""
+
+    def __init__(self, app: Any, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        given = headers.get(b"x-request-id", b"").decode("latin-1").strip()[:128]
+        request_id = given or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        scope["state"]["request_id_given"] = bool(given)
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"x-request-id", request_id.encode("latin-1")),
+                ]
+            await send(message)
+
+        if self.api_key is not None and scope["path"].startswith(_PROTECTED_PREFIXES):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                err = APIError(
+                    401,
+                    "Incorrect API key provided. Pass it as 'Authorization: Bearer <key>'.",
+                    code="invalid_api_key",
+                )
+                await err.response()(scope, receive, send_with_id)
+                return
+        await self.app(scope, receive, send_with_id)
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its body generator however the response ends, so a client disconnect
+    closes the coordinator generators (and frees KV) at once, not at garbage collection."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _until_disconnect(request: Request) -> None:
+    # the body is already read, so the next ASGI message is the disconnect
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _with_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task in done:
+        return task.result()
+    # cancelling the task throws CancelledError into the coordinator's generators,
+    # whose cleanup releases the request's KV along its route
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise _ClientGone()
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def create_app(
+    coordinator: CoordinatorLike, served_model_name: str | None = None, api_key: str | None = None
+) -> FastAPI:
+    """The API over a running coordinator. `api_key` None = no auth."""
+    name = served_model_name or coordinator.model_name
+    metrics = ServingMetrics(name, coordinator.stats)
+    serving = Serving(coordinator, name, metrics)
+    app = FastAPI(title="helixserve", version=__version__, docs_url=None, redoc_url=None)
+    app.state.serving = serving
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.add_middleware(RequestContextMiddleware, api_key=api_key)
+
+    def response_id(request: Request, prefix: str) -> str:
+        rid = str(request.state.request_id)
+        return rid if request.state.request_id_given else f"{prefix}-{rid}"
+
+    async def start_stream(
+        request: Request,
+        batch: Batch,
+        render: Callable[[tuple[Choice, TokenEvent] | None, Events], AsyncGenerator[str, None]],
+    ) -> Response:
+        # Wait for the first event before sending headers, so a request that cannot start
+        # (no route, queue full) gets its HTTP status instead of a 200 with an error inside.
+        events = serving.events(batch)
+        try:
+            first: tuple[Choice, TokenEvent] | None = await _with_disconnect(request, anext(events))
+        except StopAsyncIteration:
+            first = None
+        except _ClientGone:
+            return Response(status_code=_CLIENT_CLOSED)
+        except Exception as exc:
+            await events.aclose()
+            raise map_error(exc) from exc
+        return _ClosingStreamingResponse(render(first, events), media_type="text/event-stream")
+
+    async def run_to_end(request: Request, batch: Batch) -> bool:
+        try:
+            await _with_disconnect(request, serving.collect(batch))
+        except _ClientGone:
+            return False
+        return True
+
+    # ---- completions ----------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        serving.check_model(body.model)
+        rid = response_id(request, "cmpl")
+        prompts = serving.completion_prompts(body)
+        batch = serving.build_batch(rid, body, prompts, body.max_tokens, body.logprobs, "prompt")
+        if body.stream:
+            return await start_stream(
+                request, batch, lambda first, ev: completion_sse(batch, body, first, ev)
+            )
+        if not await run_to_end(request, batch):
+            return Response(status_code=_CLIENT_CLOSED)
+        choices = []
+        for c in batch.choices:
+            prefix = c.prompt_text if body.echo else ""
+            choices.append(
+                {
+                    "index": c.index,
+                    "text": prefix + c.text,
+                    "logprobs": None
+                    if body.logprobs is None
+                    else serving.completion_logprobs(c, 0, len(c.token_ids), body.echo, 0),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": None,
+                }
+            )
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": batch.created,
+                "model": name,
+                "choices": choices,
+                "usage": batch.usage(),
+                "system_fingerprint": None,
+            }
+        )
+
+    async def completion_sse(
+        batch: Batch,
+        body: CompletionRequest,
+        first: tuple[Choice, TokenEvent] | None,
+        events: Events,
+    ) -> AsyncGenerator[str, None]:
+        include_usage = body.include_usage()
+        sent_tokens = {c.index: 0 for c in batch.choices}
+        sent_chars = {c.index: 0 for c in batch.choices}
+
+        def chunk(c: Choice, ev: TokenEvent) -> dict[str, Any]:
+            echo = body.echo and sent_chars[c.index] == 0 and sent_tokens[c.index] == 0
+            text = (c.prompt_text if echo else "") + (ev.text or "")
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = serving.completion_logprobs(
+                    c, sent_tokens[c.index], len(c.token_ids), echo, sent_chars[c.index]
+                )
+            sent_tokens[c.index] = len(c.token_ids)
+            sent_chars[c.index] += len(text)
+            out: dict[str, Any] = {
+                "id": batch.request_id,
+                "object": "text_completion",
+                "created": batch.created,
+                "model": name,
+                "choices": [
+                    {
+                        "index": c.index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": ev.finish_reason,
+                        "stop_reason": None,
+                    }
+                ],
+            }
+            if include_usage:
+                out["usage"] = None
+            return out
+
+        try:
+            if first is not None:
+                yield _sse(chunk(*first))
+                async for c, ev in events:
+                    yield _sse(chunk(c, ev))
+        except Exception as exc:
+            yield _sse(map_error(exc).body())
+        if include_usage:
+            yield _sse(
+                {
+                    "id": batch.request_id,
+                    "object": "text_completion",
+                    "created": batch.created,
+                    "model": name,
+                    "choices": [],
+                    "usage": batch.usage(),
+                }
+            )
+        yield "data: [DONE]\n\n"
+
+    # ---- chat completions -----------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        serving.check_model(body.model)
+        rid = response_id(request, "chatcmpl")
+        prompts = serving.chat_prompt(body)
+        batch = serving.build_batch(
+            rid, body, prompts, body.effective_max_tokens(), body.num_logprobs(), "messages"
+        )
+        if body.stream:
+            return await start_stream(
+                request, batch, lambda first, ev: chat_sse(batch, body, first, ev)
+            )
+        if not await run_to_end(request, batch):
+            return Response(status_code=_CLIENT_CLOSED)
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": serving.chat_logprobs(c, 0, len(c.token_ids))
+                if body.logprobs
+                else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": None,
+            }
+            for c in batch.choices
+        ]
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": batch.created,
+                "model": name,
+                "choices": choices,
+                "usage": batch.usage(),
+                "system_fingerprint": None,
+            }
+        )
+
+    async def chat_sse(
+        batch: Batch,
+        body: ChatCompletionRequest,
+        first: tuple[Choice, TokenEvent] | None,
+        events: Events,
+    ) -> AsyncGenerator[str, None]:
+        include_usage = body.include_usage()
+        sent_tokens = {c.index: 0 for c in batch.choices}
+
+        def envelope(choice: dict[str, Any]) -> dict[str, Any]:
+            out: dict[str, Any] = {
+                "id": batch.request_id,
+                "object": "chat.completion.chunk",
+                "created": batch.created,
+                "model": name,
+                "choices": [choice],
+            }
+            if include_usage:
+                out["usage"] = None
+            return out
+
+        def chunk(c: Choice, ev: TokenEvent) -> dict[str, Any] | None:
+            if not ev.text and ev.finish_reason is None:
+                return None  # nothing to show yet (e.g. half a UTF-8 character)
+            logprobs = None
+            if body.logprobs:
+                logprobs = serving.chat_logprobs(c, sent_tokens[c.index], len(c.token_ids))
+            sent_tokens[c.index] = len(c.token_ids)
+            delta = {"content": ev.text} if ev.text else {}
+            return envelope(
+                {
+                    "index": c.index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": ev.finish_reason,
+                }
+            )
+
+        # the first chunk of every choice carries the assistant role, as OpenAI's does
+        for c in batch.choices:
+            yield _sse(
+                envelope(
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            )
+        try:
+            if first is not None:
+                data = chunk(*first)
+                if data is not None:
+                    yield _sse(data)
+                async for c, ev in events:
+                    data = chunk(c, ev)
+                    if data is not None:
+                        yield _sse(data)
+        except Exception as exc:
+            yield _sse(map_error(exc).body())
+        if include_usage:
+            yield _sse(
+                {
+                    "id": batch.request_id,
+                    "object": "chat.completion.chunk",
+                    "created": batch.created,
+                    "model": name,
+                    "choices": [],
+                    "usage": batch.usage(),
+                }
+            )
+        yield "data: [DONE]\n\n"
+
+    # ---- the rest -------------------------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "helixserve",
+                    "root": coordinator.model_name,
+                    "max_model_len": coordinator.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        serving.check_model(body.model)
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            tokens = serving.encode_chat(messages, body.add_generation_prompt)
+        else:
+            tokens = serving.encode_text(body.prompt or "", body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": coordinator.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        serving.check_model(body.model)
+        vocab = len(serving.tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens: id {bad[0]} out of range [0, {vocab})", param="tokens")
+        return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
+    return app

@@ -1,0 +1,194 @@
+"""Local processes for `serve`, `demo`, the integration tests and the serving benchmark.
+
+`WorkerProcesses` starts `helixserve worker` subprocesses for the nodes of a placement,
+waits until each answers the gRPC health check, and stops them all (SIGTERM, then SIGKILL
+after a grace period). Workers run in their own session, so a Ctrl-C at the terminal reaches
+only the parent, which shuts down in order (API, coordinator, then workers); on Linux they
+also get PR_SET_PDEATHSIG, so even a SIGKILLed parent leaves no orphans.
+
+`serve_app` runs a FastAPI app under uvicorn inside the current event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from helixserve.errors import UserError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now (the OS picks it; there is a small race until it is bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child when the parent dies (Linux only; no-op elsewhere)."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+@dataclass
+class WorkerSpec:
+    node: str
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class WorkerProcesses:
+    """`helixserve worker` subprocesses, one per node of a placement."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        placement_path: Path,
+        workers: list[WorkerSpec],
+        log_dir: Path,
+        num_threads: int | None = None,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self.model_dir = model_dir
+        self.placement_path = placement_path
+        self.workers = workers
+        self.log_dir = log_dir
+        self.num_threads = num_threads
+        self.extra_args = extra_args or []
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        if self.num_threads:
+            # also caps the BLAS pools torch does not control through set_num_threads
+            env["OMP_NUM_THREADS"] = str(self.num_threads)
+        for w in self.workers:
+            cmd = [
+                sys.executable, "-m", "helixserve", "worker",
+                "--model", str(self.model_dir),
+                "--placement", str(self.placement_path),
+                "--node", w.node,
+                "--host", w.host,
+                "--port", str(w.port),
+            ]  # fmt: skip
+            if self.num_threads:
+                cmd += ["--num-threads", str(self.num_threads)]
+            cmd += self.extra_args
+            log = (self.log_dir / f"worker-{w.node}.log").open("wb")
+            self.procs[w.node] = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads exist yet at start)
+            )
+            log.close()
+
+    def log_tail(self, node: str, num_chars: int = 2000) -> str:
+        path = self.log_dir / f"worker-{node}.log"
+        try:
+            return path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Until every worker's gRPC health check says SERVING; fails with the worker's log
+        tail if one exits or the timeout passes."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers:
+            channel = grpc.insecure_channel(w.address)
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                while True:
+                    proc = self.procs[w.node]
+                    if proc.poll() is not None:
+                        raise UserError(
+                            f"worker {w.node} exited with code {proc.returncode} before it was "
+                            f"ready; log {self.log_dir}/worker-{w.node}.log:\n"
+                            f"{self.log_tail(w.node)}"
+                        )
+                    try:
+                        reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                            break
+                    except grpc.RpcError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise UserError(
+                            f"worker {w.node} at {w.address} not ready after {timeout_s:.0f} s; "
+                            f"log tail:\n{self.log_tail(w.node)}"
+                        )
+                    time.sleep(0.2)
+            finally:
+                channel.close()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM all (they drain), then SIGKILL whatever is still alive after `grace_s`."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                proc.wait()
+
+    def alive(self) -> dict[str, bool]:
+        return {node: proc.poll() is None for node, proc in self.procs.items()}
+
+
+async def serve_app(
+    app: Any,
+    host: str,
+    port: int,
+    log_level: str = "warning",
+    on_started: Callable[[], None] | None = None,
+) -> None:
+    """Run `app` under uvicorn in this event loop until SIGINT/SIGTERM (uvicorn's handlers)
+    or until the returned server is told to exit."""
+    import asyncio
+
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    if on_started is not None:
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            on_started()
+    try:
+        await task
+    except SystemExit:  # uvicorn exits when it cannot bind
+        server.started = False
+    if not server.started:
+        raise UserError(f"--port: could not start the API server on {host}:{port} (in use?)")

@@ -1,0 +1,430 @@
+"""Completions and chat completions over the coordinator: prompts in, choices and chunks out.
+
+One HTTP request becomes one coordinator request per choice (prompt x n). Their token
+events are merged into one stream; each event updates its choice (text, token ids,
+logprobs, finish reason) and the metrics. Non-streaming requests collect the stream into one
+response; streaming ones turn each event into an SSE chunk. Usage counts are the token ids
+the tokenizer produced for the prompt and the tokens the coordinator emitted, so they are
+exact.
+
+Errors the coordinator raises before the first token (no route, full queue, bad input)
+become HTTP errors, because a streaming response waits for its first event before it
+sends its headers; a choice that fails mid-stream ends the stream with an SSE error event.
+When the client goes away, the coordinator generators are closed, which frees the KV cache
+along their routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from helixserve.api.errors import APIError
+from helixserve.api.metrics import ServingMetrics
+from helixserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from helixserve.engine import SamplingParams
+from helixserve.errors import UserError
+from helixserve.runtime import (
+    GenerationRequest,
+    NoRouteError,
+    QueueFullError,
+    RequestFailedError,
+    TokenEvent,
+)
+
+
+class CoordinatorLike(Protocol):
+    """What the API needs of `helixserve.runtime.Coordinator`."""
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+
+    def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
+
+    def stats(self) -> Mapping[str, Any]: ...
+
+
+def map_error(exc: BaseException) -> APIError:
+    """A coordinator exception as the HTTP error the client gets."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, NoRouteError):
+        return APIError(503, f"no route covers the model: {exc}", code="no_route")
+    if isinstance(exc, QueueFullError):
+        return APIError(503, f"server busy, queue full: {exc}", code="queue_full")
+    if isinstance(exc, RequestFailedError):
+        return APIError(503, str(exc), code="request_failed")
+    if isinstance(exc, UserError):
+        return APIError(400, str(exc), code="invalid_parameter")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+async def _aclose(gen: AsyncIterator[Any]) -> None:
+    """Close an async generator now (runs its cleanup: the coordinator frees KV)."""
+    close = getattr(gen, "aclose", None)
+    if close is not None:
+        await close()
+
+
+def _finite(logprob: float | None) -> float | None:
+    # JSON has no -inf; vLLM reports impossible tokens as -9999.0
+    if logprob is None:
+        return None
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+@dataclass
+class Choice:
+    """One generated sequence: its request to the coordinator and what came back."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    #: prompt as text, for `echo`
+    prompt_text: str
+    request: GenerationRequest
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    start_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+
+
+@dataclass
+class Batch:
+    """All choices of one HTTP request."""
+
+    request_id: str
+    created: int
+    choices: list[Choice]
+    #: token ids of each distinct prompt (usage counts each prompt once, as OpenAI does)
+    prompts: list[list[int]]
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+
+class Serving:
+    """Builds coordinator requests from API bodies and runs them."""
+
+    def __init__(
+        self, coordinator: CoordinatorLike, served_model_name: str, metrics: ServingMetrics
+    ) -> None:
+        self.coord = coordinator
+        self.served_model_name = served_model_name
+        self.metrics = metrics
+        self._token_text: dict[int, str] = {}
+        self._seq = 0
+
+    # ---- tokenization -------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.coord.tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template", param="messages")
+        try:
+            return str(
+                self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                )
+            )
+        except Exception as exc:  # jinja errors from the template (e.g. role order)
+            raise APIError(
+                400, f"messages: chat template failed: {exc}", param="messages"
+            ) from None
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        # the rendered template already holds the special tokens (BOS, role markers)
+        text = self.render_chat(messages, add_generation_prompt)
+        return self.encode_text(text, add_special_tokens=False)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; served: '{self.served_model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    # ---- request building -----------------------------------------------------------------
+
+    def _max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
+        limit = self.coord.max_model_len
+        if prompt_len >= limit or (requested is not None and prompt_len + requested > limit):
+            asked = prompt_len + (requested or 0)
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {asked} tokens ({prompt_len} in the {param}, {requested or 0} in "
+                "the completion). Please reduce the length of the prompt or completion.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return requested if requested is not None else limit - prompt_len
+
+    def _sampling(self, body: SamplingFields, logprobs: int | None, seed: int | None) -> Any:
+        params = SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=seed,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logprobs=logprobs,
+        )
+        params.validate()
+        return params
+
+    def _next_internal_id(self, request_id: str, index: int) -> str:
+        # client request ids may repeat; the coordinator's must not
+        self._seq += 1
+        return f"{request_id}-{index}-{self._seq}"
+
+    def build_batch(
+        self,
+        request_id: str,
+        body: SamplingFields,
+        prompts: list[tuple[list[int], str]],
+        max_tokens: int | None,
+        logprobs: int | None,
+        param: str,
+    ) -> Batch:
+        vocab = len(self.tokenizer)
+        choices: list[Choice] = []
+        for p_index, (ids, text) in enumerate(prompts):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(
+                    400, f"{param}: token id {bad[0]} out of range [0, {vocab})", param=param
+                )
+            budget = self._max_tokens(len(ids), max_tokens, param)
+            if body.min_tokens > budget:
+                raise APIError(
+                    400,
+                    f"min_tokens: {body.min_tokens} is more than max_tokens ({budget})",
+                    param="min_tokens",
+                )
+            for k in range(body.n):
+                index = p_index * body.n + k
+                # the same seed for every choice would give n identical choices
+                seed = None if body.seed is None else body.seed + k
+                req = GenerationRequest(
+                    request_id=self._next_internal_id(request_id, index),
+                    prompt_token_ids=list(ids),
+                    sampling=self._sampling(body, logprobs, seed),
+                    max_tokens=budget,
+                    min_tokens=body.min_tokens,
+                    stop=body.stop_list(),
+                    stop_token_ids=list(body.stop_token_ids or []),
+                    ignore_eos=body.ignore_eos,
+                )
+                choices.append(Choice(index, p_index, list(ids), text, req))
+        return Batch(request_id, int(time.time()), choices, [list(ids) for ids, _ in prompts])
+
+    def completion_prompts(self, body: CompletionRequest) -> list[tuple[list[int], str]]:
+        raw = body.prompt
+        items: list[str | list[int]]
+        if isinstance(raw, str):
+            items = [raw]
+        elif raw and all(isinstance(t, int) for t in raw):
+            items = [list(raw)]  # type: ignore[arg-type]
+        else:
+            items = list(raw)  # type: ignore[arg-type]
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                out.append((self.encode_text(item), item))
+            else:
+                out.append((list(item), self.tokenizer.decode(item)))
+        return out
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[tuple[list[int], str]]:
+        messages = body.template_messages()
+        text = self.render_chat(messages, body.add_generation_prompt)
+        return [(self.encode_text(text, add_special_tokens=False), text)]
+
+    # ---- running --------------------------------------------------------------------------
+
+    async def _raw_events(
+        self, choices: list[Choice]
+    ) -> AsyncGenerator[tuple[Choice, TokenEvent], None]:
+        """Events of all choices, merged in arrival order. Closing this closes every
+        coordinator generator (which frees their KV)."""
+        if len(choices) == 1:
+            c = choices[0]
+            gen = self.coord.generate(c.request)
+            try:
+                async for ev in gen:
+                    yield c, ev
+            finally:
+                await _aclose(gen)
+            return
+
+        queue: asyncio.Queue[tuple[Choice, TokenEvent | None, BaseException | None]] = (
+            asyncio.Queue()
+        )
+
+        async def pump(c: Choice) -> None:
+            gen = self.coord.generate(c.request)
+            try:
+                async for ev in gen:
+                    await queue.put((c, ev, None))
+                await queue.put((c, None, None))
+            except Exception as exc:
+                await queue.put((c, None, exc))
+            finally:
+                await _aclose(gen)
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            remaining = len(choices)
+            while remaining:
+                c, item, err = await queue.get()
+                if err is not None:
+                    raise err
+                if item is None:
+                    remaining -= 1
+                    continue
+                yield c, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def events(self, batch: Batch) -> AsyncGenerator[tuple[Choice, TokenEvent], None]:
+        """Merged events, each already applied to its choice and to the metrics."""
+        for ids in batch.prompts:
+            self.metrics.prompt_tokens.inc(len(ids))
+        raw = self._raw_events(batch.choices)
+        try:
+            async for c, ev in raw:
+                now = time.perf_counter()
+                if ev.token_id is not None and ev.token_id >= 0:
+                    if c.first_token_s is None:
+                        c.first_token_s = now
+                        self.metrics.ttft.observe(now - c.start_s)
+                    elif c.last_token_s is not None:
+                        self.metrics.itl.observe(now - c.last_token_s)
+                    c.last_token_s = now
+                    c.token_ids.append(ev.token_id)
+                    c.logprobs.append(_finite(ev.logprob))
+                    c.top_logprobs.append(list(ev.top_logprobs or []))
+                    self.metrics.generation_tokens.inc()
+                c.text += ev.text or ""
+                if ev.finish_reason is not None:
+                    c.finish_reason = ev.finish_reason
+                    self._observe_finished(c, ev.finish_reason)
+                yield c, ev
+        finally:
+            await raw.aclose()
+            for c in batch.choices:
+                if c.finish_reason is None:
+                    self._observe_finished(c, "abort")
+
+    def _observe_finished(self, c: Choice, reason: str) -> None:
+        self.metrics.observe_finished(
+            reason,
+            prompt_tokens=len(c.prompt_ids),
+            generated_tokens=len(c.token_ids),
+            e2e_s=time.perf_counter() - c.start_s,
+            ttft_s=None if c.first_token_s is None else c.first_token_s - c.start_s,
+        )
+
+    async def collect(self, batch: Batch) -> None:
+        """Run every choice to its end (non-streaming)."""
+        stream = self.events(batch)
+        try:
+            async for _ in stream:
+                pass
+        except Exception as exc:
+            raise map_error(exc) from exc
+        finally:
+            await stream.aclose()
+
+    # ---- logprobs formatting --------------------------------------------------------------
+
+    def completion_logprobs(
+        self, c: Choice, start: int, end: int, echo_prompt: bool, text_offset: int
+    ) -> dict[str, Any]:
+        """OpenAI legacy logprobs of tokens [start, end) of choice c (plus the prompt's tokens,
+        with null logprobs, when echoing: the coordinator does not score prompts)."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        if echo_prompt:
+            for tid in c.prompt_ids:
+                piece = self.token_text(tid)
+                tokens.append(piece)
+                token_logprobs.append(None)
+                tops.append(None)
+                offsets.append(text_offset)
+                text_offset += len(piece)
+        for i in range(start, end):
+            piece = self.token_text(c.token_ids[i])
+            tokens.append(piece)
+            token_logprobs.append(c.logprobs[i])
+            tops.append(
+                {self.token_text(t): _finite(lp) or 0.0 for t, lp in c.top_logprobs[i]}
+                if c.top_logprobs[i]
+                else {}
+            )
+            offsets.append(text_offset)
+            text_offset += len(piece)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, c: Choice, start: int, end: int) -> dict[str, Any]:
+        content = []
+        for i in range(start, end):
+            piece = self.token_text(c.token_ids[i])
+            content.append(
+                {
+                    "token": piece,
+                    "logprob": c.logprobs[i],
+                    "bytes": list(piece.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": self.token_text(t),
+                            "logprob": _finite(lp),
+                            "bytes": list(self.token_text(t).encode()),
+                        }
+                        for t, lp in c.top_logprobs[i]
+                    ],
+                }
+            )
+        return {"content": content}

@@ -1,0 +1,217 @@
+"""The serving stack in one process: coordinator + API (+ local workers for the demo).
+
+`prepare_demo` makes everything the demo needs in a work dir: the demo model (SmolLM2-135M-
+Instruct), a short CPU profile of this machine, a cluster of 3 `cpu` nodes on 127.0.0.1 with
+unequal memory budgets (so the MILP places layers unevenly and the flow has more than one
+route), and the MILP placement. `run_stack` then serves it: coordinator over the workers,
+the OpenAI API on uvicorn, clean shutdown in reverse order.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from helixserve.api.launch import WorkerProcesses, WorkerSpec, free_port, serve_app
+from helixserve.errors import UserError
+
+#: memory budgets of the demo's 3 nodes (GB). The planner lets weights use half a node's
+#: memory; SmolLM2-135M's 30 layers are ~7 MB each in bf16, so these hold about 12, 19 and
+#: 28 layers: no node holds the model alone but the smallest two together can, which gives
+#: an uneven placement with more than one route.
+DEMO_MEMORY_GB = (0.18, 0.28, 0.40)
+DEMO_NODES = ("n1", "n2", "n3")
+
+
+@dataclass
+class DemoFiles:
+    workdir: Path
+    model_dir: Path
+    profiles_path: Path | None
+    cluster_path: Path
+    placement_path: Path
+    workers: list[WorkerSpec]
+
+
+def default_workdir() -> Path:
+    import os
+
+    root = os.environ.get("HELIXSERVE_CACHE") or str(Path.home() / ".cache" / "helixserve")
+    return Path(root) / "demo"
+
+
+def write_local_cluster(
+    path: Path, name: str, workers: list[WorkerSpec], memory_gb: tuple[float, ...]
+) -> None:
+    """A cluster YAML of `cpu` nodes at the workers' addresses (one link class: loopback)."""
+    lines = [f"name: {name}", "nodes:"]
+    for w, mem in zip(workers, memory_gb, strict=True):
+        lines += [
+            f"  - name: {w.node}",
+            "    gpu: cpu",
+            f"    memory_gb: {mem}",
+            f"    address: {w.address}",
+        ]
+    # loopback: fast and short, the same for every pair and for the coordinator
+    lines += ["links:", "  default: {bandwidth_gbps: 10.0, latency_ms: 0.1}", ""]
+    path.write_text("\n".join(lines))
+
+
+def profile_cpu(model_dir: Path, out: Path, log: Callable[[str], None]) -> Path | None:
+    """Short CPU profile via `helixserve profile`; None (analytic cost model) if it fails."""
+    cmd = [
+        sys.executable, "-m", "helixserve", "profile",
+        "--model", str(model_dir), "--device", "cpu", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        log(
+            "demo: profiling failed, planning with the analytic cost model: "
+            + (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        )
+        return None
+    return out
+
+
+def plan_placement(
+    model_dir: Path,
+    cluster_path: Path,
+    profiles_path: Path | None,
+    out: Path,
+    planner: str = "milp",
+    time_limit_s: float = 20.0,
+) -> Any:
+    from helixserve.costmodel import CostModel
+    from helixserve.planner import plan
+    from helixserve.spec import load_cluster, load_model, load_profiles
+
+    cluster = load_cluster(cluster_path)
+    model = load_model(model_dir)
+    profiles = load_profiles(profiles_path) if profiles_path is not None else None
+    placement = plan(planner, cluster, model, CostModel(model, profiles), time_limit_s)
+    placement.save(out)
+    return placement
+
+
+def prepare_demo(
+    workdir: Path,
+    host: str = "127.0.0.1",
+    memory_gb: tuple[float, ...] = DEMO_MEMORY_GB,
+    reprofile: bool = False,
+    log: Callable[[str], None] = print,
+) -> DemoFiles:
+    """Model, profile (cached in workdir), cluster with fresh free ports, MILP placement."""
+    from helixserve.engine import prepare_demo_model
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    log("demo: preparing the demo model (SmolLM2-135M-Instruct; first run converts the GGUF)")
+    model_dir = prepare_demo_model()
+    profiles_path = workdir / "profiles.csv"
+    profiles: Path | None = profiles_path
+    if reprofile or not profiles_path.is_file():
+        log("demo: profiling this machine (CPU, short)")
+        profiles = profile_cpu(model_dir, profiles_path, log)
+    workers = [WorkerSpec(name, host, free_port(host)) for name in DEMO_NODES[: len(memory_gb)]]
+    cluster_path = workdir / "cluster.yaml"
+    write_local_cluster(cluster_path, "local-demo", workers, memory_gb)
+    placement_path = workdir / "placement.json"
+    log("demo: planning the placement (milp)")
+    plan_placement(model_dir, cluster_path, profiles, placement_path)
+    return DemoFiles(workdir, model_dir, profiles, cluster_path, placement_path, workers)
+
+
+def describe_placement(placement: Any, cluster: Any) -> str:
+    """Human-readable placement: one line per node, then the flow's throughput."""
+    lines = [f"placement ({placement.planner}) of {placement.model} over {cluster.name}:"]
+    by_name = {n.name: n for n in cluster.nodes}
+    for r in placement.nodes:
+        node = by_name.get(r.name)
+        bar = "." * r.start_layer + "#" * r.num_layers + "." * (placement.num_layers - r.end_layer)
+        where = f"{node.address} mem {node.memory_gb} GB" if node else ""
+        lines.append(f"  {r.name:<4} layers [{r.start_layer:>2}, {r.end_layer:>2})  {bar}  {where}")
+    for f in placement.flows:
+        lines.append(f"  flow {f.src} -> {f.dst}: {f.tokens_per_s:.1f} tokens/s")
+    if placement.throughput_tokens_per_s is not None:
+        lines.append(f"  max-flow throughput: {placement.throughput_tokens_per_s:.1f} tokens/s")
+    return "\n".join(lines)
+
+
+def usage_examples(host: str, port: int, model: str, api_key: str | None) -> str:
+    url = f"http://{host}:{port}"
+    auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
+    key = api_key or "none"
+    return f"""\
+API ready at {url}/v1   (model {model!r}; metrics at {url}/metrics; Ctrl-C stops everything)
+
+  curl {url}/v1/chat/completions -H "Content-Type: application/json"{auth} \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
+
+  python - <<'EOF'
+from openai import OpenAI
+client = OpenAI(base_url="{url}/v1", api_key="{key}")
+for chunk in client.chat.completions.create(
+        model="{model}", stream=True, max_tokens=64,
+        messages=[{{"role": "user", "content": "What is the capital of France?"}}]):
+    print(chunk.choices[0].delta.content or "", end="", flush=True)
+print()
+EOF
+"""
+
+
+async def run_stack(
+    cluster_path: Path,
+    placement_path: Path,
+    model_dir: Path,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    scheduler: str = "maxflow",
+    workers: WorkerProcesses | None = None,
+    on_started: Callable[[Any, Any], None] | None = None,
+    log_level: str = "warning",
+) -> None:
+    """Serve until SIGINT/SIGTERM. With `workers`, start them first and stop them last."""
+    from helixserve.api.app import create_app
+    from helixserve.planner import load_placement
+    from helixserve.runtime import Coordinator
+    from helixserve.spec import load_cluster
+
+    cluster = load_cluster(cluster_path)
+    placement = load_placement(placement_path)
+    missing = [n.name for n in placement.nodes if not _address(cluster, n.name)]
+    if missing:
+        raise UserError(
+            f"{cluster_path}: nodes {', '.join(missing)} hold layers in {placement_path} "
+            "but have no address"
+        )
+    try:
+        if workers is not None:
+            workers.start()
+            workers.wait_ready()
+        coord = await Coordinator.create(cluster, placement, model_dir, scheduler=scheduler)
+        try:
+            app = create_app(coord, served_model_name, api_key)
+            await serve_app(
+                app,
+                host,
+                port,
+                log_level=log_level,
+                on_started=None if on_started is None else lambda: on_started(cluster, placement),
+            )
+        finally:
+            await coord.close()
+    finally:
+        if workers is not None:
+            workers.stop()
+
+
+def _address(cluster: Any, node: str) -> str | None:
+    for n in cluster.nodes:
+        if n.name == node:
+            return str(n.address) if n.address else None
+    return None

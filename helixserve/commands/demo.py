@@ -1,0 +1,124 @@
+"""`helixserve demo`: the whole system on this machine with one command.
+
+Prepares SmolLM2-135M-Instruct, profiles this CPU (short, cached), writes a cluster of 3 CPU
+worker nodes with unequal memory budgets, plans it with the MILP, starts the 3 workers and
+the OpenAI-compatible API on 127.0.0.1, and prints the placement and ready-to-paste examples.
+Ctrl-C (or SIGTERM) stops the API, the coordinator and every worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="run the whole system locally: 3 CPU workers + OpenAI API (SmolLM2-135M)",
+        description="Prepare the demo model, profile this machine, plan 3 local CPU workers "
+        "with the MILP, start them and the OpenAI-compatible API on 127.0.0.1.",
+    )
+    p.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
+    p.add_argument("--host", default="127.0.0.1", help="API and worker address")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="demo files (default ~/.cache/helixserve/demo)"
+    )
+    p.add_argument("--api-key", default=os.environ.get("HELIXSERVE_API_KEY"))
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--memory-gb",
+        default=None,
+        help="comma-separated memory budgets of the worker nodes in GB (default 0.18,0.28,0.40)",
+    )
+    p.add_argument("--reprofile", action="store_true", help="profile again even if cached")
+    p.add_argument(
+        "--worker-threads", type=int, default=1, help="torch CPU threads per worker (default 1)"
+    )
+    p.add_argument("--log-level", default="warning", help="uvicorn log level")
+    p.set_defaults(func=run)
+
+
+def _memory(text: str | None) -> tuple[float, ...]:
+    from helixserve.api.stack import DEMO_MEMORY_GB, DEMO_NODES
+    from helixserve.errors import UserError
+
+    if text is None:
+        return DEMO_MEMORY_GB
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"--memory-gb: bad value {text!r}; expected e.g. 0.18,0.28,0.40") from None
+    if not 1 <= len(values) <= len(DEMO_NODES) or any(v <= 0 for v in values):
+        raise UserError(
+            f"--memory-gb: bad value {text!r}; need 1..{len(DEMO_NODES)} positive numbers"
+        )
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+    import sys
+
+    from helixserve.api.launch import WorkerProcesses
+    from helixserve.api.stack import (
+        default_workdir,
+        describe_placement,
+        prepare_demo,
+        run_stack,
+        usage_examples,
+    )
+    from helixserve.errors import UserError
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port: bad value {args.port}")
+    memory_gb = _memory(args.memory_gb)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    # SIGTERM takes the same path as Ctrl-C, so the finally blocks stop every worker.
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    workdir = args.workdir or default_workdir()
+    files = prepare_demo(workdir, args.host, memory_gb, args.reprofile, log)
+    workers = WorkerProcesses(
+        files.model_dir,
+        files.placement_path,
+        files.workers,
+        workdir / "logs",
+        num_threads=args.worker_threads,
+    )
+    api_key = args.api_key or None
+
+    def started(cluster: object, placement: object) -> None:
+        print(describe_placement(placement, cluster))
+        name = args.served_model_name or files.model_dir.name
+        print(usage_examples(args.host, args.port, name, api_key), flush=True)
+
+    log(f"demo: starting {len(files.workers)} workers (logs in {workdir / 'logs'})")
+    try:
+        asyncio.run(
+            run_stack(
+                files.cluster_path,
+                files.placement_path,
+                files.model_dir,
+                args.host,
+                args.port,
+                api_key=api_key,
+                served_model_name=args.served_model_name,
+                workers=workers,
+                on_started=started,
+                log_level=args.log_level,
+            )
+        )
+    except KeyboardInterrupt:
+        pass
+    finally:
+        workers.stop()  # idempotent; covers an interrupt before run_stack's own cleanup
+    print("demo: stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,68 @@
+"""`helixserve serve`: the coordinator and the OpenAI-compatible API over running workers.
+
+    helixserve serve --cluster cluster.yaml --placement placement.json --model DIR --port 8000
+
+The workers must already run at the cluster's `address`es (`helixserve worker ...`); the
+Kubernetes manifests render exactly these flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible API + coordinator over running workers",
+        description="Serve the OpenAI-compatible API, routing each request through the "
+        "workers listed (with addresses) in the cluster file.",
+    )
+    p.add_argument("--cluster", required=True, type=Path, help="cluster YAML with addresses")
+    p.add_argument("--placement", required=True, type=Path, help="placement JSON")
+    p.add_argument("--model", required=True, type=Path, help="model dir (tokenizer, config)")
+    p.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("HELIXSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default $HELIXSERVE_API_KEY; none = open)",
+    )
+    p.add_argument("--scheduler", default="maxflow", help="routing policy (default maxflow)")
+    p.add_argument("--served-model-name", default=None, help="model name clients use")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from helixserve.errors import UserError
+
+    if not 0 <= args.port < 65536:
+        raise UserError(f"--port: bad value {args.port}")
+    if not args.model.is_dir():
+        raise UserError(f"--model: {args.model} is not a directory")
+    from helixserve.api.stack import describe_placement, run_stack
+
+    def started(cluster: object, placement: object) -> None:
+        print(describe_placement(placement, cluster))
+        print(f"serving on http://{args.host}:{args.port}/v1", flush=True)
+
+    asyncio.run(
+        run_stack(
+            args.cluster,
+            args.placement,
+            args.model,
+            args.host,
+            args.port,
+            api_key=args.api_key or None,
+            served_model_name=args.served_model_name,
+            scheduler=args.scheduler,
+            on_started=started,
+            log_level=args.log_level,
+        )
+    )
+    return 0

@@ -1,0 +1,114 @@
+"""A fake coordinator (scripted tokens, real tokenizer) and uvicorn in a thread, for the API tests.
+
+The fake stands in for `helixserve.runtime.Coordinator` only here, in the API's unit tests;
+the integration tests run the real workers and coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+
+from helixserve.api.launch import free_port
+from helixserve.runtime import GenerationRequest, NoRouteError, QueueFullError, TokenEvent
+
+MODEL = "fake-model"
+API_KEY = "sk-test-key"
+#: what the fake model says, token by token
+SCRIPT = " The capital of France is Paris. It is a beautiful city with many museums."
+
+
+class FakeCoordinator:
+    """Yields SCRIPT's tokens. Prompts containing NOROUTE / QUEUEFULL raise like the real one;
+    SLOW makes each token take 50 ms (for disconnect tests)."""
+
+    model_name = MODEL
+
+    def __init__(self, tokenizer: Any, max_model_len: int = 256) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.script_ids: list[int] = tokenizer.encode(SCRIPT, add_special_tokens=False)
+        self.active: set[str] = set()
+        self.closed: list[str] = []
+        self.requests: list[GenerationRequest] = []
+        self.running = 0
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        prompt = self.tokenizer.decode(req.prompt_token_ids)
+        if "NOROUTE" in prompt:
+            raise NoRouteError("nodes n2 down: layers [10, 20) uncovered")
+        if "QUEUEFULL" in prompt:
+            raise QueueFullError("waiting queue full (0 requests)")
+        self.requests.append(req)
+        self.active.add(req.request_id)
+        self.running += 1
+        delay_s = 0.05 if "SLOW" in prompt else 0.0
+        try:
+            for i in range(req.max_tokens):
+                await asyncio.sleep(delay_s)
+                k = i % len(self.script_ids)
+                tid = self.script_ids[k]
+                piece = self.tokenizer.decode(self.script_ids[: k + 1])[
+                    len(self.tokenizer.decode(self.script_ids[:k])) :
+                ]
+                done = i + 1 == req.max_tokens
+                top = [(tid, -0.1), (tid + 1, -2.5)][: (req.sampling.logprobs or 0)]
+                yield TokenEvent(
+                    tid,
+                    piece,
+                    -0.1 if req.sampling.logprobs is not None else None,
+                    top,
+                    "length" if done else None,
+                )
+        finally:
+            self.active.discard(req.request_id)
+            self.closed.append(req.request_id)
+            self.running -= 1
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": self.running,
+            "waiting": 0,
+            "nodes": {
+                "n1": {"start_layer": 0, "end_layer": 12, "layers": 12, "queue_len": 1,
+                       "batch_size": 2, "kv_used_blocks": 3, "kv_total_blocks": 10,
+                       "busy_fraction": 0.5, "alive": True},
+                "n2": {"start_layer": 12, "end_layer": 30, "layers": 18, "queue_len": 0,
+                       "batch_size": 1, "kv_used_blocks": 1, "kv_total_blocks": 10,
+                       "busy_fraction": 0.25, "alive": True},
+            },
+            "routes": {"n1->n2": 3},
+        }  # fmt: skip
+
+
+class ServerThread:
+    """uvicorn serving an app on 127.0.0.1 from a background thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

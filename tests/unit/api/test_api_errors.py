@@ -1,0 +1,144 @@
+"""Every error the API returns: its status and the OpenAI error JSON."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from api_testlib import API_KEY, MODEL
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+def check_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "many"}, "max_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"min_tokens": -1}, "min_tokens"),
+    ],
+)
+def test_invalid_parameter_is_400_not_422(server, patch, param):
+    resp = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, **patch}, headers=AUTH)
+    err = check_error(resp, 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+def test_missing_required_field_is_400(server):
+    resp = httpx.post(server.url + "/v1/completions", json={"model": MODEL}, headers=AUTH)
+    check_error(resp, 400, "prompt")
+
+
+def test_invalid_json_is_400(server):
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
+    check_error(resp, 400)
+
+
+def test_prompt_longer_than_context_is_400(server, fake):
+    long_prompt = " hello" * (fake.max_model_len + 10)
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": long_prompt, "max_tokens": 1},
+        headers=AUTH,
+    )
+    err = check_error(resp, 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+    assert str(fake.max_model_len) in err["message"]
+
+
+def test_prompt_plus_max_tokens_over_context_is_400(server, fake):
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={**CHAT, "max_tokens": fake.max_model_len},
+        headers=AUTH,
+    )
+    assert check_error(resp, 400, "messages")["code"] == "context_length_exceeded"
+
+
+def test_token_id_out_of_vocab_is_400(server):
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": [1, 2, 10**9], "max_tokens": 1},
+        headers=AUTH,
+    )
+    check_error(resp, 400, "prompt")
+
+
+def test_min_tokens_over_max_tokens_is_400(server):
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={**CHAT, "max_tokens": 2, "min_tokens": 5},
+        headers=AUTH,
+    )
+    check_error(resp, 400, "min_tokens")
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}],
+)
+def test_bad_api_key_is_401(server, headers):
+    resp = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers=headers)
+    assert check_error(resp, 401)["code"] == "invalid_api_key"
+    assert httpx.get(server.url + "/v1/models", headers=headers).status_code == 401
+    assert (
+        httpx.post(server.url + "/tokenize", json={"prompt": "x"}, headers=headers).status_code
+        == 401
+    )
+
+
+def test_unknown_model_is_404(server):
+    resp = httpx.post(
+        server.url + "/v1/chat/completions", json={**CHAT, "model": "gpt-9"}, headers=AUTH
+    )
+    err = check_error(resp, 404, "model")
+    assert err["code"] == "model_not_found"
+
+
+def test_unknown_path_is_404_in_openai_shape(server):
+    check_error(httpx.get(server.url + "/v1/nothing", headers=AUTH), 404)
+
+
+@pytest.mark.parametrize(("word", "code"), [("NOROUTE", "no_route"), ("QUEUEFULL", "queue_full")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_no_route_and_full_queue_are_503(server, word, code, stream):
+    body = {**CHAT, "messages": [{"role": "user", "content": word}], "stream": stream}
+    resp = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH)
+    assert check_error(resp, 503)["code"] == code
+
+
+def test_stream_options_without_stream_is_400(server):
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={**CHAT, "stream_options": {"include_usage": True}},
+        headers=AUTH,
+    )
+    check_error(resp, 400)
