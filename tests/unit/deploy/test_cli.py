@@ -66,3 +66,14 @@ def test_bad_input_is_one_line_and_exit_2(geo_cluster: Path, tmp_path: Path) -> 
     assert "node 'ghost' is not in cluster 'helix-geo-24'" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_renderer_imports_no_runtime_stack() -> None:
+    """Rendering runs on a laptop or in CI without torch, grpc or fastapi being imported."""
+    code = ("import sys, helixserve.deploy, helixserve.commands.deploy\n"
+            "heavy = sorted(m for m in ('torch', 'grpc', 'fastapi') if m in sys.modules)\n"
+            "print(','.join(heavy))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ""
