@@ -35,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
@@ -218,6 +219,8 @@ class Simulation:
         self.decode_tokens = self.prompt_tokens = 0
         self.token_timeline = [0] * self.buckets
         self.next_arrival = 0
+        #: (node, layers, prompt tokens, decode sequences) -> seconds; batches repeat a lot
+        self._batch_time: dict[tuple[str, int, int, int], float] = {}
 
     # ---- event plumbing --------------------------------------------------------------------
 
@@ -399,8 +402,16 @@ class Simulation:
             p += by_start[s][0]
             d += by_start[s][1]
             seg_end = starts[k + 1] if k + 1 < len(starts) else node.end
-            total_s += self.cost.batch_time_s(node.spec, seg_end - s, p, d)
+            total_s += self._time(node, seg_end - s, p, d)
         return total_s
+
+    def _time(self, node: SimNode, layers: int, prompt_tokens: int, decode: int) -> float:
+        key = (node.name, layers, prompt_tokens, decode)
+        t = self._batch_time.get(key)
+        if t is None:
+            t = self.cost.batch_time_s(node.spec, layers, prompt_tokens, decode)
+            self._batch_time[key] = t
+        return t
 
     def _account_busy(self, node: SimNode, t0: float, dt: float) -> None:
         end = self.cfg.duration_s
@@ -415,24 +426,32 @@ class Simulation:
 
     def _done(self, node: SimNode, batch: tuple[list[SimRequest], list[SimRequest]]) -> None:
         node.busy = False
-        # next hop -> (requests, tokens carried); None is the coordinator
-        out: dict[SimNode | None, list[SimRequest]] = {}
-        for part in batch:
-            for r in part:
-                h = r.hop + 1
-                r.hop = h
-                nxt = r.nodes[h] if h < len(r.nodes) else None
-                group = out.get(nxt)
-                if group is None:
-                    out[nxt] = [r]
-                else:
-                    group.append(r)
-        for nxt, reqs in out.items():
-            if nxt is None:
-                nbytes = TOKEN_ID_BYTES * len(reqs)  # the sampled token of each request
+        # next hop (None: the coordinator) -> [requests, token activations carried]
+        out: dict[SimNode | None, list[Any]] = {}
+        prompts, decode = batch
+        for r in prompts:
+            h = r.hop + 1
+            r.hop = h
+            nxt = r.nodes[h] if h < len(r.nodes) else None
+            group = out.get(nxt)
+            if group is None:
+                out[nxt] = [[r], r.prompt]
             else:
-                tokens = sum(r.prompt if r.in_prompt else 1 for r in reqs)
-                nbytes = tokens * self.act_bytes
+                group[0].append(r)
+                group[1] += r.prompt
+        for r in decode:
+            h = r.hop + 1
+            r.hop = h
+            nxt = r.nodes[h] if h < len(r.nodes) else None
+            group = out.get(nxt)
+            if group is None:
+                out[nxt] = [[r], 1]
+            else:
+                group[0].append(r)
+                group[1] += 1
+        for nxt, (reqs, tokens) in out.items():
+            # to the coordinator: the sampled token id of each request; else activations
+            nbytes = TOKEN_ID_BYTES * len(reqs) if nxt is None else tokens * self.act_bytes
             self._send(node.name, nxt, nbytes, reqs)
         if node.pq or node.dq:
             self._start(node)

@@ -1,0 +1,257 @@
+"""Planners x schedulers on the shared clusters (llama-2-70b, Azure conversation trace).
+
+Offline (saturated) decode throughput for every planner x scheduler pair, online latency for
+the headline pairs, the Helix targets (milp + maxflow vs separate + shortest-queue and vs
+swarm + swarm), and the simulator's speed on 10 minutes of the trace at the cluster's
+capacity. Placements are cached per (cluster, planner, planner source fingerprint), so a
+re-run does not re-solve unless the planner or cost model changed.
+
+    python benchmarks/serving_sim.py --json benchmarks/results/serving_sim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import io
+import json
+import platform
+import pstats
+import sys
+from pathlib import Path
+from typing import Any
+
+from helixserve.costmodel import CostModel
+from helixserve.planner import Placement, load_placement, plan
+from helixserve.simulator.metrics import summarize
+from helixserve.simulator.sim import SimConfig, Simulation
+from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace
+from helixserve.spec import ClusterSpec, ModelSpec, load_cluster, load_model, load_profiles
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+HEADLINE = [("milp", "maxflow"), ("separate", "shortest-queue"), ("swarm", "swarm")]
+
+
+def planner_fingerprint() -> str:
+    """Hash of the planner and cost-model sources: a changed planner invalidates the cache."""
+    h = hashlib.sha256()
+    for d in ("planner", "costmodel", "spec"):
+        for f in sorted((REPO / "helixserve" / d).glob("*.py")):
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def cached_plan(
+    name: str,
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel,
+    cache: Path,
+    time_limit_s: float,
+    replan: bool,
+) -> Placement:
+    path = cache / f"{cluster.name}-{model.name}-{name}-{planner_fingerprint()}.json"
+    if path.exists() and not replan:
+        return load_placement(path)
+    print(f"  planning {cluster.name} with {name} ...", file=sys.stderr)
+    placement = plan(name, cluster, model, cost, time_limit_s=time_limit_s)
+    cache.mkdir(parents=True, exist_ok=True)
+    placement.save(path)
+    return placement
+
+
+def simulate(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel,
+    placement: Placement,
+    reqs: list[TraceRequest],
+    config: SimConfig,
+    profile: bool = False,
+) -> tuple[dict[str, Any], str | None]:
+    sim = Simulation(cluster, model, cost, placement, reqs, config)
+    if not profile:
+        return summarize(sim.run()), None
+    prof = cProfile.Profile()
+    prof.enable()
+    result = sim.run()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+    return summarize(result), buf.getvalue()
+
+
+def row(summary: dict[str, Any]) -> dict[str, Any]:
+    keep = (
+        "cluster", "planner", "scheduler", "mode", "decode_throughput_tokens_per_s",
+        "prompt_throughput_tokens_per_s", "max_flow_tokens_per_s", "requests_finished",
+        "requests_waiting", "ttft_s", "tpot_s", "e2e_s", "events", "wall_s", "events_per_s",
+    )  # fmt: skip
+    out = {k: summary[k] for k in keep}
+    out["mean_node_utilization"] = sum(n["utilization"] for n in summary["nodes"]) / len(
+        summary["nodes"]
+    )
+    return out
+
+
+def print_table(rows: list[dict[str, Any]], header: bool = True) -> None:
+    head = (
+        f"{'cluster':<16} {'planner':<9} {'scheduler':<14} {'mode':<7} {'decode tok/s':>12} "
+        f"{'max flow':>9} {'util':>5} {'TTFT p50':>9} {'TPOT p50':>9} {'E2E p90':>8} "
+        f"{'wall s':>7}"
+    )
+    if header:
+        print(head)
+        print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['cluster']:<16} {r['planner']:<9} {r['scheduler']:<14} {r['mode']:<7} "
+            f"{r['decode_throughput_tokens_per_s']:>12.1f} {r['max_flow_tokens_per_s'] or 0:>9.0f} "
+            f"{r['mean_node_utilization']:>5.0%} {r['ttft_s']['p50']:>9.2f} "
+            f"{r['tpot_s']['p50']:>9.3f} {r['e2e_s']['p90']:>8.1f} {r['wall_s']:>7.1f}"
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clusters", nargs="+", default=["helix-single-24", "helix-geo-24"])
+    ap.add_argument("--model", default="llama-2-70b")
+    ap.add_argument("--planners", nargs="+", default=["milp", "separate", "swarm", "petals"])
+    ap.add_argument(
+        "--schedulers", nargs="+", default=["maxflow", "shortest-queue", "swarm", "random"]
+    )
+    ap.add_argument(
+        "--full-matrix-clusters",
+        nargs="*",
+        default=["helix-single-24"],
+        help="clusters that get every planner x scheduler offline; others only the headline pairs",
+    )
+    ap.add_argument("--duration", type=float, default=600.0)
+    ap.add_argument("--warmup", type=float, default=60.0)
+    ap.add_argument(
+        "--online-rate",
+        type=float,
+        default=1.0,
+        help="requests/s of the online runs (the trace rescaled)",
+    )
+    ap.add_argument("--plan-time-limit", type=float, default=60.0)
+    ap.add_argument("--cache", type=Path, default=REPO / "benchmarks" / "results" / "placements")
+    ap.add_argument("--replan", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, metavar="OUT")
+    args = ap.parse_args()
+
+    model = load_model(SHARED / "models" / args.model)
+    cost = CostModel(model, load_profiles(SHARED / "profiles" / "helix-measured.csv"))
+    trace = prepare_trace(load_azure_trace(SHARED / "traces" / "azure-llm-conv-2023.csv"))
+    online = prepare_trace(trace, lengths=None, rate_per_s=args.online_rate)
+    rows: list[dict[str, Any]] = []
+    out: dict[str, Any] = {
+        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
+        f"python {platform.python_version()}",
+        "command": " ".join(["python", *sys.argv]),
+        "duration_s": args.duration,
+        "warmup_s": args.warmup,
+        "online_rate_per_s": args.online_rate,
+        "trace_requests": len(trace),
+        "runs": rows,
+    }
+    for cname in args.clusters:
+        cluster = load_cluster(SHARED / "clusters" / f"{cname}.yaml")
+        placements = {
+            p: cached_plan(p, cluster, model, cost, args.cache, args.plan_time_limit, args.replan)
+            for p in args.planners
+        }
+        if cname in args.full_matrix_clusters:
+            pairs = [(p, s) for p in args.planners for s in args.schedulers]
+        else:
+            pairs = [pair for pair in HEADLINE if pair[0] in placements]
+        for mode in ("offline", "online"):
+            for p, s in pairs if mode == "offline" else HEADLINE:
+                if p not in placements:
+                    continue
+                cfg = SimConfig(
+                    duration_s=args.duration,
+                    offline=mode == "offline",
+                    warmup_s=args.warmup,
+                    scheduler=s,
+                    seed=args.seed,
+                )
+                summary, _ = simulate(
+                    cluster, model, cost, placements[p], trace if mode == "offline" else online, cfg
+                )
+                rows.append(row(summary))
+                print_table(rows[-1:], header=len(rows) == 1)
+                sys.stdout.flush()
+    print()
+    print_table(rows)
+
+    def offline(cname: str, p: str, s: str) -> float | None:
+        for r in rows:
+            if (r["cluster"], r["planner"], r["scheduler"], r["mode"]) == (cname, p, s, "offline"):
+                return float(r["decode_throughput_tokens_per_s"])
+        return None
+
+    targets = {}
+    for cname in args.clusters:
+        helix = offline(cname, "milp", "maxflow")
+        for p, s in HEADLINE[1:]:
+            base = offline(cname, p, s)
+            if helix and base:
+                targets[f"{cname}: milp+maxflow / {p}+{s}"] = helix / base
+    out["targets"] = targets
+    print()
+    for k, v in targets.items():
+        print(f"{k}: {v:.2f}x (target >= 1.8x on helix-single-24)")
+
+    if not args.skip_speed:
+        # 10 simulated minutes of the trace arriving at the cluster's offline capacity.
+        cname = args.clusters[0]
+        cluster = load_cluster(SHARED / "clusters" / f"{cname}.yaml")
+        capacity = offline(cname, "milp", "maxflow")
+        if capacity:
+            mean_output = sum(r.output_tokens for r in trace) / len(trace)
+            rate = capacity / mean_output
+            reqs = prepare_trace(trace, lengths=None, rate_per_s=rate)
+            cfg = SimConfig(duration_s=600.0, scheduler="maxflow", seed=args.seed)
+            placement = cached_plan(
+                "milp", cluster, model, cost, args.cache, args.plan_time_limit, False
+            )
+            summary, _ = simulate(cluster, model, cost, placement, reqs, cfg)
+            _, profile = simulate(
+                cluster,
+                model,
+                cost,
+                placement,
+                reqs,
+                SimConfig(duration_s=120.0, scheduler="maxflow"),
+                profile=True,
+            )
+            out["speed"] = {
+                "cluster": cname,
+                "rate_per_s": rate,
+                "simulated_s": 600.0,
+                "wall_s": summary["wall_s"],
+                "events": summary["events"],
+                "events_per_s": summary["events_per_s"],
+                "decode_throughput_tokens_per_s": summary["decode_throughput_tokens_per_s"],
+                "profile_top": profile,
+            }
+            print(
+                f"\nspeed: 600 simulated s of the trace at {rate:.2f} req/s on {cname}: "
+                f"{summary['wall_s']:.1f} s wall, {summary['events']} events "
+                f"({summary['events_per_s']:.0f} events/s)"
+            )
+            print(profile)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
