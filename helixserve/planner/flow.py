@@ -137,6 +137,44 @@ class FlowNetwork:
         flows.sort(key=lambda fl: (fl.src != COORDINATOR, fl.src, fl.dst))
         return value, flows
 
+    def node_caps(self, k: np.ndarray) -> np.ndarray:
+        """T_i(k_i) for every node (0 where k_i = 0)."""
+        return np.array([self.node_cap(i, int(k[i])) for i in range(len(k))])
+
+    def max_flow_value(self, s: np.ndarray, k: np.ndarray, partial_inference: bool = True,
+                       caps: np.ndarray | None = None) -> float:
+        """Max flow of starts `s` and sizes `k` (k=0: unused), vectorized for local search."""
+        L = self.model.num_layers
+        held = np.flatnonzero(k > 0)
+        m = len(held)
+        if m == 0:
+            return 0.0
+        node_caps = (caps if caps is not None else self.node_caps(k))[held]
+        total = float(node_caps.sum())
+        if total <= 0:
+            return 0.0
+        sh, eh = s[held], s[held] + k[held]
+        if partial_inference:
+            valid = (sh[None, :] <= eh[:, None]) & (eh[:, None] < eh[None, :])
+        else:
+            valid = sh[None, :] == eh[:, None]
+        lc = self.link_cap[np.ix_(held, held)]
+        valid &= lc > 0
+        ii, jj = np.nonzero(valid)
+        # vertices: 0 source, 1 sink, 2+p in, 2+m+p out
+        src_nodes = np.flatnonzero((sh == 0) & (self.source_cap[held] > 0))
+        snk_nodes = np.flatnonzero((eh == L) & (self.sink_cap[held] > 0))
+        rows = np.concatenate([2 + np.arange(m), np.zeros(len(src_nodes), dtype=int),
+                               2 + m + snk_nodes, 2 + m + ii])
+        cols = np.concatenate([2 + m + np.arange(m), 2 + src_nodes,
+                               np.ones(len(snk_nodes), dtype=int), 2 + jj])
+        caps_all = np.concatenate([node_caps, self.source_cap[held][src_nodes],
+                                   self.sink_cap[held][snk_nodes], lc[ii, jj]])
+        scale = min(1000.0, 2.0e9 / total)
+        data = np.floor(np.minimum(caps_all, total) * scale).astype(np.int32)
+        graph = csr_array((data, (rows, cols)), shape=(2 + 2 * m, 2 + 2 * m))
+        return maximum_flow(graph, 0, 1).flow_value / scale
+
     def ranges_of(self, placement: Placement) -> dict[int, tuple[int, int]]:
         out: dict[int, tuple[int, int]] = {}
         for r in placement.nodes:

@@ -1,0 +1,111 @@
+"""`helixserve plan`: choose which layers each machine holds (max-flow placement)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "example"
+
+
+def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None:
+    """--cluster/--model/--model-name/--profiles/--gpus, shared with `evaluate`."""
+    p.add_argument("--cluster", help="cluster YAML (format: docs/planner.md)")
+    p.add_argument("--model", help="model config.json, or a directory holding one")
+    p.add_argument("--model-name", help="model name used to look up profiles "
+                   "(default: the model directory's name)")
+    p.add_argument("--profiles", help="measured per-layer times CSV (default: none, the "
+                   "analytic roofline model from the GPU catalog)")
+    p.add_argument("--gpus", help="GPU catalog CSV (default: the one shipped in the package)")
+    p.add_argument("--no-partial-inference", action="store_true",
+                   help="edges only where one node's range ends exactly where the next starts")
+    if example:
+        p.add_argument("--example", action="store_true",
+                       help="use the bundled example: 6 mixed machines, LLaMA-2-70B, Helix's "
+                       "measured profiles (overrides --cluster/--model/--profiles)")
+
+
+def load_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(cluster, model, cost model) from the parsed flags; UserError on bad input."""
+    from helixserve.costmodel import CostModel
+    from helixserve.errors import UserError
+    from helixserve.spec import (
+        ProfileTable,
+        load_cluster,
+        load_gpu_catalog,
+        load_model,
+        load_profiles,
+    )
+
+    if getattr(args, "example", False):
+        args.cluster = str(EXAMPLE_DIR / "mixed-6.yaml")
+        args.model = str(EXAMPLE_DIR / "llama-2-70b")
+        args.profiles = str(EXAMPLE_DIR / "helix-measured.csv")
+    if not args.cluster or not args.model:
+        raise UserError("--cluster and --model are required"
+                        + (" (or --example)" if hasattr(args, "example") else ""))
+    catalog = load_gpu_catalog(args.gpus)
+    cluster = load_cluster(args.cluster, catalog=catalog)
+    model = load_model(args.model, name=args.model_name)
+    profiles = load_profiles(args.profiles) if args.profiles else ProfileTable.empty()
+    return cluster, model, CostModel(model, profiles, catalog)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="place layer ranges on the machines of a cluster (max-flow MILP)",
+        description="Choose the contiguous range of layers each machine holds so that the "
+        "cluster's token throughput (max flow from the coordinator through the machines) is "
+        "as high as possible. Prints a per-node table; writes the placement JSON with --out.",
+    )
+    add_input_args(p, example=True)
+    p.add_argument("--planner", default="milp",
+                   help="milp (default), petals, swarm, separate or uniform")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
+                   help="wall-clock budget of the milp planner (default 60)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the local search")
+    p.add_argument("--out", help="write the placement JSON here")
+    p.add_argument("--plot", help="write a PNG of the flow graph here")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from helixserve.errors import UserError
+    from helixserve.planner import evaluate, plan
+    from helixserve.planner.report import format_table, node_rows, plot_placement
+
+    if args.time_limit <= 0:
+        raise UserError(f"--time-limit: bad value {args.time_limit!r}; must be > 0")
+    cluster, model, cost = load_inputs(args)
+    started = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        if not args.quiet:
+            print(f"[{time.perf_counter() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    partial = not args.no_partial_inference
+    placement = plan(args.planner, cluster, model, cost, time_limit_s=args.time_limit,
+                     seed=args.seed, progress=progress, partial_inference=partial)
+    result = evaluate(cluster, model, cost, placement, partial_inference=partial)
+    held = {r.name for r in placement.nodes}
+    unused = [n.name for n in cluster.nodes if n.name not in held]
+    print(f"cluster {cluster.name}: {len(cluster.nodes)} nodes; model {model.name}: "
+          f"{model.num_layers} layers; planner {args.planner}")
+    print(format_table(node_rows(cluster, cost, placement, result.flows), unused))
+    line = f"throughput {result.throughput_tokens_per_s:,.1f} tokens/s"
+    if placement.upper_bound_tokens_per_s:
+        gap = 1 - result.throughput_tokens_per_s / placement.upper_bound_tokens_per_s
+        line += f"; upper bound {placement.upper_bound_tokens_per_s:,.1f} (gap {gap:.1%})"
+    print(line + f"; solved in {placement.solve_time_s or 0:.1f}s")
+    if args.out:
+        placement.save(args.out)
+        print(f"wrote {args.out}")
+    if args.plot:
+        plot_placement(cluster, placement, result.flows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,164 @@
+"""Layer-coverage relaxation: identical machines aggregated, links ignored.
+
+Every route runs each layer l on exactly one node that holds l, so for ANY placement
+    max flow <= cover_l = sum_{i holds l} T_i(k_i)        for every layer l.
+Maximising min_l cover_l is therefore a relaxation of the max-flow placement problem, and
+its proven bound is an upper bound on every placement's throughput. Machines with the
+same T(k) curve (same gpu, num_gpus, memory) are interchangeable here, so the model has
+one integer per (machine type t, start s, size k):
+    n[t,s,k] in {0..N_t}      machines of type t holding [s, s+k)
+    sum_{s,k} n[t,s,k] <= N_t
+    sum_{t,s,k : s <= l < s+k} T_t(k) n[t,s,k] >= F      for l = 0..L-1
+    sum_{t,s,k : s <= l < s+k} n[t,s,k] >= 1             (a cut: some machine holds l)
+    maximise F
+With uniform links and partial inference its optimum is (nearly) achievable, so its
+solution is also a strong starting placement: slots are dealt to the type's machines.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import pulp
+
+from helixserve.planner.baselines import Ranges
+from helixserve.planner.flow import FlowNetwork
+from helixserve.planner.solver import SolveInfo, quiet_pulp, solve
+
+
+@dataclass
+class CoverageResult:
+    ranges: Ranges
+    info: SolveInfo
+
+
+def machine_types(net: FlowNetwork) -> dict[tuple[float, ...], list[int]]:
+    """Usable nodes grouped by their T(k) curve (exactly equal floats)."""
+    groups: dict[tuple[float, ...], list[int]] = {}
+    for i in range(len(net.names)):
+        K = int(net.max_layers[i])
+        if K <= 0:
+            continue
+        key = tuple(net.node_cap(i, k) for k in range(1, K + 1))
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def greedy_fill(net: FlowNetwork, target: float, rng: random.Random,
+                groups: dict[tuple[float, ...], list[int]], noise: float = 0.6) -> Ranges | None:
+    """Sweep the layers; at the first one covered below `target`, add the (type, size)
+    whose throughput lands most usefully below the target (randomised); None if short."""
+    L = net.model.num_layers
+    cover = [0.0] * L
+    left = [list(members) for members in groups.values()]
+    curves = list(groups)
+    best_area = [max(k * T for k, T in enumerate(c, start=1)) for c in curves]
+    out: Ranges = {}
+    layer = 0
+    while layer < L:
+        if cover[layer] >= target:
+            layer += 1
+            continue
+        choice: tuple[float, int, int, int] | None = None
+        for t, curve in enumerate(curves):
+            if not left[t]:
+                continue
+            for k, T in enumerate(curve, start=1):
+                if T <= 0:
+                    continue
+                p = min(layer, L - k)
+                useful = sum(min(T, max(0.0, target - cover[j])) for j in range(p, p + k))
+                score = useful / best_area[t] * (1.0 + noise * rng.random())
+                if choice is None or score > choice[0]:
+                    choice = (score, t, k, p)
+        if choice is None:
+            return None
+        _, t, k, p = choice
+        node = left[t].pop()
+        out[node] = (p, p + k)
+        for j in range(p, p + k):
+            cover[j] += curves[t][k - 1]
+    return out
+
+
+def fill_search(net: FlowNetwork, lo: float, hi: float, deadline_s: float,
+                seed: int = 0, tries: int = 300) -> Ranges | None:
+    """Bisect the highest target `greedy_fill` reaches between lo and hi."""
+    rng = random.Random(seed)
+    groups = machine_types(net)
+    best: Ranges | None = None
+    while hi - lo > 0.002 * hi and time.perf_counter() < deadline_s:
+        mid = (lo + hi) / 2
+        found = None
+        for _ in range(tries):
+            found = greedy_fill(net, mid, rng, groups)
+            if found is not None or time.perf_counter() >= deadline_s:
+                break
+        if found is not None:
+            best, lo = found, mid
+        else:
+            hi = mid
+    return best
+
+
+def solve_coverage(net: FlowNetwork, time_limit_s: float,
+                   hint: Ranges | None = None) -> CoverageResult:
+    with quiet_pulp():
+        return _solve_coverage(net, time_limit_s, hint)
+
+
+def _solve_coverage(net: FlowNetwork, time_limit_s: float, hint: Ranges | None) -> CoverageResult:
+    L = net.model.num_layers
+    groups = machine_types(net)
+    prob = pulp.LpProblem("coverage", pulp.LpMaximize)
+    F = pulp.LpVariable("F", lowBound=0)
+    prob += F
+    cover: list[list[tuple[pulp.LpVariable, float]]] = [[] for _ in range(L)]
+    slots: dict[tuple[int, int, int], pulp.LpVariable] = {}
+    for t, (curve, members) in enumerate(groups.items()):
+        per_type = []
+        for k, T in enumerate(curve, start=1):
+            if T <= 0:
+                continue
+            for s in range(0, L - k + 1):
+                v = pulp.LpVariable(f"n_{t}_{s}_{k}", lowBound=0, upBound=len(members),
+                                    cat=pulp.LpInteger)
+                slots[(t, s, k)] = v
+                per_type.append(v)
+                for layer in range(s, s + k):
+                    cover[layer].append((v, T))
+        prob += pulp.lpSum(per_type) <= len(members), f"count_{t}"
+    for layer in range(L):
+        prob += pulp.LpAffineExpression(cover[layer]) - F >= 0, f"cover_{layer}"
+        # valid because n is integer: some whole machine holds the layer. Without it the LP
+        # spreads fractions of the most efficient small ranges over every layer.
+        prob += pulp.lpSum(v for v, _ in cover[layer]) >= 1, f"held_{layer}"
+
+    warm = False
+    if hint:
+        type_of = {i: t for t, members in enumerate(groups.values()) for i in members}
+        counts: dict[tuple[int, int, int], int] = {}
+        for i, (s, e) in hint.items():
+            if i in type_of:
+                key = (type_of[i], s, e - s)
+                counts[key] = counts.get(key, 0) + 1
+        if all(key in slots for key in counts):
+            for key, v in slots.items():
+                v.setInitialValue(counts.get(key, 0))
+            cov = [sum(T * (v.varValue or 0) for v, T in cover[layer]) for layer in range(L)]
+            F.setInitialValue(min(cov))
+            warm = True
+    info = solve(prob, time_limit_s, warm_start=warm)
+    ranges: Ranges = {}
+    if info.objective is not None:
+        members_of = list(groups.values())
+        used = [0] * len(members_of)
+        for (t, s, k), v in sorted(slots.items()):
+            count = int(round(v.varValue or 0))
+            for _ in range(count):
+                if used[t] < len(members_of[t]):
+                    ranges[members_of[t][used[t]]] = (s, s + k)
+                    used[t] += 1
+    return CoverageResult(ranges, info)

@@ -1,0 +1,162 @@
+"""Run a PuLP model on HiGHS in-process (CBC as fallback) and read back what really happened.
+
+PuLP 3.3 maps HiGHS' "time limit reached" to LpStatusOptimal, so the status, the best
+bound and the gap are read from the HiGHS object itself. A warm start is handed to HiGHS
+with setSolution before the run; progress comes from HiGHS' MIP interrupt callback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pulp
+
+
+@dataclass
+class SolveInfo:
+    solver: str
+    #: "optimal", "time_limit", "infeasible", "no_solution", ...
+    status: str
+    #: objective of the best solution in the model's own sense (None: no solution)
+    objective: float | None
+    #: best proven bound on the objective (None: unknown, e.g. CBC)
+    bound: float | None
+    solve_time_s: float
+
+    @property
+    def gap(self) -> float | None:
+        if self.objective is None or self.bound is None or self.bound == 0:
+            return None
+        return max(0.0, abs(self.bound - self.objective) / abs(self.bound))
+
+
+@contextmanager
+def quiet_pulp() -> Iterator[None]:
+    """PuLP 3.3 deprecates the PuLP 2 API that `pulp>=2.8` users still have: keep it quiet."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
+_banner_silenced = False
+
+
+def _silence_banner() -> None:
+    """HiGHS prints a copyright banner on stdout when the first Highs() is made: swallow it,
+    so stdout stays clean for tables and JSON."""
+    global _banner_silenced
+    if _banner_silenced:
+        return
+    _banner_silenced = True
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _highs_available() -> bool:
+    try:
+        return bool(pulp.HiGHS().available())
+    except Exception:  # noqa: BLE001 - any import problem means "not available"
+        return False
+
+
+def solve(
+    prob: pulp.LpProblem,
+    time_limit_s: float,
+    warm_start: bool = False,
+    progress: Callable[[float, float | None, float | None], None] | None = None,
+    threads: int | None = None,
+) -> SolveInfo:
+    """Solve `prob`; variables with a varValue set are the warm start when `warm_start`.
+
+    `progress(elapsed_s, incumbent, bound)` is called about once a second (objective sense).
+    """
+    started = time.perf_counter()
+    sense = -1.0 if prob.sense == pulp.LpMaximize else 1.0
+    if not _highs_available():
+        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1.0, time_limit_s), warmStart=warm_start)
+        with quiet_pulp():
+            prob.solve(cbc)
+        status = pulp.LpStatus[prob.status].lower()
+        obj = pulp.value(prob.objective) if prob.status == pulp.LpStatusOptimal else None
+        return SolveInfo("cbc", status, obj, None, time.perf_counter() - started)
+
+    _silence_banner()
+    warm: list[tuple[Any, float]] = []
+    if warm_start:
+        warm = [(v, float(v.varValue)) for v in prob.variables() if v.varValue is not None]
+
+    last = [0.0]
+
+    def on_callback(cb_type: int, message: str, out: Any, data_in: Any, user: Any) -> None:
+        now = time.perf_counter() - started
+        if progress is None or now - last[0] < 1.0:
+            return
+        last[0] = now
+        primal = out.mip_primal_bound
+        dual = out.mip_dual_bound
+        inc = None if abs(primal) >= 1e30 else sense * primal
+        bnd = None if abs(dual) >= 1e30 else sense * dual
+        progress(now, inc, bnd)
+
+    class _Highs(pulp.HiGHS):  # type: ignore[misc, valid-type]
+        def actualSolve(self, lp: pulp.LpProblem) -> int:  # noqa: N802 - PuLP's name
+            import highspy
+
+            self.createAndConfigureSolver(lp)
+            self.buildSolverModel(lp)
+            h = lp.solverModel
+            if warm:
+                idx = [v.index for v, _ in warm]
+                vals = [x for _, x in warm]
+                h.setSolution(len(idx), idx, vals)
+            if progress is not None:
+                h.setCallback(on_callback, None)
+                h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+            self.callSolver(lp)
+            status, sol_status = self.findSolutionValues(lp)
+            lp.assignStatus(status, sol_status)
+            return int(status)
+
+    solver = _Highs(msg=False, timeLimit=max(0.5, time_limit_s), threads=threads)
+    with quiet_pulp():
+        prob.solve(solver)
+    h = prob.solverModel
+    model_status = h.modelStatusToString(h.getModelStatus()).lower()
+    info = h.getInfo()
+    has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    obj = sense * info.objective_function_value if has_sol else None
+    is_mip = any(v.cat == pulp.LpInteger for v in prob.variables())
+    if is_mip:
+        dual = info.mip_dual_bound
+        bound = None if abs(dual) >= 1e30 else sense * dual
+    else:
+        bound = obj if model_status == "optimal" else None
+    if "optimal" in model_status:
+        status = "optimal"
+        if obj is not None and bound is None:
+            bound = obj
+    elif "time limit" in model_status:
+        status = "time_limit"
+    elif "infeasible" in model_status:
+        status = "infeasible"
+    else:
+        status = model_status.replace(" ", "_")
+    if obj is None and status != "infeasible":
+        status = "no_solution" if status == "optimal" else status
+    return SolveInfo("highs", status, obj, bound, time.perf_counter() - started)
