@@ -23,7 +23,7 @@ import yaml
 from helixserve.deploy import k8s
 from helixserve.deploy.gpu_labels import CPU_GPU, check_label_value, gpu_product_label
 from helixserve.errors import UserError
-from helixserve.planner.placement import Placement, load_placement
+from helixserve.planner.placement import COORDINATOR, Placement, load_placement
 
 #: first line of every file the renderer writes; `write_manifests` only ever deletes files
 #: that start with it
@@ -134,6 +134,14 @@ def _check_against_cluster(placement: Placement, cluster: Any, placement_src: st
                 f"{placement_src}: nodes[{i}].name: node {n.name!r} is not in cluster "
                 f"{cluster.name!r} ({cluster.source}); known: {known}"
             )
+    holders = {n.name for n in placement.nodes}
+    for i, f in enumerate(placement.flows):
+        for end in (f.src, f.dst):
+            if end != COORDINATOR and end not in holders:
+                raise UserError(
+                    f"{placement_src}: flows[{i}]: node {end!r} holds no layers in this "
+                    f"placement; known: coordinator, {', '.join(sorted(holders))}"
+                )
     if placement.cluster != cluster.name:
         raise UserError(
             f"{placement_src}: cluster: placement was planned for cluster {placement.cluster!r}, "

@@ -25,7 +25,9 @@ GEO_RANGES = {
 
 
 def placement_dict(ranges: dict[str, tuple[int, int]], cluster: str,
-                   num_layers: int = 80, model: str = "llama-2-70b") -> dict[str, Any]:
+                   num_layers: int = 80, model: str = "llama-2-70b",
+                   flows: list[tuple[str, str, float]] | None = None) -> dict[str, Any]:
+    """A placement; `flows` default: none (the renderer passes flows through untouched)."""
     return {
         "format": "helixserve.placement/v1",
         "model": model,
@@ -33,7 +35,7 @@ def placement_dict(ranges: dict[str, tuple[int, int]], cluster: str,
         "num_layers": num_layers,
         "planner": "test",
         "nodes": [{"name": n, "start_layer": s, "end_layer": e} for n, (s, e) in ranges.items()],
-        "flows": [{"src": "coordinator", "dst": "n0", "tokens_per_s": 12.5}],
+        "flows": [{"src": a, "dst": b, "tokens_per_s": t} for a, b, t in flows or []],
         "throughput_tokens_per_s": 12.5,
     }
 

@@ -271,6 +271,10 @@ def test_mismatched_inputs_are_user_errors(geo_cluster: Path, tmp_path: Path) ->
                             "helix-geo-24")
     with pytest.raises(UserError, match=r"nodes\[6\]\.name: node 'n99' is not in cluster"):
         render_k8s(geo_cluster, stray, opts())
+    flows = write_placement(tmp_path / "flows.json", GEO_RANGES, "helix-geo-24",
+                            flows=[("coordinator", "n0", 1.0), ("n0", "n7", 1.0)])
+    with pytest.raises(UserError, match=r"flows\[1\]: node 'n7' holds no layers"):
+        render_k8s(geo_cluster, flows, opts())
     other = write_placement(tmp_path / "other.json", GEO_RANGES, "helix-single-24")
     with pytest.raises(UserError, match="planned for cluster 'helix-single-24'"):
         render_k8s(geo_cluster, other, opts())
