@@ -24,6 +24,7 @@ from helixserve.deploy import k8s
 from helixserve.deploy.gpu_labels import CPU_GPU, check_label_value, gpu_product_label
 from helixserve.errors import UserError
 from helixserve.planner.placement import COORDINATOR, Placement, load_placement
+from helixserve.spec import load_cluster, load_gpu_catalog
 
 #: first line of every file the renderer writes; `write_manifests` only ever deletes files
 #: that start with it
@@ -190,9 +191,6 @@ def rewrite_cluster(raw: dict[str, Any], addresses: dict[str, str]) -> dict[str,
 def render_k8s(cluster_path: str | Path, placement_path: str | Path,
                opts: k8s.RenderOptions) -> Rendering:
     """Check the inputs and render every manifest; raises UserError on bad input."""
-    # Deferred: the spec package reads the GPU catalog at import time of its loaders.
-    from helixserve.spec import load_cluster, load_gpu_catalog
-
     validate_options(opts)
     cluster = load_cluster(cluster_path)
     placement = load_placement(placement_path)
@@ -241,8 +239,8 @@ def render_k8s(cluster_path: str | Path, placement_path: str | Path,
         raise UserError(f"{cluster.source}: cluster + placement are {config_bytes} bytes; a "
                         f"ConfigMap holds at most {CONFIG_MAP_MAX_BYTES}")
 
-    # File order is the apply order kustomize would also pick: config first, workers before
-    # the coordinator that dials them.
+    # Reading order: config, workers, coordinator. (`kubectl apply -k` sorts by kind itself:
+    # ConfigMap and Services first, so every pod starts with its config in place.)
     objects: list[tuple[str, dict[str, Any]]] = [
         ("configmap.yaml", k8s.config_map(opts, cluster_yaml, placement_json)),
         ("workers-service.yaml", k8s.headless_service(opts)),
