@@ -231,7 +231,11 @@ def render_k8s(cluster_path: str | Path, placement_path: str | Path,
     cluster_yaml = dump_yaml(
         rewrite_cluster(raw, {w.node: k8s.worker_address(opts, w.node) for w in workers}),
         sort_keys=False, flow_leaves=True)
-    placement_json = json.dumps(placement.to_dict(), indent=2) + "\n"
+    # The solver's wall time is not part of the plan: without it, re-running the planner to
+    # the same result re-renders byte for byte (and does not roll the coordinator).
+    served = placement.to_dict()
+    served.pop("solve_time_s", None)
+    placement_json = json.dumps(served, indent=2) + "\n"
     config_sha256 = hashlib.sha256(
         (cluster_yaml + "\0" + placement_json).encode()).hexdigest()
     config_bytes = len(cluster_yaml.encode()) + len(placement_json.encode())

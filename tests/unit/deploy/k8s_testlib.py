@@ -37,6 +37,7 @@ def placement_dict(ranges: dict[str, tuple[int, int]], cluster: str,
         "nodes": [{"name": n, "start_layer": s, "end_layer": e} for n, (s, e) in ranges.items()],
         "flows": [{"src": a, "dst": b, "tokens_per_s": t} for a, b, t in flows or []],
         "throughput_tokens_per_s": 12.5,
+        "solve_time_s": 4.5,
     }
 
 
