@@ -22,38 +22,55 @@ taken, so failed attempts leave no trace.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from helixserve.errors import UserError
 from helixserve.planner.placement import COORDINATOR, Placement
 from helixserve.scheduler.base import GraphRouter
+from helixserve.scheduler.spread import spread_flows
 from helixserve.scheduler.types import NodeState, RequestInfo, Route
 
 
 class MaxFlowRouter(GraphRouter):
     name = "maxflow"
 
-    def __init__(self, placement: Placement, seed: int = 0, min_flow_share: float = 0.01) -> None:
+    def __init__(
+        self,
+        placement: Placement,
+        seed: int = 0,
+        min_flow_share: float = 0.01,
+        spread: bool = True,
+        edges: Iterable[tuple[str, str]] | None = None,
+        edge_capacity_tokens_per_s: Mapping[tuple[str, str], float] | None = None,
+    ) -> None:
+        """`spread`: route over the max-entropy flow with the same node throughputs
+        (`spread.py`) instead of the solver's flow as given; `edges` (existing links) and
+        `edge_capacity_tokens_per_s` bound where the spread may send flow."""
         if not placement.flows:
             raise UserError(
                 "placement: flows: empty; the maxflow router routes over the max-flow "
                 "solution (run `helixserve evaluate` to fill the flows)"
             )
-        # Outflow per vertex, to mask edges whose share is negligible.
-        outflow: dict[str, float] = {}
-        for f in placement.flows:
-            if f.tokens_per_s > 0:
-                outflow[f.src] = outflow.get(f.src, 0.0) + f.tokens_per_s
         vertices = {COORDINATOR} | {n.name for n in placement.nodes}
-        self.weights: dict[str, dict[str, float]] = {}
+        flows: dict[tuple[str, str], float] = {}
         for f in placement.flows:
             if f.src not in vertices or f.dst not in vertices:
                 raise UserError(
                     f"placement: flows: edge {f.src!r} -> {f.dst!r} names a node that holds "
                     f"no layers; known: {sorted(vertices)}"
                 )
-            if f.tokens_per_s > 0 and f.tokens_per_s >= min_flow_share * outflow[f.src]:
-                self.weights.setdefault(f.src, {})[f.dst] = f.tokens_per_s
+            if f.tokens_per_s > 0:
+                flows[f.src, f.dst] = flows.get((f.src, f.dst), 0.0) + f.tokens_per_s
+        if spread:
+            flows = spread_flows(placement, flows, edges, edge_capacity_tokens_per_s)
+        # Outflow per vertex, to mask edges whose share is negligible.
+        outflow: dict[str, float] = {}
+        for (src, _), f in flows.items():
+            outflow[src] = outflow.get(src, 0.0) + f
+        self.weights: dict[str, dict[str, float]] = {}
+        for (src, dst), f in flows.items():
+            if f >= min_flow_share * outflow[src]:
+                self.weights.setdefault(src, {})[dst] = f
         super().__init__(
             placement,
             seed=seed,

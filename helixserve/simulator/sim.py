@@ -184,6 +184,14 @@ class Simulation:
             j.may_partial = any(j.start < i.end < j.end for i in self.nodes.values())
         names = [COORDINATOR, *self.nodes]
         edges = [(a, b) for a in names for b in names if a != b and cluster.link(a, b)]
+        # tokens/s each link carries (NICs included), as in the planner's flow graph
+        capacity = {
+            (a, b): cluster.effective_bandwidth_gbps(a, b)
+            * 1e9
+            / 8
+            / (TOKEN_ID_BYTES if COORDINATOR in (a, b) else model.activation_bytes_per_token)
+            for a, b in edges
+        }
         throughput = {
             n.name: cost.node_throughput_tokens_per_s(n.spec, n.end - n.start)
             for n in self.nodes.values()
@@ -193,6 +201,7 @@ class Simulation:
             placement,
             seed=config.seed,
             edges=edges,
+            edge_capacity_tokens_per_s=capacity,
             node_throughput_tokens_per_s=throughput,
         )
         self.states = {n.name: n.state for n in self.nodes.values()}

@@ -119,7 +119,7 @@ def test_dead_end_backtracks_to_next_candidate() -> None:
             ("b2", C, 1.0),
         ],
     )
-    router = make_router("maxflow", p)
+    router = make_router("maxflow", p, spread=False)  # the flow as given: a1 only feeds b1
     route = router.route(req(0), states({"a1": 100, "a2": 100, "b1": 0, "b2": 100}))
     assert route is not None and route.nodes == ("a2", "b2")
     # The failed attempt through a1 left no credit behind: the next request (b1 free) goes
@@ -183,3 +183,50 @@ def test_same_seed_same_routes(name: str) -> None:
     assert draw(7) == draw(7)
     if name in ("random", "swarm"):
         assert draw(7) != draw(8)
+
+
+def test_spread_mixes_chains_keeping_node_throughputs() -> None:
+    from helixserve.scheduler.spread import spread_flows
+
+    # Two disjoint chains a1 -> b1 and a2 -> b2, as a max-flow solver returns them.
+    p = placement(
+        {"a1": (0, 4), "a2": (0, 4), "b1": (4, 8), "b2": (4, 8)},
+        [(C, "a1", 3.0), (C, "a2", 1.0), ("a1", "b1", 3.0), ("a2", "b2", 1.0),
+         ("b1", C, 3.0), ("b2", C, 1.0)],
+    )  # fmt: skip
+    given = {(f.src, f.dst): f.tokens_per_s for f in p.flows}
+    spread = spread_flows(p, given)
+    assert spread["a1", "b2"] > 0 and spread["a2", "b1"] > 0
+    for node in ("a1", "a2", "b1", "b2"):
+        inflow = sum(f for (s, d), f in spread.items() if d == node)
+        outflow = sum(f for (s, d), f in spread.items() if s == node)
+        assert (
+            inflow
+            == pytest.approx(given[C, node] if node[0] == "a" else given["a" + node[1], node])
+            == pytest.approx(outflow)
+        )
+    # Max entropy with these marginals: each a splits like the b's (3:1).
+    assert spread["a1", "b1"] / spread["a1", "b2"] == pytest.approx(3.0, rel=1e-4)
+    # A link slower than the flow it might get is not used.
+    slow = spread_flows(
+        p,
+        given,
+        edge_capacity_tokens_per_s={
+            ("a1", "b1"): 10.0,
+            ("a2", "b2"): 10.0,
+            ("a2", "b1"): 10.0,
+            ("a1", "b2"): 0.5,
+            (C, "a1"): 10.0,
+            (C, "a2"): 10.0,
+            ("b1", C): 10.0,
+            ("b2", C): 10.0,
+        },
+    )
+    assert ("a1", "b2") not in slow
+    # ...which leaves b2 fed by a2 alone, so the given flow is the only one.
+    assert slow == pytest.approx(given, abs=1e-3)
+    # The router draws mixed routes from it.
+    router = make_router("maxflow", p)
+    st = states({n: 10**9 for n in ("a1", "a2", "b1", "b2")})
+    seen = {router.route(req(i), st).nodes for i in range(200)}  # type: ignore[union-attr]
+    assert ("a1", "b2") in seen and ("a2", "b1") in seen
