@@ -15,7 +15,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Recompute the flows of a placement through the cluster graph and print "
         "the throughput (tokens/s) with a per-node table.",
     )
-    add_input_args(p)
+    add_input_args(p, example=True)
     p.add_argument("--placement", required=True, help="placement JSON")
     p.add_argument("--json", action="store_true",
                    help='print {"throughput_tokens_per_s": ..., "flows": [...]} only')

@@ -239,5 +239,5 @@ class CostModel:
             f"{cluster.source}: model {m.name!r} ({m.num_layers} layers x "
             f"{m.layer_weight_bytes / 1e9:.3f} GB) does not fit in the cluster: its nodes hold at "
             f"most {total} layers ({have_gb:.1f} GB usable, weights at most "
-            f"{WEIGHT_FRACTION:.0%} of it); short by {math.ceil(short * 10) / 10:.1f} GB"
+            f"{WEIGHT_FRACTION:.0%} of it); short by {math.ceil(short * 100) / 100:.2f} GB"
         )

@@ -45,6 +45,8 @@ from helixserve.planner.registry import PlanOutcome, Progress
 from helixserve.planner.search import local_search
 from helixserve.planner.solver import SolveInfo, quiet_pulp, solve
 
+#: up to this many nodes the per-node MILP is small: skip the coverage relaxation
+SMALL_NODES = 8
 #: links below this fraction of the throughput bound are pruned from the MILP
 PRUNE_FRACTION = 0.002
 #: above this many nodes each node keeps only its strongest out-links in the MILP
@@ -66,10 +68,12 @@ class MilpStats:
 
 
 def layer_work_bound(net: FlowNetwork) -> float:
-    """Largest F with L F <= sum_i max_k k min(T_i(k), F).
+    """Largest F with L F <= phi(F) = sum_i max_k k min(T_i(k), F).
 
     Every token runs all L layers, and node i passes at most min(T_i(k_i), F) of the F
-    tokens/s for each of its k_i layers. The right side is concave in F, so bisect.
+    tokens/s through each of its k_i layers. phi is piecewise linear with breaks at the
+    T_i(k); between two breaks each term is a max of linear functions (convex), so
+    phi(F) - L F has one root there: scan the breaks from the top, bisect the segment.
     """
     L = net.model.num_layers
     curves = [[net.node_cap(i, k) for k in range(1, int(net.max_layers[i]) + 1)]
@@ -79,7 +83,14 @@ def layer_work_bound(net: FlowNetwork) -> float:
         return sum(max((k * min(T, F) for k, T in enumerate(c, start=1)), default=0.0)
                    for c in curves) - L * F
 
-    lo, hi = 0.0, sum(max(c, default=0.0) for c in curves)
+    breaks = sorted({0.0} | {T for c in curves for T in c if T > 0})
+    top = breaks[-1] * 2 + 1.0  # slack < 0 here: every min() is saturated
+    lo, hi = 0.0, top
+    for b in reversed(breaks):
+        if slack(b) >= 0:
+            lo = b
+            break
+        hi = b
     for _ in range(60):
         mid = (lo + hi) / 2
         if slack(mid) >= 0:
@@ -270,26 +281,33 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
     say(f"baselines: best {base_name} {base_value:,.1f} tokens/s; "
         f"layer-work bound {bounds[0]:,.1f}")
 
-    cov = solve_coverage(net, 0.25 * time_limit_s, hint=max(candidates, key=lambda c: c[0])[2])
-    if cov.info.bound is not None:
-        bounds.append(cov.info.bound)
-    if cov.ranges:
-        candidates.append((value_of(cov.ranges), "coverage", cov.ranges))
-    say(f"coverage relaxation [{cov.info.status}]: placement {candidates[-1][0]:,.1f}, "
-        f"bound {min(bounds):,.1f} tokens/s")
+    def closed() -> bool:
+        return max(c[0] for c in candidates) >= min(bounds) * (1 - 1e-6)
+
+    if len(net.names) > SMALL_NODES and not closed():
+        cov = solve_coverage(net, 0.25 * time_limit_s,
+                             hint=max(candidates, key=lambda c: c[0])[2])
+        if cov.info.bound is not None:
+            bounds.append(cov.info.bound)
+        if cov.ranges:
+            candidates.append((value_of(cov.ranges), "coverage", cov.ranges))
+        say(f"coverage relaxation [{cov.info.status}]: placement {candidates[-1][0]:,.1f}, "
+            f"bound {min(bounds):,.1f} tokens/s")
 
     def on_improve(v: float) -> None:
         say(f"search: {v:,.1f} tokens/s ({time.perf_counter() - started:.0f}s)")
 
-    starts = [c[2] for c in sorted(candidates, key=lambda c: -c[0])]
-    ls_ranges, ls_value, _ = local_search(
-        net, starts, time.perf_counter() + min(0.2 * time_limit_s, remaining() * 0.4), seed=seed,
-        partial_inference=partial_inference, on_improve=on_improve)
-    candidates.append((value_of(ls_ranges), "search", ls_ranges))
+    if not closed():
+        starts = [c[2] for c in sorted(candidates, key=lambda c: -c[0])]
+        ls_ranges, ls_value, _ = local_search(
+            net, starts, time.perf_counter() + min(0.2 * time_limit_s, remaining() * 0.4),
+            seed=seed, partial_inference=partial_inference, on_improve=on_improve,
+            max_stall=200 * len(net.names))
+        candidates.append((value_of(ls_ranges), "search", ls_ranges))
     best_value, best_name, best_ranges = max(candidates, key=lambda c: c[0])
 
     milp_info: SolveInfo | None = None
-    if remaining() > 0.5:
+    if remaining() > 0.5 and not closed():
         prob, v, pruned = build_milp(net, min(bounds), partial_inference)
         with quiet_pulp():
             _warm_start(net, v, best_ranges, partial_inference)

@@ -153,7 +153,7 @@ def local_search(
         else:
             stall += 1
             if stall >= max_stall:  # restart from the best, or stop when the search is small
-                if n <= 4:
+                if n <= 8:
                     break
                 cur_s, cur_k, cur = best_s.copy(), best_k.copy(), best
                 stall = 0

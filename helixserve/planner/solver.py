@@ -81,6 +81,7 @@ def solve(
     warm_start: bool = False,
     progress: Callable[[float, float | None, float | None], None] | None = None,
     threads: int | None = None,
+    gap_rel: float = 1e-3,
 ) -> SolveInfo:
     """Solve `prob`; variables with a varValue set are the warm start when `warm_start`.
 
@@ -89,7 +90,8 @@ def solve(
     started = time.perf_counter()
     sense = -1.0 if prob.sense == pulp.LpMaximize else 1.0
     if not _highs_available():
-        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1.0, time_limit_s), warmStart=warm_start)
+        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1.0, time_limit_s), warmStart=warm_start,
+                                gapRel=gap_rel)
         with quiet_pulp():
             prob.solve(cbc)
         status = pulp.LpStatus[prob.status].lower()
@@ -133,7 +135,7 @@ def solve(
             lp.assignStatus(status, sol_status)
             return int(status)
 
-    solver = _Highs(msg=False, timeLimit=max(0.5, time_limit_s), threads=threads)
+    solver = _Highs(msg=False, timeLimit=max(0.5, time_limit_s), threads=threads, gapRel=gap_rel)
     with quiet_pulp():
         prob.solve(solver)
     h = prob.solverModel

@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from helixserve.costmodel import MEMORY_UTILIZATION, CostModel
+from helixserve.costmodel.model import GIB, RESERVED_BYTES_PER_GPU, WEIGHT_FRACTION
+from helixserve.errors import UserError
+from helixserve.spec import ClusterSpec, NodeSpec, load_model, load_profiles
+
+SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="module")
+def profiles():
+    return load_profiles(SHARED / "profiles" / "helix-measured.csv")
+
+
+@pytest.fixture(scope="module")
+def cost70(profiles):
+    return CostModel(load_model(SHARED / "models" / "llama-2-70b"), profiles)
+
+
+def test_interpolation_hits_points_between_below_and_beyond(cost70):
+    # decode A100 rows: 2 -> 1.4 ms ... 760 -> 10, 780 -> 11, 800 -> 11
+    assert cost70.layer_time_ms("A100-40GB", 1, 0, 2) == pytest.approx(1.4)
+    assert cost70.layer_time_ms("A100-40GB", 1, 0, 1) == pytest.approx(1.4)  # clamped below
+    assert cost70.layer_time_ms("A100-40GB", 1, 0, 770) == pytest.approx(10.5)
+    assert cost70.layer_time_ms("A100-40GB", 1, 0, 2000) > 11.0  # extrapolated upward
+    # prompt 250 -> 2 ms, 500 -> 4 ms
+    assert cost70.layer_time_ms("A100-40GB", 1, 375, 0) == pytest.approx(3.0)
+    # a mixed batch is prompt + decode, as Helix times it
+    assert cost70.layer_time_ms("A100-40GB", 1, 375, 770) == pytest.approx(13.5)
+
+
+def test_non_monotone_measurements_are_kept(cost70):
+    # V100 decode: 85 tokens 6.7 ms, 90 tokens 4.5 ms (a dip in Helix's data)
+    assert cost70.layer_time_ms("V100-16GB", 1, 0, 85) == pytest.approx(6.7)
+    assert cost70.layer_time_ms("V100-16GB", 1, 0, 90) == pytest.approx(4.5)
+
+
+def test_analytic_model_is_fitted_to_the_measurements(cost70):
+    eff = cost70.efficiency
+    assert 0.3 < eff.memory_bandwidth <= 1.0 and 0.1 < eff.tensor_flops <= 1.0
+    # unmeasured H100: faster than the measured A100 for the same batch
+    assert not cost70.measured("H100-80GB", 1)
+    h100 = cost70.layer_time_ms("H100-80GB", 1, 0, 64)
+    assert 0 < h100 < cost70.layer_time_ms("A100-40GB", 1, 0, 64)
+    # and on a measured machine the analytic model lands near the measurement
+    analytic = cost70._analytic_ms("L4", 1, 2, "decode", eff)
+    assert analytic == pytest.approx(cost70.layer_time_ms("L4", 1, 0, 2), rel=0.25)
+
+
+def test_batch_time_is_layers_times_layer_time(cost70):
+    node = NodeSpec("x", "T4", 4)
+    assert cost70.batch_time_s(node, 10, 500, 20) == pytest.approx(
+        10 * cost70.layer_time_ms("T4", 4, 500, 20) / 1000)
+
+
+def test_memory_arithmetic_by_hand(cost70):
+    m = cost70.model
+    node = NodeSpec("x", "L4", 2)
+    usable = 2 * (24 * GIB - RESERVED_BYTES_PER_GPU)
+    assert cost70.memory_bytes(node) == usable
+    assert cost70.max_layers(node) == int(usable * WEIGHT_FRACTION // m.layer_weight_bytes)
+    k = 5
+    kv = int((usable * MEMORY_UTILIZATION - k * m.layer_weight_bytes)
+             // (k * m.kv_bytes_per_token_per_layer))
+    assert cost70.kv_capacity_tokens(node, k) == kv
+    # a memory budget overrides the catalog
+    small = NodeSpec("y", "L4", 1, memory_gb=2 * m.layer_weight_bytes / 1e9 / WEIGHT_FRACTION)
+    assert cost70.max_layers(small) == 2
+
+
+@pytest.mark.parametrize("model", ["llama-2-70b", "llama-30b"])
+def test_max_layers_match_helix_caps_within_one(profiles, model):
+    cost = CostModel(load_model(SHARED / "models" / model), profiles)
+    rows = list(csv.DictReader((SHARED / "profiles" / "helix-gpu-constants.csv").open()))
+    checked = 0
+    for r in rows:
+        if r["model"] != model or r["layers"] != "1":
+            continue
+        node = NodeSpec("x", r["gpu"], int(r["num_gpus"]))
+        assert abs(cost.max_layers(node) - int(r["max_layers"])) <= 1, r
+        checked += 1
+    assert checked == 7
+
+
+def test_node_throughput_is_decode_batch_over_time(cost70):
+    node = NodeSpec("x", "A100-40GB")
+    for k in (1, 6, 12):
+        b = cost70.decode_batch(node, k)
+        assert b == min(cost70.batch_limits(node)[1],
+                        cost70.kv_capacity_tokens(node, k) // cost70.context_tokens)
+        assert cost70.node_throughput_tokens_per_s(node, k) == pytest.approx(
+            b / (k * cost70.layer_time_ms("A100-40GB", 1, 0, b) / 1000))
+    assert cost70.node_throughput_tokens_per_s(node, 13) == 0.0  # does not fit
+
+
+def test_model_that_does_not_fit_says_by_how_much(cost70):
+    cluster = ClusterSpec("small", [NodeSpec(f"t{i}", "T4") for i in range(3)], source="c.yaml")
+    with pytest.raises(UserError, match=r"c\.yaml: model 'llama-2-70b' .* holds? at most 12 "
+                                        r"layers .* short by [\d.]+ GB"):
+        cost70.check_fits(cluster)

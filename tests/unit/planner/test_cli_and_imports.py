@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from helixserve.cli import main
+
+
+def test_control_plane_imports_no_torch_grpc_fastapi():
+    code = (
+        "import sys\n"
+        "import helixserve.spec, helixserve.costmodel, helixserve.planner\n"
+        "import helixserve.planner.milp, helixserve.commands.plan, helixserve.commands.evaluate\n"
+        "bad = [m for m in ('torch', 'grpc', 'fastapi') if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_plan_example_then_evaluate(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    png = tmp_path / "p.png"
+    assert main(["plan", "--example", "--time-limit", "3", "--quiet", "--out", str(out),
+                 "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "throughput" in text and "a100-0" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    planned = json.loads(out.read_text())
+    assert planned["format"] == "helixserve.placement/v1" and planned["num_layers"] == 80
+    assert main(["evaluate", "--example", "--placement", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert abs(result["throughput_tokens_per_s"] - planned["throughput_tokens_per_s"]) < 1e-3
+    assert {"src", "dst", "tokens_per_s"} <= set(result["flows"][0])
+
+
+def test_user_errors_exit_2_with_one_line(tmp_path, capsys):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("nodes:\n  - {name: a, gpu: A1000}\n")
+    assert main(["plan", "--cluster", str(bad), "--model", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nodes[0].gpu: unknown GPU 'A1000'" in err[0]
+    assert main(["plan", "--example", "--planner", "gurobi", "--quiet"]) == 2
+    assert "known: milp, uniform, petals, swarm, separate" in capsys.readouterr().err

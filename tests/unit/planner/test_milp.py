@@ -1,0 +1,87 @@
+"""The MILP against brute force on tiny clusters, and the planner's guarantees."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from planner_factories import make_cluster, tiny_model
+
+from helixserve.costmodel import CostModel
+from helixserve.planner import PLANNERS, FlowNetwork, plan
+from helixserve.planner.baselines import BASELINES
+from helixserve.planner.milp import _extract, build_milp, layer_work_bound
+from helixserve.planner.solver import solve
+from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec
+
+
+def tiny_cluster() -> ClusterSpec:
+    """4 layers on 3 machines of different sizes, links that bind and one that is missing."""
+    model = tiny_model(num_layers=4)
+    gb = model.layer_weight_bytes / 1e9 / 0.5  # memory per layer held (weights <= 50%)
+    nodes = [NodeSpec("big", "A100-40GB", memory_gb=3 * gb),
+             NodeSpec("mid", "L4", memory_gb=2 * gb + 0.01),
+             NodeSpec("small", "T4", memory_gb=2 * gb + 0.01)]
+    slow = LinkSpec(0.02, 5.0)  # 2.5 MB/s: ~300 tokens/s of 8 KB activations
+    explicit = {("big", "mid"): slow, ("mid", "small"): LinkSpec(0.0),
+                ("coordinator", "small"): LinkSpec(1e-5)}
+    return ClusterSpec("tiny", nodes, default_link=LinkSpec(0.1, 1.0), explicit=explicit)
+
+
+def brute_force(net: FlowNetwork, partial: bool) -> float:
+    L = net.model.num_layers
+    options = []
+    for i in range(len(net.names)):
+        opts = [None] + [(s, s + k) for k in range(1, int(net.max_layers[i]) + 1)
+                         for s in range(0, L - k + 1)]
+        options.append(opts)
+    best = 0.0
+    for combo in itertools.product(*options):
+        ranges = {i: r for i, r in enumerate(combo) if r is not None}
+        best = max(best, net.max_flow(ranges, partial)[0])
+    return best
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_milp_equals_brute_force(partial):
+    model = tiny_model(num_layers=4)
+    net = FlowNetwork(tiny_cluster(), model, CostModel(model))
+    assert list(net.max_layers) == [3, 2, 2]
+    optimum = brute_force(net, partial)
+    assert optimum > 0
+    prob, variables, pruned = build_milp(net, layer_work_bound(net), partial)
+    assert pruned == 0.0
+    info = solve(prob, 30.0)
+    assert info.status == "optimal"
+    assert info.objective == pytest.approx(optimum, rel=1e-4)
+    assert net.max_flow(_extract(net, variables), partial)[0] == pytest.approx(optimum, rel=1e-4)
+    # the whole planner reaches it too, and its bound is a real bound
+    placement = plan("milp", net.cluster, model, net.cost, time_limit_s=10,
+                     partial_inference=partial)
+    assert placement.throughput_tokens_per_s == pytest.approx(optimum, rel=1e-3)
+    assert placement.upper_bound_tokens_per_s >= optimum * (1 - 1e-6)
+
+
+def test_layer_work_bound_bounds_brute_force():
+    model = tiny_model(num_layers=4)
+    net = FlowNetwork(tiny_cluster(), model, CostModel(model))
+    assert layer_work_bound(net) >= brute_force(net, True) * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(BASELINES))
+def test_baselines_cover_all_layers_on_shared_sizes(name, llama70b, measured_cost):
+    cluster = make_cluster(a100=4, l4=8, t4=12)
+    placement = plan(name, cluster, llama70b, measured_cost)
+    assert placement.covers_all_layers()
+    for r in placement.nodes:
+        assert r.num_layers <= measured_cost.max_layers(cluster.node(r.name))
+
+
+def test_milp_never_worse_than_best_baseline(llama70b, measured_cost):
+    cluster = make_cluster(a100=2, l4=4, t4=8)
+    best = max(plan(n, cluster, llama70b, measured_cost).throughput_tokens_per_s
+               for n in BASELINES)
+    placement = plan("milp", cluster, llama70b, measured_cost, time_limit_s=4)
+    assert placement.throughput_tokens_per_s >= best * (1 - 1e-9)
+    assert placement.upper_bound_tokens_per_s >= placement.throughput_tokens_per_s
+    assert set(PLANNERS) == {"milp", "petals", "swarm", "separate", "uniform"}
