@@ -36,6 +36,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--worker-threads", type=int, default=1, help="torch CPU threads per worker (default 1)"
     )
+    p.add_argument(
+        "--worker-kv-cache-mb",
+        type=int,
+        default=128,
+        help="KV cache budget per worker in MiB (default 128: thousands of tokens)",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
 
@@ -74,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port: bad value {args.port}")
+    if args.worker_kv_cache_mb < 1 or args.worker_threads < 1:
+        raise UserError("--worker-kv-cache-mb and --worker-threads: must be >= 1")
     memory_gb = _memory(args.memory_gb)
 
     def log(msg: str) -> None:
@@ -92,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         files.workers,
         workdir / "logs",
         num_threads=args.worker_threads,
+        extra_args=["--kv-cache-bytes", str(args.worker_kv_cache_mb * 2**20)],
     )
     api_key = args.api_key or None
 

@@ -1,0 +1,59 @@
+"""The real demo stack (`helixserve demo`: 3 worker processes + coordinator + API), once per
+module, on free ports on 127.0.0.1, with its files in a temp work dir."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from api_demo_lib import API_KEY, DemoStack, processes_mentioning
+
+from helixserve.api.launch import free_port
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoStack]:
+    workdir = tmp_path_factory.mktemp("demo")
+    port = free_port()
+    log_path = workdir / "demo.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "helixserve",
+                "demo",
+                "--port",
+                str(port),
+                "--workdir",
+                str(workdir),
+                "--api-key",
+                API_KEY,
+            ],  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    stack = DemoStack(proc, f"http://127.0.0.1:{port}", workdir, log_path)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, f"demo exited early:\n{stack.log()}"
+            assert time.monotonic() < deadline, f"demo not up after 240 s:\n{stack.log()}"
+            try:
+                if httpx.get(stack.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield stack
+    finally:
+        stack.stop()
+        for pid in processes_mentioning(str(workdir)):
+            os.kill(pid, signal.SIGKILL)  # never leave workers behind, even on failure

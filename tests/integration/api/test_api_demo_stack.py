@@ -1,0 +1,216 @@
+"""The demo stack end to end: real workers, coordinator, API, the real `openai` client."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+from api_demo_lib import API_KEY, processes_mentioning
+from prometheus_client.parser import text_string_to_metric_families
+
+from helixserve.runtime.proto import helix_pb2, helix_pb2_grpc
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def model_name(demo) -> str:
+    return httpx.get(demo.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+
+
+def client(demo) -> openai.OpenAI:
+    return openai.OpenAI(base_url=demo.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def worker_infos(demo) -> dict[str, helix_pb2.InfoReply]:
+    out = {}
+    for node, address in demo.worker_addresses().items():
+        with grpc.insecure_channel(address) as channel:
+            out[node] = helix_pb2_grpc.HelixWorkerStub(channel).Info(
+                helix_pb2.InfoRequest(), timeout=10
+            )
+    return out
+
+
+def scrape(demo) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(demo.url + "/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def total(samples, name: str, **labels: str) -> float:
+    return sum(
+        v
+        for (n, lab), v in samples.items()
+        if n == name and all(dict(lab).get(k) == val for k, val in labels.items())
+    )
+
+
+def test_placement_is_uneven_over_three_workers(demo):
+    placement = json.loads((demo.workdir / "placement.json").read_text())
+    sizes = [n["end_layer"] - n["start_layer"] for n in placement["nodes"]]
+    assert len(sizes) == 3 and len(set(sizes)) > 1
+    assert "API ready at" in demo.log() and "curl" in demo.log()
+
+
+def test_chat_capital_of_france_non_streaming(demo):
+    resp = client(demo).chat.completions.create(
+        model=model_name(demo), messages=FRANCE, max_tokens=32, temperature=0
+    )
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.usage.completion_tokens >= 1
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_chat_capital_of_france_streaming(demo):
+    stream = client(demo).chat.completions.create(
+        model=model_name(demo),
+        messages=FRANCE,
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    # exact usage: one content chunk per token at most, and the streamed text matches
+    # what the non-streaming greedy answer says
+    assert chunks[-1].usage.completion_tokens >= sum(
+        1 for c in chunks if c.choices and c.choices[0].delta.content
+    )
+    same = client(demo).chat.completions.create(
+        model=model_name(demo), messages=FRANCE, max_tokens=32, temperature=0
+    )
+    assert same.choices[0].message.content == text
+    assert same.usage.completion_tokens == chunks[-1].usage.completion_tokens
+
+
+def test_concurrent_requests_all_complete(demo):
+    import concurrent.futures
+
+    c = client(demo)
+    name = model_name(demo)
+
+    def one(i: int) -> int:
+        resp = c.completions.create(
+            model=name, prompt=f"Count to {i}:", max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return resp.usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(one, range(6))) == [8] * 6
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "code"),
+    [
+        ({"temperature": -1}, AUTH, 400, "invalid_parameter"),
+        ({"max_tokens": "x"}, AUTH, 400, "invalid_parameter"),
+        ({"model": "no-such-model"}, AUTH, 404, "model_not_found"),
+        ({}, {"Authorization": "Bearer wrong"}, 401, "invalid_api_key"),
+        ({"messages": [{"role": "user", "content": "hi " * 9000}]}, AUTH, 400,
+         "context_length_exceeded"),
+    ],
+)  # fmt: skip
+def test_error_cases_status_and_openai_json(demo, body, headers, status, code):
+    payload = {"model": model_name(demo), "messages": FRANCE, "max_tokens": 4, **body}
+    resp = httpx.post(demo.url + "/v1/chat/completions", json=payload, headers=headers)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == code
+
+
+def test_disconnect_mid_stream_frees_kv_on_every_worker(demo):
+    payload = {
+        "model": model_name(demo),
+        "prompt": "Write a very long story about a dragon.",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", demo.url + "/v1/completions", json=payload, headers=AUTH, timeout=60
+    ) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        for _ in range(6):
+            next(lines)
+        held = worker_infos(demo)
+        # the request holds KV on every worker of its route while it streams
+        assert sum(i.kv_used_blocks for i in held.values()) > 0
+    deadline = time.monotonic() + 15
+    while True:
+        infos = worker_infos(demo)
+        if all(i.kv_used_blocks == 0 and i.active_requests == 0 for i in infos.values()):
+            break
+        assert time.monotonic() < deadline, {n: i.kv_used_blocks for n, i in infos.items()}
+        time.sleep(0.2)
+    # and the coordinator counted it as aborted, not finished
+    assert total(scrape(demo), "vllm:request_success_total", finished_reason="abort") >= 1
+
+
+def test_metrics_names_exposed_and_moving(demo):
+    before = scrape(demo)
+    resp = client(demo).completions.create(
+        model=model_name(demo), prompt="Hello", max_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    after = scrape(demo)
+    names = {n for n, _ in after}
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_success_total",
+        "helixserve:node_layers",
+        "helixserve:node_queue_length",
+        "helixserve:node_batch_size",
+        "helixserve:node_kv_cache_usage_perc",
+        "helixserve:node_busy_fraction",
+        "helixserve:route_hop_requests_total",
+    ):
+        assert name in names, name
+    assert (
+        total(after, "vllm:generation_tokens_total") - total(before, "vllm:generation_tokens_total")
+        == 5
+    )
+    assert (
+        total(after, "vllm:prompt_tokens_total") - total(before, "vllm:prompt_tokens_total")
+        == resp.usage.prompt_tokens
+    )
+    assert (
+        total(after, "vllm:e2e_request_latency_seconds_count")
+        == total(before, "vllm:e2e_request_latency_seconds_count") + 1
+    )
+    assert (
+        total(after, "helixserve:node_layers") == 30 or total(after, "helixserve:node_layers") > 30
+    )
+    assert total(after, "helixserve:route_hop_requests_total", src="coordinator") >= 1
+
+
+def test_zz_sigterm_stops_every_process(demo):
+    """Last: SIGTERM the demo; it exits and leaves no worker behind."""
+    assert len(processes_mentioning(str(demo.workdir))) >= 4  # demo + 3 workers
+    assert demo.stop() == 0
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(demo.workdir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_mentioning(str(demo.workdir)) == []
