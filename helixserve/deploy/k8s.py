@@ -284,6 +284,15 @@ def worker_statefulset(opts: RenderOptions, w: WorkerSpec) -> Obj:
         "securityContext": _container_security(),
     }
     pod_spec: Obj = {
+        # The plan gives every node its own NIC and links: prefer one worker per machine.
+        # Preferred, not required, so a cluster with fewer machines still schedules them all.
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100,
+            "podAffinityTerm": {
+                "labelSelector": {"matchLabels": selector_labels(opts, "worker")},
+                "topologyKey": "kubernetes.io/hostname",
+            },
+        }]}},
         "containers": [container],
         "enableServiceLinks": False,
         "securityContext": _pod_security(),

@@ -81,6 +81,11 @@ def test_one_statefulset_per_placement_node(geo_cluster: Path, geo_placement: Pa
             assert c[probe]["grpc"] == {"port": 50051}, probe
         startup = c["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
+        (spread,) = pod["affinity"]["podAntiAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"]
+        term = spread["podAffinityTerm"]
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        assert term["labelSelector"]["matchLabels"].items() <= labels.items()
         shm = next(v for v in pod["volumes"] if v["name"] == "shm")
         assert shm["emptyDir"]["medium"] == "Memory"
         mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
