@@ -40,12 +40,15 @@ class MaxFlowRouter(GraphRouter):
         seed: int = 0,
         min_flow_share: float = 0.01,
         spread: bool = True,
+        spill: bool = True,
         edges: Iterable[tuple[str, str]] | None = None,
         edge_capacity_tokens_per_s: Mapping[tuple[str, str], float] | None = None,
     ) -> None:
         """`spread`: route over the max-entropy flow with the same node throughputs
-        (`spread.py`) instead of the solver's flow as given; `edges` (existing links) and
-        `edge_capacity_tokens_per_s` bound where the spread may send flow."""
+        (`spread.py`) instead of the solver's flow as given. `spill`: when KV masks every
+        flow edge out of a vertex, fall back to valid hops the flow does not use (least
+        loaded first) rather than make the request wait. `edges` (existing links) and
+        `edge_capacity_tokens_per_s` bound where the spread and the spill may send work."""
         if not placement.flows:
             raise UserError(
                 "placement: flows: empty; the maxflow router routes over the max-flow "
@@ -53,14 +56,15 @@ class MaxFlowRouter(GraphRouter):
             )
         vertices = {COORDINATOR} | {n.name for n in placement.nodes}
         flows: dict[tuple[str, str], float] = {}
-        for f in placement.flows:
-            if f.src not in vertices or f.dst not in vertices:
+        for edge in placement.flows:
+            if edge.src not in vertices or edge.dst not in vertices:
                 raise UserError(
-                    f"placement: flows: edge {f.src!r} -> {f.dst!r} names a node that holds "
-                    f"no layers; known: {sorted(vertices)}"
+                    f"placement: flows: edge {edge.src!r} -> {edge.dst!r} names a node that "
+                    f"holds no layers; known: {sorted(vertices)}"
                 )
-            if f.tokens_per_s > 0:
-                flows[f.src, f.dst] = flows.get((f.src, f.dst), 0.0) + f.tokens_per_s
+            if edge.tokens_per_s > 0:
+                key = (edge.src, edge.dst)
+                flows[key] = flows.get(key, 0.0) + edge.tokens_per_s
         if spread:
             flows = spread_flows(placement, flows, edges, edge_capacity_tokens_per_s)
         # Outflow per vertex, to mask edges whose share is negligible.
@@ -71,18 +75,59 @@ class MaxFlowRouter(GraphRouter):
         for (src, dst), f in flows.items():
             if f >= min_flow_share * outflow[src]:
                 self.weights.setdefault(src, {})[dst] = f
+        self.spill_edges = (
+            self._spill_edges(placement, edges, edge_capacity_tokens_per_s) if spill else set()
+        )
         super().__init__(
             placement,
             seed=seed,
-            edges=[(s, d) for s, out in self.weights.items() for d in out],
+            edges=[(s, d) for s, out in self.weights.items() for d in out] + [*self.spill_edges],
         )
+        self._allow_spill = False
         self.credit: dict[tuple[str, str], float] = {}
         # Candidates seen at each vertex during the current search, for `_commit`.
         self._seen: dict[str, list[str]] = {}
 
     def route(self, req: RequestInfo, state: Mapping[str, NodeState]) -> Route | None:
+        # First over the flow alone; spill only when no flow route can admit the request.
         self._seen = {}
-        return super().route(req, state)
+        self._allow_spill = False
+        found = super().route(req, state)
+        if found is None and self.spill_edges:
+            self._seen = {}
+            self._allow_spill = True
+            found = super().route(req, state)
+        return found
+
+    def _spill_edges(
+        self,
+        placement: Placement,
+        edges: Iterable[tuple[str, str]] | None,
+        capacity: Mapping[tuple[str, str], float] | None,
+    ) -> set[tuple[str, str]]:
+        """Valid hops outside the flow, over links that could carry the largest edge flow."""
+        allowed = set(edges) if edges is not None else None
+        biggest = max((f for out in self.weights.values() for f in out.values()), default=0.0)
+        ends = {COORDINATOR: 0} | {n.name: n.end_layer for n in placement.nodes}
+        out: set[tuple[str, str]] = set()
+        for v, end_v in ends.items():
+            targets = [n.name for n in placement.nodes if n.start_layer <= end_v < n.end_layer]
+            if end_v == placement.num_layers:
+                targets.append(COORDINATOR)
+            for j in targets:
+                if j == v or j in self.weights.get(v, {}):
+                    continue
+                if allowed is not None and (v, j) not in allowed:
+                    continue
+                if capacity is not None and capacity.get((v, j), 0.0) < biggest:
+                    continue
+                out.add((v, j))
+        return out
+
+    def _edge_ok(self, src: str, dst: str) -> bool:
+        if dst in self.weights.get(src, {}):
+            return True
+        return self._allow_spill and (src, dst) in self.spill_edges
 
     def _order(
         self,
@@ -92,20 +137,26 @@ class MaxFlowRouter(GraphRouter):
         req: RequestInfo,
         state: Mapping[str, NodeState],
     ) -> list[str]:
-        self._seen[vertex] = list(cands)
-        projected = self._projected(vertex, cands, req)
-        return sorted(cands, key=lambda j: (-projected[j], j))
+        w = self.weights.get(vertex, {})
+        flow = [j for j in cands if j in w]
+        spill = sorted((self.active[j], j) for j in cands if j not in w)
+        self._seen[vertex] = flow
+        projected = self._projected(vertex, flow, req)
+        return sorted(flow, key=lambda j: (-projected[j], j)) + [j for _, j in spill]
 
     def _commit(self, route: Route, req: RequestInfo, state: Mapping[str, NodeState]) -> None:
         work = float(req.prompt_tokens + req.max_new_tokens)
         prev = COORDINATOR
         for j in route.nodes:
-            for c, value in self._projected(prev, self._seen[prev], req).items():
-                self.credit[prev, c] = value
-            self.credit[prev, j] -= work
+            if j in self.weights.get(prev, {}):  # a spilled hop leaves the credits alone
+                for c, value in self._projected(prev, self._seen[prev], req).items():
+                    self.credit[prev, c] = value
+                self.credit[prev, j] -= work
             prev = j
 
     def _projected(self, vertex: str, cands: Sequence[str], req: RequestInfo) -> dict[str, float]:
+        if not cands:
+            return {}
         work = float(req.prompt_tokens + req.max_new_tokens)
         w = self.weights[vertex]
         total = sum(w[c] for c in cands)
