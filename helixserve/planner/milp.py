@@ -2,10 +2,13 @@
 
 Pipeline within the time limit T (docs/planner.md has the full write-up):
   1. the four baselines, evaluated; the best is the floor of the answer;
-  2. the layer-coverage relaxation (coverage.py, ~25% of T): an upper bound, and a start;
-  3. local search on the real max flow from all of the above (search.py, ~20% of T);
-  4. the per-node MILP below, warm-started from the best placement so far (the rest of T);
-  5. every candidate is re-evaluated by the max-flow evaluator and the best is returned,
+  2. the tiling heuristic (tiling.py, <= 15% of T): stacked rows of equal ranges chosen by
+     a small configuration MILP, the target throughput bisected;
+  3. the layer-coverage relaxation (coverage.py, ~10% of T): an upper bound, and a start
+     (skipped on clusters of at most SMALL_NODES machines, where the MILP is small);
+  4. local search on the real max flow from all of the above (search.py, ~55% of T);
+  5. the per-node MILP below, warm-started from the best placement so far (the rest of T);
+  6. every candidate is re-evaluated by the max-flow evaluator and the best is returned,
      with the tightest of the proven bounds.
 
 Per-node MILP. Data: L layers; per node i, K_i = max layers, T_i(k) node throughput,
@@ -44,6 +47,7 @@ from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.registry import PlanOutcome, Progress
 from helixserve.planner.search import local_search
 from helixserve.planner.solver import SolveInfo, quiet_pulp, solve
+from helixserve.planner.tiling import tiling_search
 
 #: up to this many nodes the per-node MILP is small: skip the coverage relaxation
 SMALL_NODES = 8
@@ -284,8 +288,15 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
     def closed() -> bool:
         return max(c[0] for c in candidates) >= min(bounds) * (1 - 1e-6)
 
+    if not closed():
+        tiled = tiling_search(net, base_value, min(bounds),
+                              time.perf_counter() + 0.15 * time_limit_s, partial_inference)
+        if tiled is not None:
+            candidates.append((tiled[1], "tiling", tiled[0]))
+            say(f"tiling: {tiled[1]:,.1f} tokens/s")
+
     if len(net.names) > SMALL_NODES and not closed():
-        cov = solve_coverage(net, 0.25 * time_limit_s,
+        cov = solve_coverage(net, 0.1 * time_limit_s,
                              hint=max(candidates, key=lambda c: c[0])[2])
         if cov.info.bound is not None:
             bounds.append(cov.info.bound)
@@ -300,7 +311,7 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
     if not closed():
         starts = [c[2] for c in sorted(candidates, key=lambda c: -c[0])]
         ls_ranges, ls_value, _ = local_search(
-            net, starts, time.perf_counter() + min(0.2 * time_limit_s, remaining() * 0.4),
+            net, starts, time.perf_counter() + min(0.55 * time_limit_s, remaining() * 0.7),
             seed=seed, partial_inference=partial_inference, on_improve=on_improve,
             max_stall=200 * len(net.names))
         candidates.append((value_of(ls_ranges), "search", ls_ranges))
@@ -319,7 +330,9 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
             say(f"milp {t:.0f}s: incumbent {inc or 0:,.1f} bound "
                 f"{(bnd or 0) + pruned:,.1f}{gap}")
 
-        milp_info = solve(prob, max(0.5, remaining()), warm_start=True, progress=on_progress)
+        # leave time to read the solution back and evaluate it within the limit
+        milp_info = solve(prob, max(0.5, remaining() - 0.02 * time_limit_s - 0.2),
+                          warm_start=True, progress=on_progress)
         if milp_info.bound is not None:
             bounds.append(milp_info.bound + pruned)
         if milp_info.objective is not None:

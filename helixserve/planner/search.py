@@ -56,20 +56,26 @@ class Scorer:
                 self.table[i, kk] = net.node_cap(i, kk)
         self.evals = 0
 
-    def score(self, s: np.ndarray, k: np.ndarray) -> tuple[float, float]:
-        self.evals += 1
+    def score(self, s: np.ndarray, k: np.ndarray,
+              floor: float | None = None) -> tuple[tuple[float, float], bool]:
+        """((flow, evenness), exact). When min cover (an upper bound on the flow) is below
+        `floor`, the max flow is skipped and (min cover, evenness) returned, exact=False."""
         caps = self.table[np.arange(len(k)), k]
-        flow = self.net.max_flow_value(s, k, self.partial, caps=caps)
         diff = np.zeros(self.L + 1)
         np.add.at(diff, s, caps)
         np.add.at(diff, s + k, -caps)
         cover = np.cumsum(diff)[: self.L]
         mean = cover.mean()
         even = float(np.minimum(cover, mean).sum()) / self.L if mean > 0 else 0.0
-        return round(flow, 3), even
+        upper = float(cover.min())
+        if floor is not None and upper < floor:
+            return (round(upper, 3), even), False
+        self.evals += 1
+        flow = self.net.max_flow_value(s, k, self.partial, caps=caps)
+        return (round(flow, 3), even), True
 
 
-def local_search(
+def local_search(  # noqa: C901 - one annealing loop reads best in one piece
     net: FlowNetwork,
     starts: list[Ranges],
     deadline_s: float,
@@ -86,10 +92,10 @@ def local_search(
     n = len(net.names)
     usable = [i for i in range(n) if kmax[i] > 0]
     best_s, best_k = to_arrays(net, starts[0])
-    best = scorer.score(best_s, best_k)
+    best = scorer.score(best_s, best_k)[0]
     for st in starts[1:]:
         s, k = to_arrays(net, st)
-        sc = scorer.score(s, k)
+        sc = scorer.score(s, k)[0]
         if sc > best:
             best, best_s, best_k = sc, s, k
     cur_s, cur_k, cur = best_s.copy(), best_k.copy(), best
@@ -136,11 +142,17 @@ def local_search(
             k[i] = 0
         if not covers(s, k, L):
             continue
-        sc = scorer.score(s, k)
         progress = (time.perf_counter() - t_start) / span
         temp = temp0 * max(0.0, 1.0 - progress) * max(cur[0], 1.0)
+        # the worst flow this step may still accept; below it, min cover suffices to reject
+        threshold = rng.random()
+        floor = cur[0] + (temp * math.log(threshold) if temp > 0 and threshold > 0 else 0.0)
+        sc, exact = scorer.score(s, k, floor=floor)
+        if not exact:
+            stall += 1
+            continue
         accept = sc >= cur or (
-            temp > 0 and rng.random() < math.exp((sc[0] - cur[0]) / temp)
+            temp > 0 and threshold < math.exp((sc[0] - cur[0]) / temp)
         )
         if accept:
             cur_s, cur_k, cur = s, k, sc
