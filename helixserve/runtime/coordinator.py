@@ -260,7 +260,7 @@ class Coordinator:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens; see the module doc for the lifecycle."""
         self._validate(req)
-        act = _Active(req=req, internal_id=f"{req.request_id}#{next(self._ids)}")
+        act = _Active(req=req, internal_id=self._new_internal_id(req))
         out = OutputProcessor(
             tokenizer=self.tokenizer,
             prompt_token_ids=req.prompt_token_ids,
@@ -289,6 +289,11 @@ class Coordinator:
                            token_ids=[r.token_id], sample=True)
         finally:
             self._finish(act)
+
+    def _new_internal_id(self, req: GenerationRequest) -> str:
+        # Unique across coordinators and restarts: workers remember released ids and drop
+        # their late items, so an id must never be reused.
+        return f"{req.request_id}#{self.coordinator_id}.{next(self._ids)}"
 
     def _validate(self, req: GenerationRequest) -> None:
         n = len(req.prompt_token_ids)
@@ -387,7 +392,7 @@ class Coordinator:
         self.router.on_cancel(old_id)
         self.active.pop(old_id, None)
         # A fresh internal id: workers drop any late item of the old one (released ids).
-        act.internal_id = f"{act.req.request_id}#{next(self._ids)}"
+        act.internal_id = self._new_internal_id(act.req)
         act.results = asyncio.Queue()
         await self._route(act, replay_tokens=len(act.generated))
         self._send_prefill(act, act.req.prompt_token_ids + act.generated)
