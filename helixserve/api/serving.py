@@ -58,7 +58,8 @@ def map_error(exc: BaseException) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(503, f"server busy, queue full: {exc}", code="queue_full")
     if isinstance(exc, RequestFailedError):
-        return APIError(503, str(exc), code="request_failed")
+        # a worker failed the request in a way re-routing cannot fix: a server error
+        return APIError(500, str(exc), code="request_failed")
     if isinstance(exc, UserError):
         return APIError(400, str(exc), code="invalid_parameter")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")

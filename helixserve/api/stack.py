@@ -20,10 +20,15 @@ from helixserve.api.launch import WorkerProcesses, WorkerSpec, free_port, serve_
 from helixserve.errors import UserError
 
 #: memory budgets of the demo's 3 nodes (GB). The planner lets weights use half a node's
-#: memory; SmolLM2-135M's 30 layers are ~7 MB each in bf16, so these hold about 12, 19 and
-#: 28 layers: no node holds the model alone but the smallest two together can, which gives
-#: an uneven placement with more than one route.
-DEMO_MEMORY_GB = (0.18, 0.28, 0.40)
+#: memory; SmolLM2-135M's 30 layers are ~7 MB each in bf16, so these hold at most about 10,
+#: 21 and 30 layers.
+DEMO_MEMORY_GB = (0.15, 0.30, 0.50)
+#: the modelled network between worker nodes (Gbit/s). The 3 nodes share one CPU type, and
+#: with equal compute a chain of disjoint ranges is always max-flow optimal; a slow
+#: worker-to-worker network (as between Helix's regions) makes the max flow split over
+#: more than one route, the case the demo is meant to show. Loopback is of course faster:
+#: this is what the planner is told, not what the sockets do.
+DEMO_WORKER_LINK_GBPS = 0.01
 DEMO_NODES = ("n1", "n2", "n3")
 
 
@@ -45,9 +50,15 @@ def default_workdir() -> Path:
 
 
 def write_local_cluster(
-    path: Path, name: str, workers: list[WorkerSpec], memory_gb: tuple[float, ...]
+    path: Path,
+    name: str,
+    workers: list[WorkerSpec],
+    memory_gb: tuple[float, ...],
+    worker_link_gbps: float | None = None,
 ) -> None:
-    """A cluster YAML of `cpu` nodes at the workers' addresses (one link class: loopback)."""
+    """A cluster YAML of `cpu` nodes at the workers' addresses. Links: loopback-fast, or
+    `worker_link_gbps` between worker nodes (the coordinator's links stay fast: they carry
+    only token ids)."""
     lines = [f"name: {name}", "nodes:"]
     for w, mem in zip(workers, memory_gb, strict=True):
         lines += [
@@ -56,8 +67,18 @@ def write_local_cluster(
             f"    memory_gb: {mem}",
             f"    address: {w.address}",
         ]
-    # loopback: fast and short, the same for every pair and for the coordinator
-    lines += ["links:", "  default: {bandwidth_gbps: 10.0, latency_ms: 0.1}", ""]
+    fast = "{bandwidth_gbps: 10.0, latency_ms: 0.1}"
+    if worker_link_gbps is None:
+        lines += ["links:", f"  default: {fast}", ""]
+    else:
+        lines += ["links:", f"  default: {{bandwidth_gbps: {worker_link_gbps}, latency_ms: 0.1}}"]
+        lines.append("  explicit:")
+        for w in workers:
+            for src, dst in (("coordinator", w.node), (w.node, "coordinator")):
+                lines.append(
+                    f"    - {{src: {src}, dst: {dst}, bandwidth_gbps: 10.0, latency_ms: 0.1}}"
+                )
+        lines.append("")
     path.write_text("\n".join(lines))
 
 
@@ -102,6 +123,7 @@ def prepare_demo(
     host: str = "127.0.0.1",
     memory_gb: tuple[float, ...] = DEMO_MEMORY_GB,
     reprofile: bool = False,
+    worker_link_gbps: float | None = DEMO_WORKER_LINK_GBPS,
     log: Callable[[str], None] = print,
 ) -> DemoFiles:
     """Model, profile (cached in workdir), cluster with fresh free ports, MILP placement."""
@@ -117,7 +139,7 @@ def prepare_demo(
         profiles = profile_cpu(model_dir, profiles_path, log)
     workers = [WorkerSpec(name, host, free_port(host)) for name in DEMO_NODES[: len(memory_gb)]]
     cluster_path = workdir / "cluster.yaml"
-    write_local_cluster(cluster_path, "local-demo", workers, memory_gb)
+    write_local_cluster(cluster_path, "local-demo", workers, memory_gb, worker_link_gbps)
     placement_path = workdir / "placement.json"
     log("demo: planning the placement (milp)")
     plan_placement(model_dir, cluster_path, profiles, placement_path)

@@ -30,7 +30,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--memory-gb",
         default=None,
-        help="comma-separated memory budgets of the worker nodes in GB (default 0.18,0.28,0.40)",
+        help="comma-separated memory budgets of the worker nodes in GB (default 0.15,0.30,0.50)",
+    )
+    p.add_argument(
+        "--worker-link-gbps",
+        type=float,
+        default=None,
+        help="network between worker nodes as told to the planner, Gbit/s (default 0.01: slow, "
+        "so the max flow uses more than one route; 10 = like loopback)",
     )
     p.add_argument("--reprofile", action="store_true", help="profile again even if cached")
     p.add_argument(
@@ -55,7 +62,7 @@ def _memory(text: str | None) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise UserError(f"--memory-gb: bad value {text!r}; expected e.g. 0.18,0.28,0.40") from None
+        raise UserError(f"--memory-gb: bad value {text!r}; expected e.g. 0.15,0.30,0.50") from None
     if not 1 <= len(values) <= len(DEMO_NODES) or any(v <= 0 for v in values):
         raise UserError(
             f"--memory-gb: bad value {text!r}; need 1..{len(DEMO_NODES)} positive numbers"
@@ -93,7 +100,12 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     workdir = args.workdir or default_workdir()
-    files = prepare_demo(workdir, args.host, memory_gb, args.reprofile, log)
+    from helixserve.api.stack import DEMO_WORKER_LINK_GBPS
+
+    link_gbps = DEMO_WORKER_LINK_GBPS if args.worker_link_gbps is None else args.worker_link_gbps
+    if link_gbps <= 0:
+        raise UserError(f"--worker-link-gbps: must be > 0, got {link_gbps}")
+    files = prepare_demo(workdir, args.host, memory_gb, args.reprofile, link_gbps, log)
     workers = WorkerProcesses(
         files.model_dir,
         files.placement_path,

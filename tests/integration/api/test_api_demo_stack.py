@@ -55,10 +55,15 @@ def total(samples, name: str, **labels: str) -> float:
     )
 
 
-def test_placement_is_uneven_over_three_workers(demo):
+def test_placement_is_uneven_with_more_than_one_route(demo):
     placement = json.loads((demo.workdir / "placement.json").read_text())
     sizes = [n["end_layer"] - n["start_layer"] for n in placement["nodes"]]
     assert len(sizes) == 3 and len(set(sizes)) > 1
+    # more than one route: some node sends (or receives) flow on more than one edge
+    flows = [f for f in placement["flows"] if f["tokens_per_s"] > 0]
+    out_degree = {f["src"]: sum(1 for g in flows if g["src"] == f["src"]) for f in flows}
+    in_degree = {f["dst"]: sum(1 for g in flows if g["dst"] == f["dst"]) for f in flows}
+    assert max(out_degree.values()) > 1 or max(in_degree.values()) > 1, flows
     assert "API ready at" in demo.log() and "curl" in demo.log()
 
 
@@ -204,6 +209,10 @@ def test_metrics_names_exposed_and_moving(demo):
         total(after, "helixserve:node_layers") == 30 or total(after, "helixserve:node_layers") > 30
     )
     assert total(after, "helixserve:route_hop_requests_total", src="coordinator") >= 1
+    # requests so far went over more than one route (the router spreads over the flow)
+    routes = {dict(lab)["route"] for (n, lab), v in after.items()
+              if n == "helixserve:route_requests_total" and v > 0}  # fmt: skip
+    assert len(routes) > 1, routes
 
 
 def test_zz_sigterm_stops_every_process(demo):

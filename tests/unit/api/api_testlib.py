@@ -15,7 +15,13 @@ from typing import Any
 import uvicorn
 
 from helixserve.api.launch import free_port
-from helixserve.runtime import GenerationRequest, NoRouteError, QueueFullError, TokenEvent
+from helixserve.runtime import (
+    GenerationRequest,
+    NoRouteError,
+    QueueFullError,
+    RequestFailedError,
+    TokenEvent,
+)
 
 MODEL = "fake-model"
 API_KEY = "sk-test-key"
@@ -25,7 +31,7 @@ SCRIPT = " The capital of France is Paris. It is a beautiful city with many muse
 
 class FakeCoordinator:
     """Yields SCRIPT's tokens. Prompts containing NOROUTE / QUEUEFULL raise like the real one;
-    SLOW makes each token take 50 ms (for disconnect tests)."""
+    WORKERFAIL fails after 2 tokens; SLOW makes each token take 50 ms (disconnect tests)."""
 
     model_name = MODEL
 
@@ -51,6 +57,8 @@ class FakeCoordinator:
         try:
             for i in range(req.max_tokens):
                 await asyncio.sleep(delay_s)
+                if i == 2 and "WORKERFAIL" in prompt:
+                    raise RequestFailedError(f"request {req.request_id}: node n2: out of memory")
                 k = i % len(self.script_ids)
                 tid = self.script_ids[k]
                 piece = self.tokenizer.decode(self.script_ids[: k + 1])[

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from api_testlib import API_KEY, MODEL
@@ -142,3 +144,20 @@ def test_stream_options_without_stream_is_400(server):
         headers=AUTH,
     )
     check_error(resp, 400)
+
+
+def test_worker_failure_is_500_or_sse_error_event(server):
+    body = {**CHAT, "messages": [{"role": "user", "content": "WORKERFAIL"}], "max_tokens": 10}
+    resp = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH)
+    assert check_error(resp, 500)["code"] == "request_failed"
+    # streaming: the headers are out already, so the error comes as the last event
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, headers=AUTH
+    ) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2][len("data: ") :])["error"]
+    assert err["code"] == "request_failed" and "node n2" in err["message"]
+    contents = [json.loads(x[6:])["choices"][0]["delta"].get("content") for x in lines[1:-2]]
+    assert len(contents) == 2 and all(contents)

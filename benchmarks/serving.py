@@ -1,0 +1,172 @@
+"""Serving benchmark: the demo's 3-worker pipeline vs one worker holding all layers.
+
+Both setups run the same engine and the same API (`helixserve serve` over `helixserve
+worker` processes on 127.0.0.1), measured side by side in one run with `helixserve bench`
+(16 concurrent streams by default, random prompts, fixed output length with ignore_eos, so
+the output-token throughput is the decode throughput). Rounds alternate the two setups, so
+slow drift of a shared machine hits both alike; the ratio is taken per round.
+
+    python benchmarks/serving.py --json results/serving.json
+
+Thread budget: each pipeline worker gets --pipeline-threads torch threads (default 1: three
+processes on a 2-core machine already oversubscribe it); the single worker gets
+--single-threads (default: all cores), so both setups may use the whole CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from helixserve.api.launch import WorkerProcesses, WorkerSpec, free_port
+from helixserve.api.stack import plan_placement, prepare_demo, write_local_cluster
+
+
+def single_worker_files(
+    workdir: Path, model_dir: Path, num_layers: int
+) -> tuple[Path, Path, WorkerSpec]:
+    spec = WorkerSpec("solo", "127.0.0.1", free_port())
+    cluster = workdir / "single-cluster.yaml"
+    write_local_cluster(cluster, "local-single", [spec], (4.0,))
+    placement = workdir / "single-placement.json"
+    # planned like the pipeline (the router needs the flows); one node: all layers
+    plan_placement(model_dir, cluster, None, placement)
+    if json.loads(placement.read_text())["nodes"] != [
+        {"name": "solo", "start_layer": 0, "end_layer": num_layers}
+    ]:
+        raise RuntimeError(f"{placement}: expected one node holding all {num_layers} layers")
+    return cluster, placement, spec
+
+
+def run_setup(
+    name: str,
+    model_dir: Path,
+    cluster: Path,
+    placement: Path,
+    workers: list[WorkerSpec],
+    threads: int,
+    kv_cache_bytes: int,
+    workdir: Path,
+    bench_args: list[str],
+) -> dict[str, Any]:
+    """Start workers + `helixserve serve`, run `helixserve bench`, stop everything."""
+    procs = WorkerProcesses(
+        model_dir, placement, workers, workdir / f"logs-{name}", num_threads=threads,
+        extra_args=["--kv-cache-bytes", str(kv_cache_bytes)],
+    )  # fmt: skip
+    port = free_port()
+    serve: subprocess.Popen[bytes] | None = None
+    try:
+        procs.start()
+        procs.wait_ready()
+        serve_log = (workdir / f"serve-{name}.log").open("wb")
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "helixserve", "serve", "--cluster", str(cluster),
+             "--placement", str(placement), "--model", str(model_dir),
+             "--host", "127.0.0.1", "--port", str(port)],
+            stdout=serve_log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            if serve.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"serve ({name}) did not come up; see {serve_log.name}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        out = workdir / f"bench-{name}.json"
+        cmd = [sys.executable, "-m", "helixserve", "bench", "--url", url,
+               "--json", str(out), *bench_args]  # fmt: skip
+        print(f"--- {name}: {' '.join(cmd[2:])}", flush=True)
+        subprocess.run(cmd, check=True)
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
+    finally:
+        if serve is not None and serve.poll() is None:
+            serve.send_signal(signal.SIGTERM)
+            try:
+                serve.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                serve.kill()
+        procs.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pipeline-threads", type=int, default=1)
+    ap.add_argument("--single-threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--kv-cache-mb", type=int, default=128)
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, metavar="OUT")
+    args = ap.parse_args()
+
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="helix-serving-bench-"))
+    files = prepare_demo(workdir)
+    placement = json.loads(files.placement_path.read_text())
+    num_layers = int(placement["num_layers"])
+    s_cluster, s_placement, s_worker = single_worker_files(workdir, files.model_dir, num_layers)
+    bench_args = [
+        "--dataset", "random", "--num-prompts", str(args.num_prompts),
+        "--max-concurrency", str(args.concurrency), "--request-rate", "inf",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+    ]  # fmt: skip
+    kv_bytes = args.kv_cache_mb * 2**20
+    rounds = []
+    for r in range(args.rounds):
+        pipe = run_setup("pipeline", files.model_dir, files.cluster_path, files.placement_path,
+                         files.workers, args.pipeline_threads, kv_bytes, workdir, bench_args)  # fmt: skip
+        single = run_setup("single", files.model_dir, s_cluster, s_placement, [s_worker],
+                           args.single_threads, kv_bytes, workdir, bench_args)  # fmt: skip
+        ratio = pipe["output_throughput_tokens_per_s"] / single["output_throughput_tokens_per_s"]
+        rounds.append({"round": r, "pipeline": pipe, "single": single, "ratio": ratio})
+
+    print()
+    print(f"{'round':>5} {'setup':<9} {'out tok/s':>10} {'req/s':>7} {'TTFT p50':>9} "
+          f"{'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'E2E p50':>8}  (ms)")  # fmt: skip
+    for rd in rounds:
+        for setup in ("pipeline", "single"):
+            b = rd[setup]
+            print(f"{rd['round']:>5} {setup:<9} {b['output_throughput_tokens_per_s']:>10.1f} "
+                  f"{b['request_throughput_per_s']:>7.2f} {b['ttft']['p50_ms']:>9.0f} "
+                  f"{b['tpot']['p50_ms']:>9.1f} {b['itl']['p50_ms']:>8.1f} "
+                  f"{b['itl']['p99_ms']:>8.1f} {b['e2e']['p50_ms']:>8.0f}")  # fmt: skip
+        print(f"{rd['round']:>5} ratio pipeline/single decode throughput: {rd['ratio']:.3f}")
+    ratios = [rd["ratio"] for rd in rounds]
+    summary = {
+        "machine": f"{os.cpu_count()} CPU cores, no GPU",
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "placement": placement["nodes"],
+        "config": vars(args) | {"workdir": str(workdir), "json": str(args.json)},
+        "rounds": rounds,
+        "ratio_mean": sum(ratios) / len(ratios),
+        "ratio_min": min(ratios),
+        "target_ratio": 0.8,
+    }
+    print(f"pipeline/single decode throughput: mean {summary['ratio_mean']:.3f}, "
+          f"min {summary['ratio_min']:.3f} (target >= 0.8)")  # fmt: skip
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
