@@ -137,7 +137,9 @@ def main() -> int:
         help="requests/s of the online runs (the trace rescaled)",
     )
     ap.add_argument("--plan-time-limit", type=float, default=60.0)
-    ap.add_argument("--cache", type=Path, default=REPO / "benchmarks" / "results" / "placements")
+    ap.add_argument(
+        "--cache", type=Path, default=REPO / "benchmarks" / "results" / "serving_sim_placements"
+    )
     ap.add_argument("--replan", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-speed", action="store_true")
@@ -157,11 +159,13 @@ def main() -> int:
         "warmup_s": args.warmup,
         "online_rate_per_s": args.online_rate,
         "trace_requests": len(trace),
+        "planner_fingerprint": planner_fingerprint(),
         "runs": rows,
     }
+    planned: dict[str, dict[str, Placement]] = {}
     for cname in args.clusters:
         cluster = load_cluster(SHARED / "clusters" / f"{cname}.yaml")
-        placements = {
+        placements = planned[cname] = {
             p: cached_plan(p, cluster, model, cost, args.cache, args.plan_time_limit, args.replan)
             for p in args.planners
         }
@@ -217,9 +221,7 @@ def main() -> int:
             rate = capacity / mean_output
             reqs = prepare_trace(trace, lengths=None, rate_per_s=rate)
             cfg = SimConfig(duration_s=600.0, scheduler="maxflow", seed=args.seed)
-            placement = cached_plan(
-                "milp", cluster, model, cost, args.cache, args.plan_time_limit, False
-            )
+            placement = planned[cname]["milp"]  # the one measured above
             summary, _ = simulate(cluster, model, cost, placement, reqs, cfg)
             _, profile = simulate(
                 cluster,

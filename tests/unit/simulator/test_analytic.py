@@ -118,10 +118,10 @@ def test_saturated_throughput_never_exceeds_max_flow(scheduler: str) -> None:
     s = with_flows(
         make_setup(
             [
-                Machine("a", "T4", 0, 2, decode_ms=10.0, prompt_ms=0.01),
-                Machine("b", "L4", 2, 4, decode_ms=12.0, prompt_ms=0.01),
-                Machine("c", "A10", 0, 2, decode_ms=8.0, prompt_ms=0.01),
-                Machine("d", "A10G", 2, 4, decode_ms=30.0, prompt_ms=0.01),
+                Machine("a", "T4", 0, 2, decode_ms=10.0, prompt_ms=0.01, memory_gb=1.0),
+                Machine("b", "L4", 2, 4, decode_ms=12.0, prompt_ms=0.01, memory_gb=1.0),
+                Machine("c", "A10", 0, 2, decode_ms=8.0, prompt_ms=0.01, memory_gb=1.0),
+                Machine("d", "A10G", 2, 4, decode_ms=30.0, prompt_ms=0.01, memory_gb=1.0),
             ]
         )
     )
