@@ -7,7 +7,9 @@ Pipeline within the time limit T (docs/planner.md has the full write-up):
   3. the layer-coverage relaxation (coverage.py, ~10% of T): an upper bound, and a start
      (skipped on clusters of at most SMALL_NODES machines, where the MILP is small);
   4. local search on the real max flow from all of the above (search.py, ~55% of T);
-  5. the per-node MILP below, warm-started from the best placement so far (the rest of T);
+  5. the per-node MILP below: first as a large-neighbourhood search (all nodes fixed but
+     3-6 close in layer position, re-solved exactly; half of what is left), then whole,
+     warm-started from the best placement so far (the rest of T);
   6. every candidate is re-evaluated by the max-flow evaluator and the best is returned,
      with the tightest of the proven bounds.
 
@@ -35,7 +37,9 @@ left out, and their capacity added back to the MILP's bound so it stays an upper
 
 from __future__ import annotations
 
+import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +50,7 @@ from helixserve.planner.coverage import solve_coverage
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.registry import PlanOutcome, Progress
 from helixserve.planner.search import local_search
-from helixserve.planner.solver import SolveInfo, quiet_pulp, solve
+from helixserve.planner.solver import HighsModel, SolveInfo, quiet_pulp, solve
 from helixserve.planner.tiling import tiling_search
 
 #: up to this many nodes the per-node MILP is small: skip the coverage relaxation
@@ -264,6 +268,57 @@ def _extract(net: FlowNetwork, v: dict[str, dict]) -> Ranges:
     return ranges
 
 
+def lns(net: FlowNetwork, prob: pulp.LpProblem, v: dict[str, dict], ranges: Ranges,
+        deadline_s: float, seed: int, partial_inference: bool,
+        on_improve: Callable[[float], None] | None = None) -> tuple[Ranges, float]:
+    """Large-neighbourhood search with the per-node MILP: fix every node's (start, size)
+    but NEIGHBOURHOOD ones, re-solve exactly for those, keep improvements."""
+    rng = random.Random(seed)
+    model = HighsModel(prob)
+    best_value = net.max_flow(ranges, partial_inference)[0]
+    nodes = sorted(v["s"])
+    L = net.model.num_layers
+    order = {var.name: idx for idx, var in enumerate(model.variables)}
+    while time.perf_counter() < deadline_s - 0.3:
+        with quiet_pulp():
+            _warm_start(net, v, ranges, partial_inference)
+        start = [float(var.varValue or 0.0) for var in model.variables]
+        size = min(len(nodes), rng.choice((2, 3, 3, 4)))
+        # a neighbourhood of nodes close in layer position: they trade layers best
+        anchor = rng.choice(nodes)
+        centre = sum(ranges.get(anchor, (0, 0))) / 2
+        free = set(sorted(nodes, key=lambda i: abs(sum(ranges.get(i, (L, L))) / 2 - centre)
+                          + rng.random() * L / 4)[:size])
+        for i in nodes:
+            if i in free:
+                model.set_bounds(v["s"][i], 0, L - 1)
+            else:
+                value = float(ranges[i][0]) if i in ranges else 0.0
+                model.set_bounds(v["s"][i], value, value)
+            for (j, k), var in v["y"].items():
+                if j != i:
+                    continue
+                if i in free:
+                    model.set_bounds(var, 0, 1)
+                else:
+                    held = i in ranges and ranges[i][1] - ranges[i][0] == k
+                    model.set_bounds(var, float(held), float(held))
+        obj, cols = model.run(min(2.0, deadline_s - time.perf_counter()), start)
+        if obj is None or obj <= best_value * (1 + 1e-6):
+            continue
+        new: Ranges = {}
+        for (i, k), var in v["y"].items():
+            if cols[order[var.name]] > 0.5:
+                s0 = int(round(cols[order[v["s"][i].name]]))
+                new[i] = (s0, s0 + k)
+        value = net.max_flow(new, partial_inference)[0] if new else 0.0
+        if value > best_value:
+            ranges, best_value = new, value
+            if on_improve is not None:
+                on_improve(value)
+    return ranges, best_value
+
+
 def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
                progress: Progress | None, partial_inference: bool = True) -> PlanOutcome:
     started = time.perf_counter()
@@ -320,6 +375,14 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
     milp_info: SolveInfo | None = None
     if remaining() > 0.5 and not closed():
         prob, v, pruned = build_milp(net, min(bounds), partial_inference)
+        if len(net.names) > SMALL_NODES:
+            say(f"lns: re-solving {len(v['s'])}-node MILP neighbourhoods of 3-6 nodes")
+            best_ranges, best_value = lns(
+                net, prob, v, best_ranges, time.perf_counter() + 0.5 * remaining(), seed,
+                partial_inference,
+                on_improve=lambda x: say(f"lns: {x:,.1f} tokens/s "
+                                         f"({time.perf_counter() - started:.0f}s)"))
+            candidates.append((best_value, "lns", best_ranges))
         with quiet_pulp():
             _warm_start(net, v, best_ranges, partial_inference)
         say(f"milp: {len(prob.variables())} variables, {prob.numConstraints()} constraints, "

@@ -162,3 +162,37 @@ def solve(
     if obj is None and status != "infeasible":
         status = "no_solution" if status == "optimal" else status
     return SolveInfo("highs", status, obj, bound, time.perf_counter() - started)
+
+
+class HighsModel:
+    """A PuLP model loaded once into HiGHS, re-solved many times with changed column bounds
+    (for large-neighbourhood search: fix most of the integer variables, free a few)."""
+
+    def __init__(self, prob: pulp.LpProblem, threads: int | None = None) -> None:
+        import highspy
+
+        _silence_banner()
+        self.prob = prob
+        self.sense = -1.0 if prob.sense == pulp.LpMaximize else 1.0
+        builder = pulp.HiGHS(msg=False, threads=threads)
+        with quiet_pulp():
+            builder.createAndConfigureSolver(prob)
+            builder.buildSolverModel(prob)
+        self.h = prob.solverModel
+        self.variables = prob.variables()
+        self.inf = highspy.kHighsInf
+
+    def set_bounds(self, var: pulp.LpVariable, lo: float, hi: float) -> None:
+        self.h.changeColBounds(var.index, lo, hi)
+
+    def run(self, time_limit_s: float, start: list[float] | None = None
+            ) -> tuple[float | None, list[float]]:
+        """Objective (model sense) and column values; None when no solution was found."""
+        self.h.setOptionValue("time_limit", max(0.1, time_limit_s))
+        if start is not None:
+            self.h.setSolution(len(start), list(range(len(start))), start)
+        self.h.run()
+        info = self.h.getInfo()
+        if info.primal_solution_status != 2:
+            return None, []
+        return self.sense * info.objective_function_value, list(self.h.getSolution().col_value)
