@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from helixserve.costmodel import CostModel
-from helixserve.planner import Placement, load_placement, plan
+from helixserve.planner import NodeRange, Placement, evaluate, load_placement, plan
 from helixserve.simulator.metrics import summarize
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace
@@ -62,6 +62,27 @@ def cached_plan(
     return placement
 
 
+def kv_balanced_reference(cluster: ClusterSpec, model: ModelSpec) -> Placement | None:
+    """A hand-written placement for 4 A100 + 8 L4 + 12 T4 (helix-single-24): every A100 holds
+    8 layers in series (KV for ~730 requests each instead of ~340 at 12 layers), then 4 stages
+    of 2 L4 x 6 layers and 6 stages of 2 T4 x 4 layers. It has a lower max flow than the
+    planners' placements but more KV on every route; see docs/simulator.md."""
+    by_gpu: dict[str, list[str]] = {}
+    for n in cluster.nodes:
+        by_gpu.setdefault(n.gpu, []).append(n.name)
+    shape = {"A100-40GB": (1, 8), "L4": (2, 6), "T4": (2, 4)}  # (nodes per stage, layers)
+    nodes: list[NodeRange] = []
+    layer = 0
+    for gpu, (per_stage, k) in shape.items():
+        names = by_gpu.get(gpu, [])
+        for i in range(0, len(names) - per_stage + 1, per_stage):
+            nodes += [NodeRange(n, layer, layer + k) for n in names[i : i + per_stage]]
+            layer += k
+    if layer != model.num_layers or len(nodes) != len(cluster.nodes):
+        return None
+    return Placement(model.name, cluster.name, model.num_layers, "kv-balanced-hand", nodes)
+
+
 def simulate(
     cluster: ClusterSpec,
     model: ModelSpec,
@@ -98,7 +119,7 @@ def row(summary: dict[str, Any]) -> dict[str, Any]:
 
 def print_table(rows: list[dict[str, Any]], header: bool = True) -> None:
     head = (
-        f"{'cluster':<16} {'planner':<9} {'scheduler':<14} {'mode':<7} {'decode tok/s':>12} "
+        f"{'cluster':<16} {'planner':<16} {'scheduler':<14} {'mode':<7} {'decode tok/s':>12} "
         f"{'max flow':>9} {'util':>5} {'TTFT p50':>9} {'TPOT p50':>9} {'E2E p90':>8} "
         f"{'wall s':>7}"
     )
@@ -107,7 +128,7 @@ def print_table(rows: list[dict[str, Any]], header: bool = True) -> None:
         print("-" * len(head))
     for r in rows:
         print(
-            f"{r['cluster']:<16} {r['planner']:<9} {r['scheduler']:<14} {r['mode']:<7} "
+            f"{r['cluster']:<16} {r['planner']:<16} {r['scheduler']:<14} {r['mode']:<7} "
             f"{r['decode_throughput_tokens_per_s']:>12.1f} {r['max_flow_tokens_per_s'] or 0:>9.0f} "
             f"{r['mean_node_utilization']:>5.0%} {r['ttft_s']['p50']:>9.2f} "
             f"{r['tpot_s']['p50']:>9.3f} {r['e2e_s']['p90']:>8.1f} {r['wall_s']:>7.1f}"
@@ -169,12 +190,19 @@ def main() -> int:
             p: cached_plan(p, cluster, model, cost, args.cache, args.plan_time_limit, args.replan)
             for p in args.planners
         }
+        # the reference is written for the single-region cluster's mix of machines
+        ref = kv_balanced_reference(cluster, model) if cname in args.full_matrix_clusters else None
+        if ref is not None:
+            res = evaluate(cluster, model, cost, ref)
+            ref.flows, ref.throughput_tokens_per_s = res.flows, res.throughput_tokens_per_s
+            placements["kv-balanced-hand"] = ref
         if cname in args.full_matrix_clusters:
-            pairs = [(p, s) for p in args.planners for s in args.schedulers]
+            pairs = [(p, s) for p in placements for s in args.schedulers]
         else:
             pairs = [pair for pair in HEADLINE if pair[0] in placements]
         for mode in ("offline", "online"):
-            for p, s in pairs if mode == "offline" else HEADLINE:
+            online_pairs = [*HEADLINE, ("kv-balanced-hand", "maxflow")]
+            for p, s in pairs if mode == "offline" else online_pairs:
                 if p not in placements:
                     continue
                 cfg = SimConfig(
