@@ -60,6 +60,10 @@ def prompts(demo_model: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(demo_model: Path, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy tokens from one in-process engine holding all layers, one request at a time."""
+    # One thread: the workers run beside us on a small shared machine, and OpenMP threads
+    # spinning against other processes slow everything down by 10x or more.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     engine = ShardEngine.load(demo_model, 0, NUM_LAYERS, kv_cache_bytes=64 * 1024 * 1024)
     refs = []
     for prompt in prompts:
@@ -72,6 +76,7 @@ def reference(demo_model: Path, prompts: list[list[int]]) -> list[list[int]]:
             tokens.append(out[0].token_id)
         engine.free(rid)
         refs.append(tokens)
+    torch.set_num_threads(threads)
     return refs
 
 

@@ -1,0 +1,111 @@
+"""Tensor and work-item conversion at the wire edge: exact round trips, loud rejections."""
+
+import pytest
+import torch
+
+from helixserve.engine import SamplingParams
+from helixserve.runtime import transport as tp
+
+EXPECT = tp.ExpectedInput(start_layer=10, end_layer=20, num_model_layers=30, hidden_size=8,
+                          dtype=torch.float32)
+ROUTE = (tp.WireHop("a", "h:1", 0, 10), tp.WireHop("b", "h:2", 10, 20), tp.WireHop("c", "h:3", 20, 30))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensor_round_trip_is_bit_exact(dtype):
+    t = torch.randn(3, 8).to(dtype)  # hidden: [num_tokens, hidden_size]
+    msg = tp.tensor_to_pb(t[:, :])
+    assert msg.dtype == str(dtype).removeprefix("torch.") and list(msg.shape) == [3, 8]
+    back = tp.tensor_from_pb(msg, "x", dtype, (None, 8))
+    assert back.dtype == dtype and torch.equal(back, t)
+
+
+def test_tensor_from_non_contiguous_view():
+    t = torch.randn(8, 3).t()  # [3, 8], not contiguous
+    assert torch.equal(tp.tensor_from_pb(tp.tensor_to_pb(t), "x", torch.float32, (3, 8)), t)
+
+
+@pytest.mark.parametrize(
+    ("msg", "field"),
+    [
+        (tp.pb.Tensor(dtype="float16", shape=[1, 8], data=bytes(16)), "x.dtype"),
+        (tp.pb.Tensor(dtype="int8", shape=[1, 8], data=bytes(8)), "x.dtype"),
+        (tp.pb.Tensor(dtype="float32", shape=[1, 7], data=bytes(28)), "x.shape"),
+        (tp.pb.Tensor(dtype="float32", shape=[8], data=bytes(32)), "x.shape"),
+        (tp.pb.Tensor(dtype="float32", shape=[0, 8], data=b""), "x.shape"),
+        (tp.pb.Tensor(dtype="float32", shape=[1, 8], data=bytes(31)), "x.data"),
+    ],
+)
+def test_tensor_mismatch_raises_naming_the_field(msg, field):
+    with pytest.raises(tp.WireError, match=field.replace(".", r"\.")):
+        tp.tensor_from_pb(msg, "x", torch.float32, (None, 8))
+
+
+def _item(**kw):
+    base = dict(request_id="r", coordinator_id="c", step_id=3, hop_index=1, route=ROUTE,
+                position=5, token_ids=[1, 2], hidden=torch.randn(2, 8),
+                sampling=SamplingParams(temperature=0.5, top_k=4, seed=9, logprobs=2), sample=True)
+    base.update(kw)
+    return tp.WireItem(**base)
+
+
+def test_item_round_trip():
+    item = _item()
+    back = tp.item_from_pb(tp.item_to_pb(item), EXPECT)
+    assert (back.request_id, back.step_id, back.hop_index, back.position, back.token_ids) == (
+        "r", 3, 1, 5, [1, 2])
+    assert back.route == ROUTE and back.hop == ROUTE[1] and not back.is_last_hop
+    assert torch.equal(back.hidden, item.hidden)
+    assert back.sampling == item.sampling
+
+
+def test_forwarded_item_goes_to_the_next_hop():
+    msg = tp.item_to_pb(_item())
+    fwd = tp.forward_item_pb(msg, torch.ones(2, 8), compute_s=0.25)
+    expect_c = tp.ExpectedInput(20, 30, 30, 8, torch.float32)
+    back = tp.item_from_pb(fwd, expect_c)
+    assert back.hop_index == 2 and back.is_last_hop and back.compute_s == 0.25
+    assert torch.equal(back.hidden, torch.ones(2, 8))
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"hop_index": 0, "hidden": None}, "not held by this worker"),
+        ({"hop_index": 3}, "hop_index"),
+        ({"route": (tp.WireHop("a", "", 0, 10), tp.WireHop("b", "", 12, 30))}, "do not continue"),
+        ({"route": (tp.WireHop("a", "", 0, 10), tp.WireHop("b", "", 10, 20))}, "covers layers"),
+        ({"hidden": None}, "hidden: missing"),
+        ({"hidden": torch.randn(3, 8)}, "shape"),
+        ({"token_ids": []}, "token_ids: empty"),
+        ({"position": -1}, "position"),
+        ({"request_id": ""}, "request_id"),
+    ],
+)
+def test_invalid_items_are_rejected(changes, needle):
+    item = _item(**changes)
+    msg = tp.item_to_pb(item)
+    with pytest.raises(tp.WireError, match=needle):
+        tp.item_from_pb(msg, EXPECT)
+
+
+def test_first_hop_must_not_carry_hidden():
+    expect_a = tp.ExpectedInput(0, 10, 30, 8, torch.float32)
+    msg = tp.item_to_pb(_item(hop_index=0))
+    with pytest.raises(tp.WireError, match="set on the first hop"):
+        tp.item_from_pb(msg, expect_a)
+
+
+def test_prefill_chunk_fits_the_message_limit():
+    assert tp.prefill_chunk_tokens(576, torch.float32) == 512
+    wide = tp.prefill_chunk_tokens(65536, torch.float32, max_tokens=10_000)
+    assert wide * 65536 * 4 <= tp.MAX_MESSAGE_BYTES // 2 and wide >= 1
+
+
+def test_result_round_trip():
+    r = tp.WireResult("r", 4, token_id=7, logprob=-0.5, top_logprobs=[(7, -0.5), (3, -1.25)],
+                      node="c", compute_s=0.01)
+    back = tp.result_from_pb(tp.result_to_pb(r))
+    assert back == r
+    ack = tp.result_from_pb(tp.result_to_pb(tp.WireResult("r", 5)))
+    assert ack.token_id is None and ack.ok
