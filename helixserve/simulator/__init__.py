@@ -1,0 +1,30 @@
+"""Discrete-event simulation of a placement serving a request stream (see docs/simulator.md).
+
+    sim = Simulation(cluster, model, cost, placement, requests, SimConfig(duration_s=600))
+    summary = summarize(sim.run())
+"""
+
+from helixserve.simulator.metrics import format_table, latencies, percentiles, summarize
+from helixserve.simulator.sim import SimConfig, SimResult, Simulation
+from helixserve.simulator.workload import (
+    LengthFilter,
+    TraceRequest,
+    load_azure_trace,
+    poisson_arrivals,
+    prepare_trace,
+)
+
+__all__ = [
+    "LengthFilter",
+    "SimConfig",
+    "SimResult",
+    "Simulation",
+    "TraceRequest",
+    "format_table",
+    "latencies",
+    "load_azure_trace",
+    "percentiles",
+    "poisson_arrivals",
+    "prepare_trace",
+    "summarize",
+]

@@ -104,3 +104,15 @@ def test_saturated_real_cluster_stays_under_max_flow(real: dict[str, Any], sched
     # Both pipelines carry requests (the router uses the second one's partial entry).
     used = {n["name"] for n in out["nodes"] if n["iterations"] > 0}
     assert {"n18", "n4", "n6"} <= used
+
+
+def test_control_plane_imports_no_torch_grpc_fastapi() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, helixserve.scheduler, helixserve.simulator, helixserve.commands.simulate; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'grpc', 'fastapi'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
