@@ -155,11 +155,40 @@ def describe_placement(placement: Any, cluster: Any) -> str:
         bar = "." * r.start_layer + "#" * r.num_layers + "." * (placement.num_layers - r.end_layer)
         where = f"{node.address} mem {node.memory_gb} GB" if node else ""
         lines.append(f"  {r.name:<4} layers [{r.start_layer:>2}, {r.end_layer:>2})  {bar}  {where}")
-    for f in placement.flows:
-        lines.append(f"  flow {f.src} -> {f.dst}: {f.tokens_per_s:.1f} tokens/s")
+    for route, tokens_per_s in flow_routes(placement.flows):
+        lines.append(f"  route {' -> '.join(route)}: {tokens_per_s:.1f} tokens/s of the max flow")
     if placement.throughput_tokens_per_s is not None:
         lines.append(f"  max-flow throughput: {placement.throughput_tokens_per_s:.1f} tokens/s")
     return "\n".join(lines)
+
+
+def flow_routes(flows: list[Any]) -> list[tuple[list[str], float]]:
+    """Decompose the coordinator -> ... -> coordinator flow into routes (paths with their
+    share), taking the widest remaining edge at each step."""
+    left: dict[tuple[str, str], float] = {}
+    for f in flows:
+        if f.tokens_per_s > 1e-9:
+            left[(f.src, f.dst)] = left.get((f.src, f.dst), 0.0) + f.tokens_per_s
+    routes: list[tuple[list[str], float]] = []
+    while len(routes) < 32:
+        path: list[str] = []
+        node = "coordinator"
+        while True:
+            nxt = [(v, dst) for (src, dst), v in left.items() if src == node and v > 1e-6]
+            if not nxt:
+                break
+            node = max(nxt)[1]
+            if node == "coordinator" or node in path:
+                break
+            path.append(node)
+        if node != "coordinator" or not path:
+            break
+        hops = list(zip(["coordinator", *path], [*path, "coordinator"], strict=True))
+        amount = min(left[h] for h in hops)
+        for h in hops:
+            left[h] -= amount
+        routes.append((path, amount))
+    return routes
 
 
 def usage_examples(host: str, port: int, model: str, api_key: str | None) -> str:
@@ -170,13 +199,13 @@ def usage_examples(host: str, port: int, model: str, api_key: str | None) -> str
 API ready at {url}/v1   (model {model!r}; metrics at {url}/metrics; Ctrl-C stops everything)
 
   curl {url}/v1/chat/completions -H "Content-Type: application/json"{auth} \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
 
   python - <<'EOF'
 from openai import OpenAI
 client = OpenAI(base_url="{url}/v1", api_key="{key}")
 for chunk in client.chat.completions.create(
-        model="{model}", stream=True, max_tokens=64,
+        model="{model}", stream=True, max_tokens=64, temperature=0,
         messages=[{{"role": "user", "content": "What is the capital of France?"}}]):
     print(chunk.choices[0].delta.content or "", end="", flush=True)
 print()

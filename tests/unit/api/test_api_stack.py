@@ -1,0 +1,62 @@
+"""The demo's pure parts: cluster file, route decomposition, flag errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from helixserve.api.launch import WorkerSpec
+from helixserve.api.stack import flow_routes, write_local_cluster
+from helixserve.planner import Flow
+from helixserve.spec import load_cluster
+
+
+def test_local_cluster_models_a_slow_worker_network(tmp_path):
+    workers = [WorkerSpec(f"n{i}", "127.0.0.1", 5000 + i) for i in range(3)]
+    path = tmp_path / "c.yaml"
+    write_local_cluster(path, "local", workers, (0.1, 0.2, 0.3), worker_link_gbps=0.01)
+    cluster = load_cluster(path)
+    assert [n.memory_gb for n in cluster.nodes] == [0.1, 0.2, 0.3]
+    assert [n.address for n in cluster.nodes] == [w.address for w in workers]
+    assert cluster.link("n0", "n1").bandwidth_gbps == 0.01
+    assert cluster.link("coordinator", "n2").bandwidth_gbps == 10.0
+    assert cluster.link("n1", "coordinator").bandwidth_gbps == 10.0
+    write_local_cluster(path, "local", workers, (0.1, 0.2, 0.3))
+    assert load_cluster(path).link("n0", "n1").bandwidth_gbps == 10.0
+
+
+def test_flow_routes_decomposes_two_routes_sharing_a_tail():
+    flows = [
+        Flow("coordinator", "n2", 400.0),
+        Flow("coordinator", "n3", 700.0),
+        Flow("n2", "n1", 400.0),
+        Flow("n3", "n1", 700.0),
+        Flow("n1", "coordinator", 1100.0),
+    ]
+    assert flow_routes(flows) == [(["n3", "n1"], 700.0), (["n2", "n1"], 400.0)]
+    chain = [Flow("coordinator", "a", 5.0), Flow("a", "b", 5.0), Flow("b", "coordinator", 5.0)]
+    assert flow_routes(chain) == [(["a", "b"], 5.0)]
+    assert flow_routes([]) == []
+
+
+def test_demo_bad_memory_flag_is_one_line_exit_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "helixserve", "demo", "--memory-gb", "0.1,abc"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "--memory-gb" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_missing_model_dir_is_one_line_exit_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "helixserve", "serve", "--cluster", "c.yaml", "--placement",
+         "p.json", "--model", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--model" in proc.stderr and "Traceback" not in proc.stderr
