@@ -387,6 +387,9 @@ class Coordinator:
                                      f"(gave up after {act.reroutes} re-routes)")
         act.reroutes += 1
         log.warning("re-routing %s: %s", act.internal_id, reason)
+        # Which hop failed? A worker reports an unreachable next hop before this coordinator's
+        # own stream to it breaks: ask every hop, so the new route avoids the dead one.
+        await asyncio.gather(*(self.nodes[h.node].check_alive() for h in act.route_hops))
         old_id = act.internal_id
         self._release_kv(old_id, act.route_hops)
         self.router.on_cancel(old_id)

@@ -169,6 +169,22 @@ class NodeClient:
 
     # ---- unary calls -----------------------------------------------------------------------
 
+    async def check_alive(self, timeout_s: float = 1.0) -> bool:
+        """Health check; a node that is not SERVING (dead, draining) is reported down."""
+        if not self.alive or self._channel is None:
+            return False
+        health = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            ok = reply.status == health_pb2.HealthCheckResponse.SERVING
+            reason = "health: not SERVING (draining?)"
+        except grpc.aio.AioRpcError as exc:
+            ok, reason = False, f"health check failed: {exc.code().name}"
+        if not ok and self.alive:
+            self.alive = False
+            self.on_down(self.name, reason)
+        return ok
+
     async def refresh_info(self, raise_errors: bool = False) -> None:
         assert self._stub is not None
         try:
