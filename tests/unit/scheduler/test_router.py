@@ -206,7 +206,7 @@ def test_spread_mixes_chains_keeping_node_throughputs() -> None:
             == pytest.approx(outflow)
         )
     # Max entropy with these marginals: each a splits like the b's (3:1).
-    assert spread["a1", "b1"] / spread["a1", "b2"] == pytest.approx(3.0, rel=1e-4)
+    assert spread["a1", "b1"] / spread["a1", "b2"] == pytest.approx(3.0, rel=1e-3)
     # A link slower than the flow it might get is not used.
     slow = spread_flows(
         p,
@@ -223,10 +223,31 @@ def test_spread_mixes_chains_keeping_node_throughputs() -> None:
         },
     )
     assert ("a1", "b2") not in slow
-    # ...which leaves b2 fed by a2 alone, so the given flow is the only one.
-    assert slow == pytest.approx(given, abs=1e-3)
+    # ...which leaves b2 fed by a2 alone, so the given flow is the only one (up to the
+    # fit's 0.1% tolerance: a2 -> b1 fades towards zero).
+    assert {k: slow[k] for k in given} == pytest.approx(given, rel=0.01)
+    assert slow.get(("a2", "b1"), 0.0) < 0.01
     # The router draws mixed routes from it.
     router = make_router("maxflow", p)
     st = states({n: 10**9 for n in ("a1", "a2", "b1", "b2")})
     seen = {router.route(req(i), st).nodes for i in range(200)}  # type: ignore[union-attr]
     assert ("a1", "b2") in seen and ("a2", "b1") in seen
+
+
+def test_spread_still_mixes_when_some_pairs_are_forced_to_zero() -> None:
+    from helixserve.scheduler.spread import spread_flows
+
+    # b2 can only be fed by a2 (no a1 -> b2 link), which forces a2 -> b1 to zero: the fit
+    # converges slowly there, yet the b -> c stage must still be mixed.
+    p = placement(
+        {"a1": (0, 4), "a2": (0, 4), "b1": (4, 8), "b2": (4, 8), "c1": (8, 12), "c2": (8, 12)},
+        [(C, "a1", 3.0), (C, "a2", 1.0), ("a1", "b1", 3.0), ("a2", "b2", 1.0),
+         ("b1", "c1", 3.0), ("b2", "c2", 1.0), ("c1", C, 3.0), ("c2", C, 1.0)],
+        num_layers=12,
+    )  # fmt: skip
+    given = {(f.src, f.dst): f.tokens_per_s for f in p.flows}
+    names = [C, "a1", "a2", "b1", "b2", "c1", "c2"]
+    edges = [(s, d) for s in names for d in names if s != d and (s, d) != ("a1", "b2")]
+    spread = spread_flows(p, given, edges=edges)
+    assert ("a1", "b2") not in spread
+    assert spread["b1", "c2"] > 0.5 and spread["b2", "c1"] > 0.5
