@@ -70,6 +70,11 @@ class TokenEvent:
     logprob: float | None
     top_logprobs: list[tuple[int, float]]
     finish_reason: str | None  # None | "stop" | "length"
+    #: engine time spent on this token's step, summed over the route's hops (the rest of the
+    #: token's latency is coordinator + gRPC + queueing overhead)
+    compute_s: float = 0.0
+    #: hops of the request's route when this token was produced
+    num_hops: int = 0
 
 
 @dataclass
@@ -232,6 +237,8 @@ class Coordinator:
                 "kv_block_size": info.kv_block_size if info else 0,
                 "busy_fraction": info.busy_fraction if info else 0.0,
                 "active_requests": info.active_requests if info else 0,
+                "steps": info.steps if info else 0,
+                "items_run": info.items_run if info else 0,
             }
         return {
             "running": len(self.active),
@@ -282,7 +289,7 @@ class Coordinator:
                 self.tokens_generated += 1
                 step = out.add(r.token_id)
                 yield TokenEvent(r.token_id, step.text, r.logprob, r.top_logprobs,
-                                 step.finish_reason)
+                                 step.finish_reason, r.compute_s, len(act.route_hops))
                 if step.finish_reason is not None:
                     return
                 self._send(act, position=len(req.prompt_token_ids) + len(act.generated) - 1,

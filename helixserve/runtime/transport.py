@@ -389,6 +389,7 @@ class WorkerInfo:
     last_batch_size: int
     busy_fraction: float
     steps: int
+    items_run: int
     active_requests: int
     draining: bool
     eos_token_ids: tuple[int, ...]

@@ -143,7 +143,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
             dtype=engine.dtype,
         )
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.inbox: queue.SimpleQueue[_Job | _Release | None] = queue.SimpleQueue()
+        # Work arrives as one list per incoming message, so that the engine thread never wakes
+        # up to run a fragment of a batch that arrived together.
+        self.inbox: queue.SimpleQueue[list[_Job] | _Release | None] = queue.SimpleQueue()
         self.coordinators: dict[str, _Stream] = {}
         self.peers: dict[str, _Peer] = {}
         self.draining = False
@@ -153,6 +155,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.queue_len = 0
         self.last_batch_size = 0
         self.steps = 0
+        self.items_run = 0
         self._busy: deque[tuple[float, float]] = deque()  # (end time, step seconds)
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
 
@@ -186,7 +189,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
 
         pending: deque[_Job] = deque()
         while True:
-            msgs: list[_Job | _Release | None] = []
+            msgs: list[list[_Job] | _Release | None] = []
             if not pending:
                 msgs.append(self.inbox.get())
             while True:
@@ -202,7 +205,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     if not m.done.cancelled():  # the caller may have gone away
                         m.done.set_result(freed)
                 else:
-                    pending.append(m)
+                    pending.extend(m)
             # One item per request per step, FIFO; the rest waits (module doc).
             batch: list[_Job] = []
             seen: set[str] = set()
@@ -274,6 +277,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
             self._busy.popleft()
         self.last_batch_size = batch_size
         self.steps += 1
+        self.items_run += batch_size
 
     def busy_fraction(self) -> float:
         now = time.monotonic()
@@ -358,26 +362,28 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     stream.coordinator_id, stream.sender = hello
                     if stream.coordinator_id:
                         self.coordinators[stream.coordinator_id] = stream
-                for i, msg in enumerate(batch.items):
-                    self._accept(msg, stream, f"items[{i}]")
+                jobs = [job for i, msg in enumerate(batch.items)
+                        if (job := self._accept(msg, stream, f"items[{i}]")) is not None]
+                if jobs:
+                    self.inbox.put(jobs)
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
         finally:
             stream.out.put_nowait(None)
 
-    def _accept(self, msg: pb.WorkItem, stream: _Stream, where: str) -> None:
+    def _accept(self, msg: pb.WorkItem, stream: _Stream, where: str) -> _Job | None:
         try:
             item = tp.item_from_pb(msg, self.expect, where)
         except tp.WireError as exc:
             self.report_error(msg.request_id, msg.step_id, msg.coordinator_id,
                               tp.INVALID_ARGUMENT, f"node {self.node}: {exc}", stream)
-            return
+            return None
         if self.draining and item.request_id not in self.active:
             self.report_error(item.request_id, item.step_id, item.coordinator_id, tp.UNAVAILABLE,
                               f"node {self.node}: draining for shutdown, not accepting new requests",
                               stream)
-            return
-        self.inbox.put(_Job(item, msg, stream))
+            return None
+        return _Job(item, msg, stream)
 
     async def Release(  # noqa: N802
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -412,6 +418,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
             last_batch_size=self.last_batch_size,
             busy_fraction=self.busy_fraction(),
             steps=self.steps,
+            items_run=self.items_run,
             active_requests=len(self.active),
             draining=self.draining,
             eos_token_ids=tuple(int(t) for t in (self.engine.eos_token_ids or ())),

@@ -1,0 +1,242 @@
+"""Per-hop overhead of the distributed runtime: coordinator + gRPC vs the engine alone.
+
+Starts real `helixserve worker` processes on 127.0.0.1 with the demo model (SmolLM2-135M,
+30 layers): one worker holding all layers (1 hop) and a 3-worker pipeline [0,10) [10,20)
+[20,30) (3 hops), and drives them through the `Coordinator` (no HTTP).
+
+Per-hop overhead, per decoded token: every result carries `compute_s`, the engine step time
+summed over the route's hops, measured inside the workers. The coordinator-side latency of the
+token (time between two consecutive tokens of one stream, which is one full round trip:
+coordinator -> hop 0 -> ... -> last hop -> coordinator) minus `compute_s` is what the runtime
+adds: protobuf conversion, gRPC, the workers' queues and threads, the coordinator's
+detokenization. Divided by the number of hops. Measured with one stream at a time (batch 1),
+so queueing behind other requests is not counted as overhead.
+
+Throughput: `--streams` concurrent requests (default 16) with a fixed output length
+(ignore_eos), output tokens per second over the wall time, pipeline vs single worker. Setups
+alternate per round, so drift of a shared machine hits both alike.
+
+    python benchmarks/runtime_overhead.py --json benchmarks/results/runtime_overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+NUM_LAYERS = 30
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a GPU is in one sentence.",
+    "List three fruits.",
+]
+
+
+@dataclass
+class Worker:
+    name: str
+    start: int
+    end: int
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_worker(model: Path, name: str, start: int, end: int, threads: int, log: Path) -> Worker:
+    port = free_port()
+    cmd = [sys.executable, "-m", "helixserve", "worker", "--model", str(model), "--layers",
+           f"{start}:{end}", "--node", name, "--port", str(port), "--num-threads", str(threads),
+           "--kv-cache-bytes", str(256 * 1024 * 1024)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    return Worker(name, start, end, port, proc)
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
+    return s[k]
+
+
+async def make_coordinator(model: Path, workers: list[Worker]) -> Any:
+    from helixserve.planner.placement import Flow, NodeRange, Placement
+    from helixserve.runtime import Coordinator
+    from helixserve.spec import ClusterSpec, NodeSpec
+
+    chain = ["coordinator", *(w.name for w in workers), "coordinator"]
+    placement = Placement(
+        model=model.name, cluster="bench", num_layers=NUM_LAYERS, planner="bench",
+        nodes=[NodeRange(w.name, w.start, w.end) for w in workers],
+        flows=[Flow(a, b, 1.0) for a, b in zip(chain, chain[1:], strict=False)],
+    )
+    cluster = ClusterSpec("bench", [NodeSpec(w.name, "L4", address=w.address) for w in workers])
+    return await Coordinator.create(cluster, placement, model)
+
+
+async def node_counters(coord: Any) -> dict[str, tuple[int, int]]:
+    """(engine steps, items run) per node, fresh from the workers."""
+    for n in coord.nodes.values():
+        await n.refresh_info()
+    return {name: (n.info.steps, n.info.items_run) for name, n in coord.nodes.items()}
+
+
+def encode(coord: Any, question: str) -> list[int]:
+    tok = coord.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                   add_generation_prompt=True)
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+async def one_stream(coord: Any, rid: str, prompt: list[int], max_tokens: int) -> list[tuple[float, float, int]]:
+    """(inter-token latency s, engine compute s, hops) per decoded token after the first."""
+    from helixserve.engine import SamplingParams
+    from helixserve.runtime import GenerationRequest
+
+    req = GenerationRequest(rid, prompt, SamplingParams(temperature=0.0), max_tokens=max_tokens,
+                            ignore_eos=True)
+    out = []
+    last = None
+    async for ev in coord.generate(req):
+        now = time.perf_counter()
+        if last is not None:
+            out.append((now - last, ev.compute_s, ev.num_hops))
+        last = now
+    return out
+
+
+async def measure_overhead(coord: Any, prompts: list[list[int]], tokens: int, rounds: int) -> list[tuple[float, float, int]]:
+    samples = []
+    for r in range(rounds):
+        for i, p in enumerate(prompts):
+            samples += await one_stream(coord, f"ovh-{r}-{i}", p, tokens)
+    return samples
+
+
+async def measure_throughput(coord: Any, prompts: list[list[int]], streams: int, tokens: int) -> float:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(
+        one_stream(coord, f"tput-{i}", prompts[i % len(prompts)], tokens) for i in range(streams)
+    ))
+    wall = time.perf_counter() - t0
+    return sum(len(r) + 1 for r in results) / wall
+
+
+async def run(args: argparse.Namespace, setups: dict[str, list[Worker]], model: Path) -> dict[str, Any]:
+    coords = {name: await make_coordinator(model, ws) for name, ws in setups.items()}
+    try:
+        prompts = [encode(coords["single"], q) for q in PROMPTS]
+        # warm-up: first steps allocate and fill caches
+        for c in coords.values():
+            await one_stream(c, "warm", prompts[0], 4)
+        overhead: dict[str, list[tuple[float, float, int]]] = {n: [] for n in coords}
+        tput: dict[str, list[float]] = {n: [] for n in coords}
+        mean_batch: dict[str, dict[str, float]] = {}
+        for _ in range(args.rounds):
+            for name, c in coords.items():
+                overhead[name] += await measure_overhead(c, prompts, args.tokens, 1)
+            for name, c in coords.items():
+                before = await node_counters(c)
+                tput[name].append(await measure_throughput(c, prompts, args.streams, args.tokens))
+                after = await node_counters(c)
+                mean_batch[name] = {
+                    n: (after[n][1] - before[n][1]) / max(1, after[n][0] - before[n][0])
+                    for n in after
+                }
+    finally:
+        for c in coords.values():
+            await c.close()
+    result: dict[str, Any] = {"setups": {}}
+    for name in coords:
+        s = overhead[name]
+        per_hop_ms = [(itl - comp) / hops * 1000 for itl, comp, hops in s]
+        result["setups"][name] = {
+            "hops": s[0][2],
+            "tokens_measured": len(s),
+            "itl_p50_ms": percentile([x[0] * 1000 for x in s], 50),
+            "engine_p50_ms": percentile([x[1] * 1000 for x in s], 50),
+            "overhead_per_hop_p50_ms": percentile(per_hop_ms, 50),
+            "overhead_per_hop_p99_ms": percentile(per_hop_ms, 99),
+            "overhead_per_hop_mean_ms": statistics.fmean(per_hop_ms),
+            "throughput_tokens_per_s": tput[name],
+            "throughput_median_tokens_per_s": statistics.median(tput[name]),
+            "mean_batch_items_per_node_last_round": mean_batch[name],
+        }
+    ratios = [p / s for p, s in zip(tput["pipeline"], tput["single"], strict=True)]
+    result["pipeline_over_single_throughput"] = ratios
+    result["pipeline_over_single_median"] = statistics.median(ratios)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32, help="output tokens per request")
+    parser.add_argument("--streams", type=int, default=16, help="concurrent streams (throughput)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per setup")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+
+    from helixserve.engine import prepare_demo_model
+
+    model = prepare_demo_model()
+    tmp = Path(tempfile.mkdtemp(prefix="helix-bench-"))
+    specs = {"single": [("s", 0, 30)], "pipeline": [("p0", 0, 10), ("p1", 10, 20), ("p2", 20, 30)]}
+    setups = {k: [start_worker(model, n, a, b, args.threads, tmp / f"{n}.log") for n, a, b in v]
+              for k, v in specs.items()}
+    all_workers = [w for ws in setups.values() for w in ws]
+    try:
+        result = asyncio.run(run(args, setups, model))
+    finally:
+        for w in all_workers:
+            w.proc.send_signal(signal.SIGTERM)
+        for w in all_workers:
+            w.proc.wait(timeout=30)
+    result["config"] = {
+        "tokens": args.tokens, "streams": args.streams, "rounds": args.rounds,
+        "threads_per_worker": args.threads, "model": model.name,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "command": " ".join(["python", *sys.argv]),
+    }
+    print(f"{'setup':<10} {'hops':>4} {'tokens':>6} {'ITL p50':>9} {'engine p50':>11} "
+          f"{'ovh/hop p50':>12} {'ovh/hop p99':>12} {'tok/s (16 streams)':>19}")
+    for name, r in result["setups"].items():
+        print(f"{name:<10} {r['hops']:>4} {r['tokens_measured']:>6} {r['itl_p50_ms']:>7.1f}ms "
+              f"{r['engine_p50_ms']:>9.1f}ms {r['overhead_per_hop_p50_ms']:>10.2f}ms "
+              f"{r['overhead_per_hop_p99_ms']:>10.2f}ms {r['throughput_median_tokens_per_s']:>19.1f}")
+    for name, r in result["setups"].items():
+        batches = ", ".join(f"{n} {b:.1f}" for n, b in r["mean_batch_items_per_node_last_round"].items())
+        print(f"{name}: mean items per engine step under {args.streams} streams: {batches}")
+    print(f"pipeline / single throughput (median of rounds): {result['pipeline_over_single_median']:.2f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
