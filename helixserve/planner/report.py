@@ -82,14 +82,27 @@ def plot_placement(cluster: ClusterSpec, placement: Placement, flows: list[Flow]
     colour = {g: cmap(k % 10) for k, g in enumerate(gpus)}
     fig, ax = plt.subplots(figsize=(max(8.0, L / 6), max(3.0, 0.9 * depth + 1.5)))
     top = max((f.tokens_per_s for f in flows), default=1.0) or 1.0
+    end_of = {r.name: r.end_layer for r in ranges}
+    # an edge is drawn at its hand-off layer: from the end of the sender's box to the same
+    # layer inside the receiver's box (partial inference hands off mid-range)
     for f in flows:
-        a = src if f.src == COORDINATOR else pos.get(f.src)
-        b = snk if f.dst == COORDINATOR else pos.get(f.dst)
-        if a is None or b is None or f.tokens_per_s <= 0:
+        if f.tokens_per_s <= 0:
             continue
-        ax.annotate("", xy=b, xytext=a, arrowprops={
-            "arrowstyle": "-|>", "lw": 0.3 + 5.0 * f.tokens_per_s / top, "color": "0.35",
-            "alpha": 0.6, "shrinkA": 12, "shrinkB": 12, "connectionstyle": "arc3,rad=0.08"})
+        a: tuple[float, float]
+        b: tuple[float, float]
+        if f.src == COORDINATOR and f.dst in pos:
+            a, b = src, (0.0, pos[f.dst][1])
+        elif f.dst == COORDINATOR and f.src in pos:
+            a, b = (float(L), pos[f.src][1]), snk
+        elif f.src in pos and f.dst in pos:
+            # a short arc across the hand-off layer, visible between boxes of one row too
+            hand_off = float(end_of[f.src])
+            a, b = (hand_off - 0.6, pos[f.src][1] + 0.15), (hand_off + 0.6, pos[f.dst][1] + 0.15)
+        else:
+            continue
+        ax.annotate("", xy=b, xytext=a, zorder=3, arrowprops={
+            "arrowstyle": "-|>", "lw": 0.3 + 5.0 * f.tokens_per_s / top, "color": "0.15",
+            "alpha": 0.6, "shrinkA": 2, "shrinkB": 2, "connectionstyle": "arc3,rad=0.25"})
     for r in ranges:
         x, y = pos[r.name]
         g = cluster.node(r.name).gpu
