@@ -443,11 +443,9 @@ def _config_max_len(model_dir: Path) -> int | None:
 
 
 def _chunk_tokens(info: Any, max_tokens: int) -> int:
-    import torch
+    from helixserve.runtime.transport import dtype_from_name, prefill_chunk_tokens
 
-    from helixserve.runtime.transport import prefill_chunk_tokens
-
-    return prefill_chunk_tokens(info.hidden_size, getattr(torch, info.dtype), max_tokens)
+    return prefill_chunk_tokens(info.hidden_size, dtype_from_name(info.dtype), max_tokens)
 
 
 __all__ = [

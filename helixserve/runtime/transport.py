@@ -40,6 +40,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+_ITEMSIZE: dict[torch.dtype, int] = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 OK = grpc.StatusCode.OK.value[0]
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -57,9 +58,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def dtype_from_name(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise WireError(f"dtype: unknown {name!r}; known: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
 def prefill_chunk_tokens(hidden_size: int, dtype: torch.dtype, max_tokens: int = 512) -> int:
     """Tokens per prefill chunk so one chunk's hidden states stay under half the message limit."""
-    bytes_per_token = hidden_size * torch.empty((), dtype=dtype).element_size()
+    bytes_per_token = hidden_size * _ITEMSIZE[dtype]
     return max(1, min(max_tokens, (MAX_MESSAGE_BYTES // 2) // bytes_per_token))
 
 
@@ -92,7 +99,7 @@ def tensor_from_pb(
         raise WireError(f"{where}.shape: got {got_shape}, expected {pretty}")
     if any(g <= 0 for g in got_shape):
         raise WireError(f"{where}.shape: dims must be positive, got {got_shape}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[dtype]
     want_bytes = math.prod(got_shape) * itemsize
     if len(msg.data) != want_bytes:
         raise WireError(
@@ -100,8 +107,7 @@ def tensor_from_pb(
             f"(shape {got_shape} x {itemsize} bytes of {want})"
         )
     # bytearray: torch needs a writable buffer, and the engine may work in place.
-    flat = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)
-    return flat.view(dtype).reshape(got_shape)
+    return torch.frombuffer(bytearray(msg.data), dtype=dtype).view(got_shape)
 
 
 # ---- work items -------------------------------------------------------------------------

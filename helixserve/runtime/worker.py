@@ -84,33 +84,24 @@ class _Peer:
         while True:
             first = await self.queue.get()
             channel = grpc.aio.insecure_channel(self.address, options=tp.CHANNEL_OPTIONS)
-            outgoing: asyncio.Queue[pb.WorkBatch | None] = asyncio.Queue()
-            outgoing.put_nowait(tp.work_batch_pb([first], sender=self.worker.node))
-
-            async def requests(q: asyncio.Queue[pb.WorkBatch | None] = outgoing) -> Any:
-                while (b := await q.get()) is not None:
-                    yield b
-
-            call = pb_grpc.HelixWorkerStub(channel).Work(requests())
-            reader = asyncio.create_task(self._read(call))
             try:
-                while not reader.done():
-                    get = asyncio.create_task(self.queue.get())
-                    done, _ = await asyncio.wait({get, reader}, return_when=asyncio.FIRST_COMPLETED)
-                    if get not in done:
-                        get.cancel()
-                        break
-                    items = [get.result()]
-                    while not self.queue.empty():
-                        items.append(self.queue.get_nowait())
-                    outgoing.put_nowait(tp.work_batch_pb(items))
-                await reader  # re-raises the stream's error
-            except (grpc.aio.AioRpcError, grpc.RpcError) as exc:
-                log.warning("stream to %s broke: %s", self.address, exc)
-                self._fail_queued(f"next hop {self.address} unreachable: {exc.details()}")  # type: ignore[attr-defined]
+                call = pb_grpc.HelixWorkerStub(channel).Work(self._requests(first))
+                await self._read(call)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("stream to %s broke: %s", self.address, exc.code().name)
+                self._fail_queued(f"next hop {self.address} unreachable: {exc.code().name}")
             finally:
-                outgoing.put_nowait(None)
                 await channel.close()
+
+    async def _requests(self, first: pb.WorkItem) -> AsyncIterator[pb.WorkBatch]:
+        items = [first]
+        hello = True
+        while True:
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            yield tp.work_batch_pb(items, sender=self.worker.node if hello else "")
+            hello = False
+            items = [await self.queue.get()]
 
     async def _read(self, call: Any) -> None:
         # Downstream normally reports to the coordinator directly; anything arriving here is a
