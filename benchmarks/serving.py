@@ -9,8 +9,9 @@ slow drift of a shared machine hits both alike; the ratio is taken per round.
     python benchmarks/serving.py --json results/serving.json
 
 Thread budget: each pipeline worker gets --pipeline-threads torch threads (default 1: three
-processes on a 2-core machine already oversubscribe it); the single worker gets
---single-threads (default: all cores), so both setups may use the whole CPU.
+processes on a 2-core machine already oversubscribe it). The single worker runs once per
+--single-threads value (default 1 and all cores): with 1 it is the same engine with the same
+settings as one pipeline worker; with all cores it may use the whole CPU on its own.
 """
 
 from __future__ import annotations
@@ -112,7 +113,12 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--pipeline-threads", type=int, default=1)
-    ap.add_argument("--single-threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--single-threads",
+        default=f"1,{os.cpu_count() or 1}",
+        help="comma-separated torch thread counts of the single worker, one setup each "
+        "(default: 1 = same as a pipeline worker, and all cores)",
+    )
     ap.add_argument("--kv-cache-mb", type=int, default=128)
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, metavar="OUT")
@@ -129,39 +135,55 @@ def main() -> int:
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
     ]  # fmt: skip
     kv_bytes = args.kv_cache_mb * 2**20
+    single_threads = [int(x) for x in str(args.single_threads).split(",")]
     rounds = []
     for r in range(args.rounds):
-        pipe = run_setup("pipeline", files.model_dir, files.cluster_path, files.placement_path,
-                         files.workers, args.pipeline_threads, kv_bytes, workdir, bench_args)  # fmt: skip
-        single = run_setup("single", files.model_dir, s_cluster, s_placement, [s_worker],
-                           args.single_threads, kv_bytes, workdir, bench_args)  # fmt: skip
-        ratio = pipe["output_throughput_tokens_per_s"] / single["output_throughput_tokens_per_s"]
-        rounds.append({"round": r, "pipeline": pipe, "single": single, "ratio": ratio})
+        rd: dict[str, Any] = {"round": r}
+        rd["pipeline"] = run_setup(
+            "pipeline", files.model_dir, files.cluster_path, files.placement_path,
+            files.workers, args.pipeline_threads, kv_bytes, workdir, bench_args,
+        )  # fmt: skip
+        for t in single_threads:
+            rd[f"single-{t}t"] = run_setup(
+                f"single-{t}t", files.model_dir, s_cluster, s_placement, [s_worker],
+                t, kv_bytes, workdir, bench_args,
+            )  # fmt: skip
+            rd[f"ratio_vs_single-{t}t"] = (
+                rd["pipeline"]["output_throughput_tokens_per_s"]
+                / rd[f"single-{t}t"]["output_throughput_tokens_per_s"]
+            )
+        rounds.append(rd)
 
+    setups = ["pipeline"] + [f"single-{t}t" for t in single_threads]
     print()
-    print(f"{'round':>5} {'setup':<9} {'out tok/s':>10} {'req/s':>7} {'TTFT p50':>9} "
+    print(f"{'round':>5} {'setup':<11} {'out tok/s':>10} {'req/s':>7} {'TTFT p50':>9} "
           f"{'TPOT p50':>9} {'ITL p50':>8} {'ITL p99':>8} {'E2E p50':>8}  (ms)")  # fmt: skip
     for rd in rounds:
-        for setup in ("pipeline", "single"):
+        for setup in setups:
             b = rd[setup]
-            print(f"{rd['round']:>5} {setup:<9} {b['output_throughput_tokens_per_s']:>10.1f} "
+            print(f"{rd['round']:>5} {setup:<11} {b['output_throughput_tokens_per_s']:>10.1f} "
                   f"{b['request_throughput_per_s']:>7.2f} {b['ttft']['p50_ms']:>9.0f} "
                   f"{b['tpot']['p50_ms']:>9.1f} {b['itl']['p50_ms']:>8.1f} "
                   f"{b['itl']['p99_ms']:>8.1f} {b['e2e']['p50_ms']:>8.0f}")  # fmt: skip
-        print(f"{rd['round']:>5} ratio pipeline/single decode throughput: {rd['ratio']:.3f}")
-    ratios = [rd["ratio"] for rd in rounds]
+        for t in single_threads:
+            print(f"{rd['round']:>5} decode throughput pipeline / single-{t}t: "
+                  f"{rd[f'ratio_vs_single-{t}t']:.3f}")  # fmt: skip
+    ratios = {
+        f"single-{t}t": [rd[f"ratio_vs_single-{t}t"] for rd in rounds] for t in single_threads
+    }
     summary = {
         "machine": f"{os.cpu_count()} CPU cores, no GPU",
-        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command": " ".join(["python", Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "placement": placement["nodes"],
         "config": vars(args) | {"workdir": str(workdir), "json": str(args.json)},
         "rounds": rounds,
-        "ratio_mean": sum(ratios) / len(ratios),
-        "ratio_min": min(ratios),
+        "ratio_mean": {k: sum(v) / len(v) for k, v in ratios.items()},
+        "ratio_min": {k: min(v) for k, v in ratios.items()},
         "target_ratio": 0.8,
     }
-    print(f"pipeline/single decode throughput: mean {summary['ratio_mean']:.3f}, "
-          f"min {summary['ratio_min']:.3f} (target >= 0.8)")  # fmt: skip
+    for k in ratios:
+        print(f"pipeline / {k} decode throughput: mean {summary['ratio_mean'][k]:.3f}, "
+              f"min {summary['ratio_min'][k]:.3f} over {len(rounds)} rounds (target >= 0.8)")  # fmt: skip
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2, default=str) + "\n")
