@@ -90,9 +90,9 @@ def solve(
     started = time.perf_counter()
     sense = -1.0 if prob.sense == pulp.LpMaximize else 1.0
     if not _highs_available():
-        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1.0, time_limit_s), warmStart=warm_start,
-                                gapRel=gap_rel)
-        with quiet_pulp():
+        with quiet_pulp():  # PULP_CBC_CMD is deprecated in PuLP 3.3 but still bundled
+            cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1.0, time_limit_s),
+                                    warmStart=warm_start, gapRel=gap_rel)
             prob.solve(cbc)
         status = pulp.LpStatus[prob.status].lower()
         obj = pulp.value(prob.objective) if prob.status == pulp.LpStatusOptimal else None

@@ -117,3 +117,16 @@ def test_tiling_beats_every_baseline_on_a_helix_like_cluster(llama70b, measured_
     assert net.max_flow(ranges)[0] == pytest.approx(value)
     assert value >= 1.2 * best_base  # 7,212 vs 5,667 tokens/s when measured
     assert value <= layer_work_bound(net)
+
+
+def test_cbc_fallback_finds_the_same_optimum(monkeypatch):
+    import helixserve.planner.solver as solver_module
+
+    model = tiny_model(num_layers=4)
+    net = FlowNetwork(tiny_cluster(), model, CostModel(model))
+    optimum = brute_force(net, True)
+    monkeypatch.setattr(solver_module, "_highs_available", lambda: False)
+    prob, variables, _ = build_milp(net, layer_work_bound(net), True)
+    info = solver_module.solve(prob, 30.0)
+    assert info.solver == "cbc" and info.status == "optimal"
+    assert info.objective == pytest.approx(optimum, rel=1e-3)
