@@ -17,7 +17,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -123,6 +123,30 @@ async def _with_disconnect(request: Request, work: Awaitable[T]) -> T:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     raise _ClientGone()
+
+
+def uncovered_layers(stats: Mapping[str, Any]) -> str:
+    """Layers no live node holds, as 'a-b, c' ('' when all are covered or stats say nothing).
+    The model's layer count is taken as the largest end_layer of any node, live or not."""
+    nodes = list((stats.get("nodes") or {}).values())
+    num_layers = max((int(n.get("end_layer", 0)) for n in nodes), default=0)
+    covered = [False] * num_layers
+    for n in nodes:
+        if n.get("alive", True):
+            for layer in range(int(n.get("start_layer", 0)), int(n.get("end_layer", 0))):
+                covered[layer] = True
+    spans: list[str] = []
+    layer = 0
+    while layer < num_layers:
+        if covered[layer]:
+            layer += 1
+            continue
+        end = layer
+        while end + 1 < num_layers and not covered[end + 1]:
+            end += 1
+        spans.append(str(layer) if end == layer else f"{layer}-{end}")
+        layer = end + 1
+    return ", ".join(spans)
 
 
 def _sse(data: dict[str, Any]) -> str:
@@ -407,8 +431,7 @@ def create_app(
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         serving.check_model(body.model)
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            tokens = serving.encode_chat(messages, body.add_generation_prompt)
+            tokens = serving.encode_chat(body.template_messages(), body.add_generation_prompt)
         else:
             tokens = serving.encode_text(body.prompt or "", body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": coordinator.max_model_len, "tokens": tokens}
@@ -424,6 +447,15 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        # 503 while the live workers leave a layer uncovered: a readiness probe then takes
+        # this replica out of rotation instead of sending it requests it must refuse
+        uncovered = uncovered_layers(coordinator.stats())
+        if uncovered:
+            raise APIError(
+                503,
+                f"no route covers the model: layers {uncovered} have no live worker",
+                code="no_route",
+            )
         return Response(status_code=200)
 
     @app.get("/version")

@@ -140,12 +140,15 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, str]]:
-        out = []
-        for m in self.messages:
-            # chat templates of small open models know system/user/assistant only
-            role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text()})
-        return out
+        return _template_messages(self.messages)
+
+
+def _template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    # chat templates of small open models know system/user/assistant only
+    return [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in messages
+    ]
 
 
 class TokenizeRequest(BaseModel):
@@ -155,6 +158,9 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return _template_messages(self.messages or [])
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

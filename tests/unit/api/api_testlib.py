@@ -43,6 +43,8 @@ class FakeCoordinator:
         self.closed: list[str] = []
         self.requests: list[GenerationRequest] = []
         self.running = 0
+        #: nodes the fake reports as down (stats "alive": False)
+        self.dead_nodes: set[str] = set()
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         prompt = self.tokenizer.decode(req.prompt_token_ids)
@@ -85,10 +87,10 @@ class FakeCoordinator:
             "nodes": {
                 "n1": {"start_layer": 0, "end_layer": 12, "layers": 12, "queue_len": 1,
                        "batch_size": 2, "kv_used_blocks": 3, "kv_total_blocks": 10,
-                       "busy_fraction": 0.5, "alive": True},
+                       "busy_fraction": 0.5, "alive": "n1" not in self.dead_nodes},
                 "n2": {"start_layer": 12, "end_layer": 30, "layers": 18, "queue_len": 0,
                        "batch_size": 1, "kv_used_blocks": 1, "kv_total_blocks": 10,
-                       "busy_fraction": 0.25, "alive": True},
+                       "busy_fraction": 0.25, "alive": "n2" not in self.dead_nodes},
             },
             "routes": {"n1->n2": 3},
         }  # fmt: skip

@@ -161,3 +161,14 @@ def test_worker_failure_is_500_or_sse_error_event(server):
     assert err["code"] == "request_failed" and "node n2" in err["message"]
     contents = [json.loads(x[6:])["choices"][0]["delta"].get("content") for x in lines[1:-2]]
     assert len(contents) == 2 and all(contents)
+
+
+def test_health_is_503_while_a_layer_has_no_live_worker(server, fake):
+    assert httpx.get(server.url + "/health").status_code == 200
+    fake.dead_nodes.add("n2")  # n2 alone holds layers [12, 30)
+    try:
+        err = check_error(httpx.get(server.url + "/health"), 503)
+        assert err["code"] == "no_route" and "12-29" in err["message"]
+    finally:
+        fake.dead_nodes.clear()
+    assert httpx.get(server.url + "/health").status_code == 200
