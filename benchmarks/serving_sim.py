@@ -31,6 +31,8 @@ from helixserve.spec import ClusterSpec, ModelSpec, load_cluster, load_model, lo
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
+#: placement file used per cluster/planner, written into the JSON
+USED_PLACEMENTS: dict[str, str] = {}
 HEADLINE = [("milp", "maxflow"), ("separate", "shortest-queue"), ("swarm", "swarm")]
 
 
@@ -53,6 +55,7 @@ def cached_plan(
     replan: bool,
 ) -> Placement:
     path = cache / f"{cluster.name}-{model.name}-{name}-{planner_fingerprint()}.json"
+    USED_PLACEMENTS[f"{cluster.name}/{name}"] = path.name
     if path.exists() and not replan:
         return load_placement(path)
     print(f"  planning {cluster.name} with {name} ...", file=sys.stderr)
@@ -235,6 +238,7 @@ def main() -> int:
             if helix and base:
                 targets[f"{cname}: milp+maxflow / {p}+{s}"] = helix / base
     out["targets"] = targets
+    out["placements"] = USED_PLACEMENTS
     print()
     for k, v in targets.items():
         print(f"{k}: {v:.2f}x (target >= 1.8x on helix-single-24)")
