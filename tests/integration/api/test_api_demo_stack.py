@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import grpc
@@ -215,9 +217,38 @@ def test_metrics_names_exposed_and_moving(demo):
     assert len(routes) > 1, routes
 
 
+def test_z_no_route_after_a_worker_dies_is_503(demo):
+    """Near last (it kills a worker): a node whose layers no other node holds goes down."""
+    placement = json.loads((demo.workdir / "placement.json").read_text())
+    nodes = placement["nodes"]
+    victim = next(
+        n["name"]
+        for n in nodes
+        if any(
+            not any(m["start_layer"] <= layer < m["end_layer"] for m in nodes if m is not n)
+            for layer in range(n["start_layer"], n["end_layer"])
+        )
+    )
+    pids = processes_mentioning(f"--node {victim} ")
+    pids = [p for p in pids if p in processes_mentioning(str(demo.workdir))]
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while httpx.get(demo.url + "/health").status_code != 503:
+        assert time.monotonic() < deadline, "coordinator did not notice the dead worker"
+        time.sleep(0.2)
+    assert httpx.get(demo.url + "/health").json()["error"]["code"] == "no_route"
+    for stream in (False, True):
+        payload = {"model": model_name(demo), "messages": FRANCE, "max_tokens": 4,
+                   "stream": stream}  # fmt: skip
+        resp = httpx.post(demo.url + "/v1/chat/completions", json=payload, headers=AUTH)
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == "no_route"
+
+
 def test_zz_sigterm_stops_every_process(demo):
     """Last: SIGTERM the demo; it exits and leaves no worker behind."""
-    assert len(processes_mentioning(str(demo.workdir))) >= 4  # demo + 3 workers
+    assert len(processes_mentioning(str(demo.workdir))) >= 3  # demo + the live workers
     assert demo.stop() == 0
     deadline = time.monotonic() + 10
     while processes_mentioning(str(demo.workdir)) and time.monotonic() < deadline:
