@@ -199,10 +199,18 @@ def main() -> int:
             res = evaluate(cluster, model, cost, ref)
             ref.flows, ref.throughput_tokens_per_s = res.flows, res.throughput_tokens_per_s
             placements["kv-balanced-hand"] = ref
+        # The Helix authors' own placement (their Gurobi MILP), converted by the planner work.
+        authors = REPO / "benchmarks" / "helix-placements" / f"{cname}-{model.name}.json"
+        if authors.exists():
+            helix = load_placement(authors)
+            res = evaluate(cluster, model, cost, helix)
+            helix.flows, helix.throughput_tokens_per_s = res.flows, res.throughput_tokens_per_s
+            placements["helix-authors"] = helix
         if cname in args.full_matrix_clusters:
             pairs = [(p, s) for p in placements for s in args.schedulers]
         else:
             pairs = [pair for pair in HEADLINE if pair[0] in placements]
+            pairs += [(p, "maxflow") for p in ("helix-authors",) if p in placements]
         for mode in ("offline", "online"):
             online_pairs = [*HEADLINE, ("kv-balanced-hand", "maxflow")]
             for p, s in pairs if mode == "offline" else online_pairs:

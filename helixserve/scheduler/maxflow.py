@@ -43,12 +43,15 @@ class MaxFlowRouter(GraphRouter):
         spill: bool = True,
         edges: Iterable[tuple[str, str]] | None = None,
         edge_capacity_tokens_per_s: Mapping[tuple[str, str], float] | None = None,
+        node_throughput_tokens_per_s: Mapping[str, float] | None = None,
     ) -> None:
         """`spread`: route over the max-entropy flow with the same node throughputs
         (`spread.py`) instead of the solver's flow as given. `spill`: when KV masks every
         flow edge out of a vertex, fall back to valid hops the flow does not use (least
         loaded first) rather than make the request wait. `edges` (existing links) and
-        `edge_capacity_tokens_per_s` bound where the spread and the spill may send work."""
+        `edge_capacity_tokens_per_s` bound where the spread and the spill may send work;
+        `node_throughput_tokens_per_s` lets the spread share a range's flow among all the
+        nodes holding it."""
         if not placement.flows:
             raise UserError(
                 "placement: flows: empty; the maxflow router routes over the max-flow "
@@ -66,7 +69,9 @@ class MaxFlowRouter(GraphRouter):
                 key = (edge.src, edge.dst)
                 flows[key] = flows.get(key, 0.0) + edge.tokens_per_s
         if spread:
-            flows = spread_flows(placement, flows, edges, edge_capacity_tokens_per_s)
+            flows = spread_flows(
+                placement, flows, edges, edge_capacity_tokens_per_s, node_throughput_tokens_per_s
+            )
         # Outflow per vertex, to mask edges whose share is negligible.
         outflow: dict[str, float] = {}
         for (src, _), f in flows.items():

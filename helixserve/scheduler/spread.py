@@ -20,6 +20,10 @@ the fit exists. Where the marginals force some pairs to zero the fit only conver
 1/iterations, so we stop at a relative column error of `tolerance` (0.1%: these are routing
 proportions, not capacities); if even that is not reached after `max_iterations`, the given
 flow is returned unchanged.
+
+With node capacities (`node_throughput_tokens_per_s`), the flow through nodes holding the
+same range is first shared among them in proportion to capacity (`_share_among_replicas`):
+the flow value does not change, but no replica is left idle with its KV cache unused.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def spread_flows(
     flows: Mapping[tuple[str, str], float],
     edges: Iterable[tuple[str, str]] | None = None,
     edge_capacity_tokens_per_s: Mapping[tuple[str, str], float] | None = None,
+    node_throughput_tokens_per_s: Mapping[str, float] | None = None,
     max_iterations: int = 5000,
     tolerance: float = 1e-3,
 ) -> dict[tuple[str, str], float]:
@@ -55,6 +60,9 @@ def spread_flows(
         col_target[col] = col_target.get(col, 0.0) + f
         max_into[col] = max(max_into.get(col, 0.0), f)
         support[src, col] = 1.0
+    if node_throughput_tokens_per_s is not None:
+        _share_among_replicas(placement, node_throughput_tokens_per_s, row_target, col_target,
+                              max_into)  # fmt: skip
     for v in row_target:
         end_v = 0 if v == COORDINATOR else ranges[v].end_layer
         for j in col_target:
@@ -97,3 +105,32 @@ def spread_flows(
     else:
         return dict(flows)
     return {(v, COORDINATOR if j == _SINK else j): f for (v, j), f in x.items()}
+
+
+def _share_among_replicas(
+    placement: Placement,
+    capacity: Mapping[str, float],
+    row_target: dict[str, float],
+    col_target: dict[str, float],
+    max_into: dict[str, float],
+) -> None:
+    """Nodes holding the same range are interchangeable for the flow value; share the flow
+    of each such group in proportion to capacity, so a replica the solver left idle still
+    gets requests (and its KV cache is used). Edits the targets in place."""
+    groups: dict[tuple[int, int], list[str]] = {}
+    for node in placement.nodes:
+        groups.setdefault((node.start_layer, node.end_layer), []).append(node.name)
+    for names in groups.values():
+        total = sum(col_target.get(n, 0.0) for n in names)
+        caps = [max(capacity.get(n, 0.0), 0.0) for n in names]
+        if len(names) < 2 or total <= 0 or sum(caps) <= 0:
+            continue
+        biggest = max(max_into.get(n, 0.0) for n in names)
+        for n, cap in zip(names, caps, strict=True):
+            share = total * cap / sum(caps)
+            if share > 0:
+                row_target[n] = col_target[n] = share
+                max_into[n] = biggest
+            else:
+                row_target.pop(n, None)
+                col_target.pop(n, None)

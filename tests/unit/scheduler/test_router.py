@@ -251,3 +251,25 @@ def test_spread_still_mixes_when_some_pairs_are_forced_to_zero() -> None:
     spread = spread_flows(p, given, edges=edges)
     assert ("a1", "b2") not in spread
     assert spread["b1", "c2"] > 0.5 and spread["b2", "c1"] > 0.5
+
+
+def test_spread_shares_a_range_among_replicas_the_flow_left_idle() -> None:
+    from helixserve.scheduler.spread import spread_flows
+
+    # b2 holds the same range as b1 but the solver sent it nothing (c alone caps the flow).
+    p = placement(
+        {"a": (0, 4), "b1": (4, 8), "b2": (4, 8), "c": (8, 12)},
+        [(C, "a", 4.0), ("a", "b1", 4.0), ("b1", "c", 4.0), ("c", C, 4.0)],
+        num_layers=12,
+    )  # fmt: skip
+    given = {(f.src, f.dst): f.tokens_per_s for f in p.flows}
+    assert spread_flows(p, given).get(("a", "b2"), 0.0) == 0.0  # without capacities: as given
+    caps = {"a": 4.0, "b1": 6.0, "b2": 2.0, "c": 4.0}
+    shared = spread_flows(p, given, node_throughput_tokens_per_s=caps)
+    assert shared["a", "b1"] == pytest.approx(3.0, rel=0.01)
+    assert shared["a", "b2"] == pytest.approx(1.0, rel=0.01)
+    assert shared["b2", "c"] == pytest.approx(1.0, rel=0.01)
+    router = make_router("maxflow", p, node_throughput_tokens_per_s=caps)
+    st = states({n: 10**9 for n in ("a", "b1", "b2", "c")})
+    second = [router.route(req(i), st).nodes[1] for i in range(40)]  # type: ignore[union-attr]
+    assert second.count("b2") == 10
