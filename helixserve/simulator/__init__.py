@@ -1,7 +1,7 @@
 """Discrete-event simulation of a placement serving a request stream (see docs/simulator.md).
 
-    sim = Simulation(cluster, model, cost, placement, requests, SimConfig(duration_s=600))
-    summary = summarize(sim.run())
+sim = Simulation(cluster, model, cost, placement, requests, SimConfig(duration_s=600))
+summary = summarize(sim.run())
 """
 
 from helixserve.simulator.metrics import format_table, latencies, percentiles, summarize

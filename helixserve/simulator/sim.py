@@ -17,9 +17,7 @@ Model (one event heap, `heapq`, ordered by time then insertion):
   starts at or before `s_k` (the cost model is per-layer additive).
 - Links carry a finished batch's requests to their next hop as one transfer: activations
   (`tokens x activation_bytes_per_token`) between nodes, token ids (4 bytes each) to and
-  from the coordinator. A transfer holds its directed link, the sender's NIC egress and the
-  receiver's NIC ingress, each for `bytes / its bandwidth`, starting when all three are free
-  (one transfer at a time per direction, FIFO), and arrives `latency` after the slowest.
+  from the coordinator; links and NICs are modelled in `network.py`.
 - The coordinator takes no time: it counts the token, finishes the request or sends the
   next decode step to the route's first node.
 - Offline mode keeps the admission queue non-empty (the next trace request, cycled, arrives
@@ -41,6 +39,7 @@ from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
 from helixserve.planner.placement import COORDINATOR, Placement
 from helixserve.scheduler import NodeState, RequestInfo, make_router
+from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.workload import TraceRequest, offline_stream
 from helixserve.spec import ClusterSpec, ModelSpec, NodeSpec
 
@@ -110,17 +109,6 @@ class SimNode:
         self.prompt_tokens = self.decode_tokens = 0
         self.state = NodeState(spec.name, kv_free_tokens=self.kv_cap)
         self.busy_timeline = [0.0] * buckets
-
-
-@dataclass
-class SimLink:
-    src: str
-    dst: str
-    bytes_per_s: float
-    latency_s: float
-    free_at_s: float = 0.0
-    busy_s: float = 0.0
-    bytes_sent: int = 0
 
 
 @dataclass
@@ -205,15 +193,7 @@ class Simulation:
             node_throughput_tokens_per_s=throughput,
         )
         self.states = {n.name: n.state for n in self.nodes.values()}
-        self.links: dict[tuple[str, str], SimLink] = {}
-        #: NIC bytes/s (None: unlimited) and when egress / ingress are free next
-        self.nic_bps: dict[str, float | None] = {}
-        self.nic_out_free: dict[str, float] = {}
-        self.nic_in_free: dict[str, float] = {}
-        for name in names:
-            gbps = cluster.nic_gbps_of(name)
-            self.nic_bps[name] = gbps * 1e9 / 8 if gbps else None
-            self.nic_out_free[name] = self.nic_in_free[name] = 0.0
+        self.net = Network(cluster, names)
         self.act_bytes = model.activation_bytes_per_token
         self.requests = sorted(requests, key=lambda q: q.arrival_s)
         self.stream: Iterator[tuple[int, int]] | None = (
@@ -275,7 +255,7 @@ class Simulation:
             config=self.cfg,
             placement=self.placement,
             nodes=list(self.nodes.values()),
-            links=sorted(self.links.values(), key=lambda k: (k.src, k.dst)),
+            links=sorted(self.net.links.values(), key=lambda k: (k.src, k.dst)),
             finished=self.finished,
             in_flight=self.in_flight,
             waiting=len(self.waiting),
@@ -498,36 +478,6 @@ class Simulation:
 
     # ---- network ---------------------------------------------------------------------------
 
-    def _link(self, src: str, dst: str) -> SimLink:
-        spec = self.cluster.link(src, dst)
-        if spec is None:
-            raise UserError(
-                f"route uses {src} -> {dst} but the cluster has no link there; the placement's "
-                "flows do not match the cluster"
-            )
-        link = SimLink(src, dst, spec.bandwidth_gbps * 1e9 / 8, spec.latency_ms / 1000.0)
-        self.links[src, dst] = link
-        return link
-
     def _send(self, src: str, dst: SimNode | None, nbytes: int, reqs: list[SimRequest]) -> None:
-        dst_name = COORDINATOR if dst is None else dst.name
-        link = self.links.get((src, dst_name)) or self._link(src, dst_name)
-        now = self.now
-        busy_s = nbytes / link.bytes_per_s
-        start = max(now, link.free_at_s)
-        out_bps, in_bps = self.nic_bps[src], self.nic_bps[dst_name]
-        out_s = nbytes / out_bps if out_bps else 0.0
-        in_s = nbytes / in_bps if in_bps else 0.0
-        if out_bps:
-            start = max(start, self.nic_out_free[src])
-        if in_bps:
-            start = max(start, self.nic_in_free[dst_name])
-        link.free_at_s = start + busy_s
-        link.busy_s += busy_s
-        link.bytes_sent += nbytes
-        if out_bps:
-            self.nic_out_free[src] = start + out_s
-        if in_bps:
-            self.nic_in_free[dst_name] = start + in_s
-        arrive = start + max(busy_s, out_s, in_s) + link.latency_s
+        arrive = self.net.send(self.now, src, COORDINATOR if dst is None else dst.name, nbytes)
         self._push(arrive, _DELIVER, dst, reqs)
