@@ -49,7 +49,7 @@ RELEASED_MEMORY = 100_000
 BUSY_WINDOW_S = 5.0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Stream:
     """One incoming Work stream: results for its sender are queued here and written in batches."""
 
@@ -138,6 +138,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         # up to run a fragment of a batch that arrived together.
         self.inbox: queue.SimpleQueue[list[_Job] | _Release | None] = queue.SimpleQueue()
         self.coordinators: dict[str, _Stream] = {}
+        self.streams: set[_Stream] = set()  # every open incoming Work stream
         self.peers: dict[str, _Peer] = {}
         self.draining = False
         # Engine-thread state (read approximately by Info from the loop thread).
@@ -161,7 +162,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
         for peer in self.peers.values():
             peer.task.cancel()
-        for stream in list(self.coordinators.values()):
+        # End every incoming stream ourselves, so the server's grace period has nothing to wait for.
+        for stream in list(self.streams):
             stream.out.put_nowait(None)
 
     def fail_active(self, message: str) -> int:
@@ -325,6 +327,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self, request_iterator: AsyncIterator[pb.WorkBatch], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ResultBatch]:
         stream = _Stream(coordinator_id="", sender="")
+        self.streams.add(stream)
         reader = asyncio.create_task(self._read_stream(request_iterator, stream))
         try:
             while True:
@@ -341,6 +344,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 yield tp.result_batch_pb(results)
         finally:
             reader.cancel()
+            self.streams.discard(stream)
             if stream.coordinator_id and self.coordinators.get(stream.coordinator_id) is stream:
                 del self.coordinators[stream.coordinator_id]
 
@@ -453,6 +457,7 @@ async def serve(
         ready.set()
     stop = stop or asyncio.Event()
     await stop.wait()
+    t_stop = time.monotonic()
     worker.draining = True
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -462,9 +467,10 @@ async def serve(
     lost = worker.fail_active(f"node {worker.node}: shut down before the request finished")
     if lost:
         log.warning("failed %d requests still active after %.1f s drain", lost, drain_timeout_s)
-    await asyncio.sleep(0.1)  # let the error results reach their streams
+    if lost:
+        await asyncio.sleep(0.1)  # let the error results reach their streams
     await worker.stop()
     await server.stop(grace=1.0)
-    print(f"helixserve worker {worker.node}: stopped ({lost} requests failed at shutdown)",
-          flush=True)
+    print(f"helixserve worker {worker.node}: stopped ({lost} requests failed at shutdown) "
+          f"in {time.monotonic() - t_stop:.2f} s", flush=True)
     return bound
