@@ -47,7 +47,9 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoStack]:
             assert proc.poll() is None, f"demo exited early:\n{stack.log()}"
             assert time.monotonic() < deadline, f"demo not up after 240 s:\n{stack.log()}"
             try:
-                if httpx.get(stack.url + "/health", timeout=2).status_code == 200:
+                # up = healthy and the banner printed (it follows uvicorn's start)
+                healthy = httpx.get(stack.url + "/health", timeout=2).status_code == 200
+                if healthy and "API ready at" in stack.log():
                     break
             except httpx.HTTPError:
                 pass

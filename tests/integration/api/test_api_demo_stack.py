@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -14,6 +16,7 @@ import pytest
 from api_demo_lib import API_KEY, processes_mentioning
 from prometheus_client.parser import text_string_to_metric_families
 
+from helixserve.bench.datasets import default_trace_path, load_azure_conv
 from helixserve.runtime.proto import helix_pb2, helix_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -215,6 +218,24 @@ def test_metrics_names_exposed_and_moving(demo):
     routes = {dict(lab)["route"] for (n, lab), v in after.items()
               if n == "helixserve:route_requests_total" and v > 0}  # fmt: skip
     assert len(routes) > 1, routes
+
+
+@pytest.mark.skipif(not default_trace_path().is_file(), reason="../shared trace not present")
+def test_bench_azure_conv_against_the_stack(demo, tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "helixserve", "bench", "--url", demo.url, "--api-key", API_KEY,
+        "--dataset", "azure-conv", "--num-prompts", "4", "--max-concurrency", "2",
+        "--max-input-len", "64", "--max-output-len", "6", "--json", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["completed"] == 4 and result["failed"] == 0
+    # the first 4 trace rows scaled to fit 64 / 6 tokens (ignore_eos forces the lengths)
+    expected = [r.output_tokens for r in load_azure_conv(default_trace_path(), 4, 0, 64, 6)]
+    assert result["total_output_tokens"] == sum(expected)
+    assert result["output_throughput_tokens_per_s"] > 0
 
 
 def test_z_no_route_after_a_worker_dies_is_503(demo):
