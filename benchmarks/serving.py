@@ -105,6 +105,80 @@ def run_setup(
         procs.stop()
 
 
+class InstantCoordinator:
+    """A coordinator whose tokens cost nothing: it yields each token as soon as the API asks
+    (one event-loop turn apart, as the real one waits on a queue), so what a client sees
+    between tokens is the API's own cost (request handling, SSE encoding, HTTP) plus the
+    client's. Used only by --api-overhead."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model_name = model_dir.name
+        self.max_model_len = 8192
+        self._word = self.tokenizer.encode(" the", add_special_tokens=False)[0]
+
+    async def generate(self, req: Any) -> Any:
+        import asyncio
+
+        from helixserve.runtime import TokenEvent
+
+        for i in range(req.max_tokens):
+            await asyncio.sleep(0)
+            done = "length" if i + 1 == req.max_tokens else None
+            yield TokenEvent(self._word, " the", None, [], done)
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": 0, "waiting": 0, "nodes": {}, "routes": {}}
+
+
+def _serve_instant(model_dir: Path, port: int) -> None:
+    import asyncio
+
+    from helixserve.api.app import create_app
+    from helixserve.api.launch import serve_app
+
+    app = create_app(InstantCoordinator(model_dir))  # type: ignore[arg-type]
+    asyncio.run(serve_app(app, "127.0.0.1", port))
+
+
+def api_overhead(model_dir: Path, workdir: Path) -> dict[str, Any]:
+    """Client-side inter-token latency against InstantCoordinator, in its own process."""
+    import multiprocessing
+
+    port = free_port()
+    server = multiprocessing.get_context("spawn").Process(
+        target=_serve_instant, args=(model_dir, port), daemon=True
+    )
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("instant API server did not start")
+            time.sleep(0.1)
+        out: dict[str, Any] = {}
+        for conc in (1, 16):
+            path = workdir / f"bench-api-overhead-c{conc}.json"
+            cmd = [sys.executable, "-m", "helixserve", "bench", "--url", url, "--json", str(path),
+                   "--dataset", "random", "--num-prompts", str(max(16, conc * 2)),
+                   "--max-concurrency", str(conc), "--random-input-len", "64",
+                   "--random-output-len", "256"]  # fmt: skip
+            subprocess.run(cmd, check=True, capture_output=True)
+            out[f"concurrency_{conc}"] = json.loads(path.read_text())
+        return out
+    finally:
+        server.terminate()
+        server.join(10)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", type=int, default=16)
@@ -121,10 +195,33 @@ def main() -> int:
     )
     ap.add_argument("--kv-cache-mb", type=int, default=128)
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument(
+        "--api-overhead",
+        action="store_true",
+        help="instead: per-token cost of the API alone, over a coordinator that costs nothing",
+    )
     ap.add_argument("--json", type=Path, default=None, metavar="OUT")
     args = ap.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="helix-serving-bench-"))
+    if args.api_overhead:
+        from helixserve.engine import prepare_demo_model
+
+        res = api_overhead(prepare_demo_model(), workdir)
+        print(f"{'concurrency':>11} {'tok/s':>9} {'ITL mean':>9} {'ITL p50':>8} "
+              f"{'ITL p90':>8} {'ITL p99':>8}  (ms, API + HTTP + client, backend free)")  # fmt: skip
+        for key, b in res.items():
+            print(f"{key.split('_')[1]:>11} {b['output_throughput_tokens_per_s']:>9.0f} "
+                  f"{b['itl']['mean_ms']:>9.3f} {b['itl']['p50_ms']:>8.3f} "
+                  f"{b['itl']['p90_ms']:>8.3f} {b['itl']['p99_ms']:>8.3f}")  # fmt: skip
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({
+                "machine": f"{os.cpu_count()} CPU cores, no GPU",
+                "command": " ".join(["python", Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+                **res,
+            }, indent=2) + "\n")  # fmt: skip
+        return 0
     files = prepare_demo(workdir)
     placement = json.loads(files.placement_path.read_text())
     num_layers = int(placement["num_layers"])
