@@ -211,6 +211,16 @@ class Coordinator:
             for name, n in self.nodes.items()
         }
 
+    def _largest_route_kv_tokens(self) -> int:
+        """KV tokens the roomiest route could give one request when idle: for each layer the
+        largest capacity among live nodes holding it, minimised over layers."""
+        best = [0] * self.placement.num_layers
+        for n in self.nodes.values():
+            if n.alive:
+                for layer in range(n.start_layer, n.end_layer):
+                    best[layer] = max(best[layer], n.kv_capacity_tokens)
+        return min(best)
+
     def _covered(self) -> bool:
         covered = [False] * self.placement.num_layers
         for n in self.nodes.values():
@@ -319,6 +329,13 @@ class Coordinator:
         remaining = max(1, req.max_tokens - len(act.generated))
         info = RequestInfo(act.internal_id, prompt_tokens,
                            min(remaining, self.max_model_len - prompt_tokens))
+        need = info.prompt_tokens + info.max_new_tokens
+        fits = self._largest_route_kv_tokens()
+        if need > fits and self._covered():
+            raise UserError(
+                f"prompt + max_tokens: {need} tokens of KV cache needed, but no route can hold "
+                f"more than {fits}; lower max_tokens"
+            )
         waited = False
         try:
             while True:

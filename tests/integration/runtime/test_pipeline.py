@@ -286,3 +286,33 @@ def _tokenizer(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def test_admission_limits(workers, demo_model):
+    from helixserve.errors import UserError
+    from helixserve.runtime import QueueFullError
+
+    even = [workers[n] for n in ("n0", "n1", "n2")]
+
+    async def main() -> None:
+        coord = await Coordinator.create(make_cluster(even), even_placement(), demo_model,
+                                         max_queue=0, max_model_len=100_000)
+        try:
+            capacity = coord.nodes["n0"].kv_capacity_tokens
+            # can never fit: refused at once instead of waiting forever
+            with pytest.raises(UserError, match="no route can hold"):
+                await coord.generate(GenerationRequest("big", [1, 2], GREEDY, capacity)).__anext__()
+            # fits alone, but not beside a running request: waits, and the queue holds 0
+            first = coord.generate(GenerationRequest("a", [1, 2], GREEDY, capacity - 100))
+            await first.__anext__()
+            with pytest.raises(QueueFullError):
+                await coord.generate(GenerationRequest("b", [1, 2], GREEDY, 200)).__anext__()
+            await first.aclose()
+            third = coord.generate(GenerationRequest("c", [1, 2], GREEDY, 200))
+            assert (await third.__anext__()).token_id >= 0
+            await third.aclose()
+        finally:
+            await coord.close()
+
+    asyncio.run(main())
+    assert asyncio.run(wait_kv_empty(workers)) == dict.fromkeys(workers, 0)
