@@ -1,0 +1,75 @@
+"""`helixserve profile --model DIR --device cpu --out profiles.csv`: time one layer.
+
+Writes rows `model,gpu,num_gpus,phase,batch_tokens,layer_ms` (FORMATS.md) measured on
+this machine's device, for the planner to use instead of the analytic cost model.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad list '{text}'; need e.g. 1,2,4") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"bad list '{text}'; need positive ints")
+    return values
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "profile", help="measure one layer's time vs batch tokens (profiles CSV for the planner)"
+    )
+    p.add_argument("--model", required=True, help="HF model directory or .gguf file")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 | bfloat16 | float16 (default: fp32 on cpu, bf16 on cuda)",
+    )
+    p.add_argument("--out", required=True, help="CSV file to write")
+    p.add_argument("--model-name", default=None, help="model column (default: directory name)")
+    p.add_argument(
+        "--prompt-tokens",
+        type=_int_list,
+        default=None,
+        help="prompt batch_tokens, e.g. 128,256,512,1024",
+    )
+    p.add_argument(
+        "--decode-batches",
+        type=_int_list,
+        default=None,
+        help="decode batch sizes, e.g. 1,2,4,8,16,32",
+    )
+    p.add_argument("--layers", type=int, default=4, help="layers timed together (default 4)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed steps per point; median (default 3)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from helixserve.engine.profiler import ProfileSettings, profile_model, write_profiles_csv
+    from helixserve.errors import UserError
+
+    if args.layers < 1 or args.repeats < 1:
+        raise UserError(f"--layers/--repeats: bad value {args.layers}/{args.repeats}; need >= 1")
+    defaults = ProfileSettings()
+    settings = ProfileSettings(
+        prompt_batch_tokens=args.prompt_tokens or defaults.prompt_batch_tokens,
+        decode_batch_tokens=args.decode_batches or defaults.decode_batch_tokens,
+        num_layers=args.layers,
+        repeats=args.repeats,
+    )
+    rows = profile_model(Path(args.model), args.device, args.dtype, args.model_name, settings)
+    write_profiles_csv(rows, Path(args.out))
+    print(f"{'phase':<7} {'batch_tokens':>12} {'layer_ms':>9}")
+    for r in rows:
+        print(f"{r.phase:<7} {r.batch_tokens:>12} {r.layer_ms:>9.3f}")
+    print(f"wrote {len(rows)} rows ({rows[0].model}, {rows[0].gpu}) to {args.out}")
+    return 0

@@ -1,0 +1,148 @@
+"""Measure the time of one transformer layer vs batch tokens, for the planner's cost model.
+
+Rows follow the profiles format of FORMATS.md: `model,gpu,num_gpus,phase,batch_tokens,
+layer_ms`. A shard of a few consecutive middle layers (no embedding, no head) runs real
+engine steps on random hidden states; the step time divided by the number of layers is
+the per-layer time, so the engine's per-step overhead is amortized the way a real shard
+amortizes it.
+- prompt: `batch_tokens` prompt tokens in sequences of at most `prompt_seq_tokens`,
+  starting at position 0 (a fresh prefill).
+- decode: `batch_tokens` sequences each decoding one token after a `decode_context`-token
+  context (prefilled, untimed).
+Each point is the median of `repeats` timed steps after one warm-up.
+"""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from helixserve.engine.kv_cache import KVCacheLayout
+from helixserve.engine.loader import load_args
+from helixserve.engine.shard import ShardEngine, WorkItem, resolve_device, resolve_dtype
+
+PROFILE_COLUMNS = ("model", "gpu", "num_gpus", "phase", "batch_tokens", "layer_ms")
+
+
+@dataclass(frozen=True)
+class ProfileRow:
+    model: str
+    gpu: str
+    num_gpus: int
+    phase: str  # "prompt" | "decode"
+    batch_tokens: int
+    layer_ms: float
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    prompt_batch_tokens: tuple[int, ...] = (128, 256, 512, 1024)
+    decode_batch_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    prompt_seq_tokens: int = 512
+    """Longest single sequence in a prompt batch; bigger batches hold several."""
+    decode_context: int = 128
+    num_layers: int = 4
+    """Consecutive middle layers timed together (step time / num_layers = layer_ms)."""
+    repeats: int = 3
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def profile_model(
+    model_path: Path,
+    device: str = "cpu",
+    dtype: torch.dtype | str | None = None,
+    model_name: str | None = None,
+    settings: ProfileSettings | None = None,
+) -> list[ProfileRow]:
+    s = settings or ProfileSettings()
+    args = load_args(Path(model_path))
+    n = min(s.num_layers, args.num_layers)
+    start = (args.num_layers - n) // 2  # middle layers: no embedding or head when possible
+    dev = resolve_device(device)
+    layout = KVCacheLayout(n, args.num_kv_heads, args.head_dim, 16, resolve_dtype(dtype, dev))
+    max_tokens = max(
+        max(s.prompt_batch_tokens) + s.prompt_seq_tokens,
+        max(s.decode_batch_tokens) * (s.decode_context + s.repeats + 17),
+    )
+    budget = layout.block_bytes * (max_tokens // 16 + 2 * max(s.decode_batch_tokens) + 64)
+    engine = ShardEngine.load(model_path, start, start + n, dev, dtype, kv_cache_bytes=budget)
+    name = model_name or Path(model_path).name
+    gpu = device_name(engine.device)
+    rows: list[ProfileRow] = []
+    for bt in s.prompt_batch_tokens:
+        ms = _time_prompt(engine, bt, s) / n
+        rows.append(ProfileRow(name, gpu, 1, "prompt", bt, round(ms, 4)))
+    for bt in s.decode_batch_tokens:
+        ms = _time_decode(engine, bt, s) / n
+        rows.append(ProfileRow(name, gpu, 1, "decode", bt, round(ms, 4)))
+    return rows
+
+
+def _item(engine: ShardEngine, request_id: str, position: int, num_tokens: int) -> WorkItem:
+    """Random hidden states (RMS 1, like real activations) through all the shard's layers."""
+    hidden = None
+    if engine.start_layer > 0:
+        hidden = torch.randn(
+            num_tokens, engine.hidden_size, device=engine.device, dtype=engine.dtype
+        )
+    return WorkItem(
+        request_id, engine.start_layer, engine.end_layer, position, [0] * num_tokens, hidden,
+        sampling=None, sample=False,
+    )  # fmt: skip
+
+
+def _sync(engine: ShardEngine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def _time_prompt(engine: ShardEngine, batch_tokens: int, s: ProfileSettings) -> float:
+    lengths = [s.prompt_seq_tokens] * (batch_tokens // s.prompt_seq_tokens)
+    if batch_tokens % s.prompt_seq_tokens:
+        lengths.append(batch_tokens % s.prompt_seq_tokens)
+    times = []
+    for rep in range(s.repeats + 1):
+        items = [_item(engine, f"p{rep}-{i}", 0, n) for i, n in enumerate(lengths)]
+        _sync(engine)
+        t0 = time.perf_counter()
+        engine.step(items)
+        _sync(engine)
+        times.append(time.perf_counter() - t0)
+        for it in items:
+            engine.free(it.request_id)
+    return statistics.median(times[1:]) * 1e3
+
+
+def _time_decode(engine: ShardEngine, batch: int, s: ProfileSettings) -> float:
+    ids = [f"d{i}" for i in range(batch)]
+    ctx = s.decode_context
+    engine.step([_item(engine, r, 0, ctx) for r in ids])
+    times = []
+    for rep in range(s.repeats + 1):
+        items = [_item(engine, r, ctx + rep, 1) for r in ids]
+        _sync(engine)
+        t0 = time.perf_counter()
+        engine.step(items)
+        _sync(engine)
+        times.append(time.perf_counter() - t0)
+    for r in ids:
+        engine.free(r)
+    return statistics.median(times[1:]) * 1e3
+
+
+def write_profiles_csv(rows: list[ProfileRow], out: Path) -> None:
+    with open(out, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(PROFILE_COLUMNS)
+        for r in rows:
+            w.writerow([r.model, r.gpu, r.num_gpus, r.phase, r.batch_tokens, r.layer_ms])
