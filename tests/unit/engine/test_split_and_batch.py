@@ -1,0 +1,127 @@
+"""Pipelines of shards, partial inference, and mixed continuous batches equal the whole."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from engine_testlib import GREEDY, greedy_run
+
+from helixserve.engine import ShardEngine, WorkItem
+
+
+def _to_bytes_and_back(hidden: torch.Tensor) -> torch.Tensor:
+    """What crosses the wire between workers: raw bytes + dtype + shape."""
+    raw = hidden.numpy().tobytes()
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).reshape(hidden.shape).copy())
+
+
+@pytest.fixture(scope="module")
+def three_stages(demo_dir):
+    return [
+        ShardEngine.load(demo_dir, a, b, kv_cache_bytes=16 << 20)
+        for a, b in ((0, 10), (10, 20), (20, 30))
+    ]
+
+
+def _pipeline_step(stages, rid, position, token_ids):
+    hidden = None
+    for st in stages:
+        item = WorkItem(rid, st.start_layer, st.end_layer, position, token_ids, hidden, GREEDY)
+        (out,) = st.step([item])
+        if st.is_last:
+            return out, st.last_logits[0]
+        assert out.token_id is None and out.hidden.shape == (len(token_ids), st.hidden_size)
+        hidden = _to_bytes_and_back(out.hidden)
+    raise AssertionError("no last stage")
+
+
+def test_three_stage_split_equals_whole(demo_engine, three_stages, demo_prompt):
+    whole = greedy_run(demo_engine, "split-whole", demo_prompt, steps=12)
+    assert [s.is_first for s in three_stages] == [True, False, False]
+    assert [s.is_last for s in three_stages] == [False, False, True]
+    out, logits = _pipeline_step(three_stages, "split", 0, demo_prompt)
+    tokens, all_logits = [out.token_id], [logits]
+    for i in range(12):
+        out, logits = _pipeline_step(three_stages, "split", len(demo_prompt) + i, [tokens[-1]])
+        tokens.append(out.token_id)
+        all_logits.append(logits)
+    assert tokens == whole.tokens
+    torch.testing.assert_close(
+        torch.stack(all_logits), torch.stack(whole.logits), atol=1e-3, rtol=0
+    )
+    for st in three_stages:
+        st.free("split")
+        assert st.kv_stats()["used_blocks"] == 0
+
+
+def test_partial_inference_item_subrange(demo_dir, demo_engine, demo_prompt):
+    """A shard holding [0, 30) runs only [10, 30) for an item whose route reached layer 10."""
+    first = ShardEngine.load(demo_dir, 0, 10, kv_cache_bytes=16 << 20)
+    whole = greedy_run(demo_engine, "partial-whole", demo_prompt, steps=5)
+    tokens = []
+    token_ids, pos = demo_prompt, 0
+    for _ in range(6):
+        (h,) = first.step([WorkItem("partial", 0, 10, pos, token_ids, None, None)])
+        item = WorkItem("partial", 10, 30, pos, token_ids, _to_bytes_and_back(h.hidden), GREEDY)
+        (out,) = demo_engine.step([item])
+        tokens.append(out.token_id)
+        pos += len(token_ids)
+        token_ids = [out.token_id]
+    assert tokens == whole.tokens
+    demo_engine.free("partial")
+    first.free("partial")
+
+
+def test_mixed_batch_equals_each_alone(demo_engine, demo_tokenizer):
+    """Prefills of different lengths, chunked prefill and decodes in the same steps."""
+    prompts = {
+        name: demo_tokenizer(text)["input_ids"]
+        for name, text in {
+            "a": "The quick brown fox",
+            "b": "In 1492, Columbus sailed across the Atlantic Ocean and reached the islands of",
+            "c": "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+            "d": "Water boils at a temperature of one hundred degrees",
+        }.items()
+    }
+    steps = 8
+    alone = {k: greedy_run(demo_engine, f"alone-{k}", p, steps) for k, p in prompts.items()}
+
+    n = demo_engine.num_model_layers
+    tokens: dict[str, list[int]] = {k: [] for k in prompts}
+    pos: dict[str, int] = {k: 0 for k in prompts}
+    logits: dict[str, list[torch.Tensor]] = {k: [] for k in prompts}
+    c_chunks = [prompts["c"][:7], prompts["c"][7:]]  # "c" prefills in two chunks
+
+    def item(k: str) -> WorkItem:
+        if not tokens[k]:
+            ids = prompts[k] if k != "c" else c_chunks[0 if pos[k] == 0 else 1]
+            sample = k != "c" or pos[k] > 0
+        else:
+            ids, sample = [tokens[k][-1]], True
+        return WorkItem(f"mix-{k}", 0, n, pos[k], ids, None, GREEDY, sample=sample)
+
+    # Arrivals: a at step 0, b and c at step 2 (while a decodes), d at step 3.
+    arrivals = {"a": 0, "b": 2, "c": 2, "d": 3}
+    for step in range(3 + steps + 2):
+        batch = [item(k) for k in prompts if step >= arrivals[k] and len(tokens[k]) < steps + 1]
+        if not batch:
+            break
+        outs = demo_engine.step(batch)
+        sampled = 0
+        for it, out in zip(batch, outs, strict=True):
+            k = it.request_id.removeprefix("mix-")
+            pos[k] += len(it.token_ids)
+            if it.sample:
+                tokens[k].append(out.token_id)
+                logits[k].append(demo_engine.last_logits[sampled].clone())
+                sampled += 1
+            else:
+                assert out.token_id is None
+    for k in prompts:
+        assert tokens[k] == alone[k].tokens, k
+        torch.testing.assert_close(
+            torch.stack(logits[k]), torch.stack(alone[k].logits), atol=1e-3, rtol=0
+        )
+        demo_engine.free(f"mix-{k}")
+    assert demo_engine.kv_stats()["used_blocks"] == 0
