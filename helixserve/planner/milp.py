@@ -51,7 +51,7 @@ from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.registry import PlanOutcome, Progress
 from helixserve.planner.search import local_search
 from helixserve.planner.solver import HighsModel, SolveInfo, quiet_pulp, solve
-from helixserve.planner.tiling import tiling_search
+from helixserve.planner.tiling import regional_tiling, tiling_search
 
 #: up to this many nodes the per-node MILP is small: skip the coverage relaxation
 SMALL_NODES = 8
@@ -349,6 +349,11 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
         if tiled is not None:
             candidates.append((tiled[1], "tiling", tiled[0]))
             say(f"tiling: {tiled[1]:,.1f} tokens/s")
+        regional = regional_tiling(net, time.perf_counter() + 0.1 * time_limit_s,
+                                   partial_inference)
+        if regional is not None:
+            candidates.append((regional[1], "tiling-regions", regional[0]))
+            say(f"tiling per region: {regional[1]:,.1f} tokens/s")
 
     if len(net.names) > SMALL_NODES and not closed():
         cov = solve_coverage(net, 0.1 * time_limit_s,

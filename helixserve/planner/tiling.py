@@ -164,3 +164,45 @@ def tiling_search(net: FlowNetwork, lo: float, hi: float, deadline_s: float,
             best = (ranges, value)
         lo = mid
     return best
+
+
+def regional_tiling(net: FlowNetwork, deadline_s: float,
+                    partial_inference: bool = True) -> tuple[Ranges, float] | None:
+    """Tile every region that can hold the whole model on its own, each as a separate
+    cluster, and run them side by side: slow links between regions then carry nothing
+    but token ids from and to the coordinator. None when no region holds the model."""
+    from helixserve.planner.milp import layer_work_bound  # milp imports this module
+    from helixserve.spec import ClusterSpec
+
+    L = net.model.num_layers
+    regions: dict[str, list[int]] = {}
+    for i, node in enumerate(net.cluster.nodes):
+        if net.max_layers[i] > 0:
+            regions.setdefault(node.region, []).append(i)
+    able = [members for members in regions.values()
+            if sum(int(net.max_layers[i]) for i in members) >= L]
+    if len(able) < 2:
+        return None  # one region (or none) alone: the plain tiling covers it
+    out: Ranges = {}
+    for rank, members in enumerate(able):
+        left_s = deadline_s - time.perf_counter()
+        if left_s <= 0.2:
+            break
+        cluster = net.cluster
+        sub = ClusterSpec(
+            name=f"{cluster.name}/{cluster.nodes[members[0]].region}",
+            nodes=[cluster.nodes[i] for i in members],
+            coordinator_region=cluster.coordinator_region,
+            coordinator_nic_gbps=cluster.coordinator_nic_gbps,
+            default_link=cluster.default_link, between_regions=cluster.between_regions,
+            explicit=cluster.explicit, source=cluster.source)
+        sub_net = FlowNetwork(sub, net.model, net.cost)
+        found = tiling_search(sub_net, 0.0, layer_work_bound(sub_net),
+                              time.perf_counter() + left_s / (len(able) - rank),
+                              partial_inference)
+        if found is not None:
+            for j, rng in found[0].items():
+                out[members[j]] = rng
+    if not out:
+        return None
+    return out, net.max_flow(out, partial_inference)[0]

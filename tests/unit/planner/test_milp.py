@@ -130,3 +130,25 @@ def test_cbc_fallback_finds_the_same_optimum(monkeypatch):
     info = solver_module.solve(prob, 30.0)
     assert info.solver == "cbc" and info.status == "optimal"
     assert info.objective == pytest.approx(optimum, rel=1e-3)
+
+
+def test_regional_tiling_runs_regions_side_by_side(llama70b, measured_cost):
+    import time
+
+    from helixserve.planner.tiling import regional_tiling, tiling_search
+
+    nodes = [NodeSpec(f"{r}-{i}", "A100-40GB", region=r) for r in ("east", "west")
+             for i in range(8)]
+    weak = LinkSpec(0.01, 50.0)  # ~76 tokens/s of activations between the regions
+    cluster = ClusterSpec("two", nodes, default_link=LinkSpec(10.0, 1.0),
+                          between_regions={frozenset(("east", "west")): weak})
+    net = FlowNetwork(cluster, llama70b, measured_cost)
+    found = regional_tiling(net, time.perf_counter() + 20)
+    assert found is not None
+    ranges, value = found
+    assert {net.cluster.nodes[i].region for i in ranges} == {"east", "west"}
+    one = ClusterSpec("one", nodes[:8], default_link=LinkSpec(10.0, 1.0))
+    one_net = FlowNetwork(one, llama70b, measured_cost)
+    alone = tiling_search(one_net, 0.0, layer_work_bound(one_net), time.perf_counter() + 20)
+    assert alone is not None
+    assert value >= 1.95 * alone[1]
