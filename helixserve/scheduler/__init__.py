@@ -20,6 +20,7 @@ from helixserve.planner.placement import Placement
 from helixserve.scheduler.base import GraphRouter
 from helixserve.scheduler.baselines import RandomRouter, ShortestQueueRouter, SwarmRouter
 from helixserve.scheduler.maxflow import MaxFlowRouter
+from helixserve.scheduler.options import router_options
 from helixserve.scheduler.types import Hop, NodeState, RequestInfo, Route, Router
 
 #: routing policies by name; each takes (placement, seed=..., **options)
@@ -63,4 +64,5 @@ __all__ = [
     "ShortestQueueRouter",
     "SwarmRouter",
     "make_router",
+    "router_options",
 ]

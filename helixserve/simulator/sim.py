@@ -39,6 +39,7 @@ from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
 from helixserve.planner.placement import COORDINATOR, Placement
 from helixserve.scheduler import NodeState, RequestInfo, make_router
+from helixserve.scheduler.options import router_options
 from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.workload import TraceRequest, offline_stream
 from helixserve.spec import ClusterSpec, ModelSpec, NodeSpec
@@ -171,26 +172,11 @@ class Simulation:
         for j in self.nodes.values():
             j.may_partial = any(j.start < i.end < j.end for i in self.nodes.values())
         names = [COORDINATOR, *self.nodes]
-        edges = [(a, b) for a in names for b in names if a != b and cluster.link(a, b)]
-        # tokens/s each link carries (NICs included), as in the planner's flow graph
-        capacity = {
-            (a, b): cluster.effective_bandwidth_gbps(a, b)
-            * 1e9
-            / 8
-            / (TOKEN_ID_BYTES if COORDINATOR in (a, b) else model.activation_bytes_per_token)
-            for a, b in edges
-        }
-        throughput = {
-            n.name: cost.node_throughput_tokens_per_s(n.spec, n.end - n.start)
-            for n in self.nodes.values()
-        }
         self.router = make_router(
             config.scheduler,
             placement,
             seed=config.seed,
-            edges=edges,
-            edge_capacity_tokens_per_s=capacity,
-            node_throughput_tokens_per_s=throughput,
+            **router_options(cluster, model, placement, cost),
         )
         self.states = {n.name: n.state for n in self.nodes.values()}
         self.net = Network(cluster, names)

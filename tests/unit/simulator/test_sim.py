@@ -116,3 +116,15 @@ def test_control_plane_imports_no_torch_grpc_fastapi() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_router_options_from_the_cluster(real: dict[str, Any]) -> None:
+    from helixserve.scheduler import router_options
+
+    opts = router_options(real["cluster"], real["model"], real["placement"], real["cost"])
+    n = len(RANGES) + 1  # nodes + coordinator, every pair linked on helix-single-24
+    assert len(opts["edges"]) == n * (n - 1)
+    # 8 Gbit/s: 1e9 B/s / 4 B per token id, / 16,384 B of activations per token
+    assert opts["edge_capacity_tokens_per_s"]["coordinator", "n6"] == pytest.approx(2.5e8)
+    assert opts["edge_capacity_tokens_per_s"]["n6", "n9"] == pytest.approx(1e9 / 16384)
+    assert opts["node_throughput_tokens_per_s"]["n6"] > 0
