@@ -56,7 +56,9 @@ class NodeState:
     """Live state of one node, as the router sees it (from worker stats or the simulator)."""
 
     name: str
-    #: KV cache tokens still free on this node, per layer held (a token needs one slot per layer)
+    #: KV cache tokens free on this node, per layer held (a token needs one slot per layer),
+    #: NOT counting requests this router has routed: the router subtracts its own promises
+    #: (see scheduler/base.py), so pass the capacity, or the capacity less foreign use
     kv_free_tokens: int
     #: work items waiting in the node's queue
     queue_len: int = 0
