@@ -12,6 +12,9 @@ adds: protobuf conversion, gRPC, the workers' queues and threads, the coordinato
 detokenization. Divided by the number of hops. Measured with one stream at a time (batch 1),
 so queueing behind other requests is not counted as overhead.
 
+Floor: a bare gRPC echo round trip to another process, after the same idle gap as a decode
+step (the processes sleep between tokens, and waking costs), and back to back.
+
 Throughput: `--streams` concurrent requests (default 16) with a fixed output length
 (ignore_eos), output tokens per second over the wall time, pipeline vs single worker. Setups
 alternate per round, so drift of a shared machine hits both alike.
@@ -73,6 +76,62 @@ def start_worker(model: Path, name: str, start: int, end: int, threads: int, log
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     return Worker(name, start, end, port, proc)
+
+
+class _Echo:
+    """A HelixWorker whose Work stream answers every message at once: the gRPC floor."""
+
+    async def Work(self, request_iterator: Any, context: Any) -> Any:  # noqa: N802
+        from helixserve.runtime.proto import helix_pb2 as pb
+
+        async for _ in request_iterator:
+            yield pb.ResultBatch(results=[pb.WorkResult(request_id="echo")])
+
+
+async def echo_server(port: int) -> None:
+    import grpc
+
+    from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
+
+    class Servicer(_Echo, pb_grpc.HelixWorkerServicer):
+        pass
+
+    server = grpc.aio.server()
+    pb_grpc.add_HelixWorkerServicer_to_server(Servicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+async def grpc_floor(port: int, gap_s: float, pings: int) -> list[float]:
+    """Round trips (s) of one small message over a gRPC aio stream to another process, each
+    after `gap_s` of idleness: what a hop costs with no work at all, on this machine."""
+    import grpc
+
+    from helixserve.runtime.proto import helix_pb2 as pb
+    from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
+
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def requests() -> Any:
+        while True:
+            yield await queue.get()
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        await channel.channel_ready()
+        call = pb_grpc.HelixWorkerStub(channel).Work(requests())
+        replies = call.__aiter__()
+        item = pb.WorkItem(request_id="echo", token_ids=[1])
+        out = []
+        for i in range(pings + 5):
+            await asyncio.sleep(gap_s)
+            t0 = time.perf_counter()
+            queue.put_nowait(pb.WorkBatch(items=[item]))
+            await replies.__anext__()
+            if i >= 5:
+                out.append(time.perf_counter() - t0)
+        call.cancel()
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -186,6 +245,21 @@ async def run(args: argparse.Namespace, setups: dict[str, list[Worker]], model: 
             "throughput_median_tokens_per_s": statistics.median(tput[name]),
             "mean_batch_items_per_node_last_round": mean_batch[name],
         }
+    gap_s = result["setups"]["single"]["itl_p50_ms"] / 1000
+    port = free_port()
+    echo = subprocess.Popen([sys.executable, __file__, "--echo-server", str(port)])
+    try:
+        rtts = await grpc_floor(port, gap_s, pings=100)
+        busy = await grpc_floor(port, 0.0, pings=300)
+    finally:
+        echo.terminate()
+        echo.wait()
+    result["grpc_floor"] = {
+        "idle_gap_ms": gap_s * 1000,
+        "rtt_after_idle_p50_ms": percentile([r * 1000 for r in rtts], 50),
+        "rtt_after_idle_p99_ms": percentile([r * 1000 for r in rtts], 99),
+        "rtt_back_to_back_p50_ms": percentile([r * 1000 for r in busy], 50),
+    }
     ratios = [p / s for p, s in zip(tput["pipeline"], tput["single"], strict=True)]
     result["pipeline_over_single_throughput"] = ratios
     result["pipeline_over_single_median"] = statistics.median(ratios)
@@ -199,7 +273,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per setup")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--echo-server", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.echo_server:
+        asyncio.run(echo_server(args.echo_server))
+        return 0
 
     from helixserve.engine import prepare_demo_model
 
@@ -231,6 +309,10 @@ def main() -> int:
     for name, r in result["setups"].items():
         batches = ", ".join(f"{n} {b:.1f}" for n, b in r["mean_batch_items_per_node_last_round"].items())
         print(f"{name}: mean items per engine step under {args.streams} streams: {batches}")
+    floor = result["grpc_floor"]
+    print(f"gRPC floor (echo to another process, round trip): p50 "
+          f"{floor['rtt_after_idle_p50_ms']:.2f} ms after {floor['idle_gap_ms']:.0f} ms idle, "
+          f"{floor['rtt_back_to_back_p50_ms']:.2f} ms back to back")
     print(f"pipeline / single throughput (median of rounds): {result['pipeline_over_single_median']:.2f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
