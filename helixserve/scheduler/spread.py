@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import numpy as np
+
 from helixserve.planner.placement import COORDINATOR, Placement
 
 _SINK = "\0sink"  # the coordinator as a receiver (it is also the source)
@@ -81,30 +83,32 @@ def spread_flows(
                 continue
             support[v, j] = 1.0
 
-    rows: dict[str, list[tuple[str, str]]] = {}
-    cols: dict[str, list[tuple[str, str]]] = {}
-    for key in support:
-        rows.setdefault(key[0], []).append(key)
-        cols.setdefault(key[1], []).append(key)
-    x = support
+    # Vectorised over the support: entry k joins row r[k] and column c[k].
+    keys = list(support)
+    row_names = sorted({v for v, _ in keys})
+    col_names = sorted({j for _, j in keys})
+    if any(v not in row_target for v in row_names) or any(j not in col_target for j in col_names):
+        return dict(flows)
+    row_index = {v: i for i, v in enumerate(row_names)}
+    col_index = {j: i for i, j in enumerate(col_names)}
+    r = np.array([row_index[v] for v, _ in keys])
+    c = np.array([col_index[j] for _, j in keys])
+    row_goal = np.array([row_target[v] for v in row_names])
+    col_goal = np.array([col_target[j] for j in col_names])
+    x = np.ones(len(keys))
     for _ in range(max_iterations):
-        for v, keys in rows.items():
-            s = sum(x[k] for k in keys)
-            scale = row_target[v] / s
-            for k in keys:
-                x[k] *= scale
-        worst = 0.0
-        for j, keys in cols.items():
-            s = sum(x[k] for k in keys)
-            worst = max(worst, abs(s - col_target[j]) / col_target[j])
-            scale = col_target[j] / s
-            for k in keys:
-                x[k] *= scale
+        x *= (row_goal / np.bincount(r, weights=x, minlength=len(row_names)))[r]
+        col_sum = np.bincount(c, weights=x, minlength=len(col_names))
+        worst = float(np.max(np.abs(col_sum - col_goal) / col_goal))
+        x *= (col_goal / col_sum)[c]
         if worst < tolerance:
             break
     else:
         return dict(flows)
-    return {(v, COORDINATOR if j == _SINK else j): f for (v, j), f in x.items()}
+    out = {}
+    for (v, j), f in zip(keys, x.tolist(), strict=True):
+        out[v, COORDINATOR if j == _SINK else j] = f
+    return out
 
 
 def _share_among_replicas(
