@@ -18,6 +18,13 @@ rather than burst, and the work sent down each edge converges to its flow share 
 credits stay bounded). If the chosen hop cannot complete a route (every continuation is
 masked), the next-best candidate is tried; credits change only along the route finally
 taken, so failed attempts leave no trace.
+
+Which flow. By default (`spread=True`) the weights are not the solver's flow as given but
+the maximum-entropy flow with the same per-node throughput (`spread.py`): a solver's flow
+is typically a few disjoint chains, and fixed pipelines under greedy batching merge their
+micro-batches into waves that idle most stages. When KV masks every flow route, `spill`
+tries the valid hops outside the flow (least loaded first) before the request waits; spilled
+hops leave the credits alone.
 """
 
 from __future__ import annotations
