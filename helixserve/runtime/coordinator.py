@@ -97,6 +97,7 @@ class Coordinator:
     max_model_len: int
     eos_token_ids: list[int]
     prefill_chunk_tokens: int
+    step_timeout_s: float
 
     def __init__(self, placement: Any, model_dir: Path, router: Any, max_queue: int,
                  max_reroutes: int, stats_interval_s: float) -> None:
@@ -132,6 +133,7 @@ class Coordinator:
         prefill_chunk_tokens: int = 512,
         stats_interval_s: float = 0.5,
         max_reroutes: int = 3,
+        step_timeout_s: float = 300.0,
     ) -> Coordinator:
         from helixserve.scheduler import make_router
 
@@ -150,10 +152,30 @@ class Coordinator:
                                              self.coordinator_id, self._on_result, self._on_node_down)
         loop = asyncio.get_running_loop()
         tokenizer_task = loop.run_in_executor(None, _load_tokenizer, self.model_dir)
-        await asyncio.gather(*(n.connect(placement.num_layers, connect_timeout_s)
-                               for n in self.nodes.values()))
+        results = await asyncio.gather(
+            *(n.connect(placement.num_layers, connect_timeout_s) for n in self.nodes.values()),
+            return_exceptions=True,
+        )
+        # A worker that does not answer is down (retried later); one that answers with the
+        # wrong layers or model is a configuration error.
+        unreachable = []
+        for node, res in zip(self.nodes.values(), results, strict=True):
+            if isinstance(res, ConnectionError) and node.info is None:
+                unreachable.append(f"{node.name}: {res}")
+                self.router.node_down(node.name)
+            elif isinstance(res, BaseException):
+                await asyncio.gather(*(n.close() for n in self.nodes.values()),
+                                     return_exceptions=True)
+                raise res
+        if not self._covered():
+            await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
+            raise ConnectionError("no route covers the model over the reachable workers; "
+                                  + "; ".join(unreachable))
+        for line in unreachable:
+            log.warning("starting without %s", line)
+        self.step_timeout_s = step_timeout_s
         self.tokenizer = await tokenizer_task
-        any_info = next(iter(self.nodes.values())).info
+        any_info = next(n.info for n in self.nodes.values() if n.info is not None)
         assert any_info is not None
         self.prefill_chunk_tokens = _chunk_tokens(any_info, prefill_chunk_tokens)
         self.max_model_len = max_model_len or _config_max_len(self.model_dir) or 2048
@@ -391,7 +413,13 @@ class Coordinator:
     async def _next_token(self, act: _Active) -> WireResult:
         """Wait for the next sampled token, skipping prefill acks; re-route on node failure."""
         while True:
-            r = await act.results.get()
+            try:
+                r = await asyncio.wait_for(act.results.get(), self.step_timeout_s)
+            except TimeoutError:
+                # An item lost without any node failing (e.g. a broken worker-to-worker
+                # stream): replay on a route of nodes that pass a health check.
+                await self._reroute(act, f"no result for {self.step_timeout_s:.0f} s")
+                continue
             if isinstance(r, NodeFailure):
                 await self._reroute(act, f"node {r.node} failed: {r.reason}")
                 continue

@@ -316,3 +316,34 @@ def test_admission_limits(workers, demo_model):
 
     asyncio.run(main())
     assert asyncio.run(wait_kv_empty(workers)) == dict.fromkeys(workers, 0)
+
+
+def test_starts_without_an_unreachable_worker_when_the_rest_cover(workers, demo_model, reference,
+                                                                   prompts):
+    from runtime_procs import free_port
+
+    from helixserve.spec import ClusterSpec, NodeSpec
+
+    even = [workers[n] for n in ("n0", "n1", "n2")]
+    cluster = make_cluster(even)
+    cluster = ClusterSpec(name="t", nodes=[*cluster.nodes,
+                                           NodeSpec("ghost", "L4", address=f"127.0.0.1:{free_port()}")])
+    placement = make_placement(
+        [("n0", 0, 10), ("n1", 10, 20), ("n2", 20, 30), ("ghost", 0, 25)],
+        [("coordinator", "n0", 1), ("coordinator", "ghost", 1), ("n0", "n1", 1),
+         ("n1", "n2", 1), ("ghost", "n2", 1), ("n2", "coordinator", 2)],
+    )
+
+    async def main() -> tuple[list[int], dict[str, Any]]:
+        coord = await Coordinator.create(cluster, placement, demo_model, connect_timeout_s=1.0)
+        try:
+            ids = [ev.token_id async for ev in coord.generate(
+                GenerationRequest("g", prompts[0], GREEDY, MAX_TOKENS, ignore_eos=True))]
+            return ids, coord.stats()
+        finally:
+            await coord.close()
+
+    ids, stats = asyncio.run(main())
+    assert ids == reference[0]
+    assert stats["nodes"]["ghost"]["alive"] is False
+    assert stats["routes"] == {"n0->n1->n2": 1}
