@@ -13,6 +13,7 @@ are un-permuted here exactly as transformers' GGUF loader does.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -174,7 +175,9 @@ def _safetensors(model_dir: Path, names: list[str]) -> Iterator[tuple[str, torch
 
 
 # ---- GGUF ----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=2)
 def _gguf_reader(path: Path) -> Any:
+    """Parsing the header takes seconds; the reader only memory-maps the file, so keep it."""
     from gguf import GGUFReader
 
     return GGUFReader(str(path))

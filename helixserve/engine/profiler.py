@@ -65,10 +65,10 @@ def profile_model(
     settings: ProfileSettings | None = None,
 ) -> list[ProfileRow]:
     s = settings or ProfileSettings()
+    dev = resolve_device(device)
     args = load_args(Path(model_path))
     n = min(s.num_layers, args.num_layers)
     start = (args.num_layers - n) // 2  # middle layers: no embedding or head when possible
-    dev = resolve_device(device)
     layout = KVCacheLayout(n, args.num_kv_heads, args.head_dim, 16, resolve_dtype(dtype, dev))
     max_tokens = max(
         max(s.prompt_batch_tokens) + s.prompt_seq_tokens,
