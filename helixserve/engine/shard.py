@@ -95,7 +95,10 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = torch.device("meta")  # not a device name at all: reported below
     if dev.type not in ("cpu", "cuda"):
         raise UserError(f"--device: unknown '{device}'; known: cpu, cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
