@@ -3,6 +3,7 @@
 This is the only module that builds or reads `helix_pb2` messages. Tensors travel as raw
 row-major bytes with dtype and shape (never pickled); `tensor_from_pb` checks dtype, shape and
 byte length against what the receiver expects and raises `WireError` naming the field.
+Hidden states in another float dtype than the receiver's are cast (mixed-GPU clusters).
 """
 
 from __future__ import annotations
@@ -84,13 +85,14 @@ def tensor_to_pb(t: torch.Tensor) -> pb.Tensor:
 
 
 def tensor_from_pb(
-    msg: pb.Tensor, where: str, dtype: torch.dtype, shape: Sequence[int | None]
+    msg: pb.Tensor, where: str, shape: Sequence[int | None], dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """Decode a tensor, checking dtype, rank, each fixed dim (None = any) and byte length."""
-    want = dtype_name(dtype)
-    if msg.dtype != want:
-        known = ", ".join(_DTYPES) if msg.dtype not in _DTYPES else want
-        raise WireError(f"{where}.dtype: got {msg.dtype!r}, expected {want!r} (known: {known})")
+    """Decode a tensor, checking dtype (exactly `dtype`, or any known float type when None),
+    rank, each fixed dim (None = any) and byte length; the result has the message's dtype."""
+    if msg.dtype not in _DTYPES or (dtype is not None and msg.dtype != dtype_name(dtype)):
+        want = dtype_name(dtype) if dtype is not None else " | ".join(_DTYPES)
+        raise WireError(f"{where}.dtype: got {msg.dtype!r}, expected {want}")
+    got_dtype = _DTYPES[msg.dtype]
     got_shape = list(msg.shape)
     if len(got_shape) != len(shape) or any(
         w is not None and g != w for g, w in zip(got_shape, shape, strict=False)
@@ -99,15 +101,32 @@ def tensor_from_pb(
         raise WireError(f"{where}.shape: got {got_shape}, expected {pretty}")
     if any(g <= 0 for g in got_shape):
         raise WireError(f"{where}.shape: dims must be positive, got {got_shape}")
-    itemsize = _ITEMSIZE[dtype]
+    itemsize = _ITEMSIZE[got_dtype]
     want_bytes = math.prod(got_shape) * itemsize
     if len(msg.data) != want_bytes:
         raise WireError(
             f"{where}.data: {len(msg.data)} bytes, expected {want_bytes} "
-            f"(shape {got_shape} x {itemsize} bytes of {want})"
+            f"(shape {got_shape} x {itemsize} bytes of {msg.dtype})"
         )
     # bytearray: torch needs a writable buffer, and the engine may work in place.
-    return torch.frombuffer(bytearray(msg.data), dtype=dtype).view(got_shape)
+    return torch.frombuffer(bytearray(msg.data), dtype=got_dtype).view(got_shape)
+
+
+def hidden_from_pb(msg: pb.Tensor, where: str, num_tokens: int, expect: ExpectedInput) -> torch.Tensor:
+    """Hidden states for this worker: [num_tokens, hidden_size] in its own dtype.
+
+    Workers of one cluster may serve in different dtypes (bfloat16 on A100, float16 on T4,
+    float32 on CPU): any float type is accepted and cast, but a cast that overflows is refused
+    rather than passing inf along the route.
+    """
+    hidden = tensor_from_pb(msg, where, (num_tokens, expect.hidden_size))
+    if hidden.dtype != expect.dtype:
+        hidden = hidden.to(expect.dtype)
+        if not bool(torch.isfinite(hidden).all()):
+            raise WireError(
+                f"{where}: values overflow {dtype_name(expect.dtype)} (sent as {msg.dtype})"
+            )
+    return hidden
 
 
 # ---- work items -------------------------------------------------------------------------
@@ -296,9 +315,7 @@ def item_from_pb(msg: pb.WorkItem, expect: ExpectedInput, where: str = "item") -
         if not msg.HasField("hidden"):
             raise WireError(f"{where}.hidden: missing for a hop starting at layer {hop.start_layer}")
         # hidden: [num_tokens, hidden_size]
-        hidden = tensor_from_pb(
-            msg.hidden, f"{where}.hidden", expect.dtype, (num_tokens, expect.hidden_size)
-        )
+        hidden = hidden_from_pb(msg.hidden, f"{where}.hidden", num_tokens, expect)
     sampling = sampling_from_pb(msg.sampling) if msg.HasField("sampling") else None
     return WireItem(
         request_id=msg.request_id,

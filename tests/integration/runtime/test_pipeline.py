@@ -234,7 +234,8 @@ def _bad_item(worker: WorkerProc, **changes: Any) -> pb.WorkItem:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"hidden": pb.Tensor(dtype="float16", shape=[1, 576], data=bytes(1152))}, "dtype"),
+        ({"hidden": pb.Tensor(dtype="int16", shape=[1, 576], data=bytes(1152))}, "dtype"),
+        ({"hidden": pb.Tensor(dtype="float16", shape=[1, 576], data=bytes(100))}, "bytes"),
         ({"hidden": pb.Tensor(dtype="float32", shape=[1, 575], data=bytes(2300))}, "shape"),
         ({"hidden": pb.Tensor(dtype="float32", shape=[2, 576], data=bytes(4608))}, "shape"),
         ({"hidden": pb.Tensor(dtype="float32", shape=[1, 576], data=bytes(100))}, "bytes"),

@@ -16,13 +16,13 @@ def test_tensor_round_trip_is_bit_exact(dtype):
     t = torch.randn(3, 8).to(dtype)  # hidden: [num_tokens, hidden_size]
     msg = tp.tensor_to_pb(t[:, :])
     assert msg.dtype == str(dtype).removeprefix("torch.") and list(msg.shape) == [3, 8]
-    back = tp.tensor_from_pb(msg, "x", dtype, (None, 8))
+    back = tp.tensor_from_pb(msg, "x", (None, 8), dtype)
     assert back.dtype == dtype and torch.equal(back, t)
 
 
 def test_tensor_from_non_contiguous_view():
     t = torch.randn(8, 3).t()  # [3, 8], not contiguous
-    assert torch.equal(tp.tensor_from_pb(tp.tensor_to_pb(t), "x", torch.float32, (3, 8)), t)
+    assert torch.equal(tp.tensor_from_pb(tp.tensor_to_pb(t), "x", (3, 8), torch.float32), t)
 
 
 @pytest.mark.parametrize(
@@ -38,7 +38,20 @@ def test_tensor_from_non_contiguous_view():
 )
 def test_tensor_mismatch_raises_naming_the_field(msg, field):
     with pytest.raises(tp.WireError, match=field.replace(".", r"\.")):
-        tp.tensor_from_pb(msg, "x", torch.float32, (None, 8))
+        tp.tensor_from_pb(msg, "x", (None, 8), torch.float32)
+
+
+def test_hidden_in_another_float_dtype_is_cast():
+    """Mixed clusters: a bfloat16 worker feeds a float32 one; a float32 one feeds float16."""
+    h = torch.randn(2, 8).to(torch.bfloat16)
+    got = tp.hidden_from_pb(tp.tensor_to_pb(h), "h", 2, EXPECT)
+    assert got.dtype == torch.float32 and torch.equal(got, h.float())
+    to_half = tp.ExpectedInput(10, 20, 30, 8, torch.float16)
+    big = torch.full((2, 8), 1e6)
+    with pytest.raises(tp.WireError, match="overflow float16"):
+        tp.hidden_from_pb(tp.tensor_to_pb(big), "h", 2, to_half)
+    with pytest.raises(tp.WireError, match="h.dtype: got 'int64'"):
+        tp.hidden_from_pb(tp.tensor_to_pb(torch.ones(2, 8, dtype=torch.long)), "h", 2, EXPECT)
 
 
 def _item(**kw):
