@@ -389,13 +389,17 @@ class Coordinator:
         self.active[act.internal_id] = act
 
     def _send_prefill(self, act: _Active, token_ids: list[int]) -> None:
+        """Prompt (+ tokens generated so far, on a re-route) in chunks, all sent at once."""
         chunk = self.prefill_chunk_tokens
+        # On a replay the last hop must know which tokens are generated ones (penalties).
+        num_prompt = len(act.req.prompt_token_ids) if act.generated else None
         for start in range(0, len(token_ids), chunk):
             part = token_ids[start : start + chunk]
             self._send(act, position=start, token_ids=part,
-                       sample=start + chunk >= len(token_ids))
+                       sample=start + chunk >= len(token_ids), num_prompt_tokens=num_prompt)
 
-    def _send(self, act: _Active, position: int, token_ids: list[int], sample: bool) -> None:
+    def _send(self, act: _Active, position: int, token_ids: list[int], sample: bool,
+              num_prompt_tokens: int | None = None) -> None:
         item = WireItem(
             request_id=act.internal_id,
             coordinator_id=self.coordinator_id,
@@ -407,6 +411,7 @@ class Coordinator:
             hidden=None,
             sampling=act.req.sampling,
             sample=sample,
+            num_prompt_tokens=num_prompt_tokens,
         )
         self.nodes[act.route_hops[0].node].send(item)
 
