@@ -342,6 +342,13 @@ class Coordinator:
             raise UserError(f"max_tokens: bad value {req.max_tokens}; must be >= 1")
         if n >= self.max_model_len:
             raise UserError(f"prompt: {n} tokens; the model's context is {self.max_model_len}")
+        if req.sampling is None:
+            from helixserve.engine import SamplingParams
+
+            req.sampling = SamplingParams()
+        validate = getattr(req.sampling, "validate", None)
+        if validate is not None:
+            validate()  # UserError naming the bad field
 
     async def _route(self, act: _Active, replay_tokens: int = 0) -> None:
         from helixserve.scheduler import RequestInfo
