@@ -472,12 +472,12 @@ class Coordinator:
         self._spawn(self._notify_admit())
 
     def _release_kv(self, internal_id: str, hops: tuple[WireHop, ...]) -> None:
+        # Also on nodes believed down: if only the stream broke, the worker still holds the KV
+        # (a dead one fails the call at once).
         for h in hops:
-            node = self.nodes[h.node]
-            if node.alive:
-                task = self._spawn(node.release([internal_id]))
-                self._releases.add(task)
-                task.add_done_callback(self._releases.discard)
+            task = self._spawn(self.nodes[h.node].release([internal_id]))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
 
     async def _notify_admit(self) -> None:
         async with self._admit:

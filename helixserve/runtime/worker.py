@@ -347,6 +347,14 @@ class Worker(pb_grpc.HelixWorkerServicer):
             self.streams.discard(stream)
             if stream.coordinator_id and self.coordinators.get(stream.coordinator_id) is stream:
                 del self.coordinators[stream.coordinator_id]
+                # The coordinator is gone (crashed, or it re-routed our requests when its stream
+                # broke): nobody will release its requests here, so free them now.
+                orphans = [rid for rid, cid in list(self.active.items())
+                           if cid == stream.coordinator_id]
+                if orphans:
+                    log.warning("coordinator %s left; freeing %d requests",
+                                stream.coordinator_id, len(orphans))
+                    self.inbox.put(_Release(orphans, Future()))
 
     async def _read_stream(self, request_iterator: AsyncIterator[pb.WorkBatch],
                            stream: _Stream) -> None:

@@ -348,3 +348,27 @@ def test_starts_without_an_unreachable_worker_when_the_rest_cover(workers, demo_
     assert ids == reference[0]
     assert stats["nodes"]["ghost"]["alive"] is False
     assert stats["routes"] == {"n0->n1->n2": 1}
+
+
+def test_workers_free_the_kv_of_a_coordinator_that_vanished(workers, demo_model, prompts):
+    even = {n: workers[n] for n in ("n0", "n1", "n2")}
+
+    async def main() -> tuple[dict[str, int], dict[str, int]]:
+        coord = await Coordinator.create(make_cluster(list(even.values())), even_placement(),
+                                         demo_model)
+        gen = coord.generate(GenerationRequest("orphan", prompts[1], GREEDY, 500, ignore_eos=True))
+        for _ in range(3):
+            await gen.__anext__()
+        during = {n: i.kv_used_blocks for n, i in (await worker_infos(even)).items()}
+        # The coordinator "crashes": its streams drop and no Release is ever sent.
+        coord.active.clear()
+        for node in coord.nodes.values():
+            await node.close()
+        after = await wait_kv_empty(even)
+        await gen.aclose()
+        await coord.close()
+        return during, after
+
+    during, after = asyncio.run(main())
+    assert all(v > 0 for v in during.values()), during
+    assert after == {"n0": 0, "n1": 0, "n2": 0}
