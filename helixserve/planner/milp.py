@@ -2,8 +2,8 @@
 
 Pipeline within the time limit T (docs/planner.md has the full write-up):
   1. the four baselines, evaluated; the best is the floor of the answer;
-  2. the tiling heuristic (tiling.py, <= 15% of T): stacked rows of equal ranges chosen by
-     a small configuration MILP, the target throughput bisected;
+  2. the tiling heuristic (tiling.py, <= 15% of T, and <= 10% per region): stacked rows of
+     equal ranges chosen by a small configuration MILP, the target throughput bisected;
   3. the layer-coverage relaxation (coverage.py, ~10% of T): an upper bound, and a start
      (skipped on clusters of at most SMALL_NODES machines, where the MILP is small);
   4. local search on the real max flow from all of the above (search.py, ~55% of T);
