@@ -45,6 +45,28 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def _device_dtype() -> tuple[str, str]:
+    """Set by main() for its children: --device and --dtype."""
+    return os.environ.get("BENCH_DEVICE", "cpu"), os.environ.get("BENCH_DTYPE", "float32")
+
+
+def _setup_child() -> None:
+    import torch
+
+    threads = int(os.environ.get("BENCH_THREADS", "0"))
+    if threads > 0:
+        torch.set_num_threads(threads)
+    if _device_dtype()[0].startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def _sync() -> None:
+    import torch
+
+    if _device_dtype()[0].startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def _kv_budget_bytes(model_dir: str, tokens: int) -> int:
     from helixserve.engine import ModelArgs
 
@@ -54,13 +76,13 @@ def _kv_budget_bytes(model_dir: str, tokens: int) -> int:
 
 
 def run_helixserve(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -> dict:
-    import torch
 
     from helixserve.engine import SamplingParams, ShardEngine, WorkItem
 
     num_layers = _num_layers(model_dir)
     budget = _kv_budget_bytes(model_dir, batch * (prompt_tokens + output_tokens + 16))
-    eng = ShardEngine.load(model_dir, 0, num_layers, "cpu", torch.float32, kv_cache_bytes=budget)
+    device, dtype = _device_dtype()
+    eng = ShardEngine.load(model_dir, 0, num_layers, device, dtype, kv_cache_bytes=budget)
     greedy = SamplingParams(temperature=0.0)
     prompts = _prompts(batch, prompt_tokens, eng.vocab_size)
     ids = [f"r{i}" for i in range(batch)]
@@ -94,12 +116,15 @@ def run_hf(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    device, dtype = _device_dtype()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
     vocab = model.config.vocab_size
-    input_ids = torch.tensor(_prompts(batch, prompt_tokens, vocab))
+    input_ids = torch.tensor(_prompts(batch, prompt_tokens, vocab), device=device)
     mask = torch.ones_like(input_ids)
 
     def gen(n: int) -> float:
+        _sync()
         t = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
@@ -110,6 +135,7 @@ def run_hf(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -
                 do_sample=False,
                 pad_token_id=0,
             )
+        _sync()
         assert out.shape == (batch, prompt_tokens + n)
         return time.perf_counter() - t
 
@@ -125,7 +151,9 @@ def run_vllm(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int)
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
     from vllm.inputs import TokensPrompt  # type: ignore[import-not-found]
 
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=prompt_tokens + output_tokens + 16)
+    llm = LLM(
+        model=model_dir, dtype=_device_dtype()[1], max_model_len=prompt_tokens + output_tokens + 16
+    )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(batch, prompt_tokens, 49152)]
 
     def gen(n: int) -> float:
@@ -163,41 +191,48 @@ def _result(
     }
 
 
+def _current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def run_range_memory(model_dir: str, start: int, end: int) -> dict:
-    """Peak RSS of loading [start, end) and running one 128-token step, and the baseline."""
+    """Resident memory of a shard holding [start, end) after one 128-token step.
+
+    net_rss_bytes = RSS after the step - RSS before loading (interpreter + torch), so the
+    import's transient peak does not hide the difference between ranges.
+    """
     import torch
 
     from helixserve.engine import SamplingParams, ShardEngine, WorkItem
 
-    baseline = _peak_rss_bytes()  # interpreter + torch, before any weight is read
+    baseline = _current_rss_bytes()
     eng = ShardEngine.load(model_dir, start, end, "cpu", torch.float32, kv_cache_bytes=16 << 20)
     hidden = None if start == 0 else torch.zeros(128, eng.hidden_size)
-    eng.step(
-        [WorkItem("m", start, end, 0, list(range(100, 228)), hidden, SamplingParams(temperature=0))]
+    item = WorkItem(
+        "m", start, end, 0, list(range(100, 228)), hidden, SamplingParams(temperature=0)
     )
-    weight_bytes = sum(t.numel() * t.element_size() for t in _engine_tensors(eng))
-    peak = _peak_rss_bytes()
+    eng.step([item])
+    rss = _current_rss_bytes()
     return {
         "start_layer": start,
         "end_layer": end,
-        "peak_rss_bytes": peak,
+        "rss_bytes": rss,
+        "peak_rss_bytes": _peak_rss_bytes(),
         "baseline_rss_bytes": baseline,
-        "net_rss_bytes": peak - baseline,
-        "weight_bytes": weight_bytes,
+        "net_rss_bytes": rss - baseline,
+        "weight_bytes": _weight_bytes(eng),
         "tensors_loaded": len(eng.loaded_tensor_names),
     }
 
 
-def _engine_tensors(eng: Any) -> list[Any]:
-    seen: dict[int, Any] = {}
-    for t in [eng.embed, eng.final_norm, eng.lm_head]:
+def _weight_bytes(eng: Any) -> int:
+    """Bytes of weights held (both CPU layouts counted when both are kept)."""
+    n = sum(lw.weight_bytes for lw in eng.layers)
+    for t in (eng.embed, eng.final_norm):
         if t is not None:
-            seen[t.data_ptr()] = t
-    for lw in eng.layers:
-        for t in vars(lw).values():
-            if t is not None:
-                seen[t.data_ptr()] = t
-    return list(seen.values())
+            n += t.numel() * t.element_size()
+    return n + (eng.lm_head.weight_bytes if eng.lm_head is not None else 0)
 
 
 def _num_layers(model_dir: str) -> int:
@@ -230,10 +265,16 @@ def main() -> int:
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     ap.add_argument("--no-memory", action="store_true", help="skip the layer-range memory runs")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (default: torch's)"
+    )
     ap.add_argument("--_child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args._child:
+        _setup_child()
         kind, model_dir, *rest = args._child
         if kind == "range":
             print(json.dumps(run_range_memory(model_dir, int(rest[0]), int(rest[1]))))
@@ -248,6 +289,9 @@ def main() -> int:
         model_dir = str(prepare_demo_model())
     else:
         model_dir = args.model
+    os.environ.update(
+        BENCH_DEVICE=args.device, BENCH_DTYPE=args.dtype, BENCH_THREADS=str(args.threads)
+    )
     engines = [e for e in args.engines if e != "vllm-cpu" or _vllm_importable()]
     results = []
     print(
@@ -287,20 +331,20 @@ def main() -> int:
     memory = []
     if not args.no_memory:
         n = _num_layers(model_dir)
-        print(
-            f"\n{'range':<10} {'peak RSS MiB':>13} {'net MiB':>8} {'weights MiB':>12} {'tensors':>8}"
-        )
+        print(f"\n{'range':<10} {'RSS MiB':>8} {'net MiB':>8} {'weights MiB':>12} {'tensors':>8}")
         for start, end in ((0, n), (0, n // 2), (n // 2, n)):
             m = _in_subprocess(["range", model_dir, str(start), str(end)])
             memory.append(m)
             print(
-                f"[{start},{end}){'':<4} {m['peak_rss_bytes'] / 2**20:>13.0f} {m['net_rss_bytes'] / 2**20:>8.0f} "
+                f"[{start},{end}){'':<4} {m['rss_bytes'] / 2**20:>8.0f} {m['net_rss_bytes'] / 2**20:>8.0f} "
                 f"{m['weight_bytes'] / 2**20:>12.0f} {m['tensors_loaded']:>8}"
             )
     if args.json:
         import torch
 
         out = {
+            "device": args.device,
+            "dtype": args.dtype,
             "machine": {
                 "platform": platform.platform(),
                 "processor": platform.processor(),

@@ -123,7 +123,9 @@ def load_range(
     _check_range(args, start, end)
     out = RangeWeights(args)
     for name, tensor in source:
-        out.tensors[name] = tensor.to(device=device, dtype=dtype)
+        # copy=True: safetensors hands out views of one memory map of the whole file; a
+        # kept view would pin every page of the file that was read (2x the range's RSS).
+        out.tensors[name] = tensor.to(device=device, dtype=dtype, copy=True)
     if end == args.num_layers and args.tie_word_embeddings:
         out.tensors["lm_head.weight"] = out.tensors["model.embed_tokens.weight"]
     return out

@@ -115,6 +115,18 @@ def default_kv_budget_bytes(device: torch.device) -> int:
     return int(min(available * DEFAULT_CPU_KV_FRACTION, DEFAULT_CPU_KV_CAP_BYTES))
 
 
+def _release_freed_heap() -> None:
+    """Give the loader's freed buffers (plain weights replaced by repacked ones) back to
+    the OS; glibc keeps them in its heap otherwise, and the RSS would not show that a
+    shard's memory follows its range."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do
+
+
 class ShardEngine:
     """A contiguous layer range of one model on one device, with its paged KV cache."""
 
@@ -147,7 +159,7 @@ class ShardEngine:
         self.lm_head: Linear | None = None  # hidden -> vocab
         self.embed: torch.Tensor | None = embed if self.is_first else None  # [vocab, hidden]
         if lm_head is not None:
-            self.lm_head = Linear(lm_head)
+            self.lm_head = Linear(lm_head, single=True)
         del embed, lm_head
         self.layers = [LayerWeights.from_tensors(w, i, args) for i in range(start_layer, end_layer)]
         self.rope = Rope(args, device, dtype)
@@ -182,7 +194,7 @@ class ShardEngine:
         loaded = load_range(Path(model_dir), start_layer, end_layer, dt, dev)
         args, tensors = loaded.args, loaded.tensors
         del loaded
-        return cls(
+        engine = cls(
             args,
             tensors,
             start_layer,
@@ -192,6 +204,8 @@ class ShardEngine:
             kv_cache_bytes=kv_cache_bytes,
             block_size=block_size,
         )
+        _release_freed_heap()
+        return engine
 
     # ---- bookkeeping -------------------------------------------------------------------
     def kv_stats(self) -> dict[str, int]:
