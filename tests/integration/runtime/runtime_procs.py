@@ -43,11 +43,14 @@ def free_port() -> int:
 
 
 def start_worker(model: Path, name: str, start: int, end: int, tmp: Path,
-                 extra: list[str] | None = None) -> WorkerProc:
+                 extra: list[str] | None = None, placement: Path | None = None) -> WorkerProc:
+    """With `placement`, the worker finds its range there (`--placement P --node N`, as the
+    Kubernetes manifests run it); else `--layers start:end`."""
     port = free_port()
     log_path = tmp / f"{name}.log"
+    where = ["--placement", str(placement)] if placement else ["--layers", f"{start}:{end}"]
     cmd = [sys.executable, "-m", "helixserve", "worker", "--model", str(model),
-           "--layers", f"{start}:{end}", "--node", name, "--port", str(port),
+           *where, "--node", name, "--port", str(port),
            "--kv-cache-bytes", str(KV_CACHE_BYTES), "--num-threads", "1", *(extra or [])]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = log_path.open("w")

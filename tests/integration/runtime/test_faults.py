@@ -1,7 +1,8 @@
 """Faults: a worker killed mid-request, and a worker drained by SIGTERM.
 
-Own workers (this module kills them): n0 [0,10) n1 [10,20) n2 [20,30) and m [0,25). The
-placement's flows send almost everything along n0-n1-n2, with m-n2 as the spare route.
+Own workers (this module kills them): n0 [0,10) n1 [10,20) n2 [20,30) and m [0,25), m started
+with `--placement P --node m`. The placement's flows send almost everything along n0-n1-n2,
+with m-n2 as the spare route.
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ PROMPT = "Tell me a short story about a lighthouse keeper."
 @pytest.fixture(scope="module")
 def fault_workers(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProc]]:
     tmp = tmp_path_factory.mktemp("fault-workers")
+    placement_path = tmp / "placement.json"
+    placement().save(placement_path)
     specs = [("n0", 0, 10), ("n1", 10, 20), ("n2", 20, 30), ("m", 0, 25)]
-    procs = [start_worker(demo_model, n, a, b, tmp, extra=["--drain-timeout-s", "20"])
+    # m finds its range in the placement file, as under Kubernetes
+    procs = [start_worker(demo_model, n, a, b, tmp, extra=["--drain-timeout-s", "20"],
+                          placement=placement_path if n == "m" else None)
              for n, a, b in specs]
     try:
         wait_ready(procs)
