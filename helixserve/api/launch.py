@@ -169,9 +169,11 @@ async def serve_app(
     port: int,
     log_level: str = "warning",
     on_started: Callable[[], None] | None = None,
+    on_shutdown: Callable[[], None] | None = None,
 ) -> None:
-    """Run `app` under uvicorn in this event loop until SIGINT/SIGTERM (uvicorn's handlers)
-    or until the returned server is told to exit."""
+    """Run `app` under uvicorn in this event loop until SIGINT/SIGTERM (uvicorn's handlers).
+    `on_shutdown` runs as soon as the shutdown begins (e.g. to end open streams within
+    uvicorn's grace period instead of having them cancelled)."""
     import asyncio
 
     import uvicorn
@@ -186,9 +188,19 @@ async def serve_app(
             await asyncio.sleep(0.05)
         if server.started:
             on_started()
+
+    async def watch_shutdown() -> None:
+        while not server.should_exit:
+            await asyncio.sleep(0.05)
+        if on_shutdown is not None:
+            on_shutdown()
+
+    watcher = asyncio.create_task(watch_shutdown())
     try:
         await task
     except SystemExit:  # uvicorn exits when it cannot bind
         server.started = False
+    finally:
+        watcher.cancel()
     if not server.started:
         raise UserError(f"--port: could not start the API server on {host}:{port} (in use?)")

@@ -49,10 +49,16 @@ class CoordinatorLike(Protocol):
     def stats(self) -> Mapping[str, Any]: ...
 
 
+class ServerShuttingDown(Exception):
+    """The server is stopping (Ctrl-C / SIGTERM): streams end now instead of being cut."""
+
+
 def map_error(exc: BaseException) -> APIError:
     """A coordinator exception as the HTTP error the client gets."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ServerShuttingDown):
+        return APIError(503, "server shutting down", code="server_shutting_down")
     if isinstance(exc, NoRouteError):
         return APIError(503, f"no route covers the model: {exc}", code="no_route")
     if isinstance(exc, QueueFullError):
@@ -130,6 +136,8 @@ class Serving:
         self.metrics = metrics
         self._token_text: dict[int, str] = {}
         self._seq = 0
+        #: set when the server starts shutting down: running requests end at their next token
+        self.draining = False
 
     # ---- tokenization -------------------------------------------------------------------
 
@@ -346,6 +354,8 @@ class Serving:
                     c.finish_reason = ev.finish_reason
                     self._observe_finished(c, ev.finish_reason)
                 yield c, ev
+                if self.draining and any(x.finish_reason is None for x in batch.choices):
+                    raise ServerShuttingDown()
         finally:
             await raw.aclose()
             for c in batch.choices:

@@ -253,6 +253,7 @@ async def run_stack(
                 port,
                 log_level=log_level,
                 on_started=None if on_started is None else lambda: on_started(cluster, placement),
+                on_shutdown=lambda: setattr(app.state.serving, "draining", True),
             )
         finally:
             await coord.close()

@@ -226,3 +226,27 @@ def test_openai_client_errors_map_to_exceptions(client):
             model=MODEL, messages=[{"role": "user", "content": "NOROUTE"}]
         )
     assert exc.value.status_code == 503
+
+
+def test_shutdown_ends_open_streams_with_an_error_event(server, fake):
+    serving = server.server.config.app.state.serving
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "SLOW"}],
+        "max_tokens": 200,
+        "stream": True,
+    }
+    try:
+        with httpx.stream(
+            "POST", server.url + "/v1/chat/completions", json=body, headers=AUTH
+        ) as resp:
+            lines = resp.iter_lines()
+            assert "content" in next(x for x in lines if x)  # the role chunk
+            serving.draining = True  # what serve_app's on_shutdown does
+            rest = [x for x in lines if x]
+    finally:
+        serving.draining = False
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["error"]["code"] == "server_shutting_down"
+    assert len(rest) < 10  # ended at the next token, not after 200
+    assert fake.running == 0
