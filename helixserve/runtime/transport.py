@@ -359,6 +359,7 @@ def result_to_pb(r: WireResult) -> pb.WorkResult:
         has_token=r.token_id is not None,
         token_id=r.token_id or 0,
         logprob=r.logprob or 0.0,
+        has_logprob=r.logprob is not None,
         top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in r.top_logprobs],
         status_code=r.status_code,
         error=r.error,
@@ -368,12 +369,12 @@ def result_to_pb(r: WireResult) -> pb.WorkResult:
     return msg
 
 
-def result_from_pb(msg: pb.WorkResult, want_logprob: bool = True) -> WireResult:
+def result_from_pb(msg: pb.WorkResult) -> WireResult:
     return WireResult(
         request_id=msg.request_id,
         step_id=msg.step_id,
         token_id=msg.token_id if msg.has_token else None,
-        logprob=msg.logprob if msg.has_token and want_logprob else None,
+        logprob=msg.logprob if msg.has_logprob else None,
         top_logprobs=[(t.token_id, t.logprob) for t in msg.top_logprobs],
         status_code=msg.status_code,
         error=msg.error,

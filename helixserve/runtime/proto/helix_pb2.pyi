@@ -105,7 +105,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class WorkResult(_message.Message):
-    __slots__ = ("request_id", "step_id", "has_token", "token_id", "logprob", "top_logprobs", "status_code", "error", "node", "compute_s")
+    __slots__ = ("request_id", "step_id", "has_token", "token_id", "logprob", "top_logprobs", "status_code", "error", "node", "compute_s", "has_logprob")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class WorkResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     step_id: int
     has_token: bool
@@ -126,7 +127,8 @@ class WorkResult(_message.Message):
     error: str
     node: str
     compute_s: float
-    def __init__(self, request_id: _Optional[str] = ..., step_id: _Optional[int] = ..., has_token: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., status_code: _Optional[int] = ..., error: _Optional[str] = ..., node: _Optional[str] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    has_logprob: bool
+    def __init__(self, request_id: _Optional[str] = ..., step_id: _Optional[int] = ..., has_token: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., status_code: _Optional[int] = ..., error: _Optional[str] = ..., node: _Optional[str] = ..., compute_s: _Optional[float] = ..., has_logprob: _Optional[bool] = ...) -> None: ...
 
 class ResultBatch(_message.Message):
     __slots__ = ("results",)

@@ -372,3 +372,24 @@ def test_workers_free_the_kv_of_a_coordinator_that_vanished(workers, demo_model,
     during, after = asyncio.run(main())
     assert all(v > 0 for v in during.values()), during
     assert after == {"n0": 0, "n1": 0, "n2": 0}
+
+
+def test_logprobs_come_back_only_when_asked(workers, demo_model, prompts):
+    even = [workers[n] for n in ("n0", "n1", "n2")]
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        coord = await Coordinator.create(make_cluster(even), even_placement(), demo_model)
+        try:
+            asked = [ev async for ev in coord.generate(GenerationRequest(
+                "lp", prompts[0], SamplingParams(temperature=0.0, logprobs=2), 3))]
+            plain = [ev async for ev in coord.generate(GenerationRequest("nolp", prompts[0], GREEDY, 3))]
+            return asked, plain
+        finally:
+            await coord.close()
+
+    asked, plain = asyncio.run(main())
+    for ev in asked:
+        assert ev.logprob is not None and ev.logprob <= 0.0
+        assert len(ev.top_logprobs) == 2
+        assert ev.top_logprobs[0][0] == ev.token_id  # greedy picks the most likely token
+    assert all(ev.logprob is None and not ev.top_logprobs for ev in plain)
