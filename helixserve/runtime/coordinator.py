@@ -356,8 +356,11 @@ class Coordinator:
         req = act.req
         prompt_tokens = len(req.prompt_token_ids) + replay_tokens
         remaining = max(1, req.max_tokens - len(act.generated))
+        # Workers allocate KV in blocks: ask the router for one block more than the tokens, so
+        # its promises (in tokens) never add up to more blocks than a worker has.
+        block = max((n.info.kv_block_size for n in self.nodes.values() if n.info), default=1)
         info = RequestInfo(act.internal_id, prompt_tokens,
-                           min(remaining, self.max_model_len - prompt_tokens))
+                           min(remaining, self.max_model_len - prompt_tokens) + block - 1)
         need = info.prompt_tokens + info.max_new_tokens
         fits = self._largest_route_kv_tokens()
         if need > fits and self._covered():
