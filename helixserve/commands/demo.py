@@ -33,11 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated memory budgets of the worker nodes in GB (default 0.15,0.30,0.50)",
     )
     p.add_argument(
-        "--worker-link-gbps",
+        "--worker-link-fraction",
         type=float,
         default=None,
-        help="network between worker nodes as told to the planner, Gbit/s (default 0.01: slow, "
-        "so the max flow uses more than one route; 10 = like loopback)",
+        help="model worker-to-worker links as carrying this fraction of the fast-network "
+        "plan's throughput (default 0.5: the max flow then uses more than one route); "
+        "0 = a fast network",
     )
     p.add_argument("--reprofile", action="store_true", help="profile again even if cached")
     p.add_argument(
@@ -100,12 +101,14 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     workdir = args.workdir or default_workdir()
-    from helixserve.api.stack import DEMO_WORKER_LINK_GBPS
+    from helixserve.api.stack import DEMO_WORKER_LINK_FRACTION
 
-    link_gbps = DEMO_WORKER_LINK_GBPS if args.worker_link_gbps is None else args.worker_link_gbps
-    if link_gbps <= 0:
-        raise UserError(f"--worker-link-gbps: must be > 0, got {link_gbps}")
-    files = prepare_demo(workdir, args.host, memory_gb, args.reprofile, link_gbps, log)
+    fraction = args.worker_link_fraction
+    if fraction is None:
+        fraction = DEMO_WORKER_LINK_FRACTION
+    if fraction < 0:
+        raise UserError(f"--worker-link-fraction: must be >= 0, got {fraction}")
+    files = prepare_demo(workdir, args.host, memory_gb, args.reprofile, fraction or None, log)
     workers = WorkerProcesses(
         files.model_dir,
         files.placement_path,
