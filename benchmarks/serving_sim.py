@@ -53,7 +53,13 @@ def cached_plan(
     cache: Path,
     time_limit_s: float,
     replan: bool,
+    reuse: dict[str, str] | None = None,
 ) -> Placement:
+    """The cached placement of this planner source (or the file `reuse` names), else plan."""
+    named = (reuse or {}).get(f"{cluster.name}/{name}")
+    if named is not None and (cache / named).is_file() and not replan:
+        USED_PLACEMENTS[f"{cluster.name}/{name}"] = named
+        return load_placement(cache / named)
     path = cache / f"{cluster.name}-{model.name}-{name}-{planner_fingerprint()}.json"
     USED_PLACEMENTS[f"{cluster.name}/{name}"] = path.name
     if path.exists() and not replan:
@@ -165,6 +171,19 @@ def main() -> int:
         "--cache", type=Path, default=REPO / "benchmarks" / "results" / "serving_sim_placements"
     )
     ap.add_argument("--replan", action="store_true")
+    ap.add_argument(
+        "--placements-from",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="reuse the cached placements an earlier run's JSON names (its 'placements')",
+    )
+    ap.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens one node iteration may prefill (default: the profile's largest)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--json", type=Path, default=None, metavar="OUT")
@@ -186,11 +205,17 @@ def main() -> int:
         "planner_fingerprint": planner_fingerprint(),
         "runs": rows,
     }
+    reuse: dict[str, str] = {}
+    if args.placements_from is not None:
+        reuse = json.loads(args.placements_from.read_text()).get("placements", {})
+    out["max_prompt_tokens"] = args.max_prompt_tokens
     planned: dict[str, dict[str, Placement]] = {}
     for cname in args.clusters:
         cluster = load_cluster(SHARED / "clusters" / f"{cname}.yaml")
         placements = planned[cname] = {
-            p: cached_plan(p, cluster, model, cost, args.cache, args.plan_time_limit, args.replan)
+            p: cached_plan(
+                p, cluster, model, cost, args.cache, args.plan_time_limit, args.replan, reuse
+            )
             for p in args.planners
         }
         # the reference is written for the single-region cluster's mix of machines
@@ -222,6 +247,7 @@ def main() -> int:
                     warmup_s=args.warmup,
                     scheduler=s,
                     seed=args.seed,
+                    max_prompt_tokens=args.max_prompt_tokens,
                 )
                 summary, _ = simulate(
                     cluster, model, cost, placements[p], trace if mode == "offline" else online, cfg
@@ -240,11 +266,11 @@ def main() -> int:
 
     targets = {}
     for cname in args.clusters:
-        helix = offline(cname, "milp", "maxflow")
+        milp_x = offline(cname, "milp", "maxflow")
         for p, s in HEADLINE[1:]:
             base = offline(cname, p, s)
-            if helix and base:
-                targets[f"{cname}: milp+maxflow / {p}+{s}"] = helix / base
+            if milp_x and base:
+                targets[f"{cname}: milp+maxflow / {p}+{s}"] = milp_x / base
     out["targets"] = targets
     out["placements"] = USED_PLACEMENTS
     print()

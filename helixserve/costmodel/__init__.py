@@ -6,6 +6,7 @@ from helixserve.costmodel.model import (
     WEIGHT_FRACTION,
     CostModel,
     Efficiency,
+    ServingLoad,
 )
 
 __all__ = [
@@ -14,4 +15,5 @@ __all__ = [
     "WEIGHT_FRACTION",
     "CostModel",
     "Efficiency",
+    "ServingLoad",
 ]

@@ -15,6 +15,15 @@ T(k) (docs/planner.md): decode tokens/s of the machine with the largest batch it
 and its batch limit allow, each sequence holding `context_tokens` of KV:
       b(k) = min(max_decode_tokens, kv_capacity_tokens(k) / context_tokens)
       T(k) = b(k) / (k t_decode(b(k)))
+With a `ServingLoad` (opt-in, docs/planner.md "Serving-aware capacity") T(k) is instead what
+a node inside a pipeline serving that load sustains, in output tokens/s:
+      N(k)  = kv_capacity_tokens(k) / request_kv_tokens   (requests whose KV the node holds)
+      D     = pipeline_depth                              (stages on a request's route)
+      b(k)  = min(max_decode_tokens, N(k) / D)            (requests in its batch at a time)
+      T(k)  = 1 / (k (t_decode(b)/b + r t_prompt(P)/P))   (r prompt tokens per output token)
+A request holds KV on every node of its route for its whole life but is in one node's batch
+at a time, so a node's batch is its KV's requests over the pipeline depth, not its whole KV
+(the decode-only T(k)); and every output token brings r prompt tokens to prefill.
 """
 
 from __future__ import annotations
@@ -41,6 +50,36 @@ ANALYTIC_MAX_PROMPT_TOKENS = 8192
 ANALYTIC_MAX_DECODE_TOKENS = 512
 #: fallbacks when no measured curve is there to fit the factors to
 DEFAULT_EFFICIENCY = (0.8, 0.5, 512.0)  # (e_bw, e_f, decode context tokens)
+
+
+@dataclass(frozen=True)
+class ServingLoad:
+    """The request mix a serving-aware T(k) assumes (from a trace: `ServingLoad.from_lengths`)."""
+
+    #: KV slots a request reserves on every node of its route: mean prompt + output tokens
+    request_kv_tokens: float
+    #: prompt tokens prefilled per output token generated (the Azure conversation trace: ~3.3)
+    prompt_tokens_per_output_token: float
+    #: prompt length a prefill batch is timed at, tokens (the mean prompt)
+    prompt_batch_tokens: int
+    #: expected stages on a request's route (a node's KV is spread over that many batches)
+    pipeline_depth: float = 1.0
+    def __post_init__(self) -> None:
+        if self.request_kv_tokens <= 0 or self.prompt_batch_tokens <= 0 or self.pipeline_depth < 1:
+            raise UserError(f"serving load: request_kv_tokens and prompt_batch_tokens must be "
+                            f"> 0, pipeline_depth >= 1; got {self}")
+        if self.prompt_tokens_per_output_token < 0:
+            raise UserError(f"serving load: prompt_tokens_per_output_token: bad value "
+                            f"{self.prompt_tokens_per_output_token}; must be >= 0")
+
+    @classmethod
+    def from_lengths(cls, prompt_tokens: list[int], output_tokens: list[int],
+                     pipeline_depth: float = 1.0) -> ServingLoad:
+        """Means of a trace's request lengths (`TraceRequest.prompt_tokens` / `output_tokens`)."""
+        if not prompt_tokens or len(prompt_tokens) != len(output_tokens):
+            raise UserError("serving load: need one prompt and one output length per request")
+        p, o = statistics.fmean(prompt_tokens), statistics.fmean(output_tokens)
+        return cls(p + o, p / o, max(1, round(p)), pipeline_depth)
 
 
 @dataclass(frozen=True)
@@ -86,11 +125,20 @@ class CostModel:
         catalog: GpuCatalog | None = None,
         *,
         context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+        serving: ServingLoad | None = None,
+        weight_fraction: float = WEIGHT_FRACTION,
     ) -> None:
         self.model = model
         self.profiles = profiles or ProfileTable.empty()
         self.catalog = catalog or load_gpu_catalog()
         self.context_tokens = context_tokens
+        #: None: the decode-only T(k) of Helix; set: the serving-aware T(k) (module doc)
+        self.serving = serving
+        if not 0.0 < weight_fraction <= 1.0:
+            raise UserError(f"cost model: weight_fraction: bad value {weight_fraction}; "
+                            f"must be in (0, 1]")
+        #: most of a machine's memory its weights may take (Helix: 0.5); less leaves more KV
+        self.weight_fraction = weight_fraction
         self.efficiency = self._fit_efficiency()
         self._throughput_cache: dict[tuple[str, int, float | None, int], float] = {}
 
@@ -184,7 +232,7 @@ class CostModel:
 
     def max_layers(self, node: NodeSpec) -> int:
         """Most layers the node can hold: weights within WEIGHT_FRACTION of its memory."""
-        k = int(self.memory_bytes(node) * WEIGHT_FRACTION // self.model.layer_weight_bytes)
+        k = int(self.memory_bytes(node) * self.weight_fraction // self.model.layer_weight_bytes)
         return min(k, self.model.num_layers)
 
     def kv_capacity_tokens(self, node: NodeSpec, num_layers: int) -> int:
@@ -219,11 +267,25 @@ class CostModel:
             return cached
         value = 0.0
         if 0 < num_layers <= self.max_layers(node):
-            b = self.decode_batch(node, num_layers)
-            if b > 0:
-                value = b / self.batch_time_s(node, num_layers, 0, b)
+            if self.serving is not None:
+                value = self._serving_throughput(node, num_layers, self.serving)
+            else:
+                b = self.decode_batch(node, num_layers)
+                if b > 0:
+                    value = b / self.batch_time_s(node, num_layers, 0, b)
         self._throughput_cache[key] = value
         return value
+
+    def _serving_throughput(self, node: NodeSpec, num_layers: int, load: ServingLoad) -> float:
+        """T(k) of a node inside a pipeline serving `load` (module doc)."""
+        requests = self.kv_capacity_tokens(node, num_layers) / load.request_kv_tokens
+        b = min(self.batch_limits(node)[1], int(requests / load.pipeline_depth))
+        if b <= 0:
+            return 0.0
+        decode_s_per_token = self.batch_time_s(node, num_layers, 0, b) / b
+        p = load.prompt_batch_tokens
+        prompt_s_per_token = self.batch_time_s(node, num_layers, p, 0) / p
+        return 1.0 / (decode_s_per_token + load.prompt_tokens_per_output_token * prompt_s_per_token)
 
     def check_fits(self, cluster: ClusterSpec) -> None:
         """Raise UserError when the whole cluster cannot hold every layer of the model."""
@@ -231,13 +293,13 @@ class CostModel:
         if total >= self.model.num_layers:
             return
         m = self.model
-        need_gb = m.num_layers * m.layer_weight_bytes / WEIGHT_FRACTION / 1e9
+        need_gb = m.num_layers * m.layer_weight_bytes / self.weight_fraction / 1e9
         have_gb = sum(self.memory_bytes(n) for n in cluster.nodes) / 1e9
         short = max(need_gb - have_gb, (m.num_layers - total) * m.layer_weight_bytes
-                    / WEIGHT_FRACTION / 1e9)
+                    / self.weight_fraction / 1e9)
         raise UserError(
             f"{cluster.source}: model {m.name!r} ({m.num_layers} layers x "
             f"{m.layer_weight_bytes / 1e9:.3f} GB) does not fit in the cluster: its nodes hold at "
             f"most {total} layers ({have_gb:.1f} GB usable, weights at most "
-            f"{WEIGHT_FRACTION:.0%} of it); short by {math.ceil(short * 100) / 100:.2f} GB"
+            f"{self.weight_fraction:.0%} of it); short by {math.ceil(short * 100) / 100:.2f} GB"
         )

@@ -63,6 +63,10 @@ class SimConfig:
     seed: int = 0
     #: time buckets of the throughput and utilisation timelines
     timeline_buckets: int = 100
+    #: prompt tokens one iteration of a node may prefill (None: the profile's largest batch);
+    #: a smaller budget keeps a big prefill batch from stalling every decode step riding in
+    #: the same iteration (vLLM's max_num_batched_tokens); a longer prompt still runs alone
+    max_prompt_tokens: int | None = None
 
 
 class SimRequest:
@@ -169,6 +173,12 @@ class Simulation:
             self.nodes[r.name] = SimNode(
                 cluster.node(r.name), r.start_layer, r.end_layer, cost, self.buckets
             )
+        if config.max_prompt_tokens is not None:
+            if config.max_prompt_tokens < 1:
+                raise UserError(f"max_prompt_tokens: must be >= 1, got "
+                                f"{config.max_prompt_tokens}")
+            for n in self.nodes.values():
+                n.max_prompt = min(n.max_prompt, config.max_prompt_tokens)
         for j in self.nodes.values():
             j.may_partial = any(j.start < i.end < j.end for i in self.nodes.values())
         names = [COORDINATOR, *self.nodes]

@@ -1,0 +1,177 @@
+"""Why simulated throughput is far below max flow: Little's law per placement.
+
+For each placement on a cluster (llama-2-70b, Azure conversation trace, offline/saturated,
+maxflow router) it prints the max flow, the KV concurrency bound (max flow with every node's
+capacity = the requests its KV cache holds), the simulated decode throughput X, the
+requests in flight, the mean route depth, R0 (sum over layers of one decode step's per-layer
+time at batch 1: the fastest a round trip can be) and the observed round trip R = in flight
+/ X (Little's law). `--variants` also plans `milp` under the opt-in cost models (a
+serving-aware T(k), a smaller weight fraction) and simulates those placements.
+
+    python benchmarks/serving_diagnosis.py --json benchmarks/results/serving_diagnosis.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from helixserve.costmodel import CostModel, ServingLoad
+from helixserve.planner import Placement, evaluate, load_placement
+from helixserve.planner.flow import FlowNetwork
+from helixserve.simulator.metrics import summarize
+from helixserve.simulator.sim import SimConfig, Simulation
+from helixserve.simulator.workload import load_azure_trace, prepare_trace
+from helixserve.spec import load_cluster, load_model, load_profiles
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_sim import SHARED, cached_plan, kv_balanced_reference  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def kv_concurrency(net: FlowNetwork, cost: CostModel, placement: Placement,
+                   request_kv_tokens: float) -> float:
+    """Most requests the placement holds at once: max flow with node capacity = KV requests."""
+    n = len(net.names)
+    starts, sizes, caps = np.zeros(n, dtype=int), np.zeros(n, dtype=int), np.zeros(n)
+    for i, (s, e) in net.ranges_of(placement).items():
+        starts[i], sizes[i] = s, e - s
+        caps[i] = cost.kv_capacity_tokens(net.cluster.nodes[i], e - s) / request_kv_tokens
+    # link capacities are tokens/s, far above any request count: only the nodes bind
+    return net.max_flow_value(starts, sizes, caps=caps)
+
+
+def min_round_trip_s(net: FlowNetwork, cost: CostModel, placement: Placement) -> float:
+    """R0: per layer, the mean over the nodes holding it of a batch-1 decode step's time."""
+    ranges = net.ranges_of(placement)
+    total_ms = 0.0
+    for layer in range(net.model.num_layers):
+        times = [cost.layer_time_ms(net.cluster.nodes[i].gpu, net.cluster.nodes[i].num_gpus, 0, 1)
+                 for i, (s, e) in ranges.items() if s <= layer < e]
+        total_ms += statistics.fmean(times)
+    return total_ms / 1000.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cluster", default="helix-single-24")
+    ap.add_argument("--model", default="llama-2-70b")
+    ap.add_argument("--planners", nargs="+", default=["milp", "separate", "swarm"])
+    ap.add_argument("--duration", type=float, default=600.0)
+    ap.add_argument("--warmup", type=float, default=60.0)
+    ap.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="prompt tokens one iteration may prefill (SimConfig.max_prompt_tokens)")
+    ap.add_argument("--variants", action="store_true",
+                    help="also plan milp under the opt-in cost models and simulate those")
+    ap.add_argument("--plan-time-limit", type=float, default=60.0)
+    ap.add_argument("--cache", type=Path,
+                    default=REPO / "benchmarks" / "results" / "serving_sim_placements")
+    ap.add_argument("--sim-json", type=Path,
+                    default=REPO / "benchmarks" / "results" / "serving_sim.json",
+                    help="serving_sim.py's results: which cached placements it measured")
+    ap.add_argument("--json", type=Path, default=None, metavar="OUT")
+    args = ap.parse_args()
+
+    model = load_model(SHARED / "models" / args.model)
+    profiles = load_profiles(SHARED / "profiles" / "helix-measured.csv")
+    cost = CostModel(model, profiles)
+    cluster = load_cluster(SHARED / "clusters" / f"{args.cluster}.yaml")
+    trace = prepare_trace(load_azure_trace(SHARED / "traces" / "azure-llm-conv-2023.csv"))
+    prompts = [r.prompt_tokens for r in trace]
+    outputs = [r.output_tokens for r in trace]
+    mean_kv = statistics.fmean(p + o for p, o in zip(prompts, outputs, strict=True))
+    # a request stays in flight for a time ~ its output, so the requests in flight are
+    # length-biased: their mean footprint is the output-weighted mean, not the plain one
+    biased_kv = sum((p + o) * o for p, o in zip(prompts, outputs, strict=True)) / sum(outputs)
+    net = FlowNetwork(cluster, model, cost)
+
+    # the placements benchmarks/serving_sim.py measured (its JSON names the files), so the
+    # numbers line up with docs/benchmarks.md; planned afresh when not there
+    used: dict[str, str] = {}
+    if args.sim_json.exists():
+        used = json.loads(args.sim_json.read_text()).get("placements", {})
+    placements: dict[str, Placement] = {}
+    for p in args.planners:
+        f = args.cache / used.get(f"{cluster.name}/{p}", "-")
+        placements[p] = (load_placement(f) if f.is_file() else
+                         cached_plan(p, cluster, model, cost, args.cache, args.plan_time_limit,
+                                     False))
+    hand = kv_balanced_reference(cluster, model)
+    if hand is not None:
+        placements["kv-balanced-hand"] = hand
+    authors = REPO / "benchmarks" / "helix-placements" / f"{cluster.name}-{model.name}.json"
+    if authors.exists():
+        placements["helix-authors"] = load_placement(authors)
+    if args.variants:
+        depth = 14.0  # the route depth of the milp placement under the default cost model
+        variants = {
+            "milp-serving-d14": CostModel(model, profiles, serving=ServingLoad.from_lengths(
+                prompts, outputs, pipeline_depth=depth)),
+            "milp-weight-0.4": CostModel(model, profiles, weight_fraction=0.4),
+        }
+        for name, vcost in variants.items():
+            print(f"  planning milp for {name} ...", file=sys.stderr)
+            placements[name] = cached_plan("milp", cluster, model, vcost, args.cache / name,
+                                           args.plan_time_limit, False)
+
+    rows: list[dict[str, Any]] = []
+    head = (f"{'placement':<18} {'max flow':>8} {'KV reqs':>7} {'decode X':>8} {'in flight':>9} "
+            f"{'depth':>5} {'R0 s':>5} {'R s':>5} {'R/R0':>5} {'util':>5} {'batch':>5}")
+    print(head)
+    print("-" * len(head))
+    for name, placement in placements.items():
+        res = evaluate(cluster, model, cost, placement)
+        placement.flows, placement.throughput_tokens_per_s = res.flows, res.throughput_tokens_per_s
+        cfg = SimConfig(duration_s=args.duration, offline=True, warmup_s=args.warmup,
+                        scheduler="maxflow", max_prompt_tokens=args.max_prompt_tokens)
+        result = Simulation(cluster, model, cost, placement, trace, cfg).run()
+        summary = summarize(result)
+        x = summary["decode_throughput_tokens_per_s"]
+        depth = statistics.fmean(len(r.nodes) for r in result.finished) if result.finished else 0.0
+        r0 = min_round_trip_s(net, cost, placement)
+        round_trip = result.in_flight / x if x else float("inf")
+        row = {
+            "placement": name,
+            "max_flow_tokens_per_s": res.throughput_tokens_per_s,
+            "kv_concurrency_requests": kv_concurrency(net, cost, placement, mean_kv),
+            "kv_concurrency_biased_requests": kv_concurrency(net, cost, placement, biased_kv),
+            "decode_throughput_tokens_per_s": x,
+            "in_flight_requests": result.in_flight,
+            "mean_route_depth": depth,
+            "min_round_trip_s": r0,
+            "round_trip_s": round_trip,
+            "mean_node_utilization": statistics.fmean(n["utilization"] for n in summary["nodes"]),
+            "mean_decode_batch": statistics.fmean(n["mean_decode_batch"] for n in summary["nodes"]),
+            "ranges": [(r.name, r.start_layer, r.end_layer) for r in placement.nodes],
+        }
+        rows.append(row)
+        print(f"{name:<18} {row['max_flow_tokens_per_s']:>8.0f} "
+              f"{row['kv_concurrency_requests']:>7.0f} {x:>8.1f} {result.in_flight:>9d} "
+              f"{depth:>5.1f} {r0:>5.2f} {round_trip:>5.2f} {round_trip / r0:>5.2f} "
+              f"{row['mean_node_utilization']:>5.0%} {row['mean_decode_batch']:>5.1f}")
+        sys.stdout.flush()
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
+                       f"python {platform.python_version()}",
+            "command": " ".join(["python", *sys.argv]),
+            "cluster": cluster.name, "model": model.name, "duration_s": args.duration,
+            "warmup_s": args.warmup, "max_prompt_tokens": args.max_prompt_tokens,
+            "mean_request_kv_tokens": mean_kv, "length_biased_request_kv_tokens": biased_kv,
+            "rows": rows,
+        }, indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
