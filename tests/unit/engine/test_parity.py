@@ -67,3 +67,19 @@ def test_llama3_rope_frequencies_match_transformers(random_models):
     torch.testing.assert_close(ours, ref)
     plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2).float() / 16))
     assert not torch.allclose(ours, plain)  # the scaling changed some frequencies
+
+
+def test_bfloat16_path_tracks_transformers(random_models):
+    """The GPU dtype (run here on CPU): same argmax as transformers in bf16, close logits."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = random_models["qwen2"]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    engine = ShardEngine.load(model_dir, 0, 4, dtype="bfloat16", kv_cache_bytes=1 << 20)
+    assert engine.dtype == torch.bfloat16 and engine.kv.k.dtype == torch.bfloat16
+    prompt = list(range(10, 60))
+    run = greedy_run(engine, "bf16", prompt, steps=10)
+    ref = hf_logits(hf, prompt, run.tokens).float()
+    ours = torch.stack(run.logits).float()
+    assert (ours - ref).abs().max().item() < 0.25
+    assert (ref.argmax(-1) == torch.tensor(run.tokens)).float().mean().item() >= 0.9
