@@ -234,7 +234,8 @@ class ShardEngine:
         if not items:
             return []
         self._validate(items)
-        # Reserve KV first: it raises KVCacheFullError before any state changes.
+        # Reserve KV before computing: KVCacheFullError leaves every request as it was
+        # (except a rewind the items themselves asked for).
         for it in items:
             if it.position < self._seq_len.get(it.request_id, 0):
                 self._rewind(it.request_id, it.position)
@@ -260,7 +261,7 @@ class ShardEngine:
             if len(active) == len(items):
                 x = layer_forward(x, w, kc, vc, plan, cos, sin, self.args)
             else:
-                rows = self._rows(offsets, active)
+                rows = self._rows(offsets, active).to(self.device)
                 x = x.index_copy(
                     0, rows, layer_forward(x[rows], w, kc, vc, plan, cos, sin, self.args)
                 )
