@@ -71,6 +71,11 @@ def main() -> int:
                     help="prompt tokens one iteration may prefill (SimConfig.max_prompt_tokens)")
     ap.add_argument("--variants", action="store_true",
                     help="also plan milp under the opt-in cost models and simulate those")
+    ap.add_argument("--serving-depths", type=float, nargs="*", default=[14.0],
+                    help="--variants: pipeline depths of the ServingLoad cost models (14: the "
+                         "default milp placement's route depth; 22: the chain that gives)")
+    ap.add_argument("--weight-fractions", type=float, nargs="*", default=[0.4],
+                    help="--variants: weight fractions of the cost models")
     ap.add_argument("--plan-time-limit", type=float, default=60.0)
     ap.add_argument("--cache", type=Path,
                     default=REPO / "benchmarks" / "results" / "serving_sim_placements")
@@ -111,11 +116,14 @@ def main() -> int:
     if authors.exists():
         placements["helix-authors"] = load_placement(authors)
     if args.variants:
-        depth = 14.0  # the route depth of the milp placement under the default cost model
         variants = {
-            "milp-serving-d14": CostModel(model, profiles, serving=ServingLoad.from_lengths(
-                prompts, outputs, pipeline_depth=depth)),
-            "milp-weight-0.4": CostModel(model, profiles, weight_fraction=0.4),
+            f"milp-serving-d{depth:g}": CostModel(model, profiles, serving=ServingLoad.from_lengths(
+                prompts, outputs, pipeline_depth=depth))
+            for depth in args.serving_depths
+        }
+        variants |= {
+            f"milp-weight-{f:g}": CostModel(model, profiles, weight_fraction=f)
+            for f in args.weight_fractions
         }
         for name, vcost in variants.items():
             print(f"  planning milp for {name} ...", file=sys.stderr)
