@@ -214,8 +214,12 @@ def _pod_security() -> Obj:
     }
 
 
-def _probes(opts: RenderOptions, action: Obj) -> Obj:
-    """Startup probe that waits for the weights to load, then readiness and liveness."""
+def _probes(opts: RenderOptions, action: Obj, liveness: Obj | None = None) -> Obj:
+    """Startup probe that waits for the weights to load, then readiness and liveness.
+
+    `liveness` (default: `action`) lets a pod whose readiness depends on others (the
+    coordinator is unready while some layers have no live worker) be probed for its own
+    responsiveness only, so a worker outage does not restart it too."""
     startup_period_s = 10
     return {
         "startupProbe": {
@@ -227,7 +231,12 @@ def _probes(opts: RenderOptions, action: Obj) -> Obj:
         "readinessProbe": {**action, "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
         # Liveness is slower to give up than readiness: a busy pod drops out of service first
         # and is only restarted when it stays unresponsive for a minute.
-        "livenessProbe": {**action, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+        "livenessProbe": {
+            **(liveness or action),
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
     }
 
 
@@ -374,7 +383,12 @@ def coordinator_deployment(
         "command": command,
         "env": env,
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        **_probes(opts, {"httpGet": {"path": "/health", "port": "http"}}),
+        **_probes(
+            opts,
+            {"httpGet": {"path": "/health", "port": "http"}},
+            # /health is 503 while a layer has no live worker; /version only needs the process.
+            liveness={"httpGet": {"path": "/version", "port": "http"}},
+        ),
         "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
         "volumeMounts": _mounts(opts, with_shm=False),
         "securityContext": _container_security(),

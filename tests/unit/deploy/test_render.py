@@ -149,8 +149,10 @@ def test_coordinator_and_api_service(geo_cluster: Path, geo_placement: Path) -> 
     assert flag(cmd, "--model") == "/models/llama-2-70b"
     assert (flag(cmd, "--host"), flag(cmd, "--port")) == ("0.0.0.0", "8000")
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    # liveness must not depend on the workers: a worker outage makes /health 503
+    assert c["livenessProbe"]["httpGet"] == {"path": "/version", "port": "http"}
     assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
     svc = objs["coordinator-service.yaml"]
     assert svc["spec"]["ports"][0]["port"] == 8000
