@@ -137,7 +137,8 @@ class Coordinator:
     ) -> Coordinator:
         from helixserve.scheduler import make_router
 
-        router = make_router(scheduler, placement, seed=0)
+        router = make_router(scheduler, placement, seed=0,
+                             **_routing_inputs(cluster, placement, Path(model_dir)))
         self = cls(placement, model_dir, router, max_queue, max_reroutes, stats_interval_s)
         self.model_name = placement.model or self.model_dir.name
         addresses = {n.name: getattr(n, "address", None) for n in cluster.nodes}
@@ -516,3 +517,21 @@ __all__ = [
     "RequestFailedError",
     "TokenEvent",
 ]
+
+
+def _routing_inputs(cluster: Any, placement: Any, model_dir: Path) -> dict[str, Any]:
+    """The links the router may use (so it never spreads work over a missing or slow link),
+    and the flows it routes over: evaluated here when the placement file has none
+    (FORMATS.md lets an input placement omit them)."""
+    from helixserve.scheduler.options import router_options
+    from helixserve.spec import load_model
+
+    model = load_model(model_dir, name=placement.model)
+    if not placement.flows:
+        from helixserve.costmodel import CostModel
+        from helixserve.planner import evaluate
+
+        result = evaluate(cluster, model, CostModel(model), placement)
+        placement.flows = result.flows
+        placement.throughput_tokens_per_s = result.throughput_tokens_per_s
+    return router_options(cluster, model, placement)

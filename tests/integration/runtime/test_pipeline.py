@@ -393,3 +393,24 @@ def test_logprobs_come_back_only_when_asked(workers, demo_model, prompts):
         assert len(ev.top_logprobs) == 2
         assert ev.top_logprobs[0][0] == ev.token_id  # greedy picks the most likely token
     assert all(ev.logprob is None and not ev.top_logprobs for ev in plain)
+
+
+def test_placement_without_flows_is_evaluated_then_served(workers, demo_model, prompts):
+    """FORMATS.md lets an input placement omit `flows`: the coordinator computes them."""
+    even = [workers[n] for n in ("n0", "n1", "n2")]
+    placement = even_placement()
+    placement.flows = []
+
+    async def main() -> list[int]:
+        coord = await Coordinator.create(make_cluster(even), placement, demo_model)
+        try:
+            return [ev.token_id async for ev in coord.generate(
+                GenerationRequest("noflows", prompts[0], GREEDY, 4))]
+        finally:
+            await coord.close()
+
+    tokens = asyncio.run(main())
+    assert len(tokens) == 4
+    assert placement.flows and placement.throughput_tokens_per_s
+    assert {(f.src, f.dst) for f in placement.flows} == {
+        ("coordinator", "n0"), ("n0", "n1"), ("n1", "n2"), ("n2", "coordinator")}
