@@ -5,7 +5,9 @@ Pipeline within the time limit T (docs/planner.md has the full write-up):
   2. the tiling heuristic (tiling.py, <= 15% of T, and <= 10% per region): stacked rows of
      equal ranges chosen by a small configuration MILP, the target throughput bisected;
   3. the layer-coverage relaxation (coverage.py, ~10% of T): an upper bound, and a start
-     (skipped on clusters of at most SMALL_NODES machines, where the MILP is small);
+     (skipped on clusters of at most SMALL_NODES machines, where the MILP is small); with
+     two or more regions (and at most DENSE_NODES machines) the region relaxation too
+     (regions.py, ~10% of T): coverage per region plus the inter-region hops and links;
   4. local search on the real max flow from all of the above (search.py, ~55% of T);
   5. the per-node MILP below: first as a large-neighbourhood search (all nodes fixed but
      3-6 close in layer position, re-solved exactly; half of what is left), then whole,
@@ -48,6 +50,7 @@ import pulp
 from helixserve.planner.baselines import BASELINES, Ranges
 from helixserve.planner.coverage import solve_coverage
 from helixserve.planner.flow import FlowNetwork
+from helixserve.planner.regions import num_regions, solve_regions
 from helixserve.planner.registry import PlanOutcome, Progress
 from helixserve.planner.search import local_search
 from helixserve.planner.solver import HighsModel, SolveInfo, quiet_pulp, solve
@@ -364,6 +367,14 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
             candidates.append((value_of(cov.ranges), "coverage", cov.ranges))
         say(f"coverage relaxation [{cov.info.status}]: placement {candidates[-1][0]:,.1f}, "
             f"bound {min(bounds):,.1f} tokens/s")
+
+    if num_regions(net) >= 2 and len(net.names) <= DENSE_NODES and not closed():
+        reg = solve_regions(net, 0.1 * time_limit_s)
+        if reg.info.bound is not None:
+            bounds.append(reg.info.bound)
+        if reg.ranges:
+            candidates.append((value_of(reg.ranges), "regions", reg.ranges))
+        say(f"region relaxation [{reg.info.status}]: bound {min(bounds):,.1f} tokens/s")
 
     def on_improve(v: float) -> None:
         say(f"search: {v:,.1f} tokens/s ({time.perf_counter() - started:.0f}s)")
