@@ -14,6 +14,7 @@ Then, for ANY placement and its max flow:
     ends           x[r,0] <= sum_{i in r, start_i = 0} min(T_i, c_coord->i);  likewise L-1
     links          sum_b z[r,q,b] <= sum_{i in r, j in q} c_ij       (each hop is one edge)
     pairs          z[r,q,b] <= c_max(r,q) * E[r,b] * H[q,b]
+    must cross     sum z >= F  when every region's nodes hold < L layers together
 where E[r,b] = #nodes of r ending at b and H[q,b] = #nodes of q holding layer b: a token
 crossing at b uses an edge i -> j with end_i = b and start_j <= b < end_j, and each such
 edge carries at most c_max(r,q) = max_{i in r, j in q} min(c_ij, T_i, T_j). The product is
@@ -161,6 +162,11 @@ def _solve_regions(net: FlowNetwork, time_limit_s: float) -> RegionResult:
                     ws.append(w)
                 prob += (z_of[(r, q, b)] - pair_cap[(r, q)] * pulp.lpSum(ws) <= 0,
                          f"pair_{r}_{q}_{b}")
+    # a route's stint in one region is run by distinct nodes of it (ends increase along a
+    # route), so it spans at most M_r = sum_{i in r} K_i layers: when no region can hold the
+    # whole model, every route hops between regions at least once
+    if all(sum(int(net.max_layers[i]) for i in members_of[r]) < L for r in regions):
+        prob += pulp.lpSum(z_of.values()) - F >= 0, "must_cross"
     for layer in range(L):  # some whole machine holds every layer (as in coverage.py)
         prob += pulp.lpSum(v for r in regions for v in held.get((r, layer), [])) >= 1, \
             f"held_{layer}"
