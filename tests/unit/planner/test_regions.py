@@ -74,6 +74,13 @@ def test_region_bound_is_tighter_than_the_old_bounds_when_a_slow_link_binds():
 
 def test_milp_closes_the_gap_on_a_slow_link():
     net, link = two_halves()
-    placement = plan("milp", net.cluster, net.model, net.cost, time_limit_s=10)
+    said: list[str] = []
+    placement = plan("milp", net.cluster, net.model, net.cost, time_limit_s=10,
+                     progress=said.append)
     assert placement.throughput_tokens_per_s == pytest.approx(link, rel=1e-3)
     assert placement.upper_bound_tokens_per_s == pytest.approx(link, rel=1e-3)
+    # the region relaxation ran inside `milp` and proved the link's capacity
+    region = [m for m in said if m.startswith("region relaxation")]
+    assert len(region) == 1
+    assert float(region[0].rsplit("bound ", 1)[1].split()[0].replace(",", "")) == \
+        pytest.approx(link, rel=1e-3)
