@@ -48,6 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repeats", type=int, default=3, help="timed steps per point; median (default 3)"
     )
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch CPU threads, as the worker will use them"
+    )
     p.set_defaults(func=run)
 
 
@@ -57,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.engine.profiler import ProfileSettings, profile_model, write_profiles_csv
     from helixserve.errors import UserError
 
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.layers < 1 or args.repeats < 1:
         raise UserError(f"--layers/--repeats: bad value {args.layers}/{args.repeats}; need >= 1")
     defaults = ProfileSettings()
