@@ -13,7 +13,10 @@ Penalties use the request's token history as seen by the last stage:
 
 Logprobs are those of the model's own distribution (log_softmax of the raw logits, before
 penalties and filters), for the chosen token and the top-n alternatives, like vLLM's default.
-Stop tokens and max_tokens are the coordinator's business: the sampler only samples.
+Stop tokens and max_tokens are the coordinator's business: the sampler only samples, except
+for `min_tokens`: while fewer than `min_tokens` tokens have been generated, the ids in
+`stop_token_ids` (EOS included, unless the client asked to ignore it) are masked out, so the
+request cannot end early (vLLM's semantics).
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ class SamplingParams:
     """Subtracted per occurrence of each token already generated (OpenAI range -2..2)."""
     logprobs: int | None = None
     """Return the chosen token's logprob and this many top alternatives; None = none."""
+    min_tokens: int = 0
+    """Mask `stop_token_ids` until this many tokens have been generated; 0 = off."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that would end the request (EOS and the request's stop ids), for `min_tokens`."""
 
     def validate(self) -> SamplingParams:
         def bad(name: str, value: object, need: str) -> UserError:
@@ -74,6 +81,8 @@ class SamplingParams:
             raise bad("frequency_penalty", self.frequency_penalty, "need -2 <= value <= 2")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", self.logprobs, f"need 0..{MAX_LOGPROBS} or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "need a non-negative int")
         return self
 
     @property
@@ -98,10 +107,13 @@ class RequestHistory:
     generator: torch.Generator | None = None
     sampled_once: bool = False
     """After the first sampled token, tokens fed back are generated ones, not prompt."""
+    num_generated: int = 0
+    """Generated tokens fed back so far (for min_tokens)."""
 
     def add_tokens(self, token_ids: list[int], generated: bool) -> None:
         if generated:
             self.output_counts.update(token_ids)
+            self.num_generated += len(token_ids)
         else:
             self.prompt_ids.update(token_ids)
 
@@ -139,6 +151,11 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, hist: RequestH
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts
 
 
+def suppresses_stop(params: SamplingParams, hist: RequestHistory) -> bool:
+    """True while the request is below min_tokens and must not sample a stop token."""
+    return bool(params.stop_token_ids) and hist.num_generated < params.min_tokens
+
+
 def filter_support(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Mask (to -inf) tokens outside top-k / top-p / min-p. logits: [vocab_size], scaled."""
     neg_inf = float("-inf")
@@ -169,7 +186,10 @@ def sample_rows(
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
     # Fast path for the common case: greedy rows without penalties, one batched argmax.
-    plain_greedy = [p.is_greedy and not p.has_penalties for p in params]
+    plain_greedy = [
+        p.is_greedy and not p.has_penalties and not suppresses_stop(p, h)
+        for p, h in zip(params, hists, strict=True)
+    ]
     chosen: list[int] = [0] * num_rows
     if any(plain_greedy):
         argmax = logits.argmax(dim=-1).tolist()
@@ -182,6 +202,9 @@ def sample_rows(
         p, hist = params[i], hists[i]
         row = logits[i].clone()
         apply_penalties(row, p, hist)
+        if suppresses_stop(p, hist):
+            ids = torch.tensor(p.stop_token_ids, dtype=torch.long, device=row.device)
+            row[ids] = float("-inf")
         if p.is_greedy:
             chosen[i] = int(row.argmax())
             continue

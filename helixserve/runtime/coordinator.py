@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -300,6 +301,13 @@ class Coordinator:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens; see the module doc for the lifecycle."""
         self._validate(req)
+        if req.min_tokens > 0:
+            # The last hop's sampler masks these until min_tokens are generated.
+            stop_ids = set(req.stop_token_ids)
+            if not req.ignore_eos:
+                stop_ids |= set(self.eos_token_ids)
+            req.sampling = dataclasses.replace(
+                req.sampling, min_tokens=req.min_tokens, stop_token_ids=tuple(sorted(stop_ids)))
         act = _Active(req=req, internal_id=self._new_internal_id(req))
         out = OutputProcessor(
             tokenizer=self.tokenizer,

@@ -209,6 +209,8 @@ def sampling_to_pb(s: SamplingParams | None) -> pb.SamplingParams | None:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         logprobs=-1 if s.logprobs is None else s.logprobs,
+        min_tokens=s.min_tokens,
+        stop_token_ids=list(s.stop_token_ids),
     )
 
 
@@ -225,6 +227,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         logprobs=None if msg.logprobs < 0 else msg.logprobs,
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
     )
 
 

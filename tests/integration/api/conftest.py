@@ -25,8 +25,10 @@ def demo(
     workdir = tmp_path_factory.mktemp("demo")
     # the demo profiles this CPU once per work dir; reuse the last run's profile (pytest's
     # cache) so only the first run pays for it
-    cached_profile = request.config.cache.mkdir("helixserve-api-demo") / "profiles.csv"
-    if cached_profile.is_file():
+    # (absent when pytest runs with -p no:cacheprovider: then every run profiles)
+    cache = getattr(request.config, "cache", None)
+    cached_profile = cache.mkdir("helixserve-api-demo") / "profiles.csv" if cache else None
+    if cached_profile is not None and cached_profile.is_file():
         shutil.copy(cached_profile, workdir / "profiles.csv")
     port = free_port()
     log_path = workdir / "demo.log"
@@ -62,7 +64,7 @@ def demo(
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        if (workdir / "profiles.csv").is_file():
+        if cached_profile is not None and (workdir / "profiles.csv").is_file():
             shutil.copy(workdir / "profiles.csv", cached_profile)
         yield stack
     finally:

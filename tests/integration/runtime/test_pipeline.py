@@ -414,3 +414,24 @@ def test_placement_without_flows_is_evaluated_then_served(workers, demo_model, p
     assert placement.flows and placement.throughput_tokens_per_s
     assert {(f.src, f.dst) for f in placement.flows} == {
         ("coordinator", "n0"), ("n0", "n1"), ("n1", "n2"), ("n2", "coordinator")}
+
+
+def test_min_tokens_masks_eos_on_the_last_hop(workers, demo_model, prompts):
+    """min_tokens travels with the sampling params: EOS cannot end the request early."""
+    even = [workers[n] for n in ("n0", "n1", "n2")]
+    short = prompts[QUESTIONS.index("Say hello.")]
+
+    async def run(min_tokens: int) -> list[Any]:
+        coord = await Coordinator.create(make_cluster(even), even_placement(), demo_model)
+        try:
+            return [ev async for ev in coord.generate(GenerationRequest(
+                f"min{min_tokens}", short, GREEDY, 48, min_tokens=min_tokens))]
+        finally:
+            await coord.close()
+
+    free = asyncio.run(run(0))
+    assert free[-1].finish_reason == "stop" and len(free) < 40, "prompt should end by itself"
+    forced = asyncio.run(run(len(free) + 3))
+    assert len(forced) >= len(free) + 3
+    # identical greedy tokens up to where EOS was sampled before
+    assert [e.token_id for e in forced[: len(free) - 1]] == [e.token_id for e in free[:-1]]

@@ -154,3 +154,19 @@ def test_history_tracks_prompt_and_generated(tiny):
     tiny.step([WorkItem("h2", 0, 4, 0, [10, 11, 12, 40, 40], None, p, num_prompt_tokens=3)])
     assert tiny._history["h2"].output_counts == Counter({40: 2})
     tiny.free("h2")
+
+
+def test_min_tokens_masks_stop_ids_until_reached():
+    # token 2 (the "EOS") is the most likely; below min_tokens it must not be chosen
+    logits = torch.tensor([[0.0, 1.0, 5.0, 0.5]])
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(2,))
+    hist = RequestHistory()
+    assert sample_rows(logits, [params], [hist])[0].token_id == 1
+    hist.add_tokens([1], generated=True)
+    assert sample_rows(logits, [params], [hist])[0].token_id == 1
+    hist.add_tokens([1], generated=True)  # two generated: EOS allowed again
+    assert sample_rows(logits, [params], [hist])[0].token_id == 2
+    # sampled rows are masked too, whatever the generator draws
+    hot = SamplingParams(temperature=1.0, seed=0, min_tokens=5, stop_token_ids=(2,))
+    draws = {sample_rows(logits, [hot], [RequestHistory()])[0].token_id for _ in range(50)}
+    assert 2 not in draws
