@@ -147,6 +147,19 @@ class PagedKVCache:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, start + num_tokens)]
 
+    def context_blocks(self, request_ids: list[str], ctx_len: int) -> torch.Tensor:
+        """Blocks holding positions [0, ctx_len) of each request: [len(request_ids), nb].
+
+        nb = ceil(ctx_len / block_size); a request with fewer blocks is padded with its
+        first block (finite values; the caller masks them out).
+        """
+        num_blocks = -(-ctx_len // self.block_size)
+        rows = []
+        for rid in request_ids:
+            table = self._tables[rid]
+            rows.append(table[:num_blocks] + [table[0]] * (num_blocks - len(table)))
+        return torch.tensor(rows, dtype=torch.long, device=self.device)  # [r, nb]
+
     def context_slots(self, request_ids: list[str], ctx_len: int) -> torch.Tensor:
         """Slots of positions [0, ctx_len) of each request: [len(request_ids), ctx_len].
 

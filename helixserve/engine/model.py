@@ -196,13 +196,16 @@ class AttentionPlan:
     slots: torch.Tensor  # [n] cache slot of each row's new key/value
     # Decode rows (one new token each), attended in one batch.
     decode_rows: torch.Tensor | None  # [d] row indices into the active rows
-    decode_ctx_slots: torch.Tensor | None  # [d * max_ctx] cache slots of each context, flat
+    decode_ctx_blocks: torch.Tensor | None  # [d * nb] cache blocks of each context, flat
+    block_size: int
     decode_max_ctx: int
     decode_mask: torch.Tensor | None  # [d, 1, 1, max_ctx] True = attend; None = all equal
     # Prefill chunks: (first row, num rows, ctx slots [ctx] or None when starting at 0).
     prefills: list[tuple[int, int, torch.Tensor | None]]
     all_decode: bool
     """Every row is a decode row, in order: attention output needs no scatter."""
+    dense_pos: torch.Tensor | None = None
+    """[d] position of each decode row's token when the step uses dense decode contexts."""
 
 
 def attention(
@@ -213,6 +216,7 @@ def attention(
     v_cache: torch.Tensor,
     plan: AttentionPlan,
     args: ModelArgs,
+    dense: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q: [n, heads, hd], k/v: [n, kv_heads, hd] (already in the cache) -> [n, heads * hd].
 
@@ -221,6 +225,22 @@ def attention(
     """
     n = q.shape[0]
     gqa = args.num_heads != args.num_kv_heads
+    if dense is not None:
+        # Dense per-step decode contexts kept across steps (see ShardEngine): append this
+        # token's k/v and attend over a view, no gather from the paged cache.
+        dk, dv = dense  # [d, kv_heads, cap, hd]
+        rows = torch.arange(n, device=q.device)
+        dk[rows, :, plan.dense_pos] = k
+        dv[rows, :, plan.dense_pos] = v
+        ctx = plan.decode_max_ctx
+        od = F.scaled_dot_product_attention(
+            q[:, :, None, :],
+            dk[:, :, :ctx],
+            dv[:, :, :ctx],
+            attn_mask=plan.decode_mask,
+            enable_gqa=gqa,
+        )  # [d, heads, 1, hd]
+        return od.reshape(n, -1)
     if plan.all_decode:
         return _decode_attention(q, k_cache, v_cache, plan, gqa).reshape(n, -1)
     out = torch.empty(n, args.num_heads, args.head_dim, dtype=q.dtype, device=q.device)
@@ -248,11 +268,18 @@ def _decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, gqa: bool
 ) -> torch.Tensor:
     """q: [d, heads, hd] one token per request -> [d, heads, hd], over gathered contexts."""
-    assert plan.decode_ctx_slots is not None
-    d, kvh = q.shape[0], k_cache.shape[0]
-    shape = (kvh, d, plan.decode_max_ctx, k_cache.shape[-1])
-    kd = k_cache.index_select(1, plan.decode_ctx_slots).view(shape).transpose(0, 1)
-    vd = v_cache.index_select(1, plan.decode_ctx_slots).view(shape).transpose(0, 1)
+    assert plan.decode_ctx_blocks is not None
+    d, kvh, hd, bs = q.shape[0], k_cache.shape[0], k_cache.shape[-1], plan.block_size
+    # Gather whole blocks (rows of block_size * head_dim values), not single slots: the
+    # same bytes move, but index_select copies 16x fewer, 16x longer rows (2x faster
+    # measured at batch 32 on the dev CPU). Then drop the padding past the longest context.
+    nb = plan.decode_ctx_blocks.shape[0] // d
+    blocked = (kvh, -1, bs * hd)  # [kv_heads, num_blocks, block_size * hd]
+    shape = (kvh, d, nb * bs, hd)
+    kd = k_cache.view(blocked).index_select(1, plan.decode_ctx_blocks).view(shape)
+    vd = v_cache.view(blocked).index_select(1, plan.decode_ctx_blocks).view(shape)
+    kd = kd[:, :, : plan.decode_max_ctx].transpose(0, 1)
+    vd = vd[:, :, : plan.decode_max_ctx].transpose(0, 1)
     # kd, vd: [d, kv_heads, max_ctx, hd]
     od = F.scaled_dot_product_attention(
         q[:, :, None, :], kd, vd, attn_mask=plan.decode_mask, enable_gqa=gqa
@@ -269,6 +296,7 @@ def layer_forward(
     cos: torch.Tensor,
     sin: torch.Tensor,
     args: ModelArgs,
+    dense: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One transformer block. x: [n, hidden] -> [n, hidden]; writes this step's k/v.
 
@@ -283,7 +311,7 @@ def layer_forward(
     v = v.view(n, args.num_kv_heads, args.head_dim)
     k_cache.index_copy_(1, plan.slots, k.transpose(0, 1))
     v_cache.index_copy_(1, plan.slots, v.transpose(0, 1))
-    x = x + w.o(attention(q, k, v, k_cache, v_cache, plan, args))
+    x = x + w.o(attention(q, k, v, k_cache, v_cache, plan, args, dense))
     h = rms_norm(x, w.post_norm, args.rms_norm_eps)
     gate, up = w.gate_up(h).chunk(2, dim=-1)  # [n, intermediate] each
     return x + w.down(F.silu(gate) * up)
