@@ -125,3 +125,48 @@ def test_mixed_batch_equals_each_alone(demo_engine, demo_tokenizer):
         )
         demo_engine.free(f"mix-{k}")
     assert demo_engine.kv_stats()["used_blocks"] == 0
+
+
+def test_decode_batches_that_change_between_steps_equal_each_alone(demo_engine, demo_tokenizer):
+    """The engine's dense decode copy must be rebuilt whenever the decode batch changes:
+    a request sitting out a step, one freed mid-run, one joining, one rewound."""
+    prompts = {
+        k: demo_tokenizer(t)["input_ids"]
+        for k, t in {"a": "The quick brown fox", "b": "Water boils at",
+                     "c": "List three colors:", "d": "Once upon a time"}.items()
+    }
+    steps = 12
+    alone = {k: greedy_run(demo_engine, f"solo-{k}", p, steps).tokens for k, p in prompts.items()}
+    n = demo_engine.num_model_layers
+    tokens: dict[str, list[int]] = {}
+
+    def run(batch: list[str], rewind: str | None = None) -> None:
+        items = []
+        for k in batch:
+            if k not in tokens:  # prefill
+                items.append(WorkItem(f"chg-{k}", 0, n, 0, prompts[k], None, GREEDY))
+                continue
+            if k == rewind:  # re-send the last decode step: KV rewinds one position
+                tokens[k].pop()
+            pos = len(prompts[k]) + len(tokens[k]) - 1
+            items.append(WorkItem(f"chg-{k}", 0, n, pos, [tokens[k][-1]], None, GREEDY))
+        for k, out in zip(batch, demo_engine.step(items), strict=True):
+            tokens.setdefault(k, []).append(out.token_id)
+
+    run(["a", "b", "c"])
+    for _ in range(3):
+        run(["a", "b", "c"])  # steady batch: the dense copy is built and extended
+    run(["a", "c"])  # b sits out one step
+    run(["a", "b", "c"])
+    demo_engine.free("chg-c")  # c leaves early
+    run(["a", "b", "d"])  # d prefills while a and b decode
+    run(["a", "b", "d"])
+    run(["a", "b", "d"], rewind="a")  # a's last step again
+    for _ in range(3):
+        run(["a", "b", "d"])
+    for k in ("a", "b", "d"):
+        demo_engine.free(f"chg-{k}")
+        got = tokens[k]
+        assert got == alone[k][: len(got)], k
+    assert tokens["c"] == alone["c"][: len(tokens["c"])]
+    assert demo_engine.kv_stats()["used_blocks"] == 0
