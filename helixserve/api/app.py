@@ -153,6 +153,12 @@ def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+def _usage_chunk(batch: Any, model: str, obj: str) -> str:
+    """The final SSE chunk of `stream_options.include_usage`: no choices, the batch's usage."""
+    return _sse({"id": batch.request_id, "object": obj, "created": batch.created,
+                 "model": model, "choices": [], "usage": batch.usage()})
+
+
 def create_app(
     coordinator: CoordinatorLike, served_model_name: str | None = None, api_key: str | None = None
 ) -> FastAPI:
@@ -283,16 +289,7 @@ def create_app(
         except Exception as exc:
             yield _sse(map_error(exc).body())
         if include_usage:
-            yield _sse(
-                {
-                    "id": batch.request_id,
-                    "object": "text_completion",
-                    "created": batch.created,
-                    "model": name,
-                    "choices": [],
-                    "usage": batch.usage(),
-                }
-            )
+            yield _usage_chunk(batch, name, "text_completion")
         yield "data: [DONE]\n\n"
 
     # ---- chat completions -----------------------------------------------------------------
@@ -397,16 +394,7 @@ def create_app(
         except Exception as exc:
             yield _sse(map_error(exc).body())
         if include_usage:
-            yield _sse(
-                {
-                    "id": batch.request_id,
-                    "object": "chat.completion.chunk",
-                    "created": batch.created,
-                    "model": name,
-                    "choices": [],
-                    "usage": batch.usage(),
-                }
-            )
+            yield _usage_chunk(batch, name, "chat.completion.chunk")
         yield "data: [DONE]\n\n"
 
     # ---- the rest -------------------------------------------------------------------------
