@@ -19,6 +19,11 @@ so `NodeState.kv_free_tokens` should be the node's free KV *not counting* reques
 router has routed (the simulator passes the capacity). A caller that passes the live free
 KV of a worker that already holds routed requests gets conservative (never over-full)
 admission.
+
+On-demand KV (`RequestInfo.kv_tokens`): a caller whose engine allocates KV as tokens are
+generated promises only what a request needs at admission (its prompt) and passes
+`kv_free_tokens` = capacity less the slots its routed requests have grown into since (less
+any watermark it keeps); the check above then admits a request when the prompt fits now.
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ class GraphRouter:
     def route(self, req: RequestInfo, state: Mapping[str, NodeState]) -> Route | None:
         if req.request_id in self.routes:
             raise ValueError(f"request {req.request_id!r} is already routed")
-        need = req.prompt_tokens + req.max_new_tokens
+        need = req.prompt_tokens + req.max_new_tokens if req.kv_tokens is None else req.kv_tokens
         dead: set[str] = set()
         path: list[str] = []
 

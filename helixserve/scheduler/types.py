@@ -49,6 +49,12 @@ class RequestInfo:
     prompt_tokens: int
     #: tokens the request may still generate (max_tokens, or an expected output length)
     max_new_tokens: int
+    #: KV slots to promise on every node of the route at admission; None: the whole
+    #: request, prompt_tokens + max_new_tokens. A caller whose engine allocates KV as tokens
+    #: are generated (vLLM's paged allocation, with preemption when a node runs out) passes
+    #: the prompt and reports the slots its requests grew into through
+    #: `NodeState.kv_free_tokens` (see scheduler/base.py)
+    kv_tokens: int | None = None
 
 
 @dataclass

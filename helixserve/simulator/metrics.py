@@ -68,6 +68,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
                 "kv_mean_usage": n.kv_area / duration_s / n.kv_cap if n.kv_cap else 0.0,
                 "kv_peak_usage": n.kv_peak / n.kv_cap if n.kv_cap else 0.0,
                 "queue_len_end": len(n.pq) + len(n.dq),
+                "preempted": n.preempted,
             }
         )
     links = [
@@ -98,6 +99,8 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "requests_in_flight": result.in_flight,
         "requests_waiting": result.waiting,
         "requests_rejected": result.rejected,
+        "kv_allocation": cfg.kv_allocation,
+        "preemptions": result.extra.get("preemptions", 0),
         "ttft_s": percentiles(lat["ttft_s"]),
         "tpot_s": percentiles(lat["tpot_s"]),
         "e2e_s": percentiles(lat["e2e_s"]),

@@ -5,10 +5,16 @@ Model (one event heap, `heapq`, ordered by time then insertion):
   (`helixserve.scheduler`, the same code the live coordinator calls); when no route can
   admit it, it waits until a request finishes (head-of-line, so nothing starves). A request
   no route could hold even on an idle cluster is rejected and counted.
-- KV cache: on admission every node of the route allocates `prompt + output` tokens (one
-  slot per layer it runs; vLLM's block table is shared by the layers), freed at finish.
-  The router is told each node's capacity and tracks its own promises, and the simulator
-  asserts the allocation never exceeds the capacity.
+- KV cache (`SimConfig.kv_allocation`): with "reserve" (the default) every node of the route
+  allocates `prompt + output` tokens on admission (one slot per layer it runs; vLLM's block
+  table is shared by the layers), freed at finish; the router is told each node's capacity
+  and tracks its own promises. With "on-demand" (vLLM's paged allocation) admission needs
+  only the prompt's slots (plus a watermark) and every generated token takes one more slot
+  on each node of the route; when a node is full, the most recently admitted request
+  holding KV there is preempted by recompute (its KV freed everywhere, it goes back to the
+  head of the admission queue and later prefills its prompt plus the tokens it generated),
+  as vLLM's scheduler does. Either way the simulator asserts the allocation never exceeds
+  the capacity.
 - Nodes run continuous batching: when idle with work queued, an iteration takes the decode
   steps queued (up to `max_decode` sequences) and prompts in FIFO order (up to `max_prompt`
   tokens; one longer prompt runs alone) and lasts the cost model's time for that mixed batch.
@@ -67,12 +73,24 @@ class SimConfig:
     #: a smaller budget keeps a big prefill batch from stalling every decode step riding in
     #: the same iteration (vLLM's max_num_batched_tokens); a longer prompt still runs alone
     max_prompt_tokens: int | None = None
+    #: "reserve": a request holds prompt + output KV slots on its route from admission;
+    #: "on-demand": slots are taken as tokens are generated, preempting (recompute) on a full
+    #: node, as vLLM allocates its paged KV cache
+    kv_allocation: str = "reserve"
+    #: on-demand only: a request is admitted when its prompt leaves this fraction of each
+    #: node's KV free (vLLM's watermark, 0.01), so decode growth does not preempt at once
+    kv_watermark: float = 0.01
+    #: split a prompt longer than what is left of an iteration's prompt budget
+    #: (`max_prompt_tokens`) over several iterations of the node (vLLM's chunked prefill);
+    #: the request moves on once its whole prompt has run on the node
+    chunked_prefill: bool = False
 
 
 class SimRequest:
     __slots__ = (
         "rid", "arrival_s", "prompt", "output", "nodes", "starts", "hop", "in_prompt",
-        "generated", "admit_s", "first_s", "finish_s",
+        "generated", "admit_s", "first_s", "finish_s", "dead", "resumed", "grown",
+        "left", "chunk",
     )  # fmt: skip
 
     def __init__(self, rid: str, arrival_s: float, prompt: int, output: int) -> None:
@@ -88,6 +106,11 @@ class SimRequest:
         self.admit_s = math.nan
         self.first_s = math.nan
         self.finish_s = math.nan
+        self.dead = False  # preempted: its pending events are dropped
+        self.resumed = False  # re-admitted after a preemption: `prompt` includes its output
+        self.grown = 0  # on-demand KV: slots taken per node of the route since admission
+        self.left = 0  # prompt tokens still to prefill on the current hop
+        self.chunk = 0  # prompt tokens of the current hop in the running iteration
 
 
 class SimNode:
@@ -95,6 +118,7 @@ class SimNode:
         "name", "spec", "start", "end", "may_partial", "pq", "dq", "busy", "max_prompt",
         "max_decode", "kv_cap", "kv_used", "kv_peak", "kv_area", "kv_t", "busy_s", "iters",
         "decode_iters", "prompt_iters", "prompt_tokens", "decode_tokens", "state", "busy_timeline",
+        "kv_grown", "kv_mark", "preempted",
     )  # fmt: skip
 
     def __init__(self, spec: NodeSpec, start: int, end: int, cost: CostModel, buckets: int):
@@ -114,6 +138,10 @@ class SimNode:
         self.prompt_tokens = self.decode_tokens = 0
         self.state = NodeState(spec.name, kv_free_tokens=self.kv_cap)
         self.busy_timeline = [0.0] * buckets
+        #: on-demand KV: slots taken by generated tokens (the router promised only prompts)
+        self.kv_grown = 0
+        self.kv_mark = 0  # watermark kept free at admission (on-demand)
+        self.preempted = 0  # requests preempted because this node's KV was full
 
 
 @dataclass
@@ -173,6 +201,15 @@ class Simulation:
             self.nodes[r.name] = SimNode(
                 cluster.node(r.name), r.start_layer, r.end_layer, cost, self.buckets
             )
+        if config.kv_allocation not in ("reserve", "on-demand"):
+            raise UserError(f"kv_allocation: {config.kv_allocation!r}; known: reserve, on-demand")
+        self.on_demand = config.kv_allocation == "on-demand"
+        if self.on_demand:
+            if not 0 <= config.kv_watermark < 1:
+                raise UserError(f"kv_watermark: must be in [0, 1), got {config.kv_watermark}")
+            for n in self.nodes.values():
+                n.kv_mark = int(config.kv_watermark * n.kv_cap)
+                n.state.kv_free_tokens = n.kv_cap - n.kv_mark
         if config.max_prompt_tokens is not None:
             if config.max_prompt_tokens < 1:
                 raise UserError(f"max_prompt_tokens: must be >= 1, got "
@@ -200,7 +237,9 @@ class Simulation:
         self.now = 0.0
         self.waiting: deque[SimRequest] = deque()
         self.finished: list[SimRequest] = []
-        self.in_flight = self.rejected = self.arrived = 0
+        self.in_flight = self.rejected = self.arrived = self.preemptions = 0
+        #: requests admitted and not finished, in admission order (preemption picks the last)
+        self.running: dict[str, SimRequest] = {}
         self.decode_tokens = self.prompt_tokens = 0
         self.token_timeline = [0] * self.buckets
         self.next_arrival = 0
@@ -265,6 +304,7 @@ class Simulation:
             events=events,
             wall_s=time.perf_counter() - wall0,
             max_flow_tokens_per_s=self.placement.throughput_tokens_per_s,
+            extra={"kv_allocation": self.cfg.kv_allocation, "preemptions": self.preemptions},
         )
 
     # ---- admission -------------------------------------------------------------------------
@@ -289,7 +329,12 @@ class Simulation:
                 self.arrived += 1
                 waiting.append(SimRequest(f"req-{self.arrived}", now, prompt, output))
             r = waiting[0]
-            route = router.route(RequestInfo(r.rid, r.prompt, r.output), self.states)
+            info = (
+                RequestInfo(r.rid, r.prompt, r.output - r.generated, kv_tokens=r.prompt)
+                if self.on_demand
+                else RequestInfo(r.rid, r.prompt, r.output)
+            )
+            route = router.route(info, self.states)
             if route is None:
                 if self.in_flight == 0:
                     # Not even an idle cluster holds it: waiting would block the queue forever.
@@ -302,7 +347,8 @@ class Simulation:
             r.nodes = tuple(self.nodes[h.node] for h in route.hops)
             r.starts = tuple(h.start_layer for h in route.hops)
             r.admit_s = now
-            need = r.prompt + r.output
+            self.running[r.rid] = r
+            need = r.prompt if self.on_demand else r.prompt + r.output
             for n in r.nodes:
                 n.kv_area += n.kv_used * (now - n.kv_t)
                 n.kv_t = now
@@ -315,23 +361,72 @@ class Simulation:
                 n.kv_peak = max(n.kv_peak, n.kv_used)
             self._send(COORDINATOR, r.nodes[0], r.prompt * TOKEN_ID_BYTES, [r])
 
-    def _finish(self, r: SimRequest) -> None:
+    def _free(self, r: SimRequest) -> None:
+        """Release the KV `r` holds on its route (it finished or was preempted)."""
         now = self.now
-        r.finish_s = now
-        need = r.prompt + r.output
+        if self.on_demand:
+            grown = r.grown  # admitted with `prompt` slots, one more per decode step since
+            need = r.prompt + grown
+        else:
+            grown, need = 0, r.prompt + r.output
         for n in r.nodes:
             n.kv_area += n.kv_used * (now - n.kv_t)
             n.kv_t = now
             n.kv_used -= need
-        self.router.on_finish(r.rid)
+            if grown:
+                n.kv_grown -= grown
+                n.state.kv_free_tokens = n.kv_cap - n.kv_mark - n.kv_grown
+        del self.running[r.rid]
         self.in_flight -= 1
+
+    def _finish(self, r: SimRequest) -> None:
+        r.finish_s = self.now
+        self._free(r)
+        self.router.on_finish(r.rid)
         self.finished.append(r)
+
+    def _grow(self, r: SimRequest) -> bool:
+        """On-demand KV: one more slot on every node of `r`'s route for its next decode step,
+        preempting the most recently admitted request on a full node. False: `r` itself was
+        preempted."""
+        for n in r.nodes:
+            while n.kv_used >= n.kv_cap:
+                victim = next(q for q in reversed(self.running.values()) if n in q.nodes)
+                n.preempted += 1
+                self._preempt(victim)
+                if victim is r:
+                    return False
+        now = self.now
+        for n in r.nodes:
+            n.kv_area += n.kv_used * (now - n.kv_t)
+            n.kv_t = now
+            n.kv_used += 1
+            n.kv_grown += 1
+            if n.kv_used > n.kv_peak:
+                n.kv_peak = n.kv_used
+            n.state.kv_free_tokens = n.kv_cap - n.kv_mark - n.kv_grown
+        r.grown += 1
+        return True
+
+    def _preempt(self, r: SimRequest) -> None:
+        """Recompute preemption: free `r`'s KV and requeue it at the head of the admission
+        queue; re-admitted, it prefills its prompt and the tokens it generated so far."""
+        r.dead = True
+        self._free(r)
+        self.router.on_cancel(r.rid)
+        self.preemptions += 1
+        q = SimRequest(r.rid, r.arrival_s, r.prompt + r.generated, r.output)
+        q.generated, q.first_s, q.resumed = r.generated, r.first_s, True
+        self.waiting.appendleft(q)
 
     # ---- nodes -----------------------------------------------------------------------------
 
     def _enqueue(self, node: SimNode, reqs: list[SimRequest]) -> None:
         for r in reqs:
+            if r.dead:
+                continue
             if r.in_prompt:
+                r.left = r.prompt
                 node.pq.append(r)
             else:
                 node.dq.append(r)
@@ -340,6 +435,10 @@ class Simulation:
             self._start(node)
 
     def _start(self, node: SimNode) -> None:
+        if self.on_demand:  # drop requests preempted while queued here
+            node.dq = [r for r in node.dq if not r.dead]
+            if any(r.dead for r in node.pq):
+                node.pq = deque(r for r in node.pq if not r.dead)
         dq = node.dq
         if len(dq) <= node.max_decode:
             decode, node.dq = dq, []
@@ -348,10 +447,25 @@ class Simulation:
         pq = node.pq
         prompts: list[SimRequest] = []
         prompt_tokens = 0
-        while pq and (not prompts or prompt_tokens + pq[0].prompt <= node.max_prompt):
-            r = pq.popleft()
-            prompts.append(r)
-            prompt_tokens += r.prompt
+        if self.cfg.chunked_prefill:
+            budget = node.max_prompt
+            while pq and budget > 0:
+                r = pq[0]
+                take = r.left if r.left <= budget else budget
+                r.chunk = take
+                r.left -= take
+                budget -= take
+                prompts.append(r)
+                prompt_tokens += take
+                if r.left:
+                    break  # the rest of this prompt in the next iteration
+                pq.popleft()
+        else:
+            while pq and (not prompts or prompt_tokens + pq[0].prompt <= node.max_prompt):
+                r = pq.popleft()
+                r.chunk, r.left = r.prompt, 0
+                prompts.append(r)
+                prompt_tokens += r.prompt
         if not decode and not prompts:
             return
         node.state.queue_len = len(pq) + len(node.dq)
@@ -378,7 +492,7 @@ class Simulation:
         # start layer -> [prompt tokens, decode sequences] entering there
         by_start: dict[int, list[int]] = {}
         for r in prompts:
-            by_start.setdefault(r.starts[r.hop], [0, 0])[0] += r.prompt
+            by_start.setdefault(r.starts[r.hop], [0, 0])[0] += r.chunk
         for r in decode:
             by_start.setdefault(r.starts[r.hop], [0, 0])[1] += 1
         starts = sorted(by_start)
@@ -415,6 +529,8 @@ class Simulation:
         out: dict[SimNode | None, list[Any]] = {}
         prompts, decode = batch
         for r in prompts:
+            if r.dead or r.left:  # preempted, or more of its prompt to prefill here
+                continue
             h = r.hop + 1
             r.hop = h
             nxt = r.nodes[h] if h < len(r.nodes) else None
@@ -425,6 +541,8 @@ class Simulation:
                 group[0].append(r)
                 group[1] += r.prompt
         for r in decode:
+            if r.dead:
+                continue
             h = r.hop + 1
             r.hop = h
             nxt = r.nodes[h] if h < len(r.nodes) else None
@@ -449,27 +567,33 @@ class Simulation:
         b = min(int(now / self.bucket_s), self.buckets - 1)
         out: dict[SimNode, list[SimRequest]] = {}
         finished_any = False
+        on_demand = self.on_demand
         for r in reqs:
+            if r.dead:
+                continue
             if r.in_prompt:
                 r.in_prompt = False
-                r.first_s = now
-                r.generated = 1
-                if counted:
-                    self.prompt_tokens += r.prompt
-            else:
-                r.generated += 1
+                if r.first_s != r.first_s:  # NaN: the first token (not a resumed request's)
+                    r.first_s = now
+                    if counted:
+                        self.prompt_tokens += r.prompt
+            r.generated += 1
             if counted:
                 self.decode_tokens += 1
             self.token_timeline[b] += 1
             if r.generated >= r.output:
                 self._finish(r)
                 finished_any = True
-            else:
+            elif not on_demand or self._grow(r):
                 r.hop = 0
                 out.setdefault(r.nodes[0], []).append(r)
         for first, group in out.items():
+            if on_demand:  # a later request's growth may have preempted an earlier one
+                group = [r for r in group if not r.dead]
+                if not group:
+                    continue
             self._send(COORDINATOR, first, TOKEN_ID_BYTES * len(group), group)
-        if finished_any and (self.waiting or self.stream is not None):
+        if (finished_any or self.in_flight == 0) and (self.waiting or self.stream is not None):
             self._admit()
 
     # ---- network ---------------------------------------------------------------------------
