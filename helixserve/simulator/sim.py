@@ -435,22 +435,25 @@ class Simulation:
             self._start(node)
 
     def _start(self, node: SimNode) -> None:
-        if self.on_demand:  # drop requests preempted while queued here
+        pq = node.pq
+        if self.on_demand:  # drop requests preempted while queued here (prompts: at the head)
             node.dq = [r for r in node.dq if not r.dead]
-            if any(r.dead for r in node.pq):
-                node.pq = deque(r for r in node.pq if not r.dead)
+            while pq and pq[0].dead:
+                pq.popleft()
         dq = node.dq
         if len(dq) <= node.max_decode:
             decode, node.dq = dq, []
         else:
             decode, node.dq = dq[: node.max_decode], dq[node.max_decode :]
-        pq = node.pq
         prompts: list[SimRequest] = []
         prompt_tokens = 0
         if self.cfg.chunked_prefill:
             budget = node.max_prompt
             while pq and budget > 0:
                 r = pq[0]
+                if r.dead:
+                    pq.popleft()
+                    continue
                 take = r.left if r.left <= budget else budget
                 r.chunk = take
                 r.left -= take
@@ -463,6 +466,8 @@ class Simulation:
         else:
             while pq and (not prompts or prompt_tokens + pq[0].prompt <= node.max_prompt):
                 r = pq.popleft()
+                if r.dead:
+                    continue
                 r.chunk, r.left = r.prompt, 0
                 prompts.append(r)
                 prompt_tokens += r.prompt
