@@ -65,6 +65,13 @@ class _StateCollector(Collector):
         )
         waiting.add_metric(model, _num(stats.get("waiting")))
         yield waiting
+        reroutes = CounterMetricFamily(
+            "helixserve:request_reroutes",
+            "Requests moved to a new route after a node or link failure (replayed there).",
+            labels=["model_name"],
+        )
+        reroutes.add_metric(model, _num(stats.get("reroutes")))
+        yield reroutes
 
         nodes: Mapping[str, Mapping[str, Any]] = stats.get("nodes") or {}
         used = sum(_num(n.get("kv_used_blocks")) for n in nodes.values())

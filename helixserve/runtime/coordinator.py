@@ -88,6 +88,8 @@ class _Active:
     results: asyncio.Queue[WireResult | NodeFailure] = field(default_factory=asyncio.Queue)
     generated: list[int] = field(default_factory=list)
     reroutes: int = 0
+    #: step ids sent on the current route whose result (token or ack) has not come back
+    pending: set[int] = field(default_factory=set)
 
 
 class Coordinator:
@@ -119,6 +121,7 @@ class Coordinator:
         self._releases: set[asyncio.Task[Any]] = set()
         self.hop_counts: dict[tuple[str, ...], int] = {}
         self.tokens_generated = 0
+        self.reroutes = 0  # requests moved to a new route after a failure, since start
 
     @classmethod
     async def create(
@@ -278,6 +281,7 @@ class Coordinator:
             "running": len(self.active),
             "waiting": self.waiting,
             "tokens_generated": self.tokens_generated,
+            "reroutes": self.reroutes,
             "nodes": nodes,
             "routes": {"->".join(r): c for r, c in self.hop_counts.items()},
         }
@@ -432,6 +436,7 @@ class Coordinator:
             sample=sample,
             num_prompt_tokens=num_prompt_tokens,
         )
+        act.pending.add(item.step_id)
         self.nodes[act.route_hops[0].node].send(item)
 
     async def _next_token(self, act: _Active) -> WireResult:
@@ -450,10 +455,15 @@ class Coordinator:
             if not r.ok:
                 from helixserve.runtime.transport import UNAVAILABLE
 
+                if r.step_id and r.step_id not in act.pending:
+                    # a step already answered, reported again by a worker whose stream to
+                    # the next hop broke after sending it (step 0: the whole request)
+                    continue
                 if r.status_code == UNAVAILABLE:
                     await self._reroute(act, r.error)
                     continue
                 raise RequestFailedError(f"request {act.req.request_id}: {r.error}")
+            act.pending.discard(r.step_id)
             if r.token_id is not None:
                 return r
 
@@ -473,6 +483,8 @@ class Coordinator:
         # A fresh internal id: workers drop any late item of the old one (released ids).
         act.internal_id = self._new_internal_id(act.req)
         act.results = asyncio.Queue()
+        act.pending.clear()
+        self.reroutes += 1
         await self._route(act, replay_tokens=len(act.generated))
         self._send_prefill(act, act.req.prompt_token_ids + act.generated)
 

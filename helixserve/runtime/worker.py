@@ -47,6 +47,8 @@ SERVICE_NAME = "helixserve.v1.HelixWorker"
 RELEASED_MEMORY = 100_000
 #: Window of the busy-fraction estimate reported by Info.
 BUSY_WINDOW_S = 5.0
+#: Items remembered per next-hop stream, to report when the stream breaks (see _Peer).
+SENT_MEMORY = 10_000
 
 
 @dataclass(eq=False)
@@ -72,26 +74,63 @@ class _Release:
 
 
 class _Peer:
-    """A persistent Work stream to one next-hop worker; all items for it go out in batches."""
+    """A persistent Work stream to one next-hop worker; all items for it go out in batches.
+
+    When the stream breaks, the items written to it may or may not have reached the next
+    hop, and no result will say which. So every item sent on the broken stream (the last
+    SENT_MEMORY of them) is reported to its coordinator as UNAVAILABLE, like the items still
+    queued. A coordinator ignores a report for a step it already has the result of, and
+    re-routes a request whose pending step was on the stream, instead of waiting for its
+    step timeout.
+    """
 
     def __init__(self, worker: Worker, address: str) -> None:
         self.worker = worker
         self.address = address
         self.queue: asyncio.Queue[pb.WorkItem] = asyncio.Queue()
+        #: (request id, step id, coordinator id) of items written to the current stream
+        self.sent: deque[tuple[str, int, str]] = deque(maxlen=SENT_MEMORY)
+        # The current stream's wait for its next item. A broken stream's request iterator
+        # is left suspended by gRPC; cancelling this wait keeps it from taking (and losing)
+        # an item meant for the next stream.
+        self._getter: asyncio.Future[pb.WorkItem] | None = None
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
         while True:
             first = await self.queue.get()
+            self.sent.clear()
             channel = grpc.aio.insecure_channel(self.address, options=tp.CHANNEL_OPTIONS)
             try:
                 call = pb_grpc.HelixWorkerStub(channel).Work(self._requests(first))
                 await self._read(call)
             except grpc.aio.AioRpcError as exc:
                 log.warning("stream to %s broke: %s", self.address, exc.code().name)
-                self._fail_queued(f"next hop {self.address} unreachable: {exc.code().name}")
+                message = f"next hop {self.address} unreachable: {exc.code().name}"
+                taken = self._stop_getter()
+                if taken is not None:
+                    self.sent.append((taken.request_id, taken.step_id, taken.coordinator_id))
+                self._fail_sent(message)
+                self._fail_queued(message)
             finally:
+                taken = self._stop_getter()
+                if taken is not None:  # the stream ended normally after taking it
+                    self.worker.report_error(taken.request_id, taken.step_id,
+                                             taken.coordinator_id, tp.UNAVAILABLE,
+                                             f"stream to next hop {self.address} ended")
                 await channel.close()
+
+    def _stop_getter(self) -> pb.WorkItem | None:
+        """End the current stream's wait; the item it took and never wrote, if any."""
+        getter, self._getter = self._getter, None
+        if getter is None:
+            return None
+        if not getter.done():
+            getter.cancel()
+            return None
+        if getter.cancelled() or getter.exception() is not None:
+            return None
+        return getter.result()
 
     async def _requests(self, first: pb.WorkItem) -> AsyncIterator[pb.WorkBatch]:
         items = [first]
@@ -99,9 +138,13 @@ class _Peer:
         while True:
             while not self.queue.empty():
                 items.append(self.queue.get_nowait())
+            self.sent.extend((m.request_id, m.step_id, m.coordinator_id) for m in items)
             yield tp.work_batch_pb(items, sender=self.worker.node if hello else "")
             hello = False
-            items = [await self.queue.get()]
+            getter = self._getter = asyncio.ensure_future(self.queue.get())
+            items = [await getter]
+            if self._getter is getter:
+                self._getter = None
 
     async def _read(self, call: Any) -> None:
         # Downstream normally reports to the coordinator directly; anything arriving here is a
@@ -109,6 +152,12 @@ class _Peer:
         async for batch in call:
             for r in batch.results:
                 self.worker.deliver(r, coordinator_id="", origin=None)
+
+    def _fail_sent(self, message: str) -> None:
+        for request_id, step_id, coordinator_id in self.sent:
+            self.worker.report_error(request_id, step_id, coordinator_id, tp.UNAVAILABLE,
+                                     f"{message} (item sent, fate unknown)")
+        self.sent.clear()
 
     def _fail_queued(self, message: str) -> None:
         while not self.queue.empty():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -43,11 +44,12 @@ def free_port() -> int:
 
 
 def start_worker(model: Path, name: str, start: int, end: int, tmp: Path,
-                 extra: list[str] | None = None, placement: Path | None = None) -> WorkerProc:
+                 extra: list[str] | None = None, placement: Path | None = None,
+                 port: int | None = None, log_name: str | None = None) -> WorkerProc:
     """With `placement`, the worker finds its range there (`--placement P --node N`, as the
     Kubernetes manifests run it); else `--layers start:end`."""
-    port = free_port()
-    log_path = tmp / f"{name}.log"
+    port = port or free_port()
+    log_path = tmp / f"{log_name or name}.log"
     where = ["--placement", str(placement)] if placement else ["--layers", f"{start}:{end}"]
     cmd = [sys.executable, "-m", "helixserve", "worker", "--model", str(model),
            *where, "--node", name, "--port", str(port),
@@ -117,3 +119,90 @@ def uneven_placement() -> Placement:
         [("coordinator", "n0", 2), ("coordinator", "m", 1), ("n0", "n1", 1), ("n0", "m", 1),
          ("n1", "n2", 1), ("m", "n2", 2), ("n2", "coordinator", 3)],
     )
+
+
+class CuttableProxy:
+    """A TCP proxy on 127.0.0.1 in front of a worker, whose connections can be cut.
+
+    `cut(first)` makes every connection accepted so far with index >= `first` a black hole
+    (bytes from the client are dropped, so whatever the client sends now is lost), then closes
+    them after `close_after_s`: to the client, a stream that swallowed its last items and
+    broke, while the worker behind stays up and reachable through newer connections.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        import threading
+
+        self.target_port = target_port
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = int(self.listener.getsockname()[1])
+        self.conns: list[dict[str, object]] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def num_connections(self) -> int:
+        with self._lock:
+            return len(self.conns)
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            conn: dict[str, object] = {"client": client, "upstream": upstream, "hole": False}
+            with self._lock:
+                self.conns.append(conn)
+            threading.Thread(target=self._pump, args=(conn, client, upstream, True),
+                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(conn, upstream, client, False),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pump(conn: dict[str, object], src: socket.socket, dst: socket.socket,
+              from_client: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if from_client and conn["hole"]:
+                    continue
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self, first: int, close_after_s: float = 1.0) -> int:
+        import threading
+
+        with self._lock:
+            victims = self.conns[first:]
+        for conn in victims:
+            conn["hole"] = True
+
+        def close() -> None:
+            for conn in victims:
+                for key in ("client", "upstream"):
+                    sock = conn[key]
+                    assert isinstance(sock, socket.socket)
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+                    sock.close()
+
+        threading.Timer(close_after_s, close).start()
+        return len(victims)
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cut(0, close_after_s=0.0)

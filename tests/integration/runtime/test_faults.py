@@ -1,4 +1,5 @@
-"""Faults: a worker killed mid-request, and a worker drained by SIGTERM.
+"""Faults: a link between two workers broken mid-request, a worker killed mid-request (and
+brought back), and a worker drained by SIGTERM.
 
 Own workers (this module kills them): n0 [0,10) n1 [10,20) n2 [20,30) and m [0,25), m started
 with `--placement P --node m`. The placement's flows send almost everything along n0-n1-n2,
@@ -8,6 +9,8 @@ with m-n2 as the spare route.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import signal
 import uuid
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ import pytest
 import torch
 from runtime_procs import (
     NUM_LAYERS,
+    CuttableProxy,
     WorkerProc,
     make_cluster,
     make_placement,
@@ -80,13 +84,57 @@ def prompt_and_reference(demo_model: Path) -> tuple[list[int], list[int]]:
     return prompt, tokens
 
 
+def test_broken_link_between_workers_reroutes_at_once(fault_workers, demo_model,
+                                                      prompt_and_reference, caplog):
+    """n0's stream to n1 swallows an item and breaks while n1 stays up: n0 reports the items
+    it had sent on that stream, and the coordinator replays the request at once instead of
+    waiting for its step timeout (set longer than this test may run)."""
+    prompt, reference = prompt_and_reference
+    proxy = CuttableProxy(fault_workers["n1"].port)
+    workers = [dataclasses.replace(w, port=proxy.port) if w.name == "n1" else w
+               for w in fault_workers.values()]
+
+    async def main() -> tuple[list[int], dict, int]:
+        coord = await Coordinator.create(make_cluster(workers), placement(), demo_model,
+                                         step_timeout_s=600.0)
+        own = proxy.num_connections  # the coordinator's connection(s) to n1
+        cut = 0
+        try:
+            ids: list[int] = []
+            req = GenerationRequest("link", prompt, GREEDY, max_tokens=MAX_TOKENS, ignore_eos=True)
+            async for ev in coord.generate(req):
+                ids.append(ev.token_id)
+                if len(ids) == 5:
+                    assert coord.stats()["routes"] == {"n0->n1->n2": 1}
+                    cut = proxy.cut(own)  # n0 -> n1 only
+            return ids, coord.stats(), cut
+        finally:
+            await coord.close()
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="helixserve.coordinator"):
+            ids, stats, cut = asyncio.run(main())
+    finally:
+        proxy.close()
+    assert cut >= 1
+    assert ids == reference
+    assert stats["reroutes"] >= 1
+    reasons = [r.getMessage() for r in caplog.records if "re-routing" in r.getMessage()]
+    assert reasons and all("fate unknown" in m for m in reasons), reasons
+    assert all(n["alive"] for n in stats["nodes"].values()), stats["nodes"]
+
+
 def test_killed_worker_request_continues_on_another_route(fault_workers, demo_model,
                                                           prompt_and_reference):
+    """...and when n1 comes back (a new process on the same address, as a restarted pod),
+    the coordinator notices, and n1's route serves again."""
     prompt, reference = prompt_and_reference
+    old_n1 = fault_workers["n1"]
 
-    async def main() -> tuple[list[int], dict]:
+    async def main() -> tuple[list[int], dict, list[int], dict]:
         coord = await Coordinator.create(make_cluster(list(fault_workers.values())), placement(),
                                          demo_model)
+        revived = None
         try:
             ids: list[int] = []
             req = GenerationRequest("ft", prompt, GREEDY, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -94,16 +142,36 @@ def test_killed_worker_request_continues_on_another_route(fault_workers, demo_mo
                 ids.append(ev.token_id)
                 if len(ids) == 5:
                     assert coord.stats()["routes"] == {"n0->n1->n2": 1}
-                    fault_workers["n1"].proc.send_signal(signal.SIGKILL)
-            return ids, coord.stats()
+                    old_n1.proc.send_signal(signal.SIGKILL)
+            after_kill = coord.stats()
+
+            old_n1.proc.wait(timeout=30)
+            revived = start_worker(demo_model, "n1", 10, 20, old_n1.log_path.parent,
+                                   port=old_n1.port, log_name="n1-revived")
+            await asyncio.to_thread(wait_ready, [revived])
+            for _ in range(300):  # the coordinator retries a down node every 2 s
+                if coord.stats()["nodes"]["n1"]["alive"]:
+                    break
+                await asyncio.sleep(0.1)
+            again: list[int] = []
+            req = GenerationRequest("ft2", prompt, GREEDY, max_tokens=MAX_TOKENS, ignore_eos=True)
+            async for ev in coord.generate(req):
+                again.append(ev.token_id)
+            return ids, after_kill, again, coord.stats()
         finally:
             await coord.close()
+            if revived is not None:
+                stop_workers([revived])
 
-    ids, stats = asyncio.run(main())
+    ids, after_kill, again, final = asyncio.run(main())
     # no gap, no duplicate: the greedy continuation is exactly the single engine's
     assert ids == reference
-    assert stats["nodes"]["n1"]["alive"] is False
-    assert "m->n2" in stats["routes"], stats["routes"]
+    assert after_kill["nodes"]["n1"]["alive"] is False
+    assert "m->n2" in after_kill["routes"], after_kill["routes"]
+    # back: alive, and the heavy route (flow 100 vs 3) took the new request
+    assert final["nodes"]["n1"]["alive"] is True
+    assert final["routes"].get("n0->n1->n2") == 2, final["routes"]
+    assert again == reference
 
 
 def test_sigterm_drains_active_requests_then_refuses(fault_workers, demo_model,

@@ -81,5 +81,6 @@ def test_state_gauges_from_coordinator_stats(server):
     assert value(samples, "helixserve:node_kv_cache_usage_perc", node="n1") == 0.3
     assert value(samples, "helixserve:node_busy_fraction", node="n2") == 0.25
     assert value(samples, "helixserve:route_requests_total", route="n1->n2") == 3
+    assert value(samples, "helixserve:request_reroutes_total") == 2
     for src, dst in (("coordinator", "n1"), ("n1", "n2"), ("n2", "coordinator")):
         assert value(samples, "helixserve:route_hop_requests_total", src=src, dst=dst) == 3
