@@ -6,6 +6,16 @@ swarm + swarm), and the simulator's speed on 10 minutes of the trace at the clus
 capacity. Placements are cached per (cluster, planner, planner source fingerprint), so a
 re-run does not re-solve unless the planner or cost model changed.
 
+Engine model (`--engine`): `vllm` (the default) = on-demand KV allocation with recompute
+preemption and chunked prefill of `--max-prompt-tokens` (512) tokens an iteration, as vLLM
+serves, and at most 64 admitted requests still prefilling (admission waits beyond that);
+`reserve` = every request reserves prompt + output KV on its route at admission and
+a node prefills whole prompts up to its profile's largest batch (the simulator's defaults,
+this benchmark's model before 2026-12-02). Both apply to every planner and scheduler.
+On the full-matrix clusters `milp-serving` is `helixserve.planner.serving.select_placement`
+over the milp placement and the cluster's best stacked tilings (picked by a 1200 s offline
+simulation with the same engine model; the reported numbers come from the runs here).
+
     python benchmarks/serving_sim.py --json benchmarks/results/serving_sim.json
 """
 
@@ -24,6 +34,7 @@ from typing import Any
 
 from helixserve.costmodel import CostModel
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement, plan
+from helixserve.planner.serving import SelectionConfig, select_placement
 from helixserve.simulator.metrics import summarize
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace
@@ -34,6 +45,21 @@ SHARED = REPO.parent / "shared" / "data"
 #: placement file used per cluster/planner, written into the JSON
 USED_PLACEMENTS: dict[str, str] = {}
 HEADLINE = [("milp", "maxflow"), ("separate", "shortest-queue"), ("swarm", "swarm")]
+#: SimConfig fields of each engine model (see the module doc)
+ENGINES: dict[str, dict[str, Any]] = {
+    "vllm": {
+        "kv_allocation": "on-demand",
+        "chunked_prefill": True,
+        "max_prompt_tokens": 512,
+        "max_prefilling": 64,
+    },
+    "reserve": {
+        "kv_allocation": "reserve",
+        "chunked_prefill": False,
+        "max_prompt_tokens": None,
+        "max_prefilling": None,
+    },
+}
 
 
 def planner_fingerprint() -> str:
@@ -92,6 +118,51 @@ def kv_balanced_reference(cluster: ClusterSpec, model: ModelSpec) -> Placement |
     return Placement(model.name, cluster.name, model.num_layers, "kv-balanced-hand", nodes)
 
 
+def serving_selection(
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel,
+    milp: Placement,
+    trace: list[TraceRequest],
+    engine: dict[str, Any],
+    args: argparse.Namespace,
+    out: dict[str, Any],
+) -> Placement:
+    """milp-serving: the milp placement or a stacked tiling, whichever a 1200 s offline
+    simulation (same engine model) serves best; cached like the planners' placements."""
+    key = f"{cluster.name}/milp-serving"
+    reuse: dict[str, str] = {}
+    if args.placements_from is not None:
+        reuse = json.loads(args.placements_from.read_text()).get("placements", {})
+    name = reuse.get(key)
+    if name is None:
+        tag = hashlib.sha256(
+            json.dumps([milp.to_dict()["nodes"], engine, args.seed], sort_keys=True).encode()
+        ).hexdigest()[:8]
+        name = f"{cluster.name}-{model.name}-milp-serving-{planner_fingerprint()}-{tag}.json"
+    path = args.cache / name
+    report_path = path.with_suffix(".selection.json")
+    USED_PLACEMENTS[key] = name
+    if path.is_file() and not args.replan:
+        chosen = load_placement(path)
+    else:
+        print(f"  serving-aware selection on {cluster.name} ...", file=sys.stderr)
+        cfg = SelectionConfig(
+            seed=args.seed,
+            kv_allocation=engine["kv_allocation"],
+            chunked_prefill=engine["chunked_prefill"],
+            max_prompt_tokens=engine["max_prompt_tokens"],
+            max_prefilling=engine["max_prefilling"],
+        )
+        chosen, report = select_placement(cluster, model, cost, [milp], trace, cfg)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        chosen.save(path)
+        report_path.write_text(json.dumps({"config": vars(cfg), "candidates": report}, indent=1))
+    if report_path.is_file():
+        out.setdefault("serving_selection", {})[cluster.name] = json.loads(report_path.read_text())
+    return chosen
+
+
 def simulate(
     cluster: ClusterSpec,
     model: ModelSpec,
@@ -118,6 +189,7 @@ def row(summary: dict[str, Any]) -> dict[str, Any]:
         "cluster", "planner", "scheduler", "mode", "decode_throughput_tokens_per_s",
         "prompt_throughput_tokens_per_s", "max_flow_tokens_per_s", "requests_finished",
         "requests_waiting", "ttft_s", "tpot_s", "e2e_s", "events", "wall_s", "events_per_s",
+        "preemptions",
     )  # fmt: skip
     out = {k: summary[k] for k in keep}
     out["mean_node_utilization"] = sum(n["utilization"] for n in summary["nodes"]) / len(
@@ -178,11 +250,18 @@ def main() -> int:
         metavar="JSON",
         help="reuse the cached placements an earlier run's JSON names (its 'placements')",
     )
+    ap.add_argument("--engine", choices=sorted(ENGINES), default="vllm")
     ap.add_argument(
         "--max-prompt-tokens",
         type=int,
         default=None,
-        help="prompt tokens one node iteration may prefill (default: the profile's largest)",
+        help="prompt tokens one node iteration may prefill (default: 512 with --engine vllm, "
+        "the profile's largest with reserve)",
+    )
+    ap.add_argument(
+        "--no-serving-selection",
+        action="store_true",
+        help="skip the milp-serving placement (serving-aware selection)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-speed", action="store_true")
@@ -208,7 +287,12 @@ def main() -> int:
     reuse: dict[str, str] = {}
     if args.placements_from is not None:
         reuse = json.loads(args.placements_from.read_text()).get("placements", {})
-    out["max_prompt_tokens"] = args.max_prompt_tokens
+    engine = dict(ENGINES[args.engine])
+    if args.max_prompt_tokens is not None:
+        engine["max_prompt_tokens"] = args.max_prompt_tokens
+    out["engine"] = args.engine
+    out["engine_config"] = engine
+    out["max_prompt_tokens"] = engine["max_prompt_tokens"]
     planned: dict[str, dict[str, Placement]] = {}
     for cname in args.clusters:
         cluster = load_cluster(SHARED / "clusters" / f"{cname}.yaml")
@@ -224,6 +308,14 @@ def main() -> int:
             res = evaluate(cluster, model, cost, ref)
             ref.flows, ref.throughput_tokens_per_s = res.flows, res.throughput_tokens_per_s
             placements["kv-balanced-hand"] = ref
+        if (
+            cname in args.full_matrix_clusters
+            and "milp" in placements
+            and not args.no_serving_selection
+        ):
+            placements["milp-serving"] = serving_selection(
+                cluster, model, cost, placements["milp"], trace, engine, args, out
+            )
         # The Helix authors' own placement (their Gurobi MILP), converted by the planner work.
         authors = REPO / "benchmarks" / "helix-placements" / f"{cname}-{model.name}.json"
         if authors.exists():
@@ -237,7 +329,7 @@ def main() -> int:
             pairs = [pair for pair in HEADLINE if pair[0] in placements]
             pairs += [(p, "maxflow") for p in ("helix-authors",) if p in placements]
         for mode in ("offline", "online"):
-            online_pairs = [*HEADLINE, ("kv-balanced-hand", "maxflow")]
+            online_pairs = [*HEADLINE, ("milp-serving", "maxflow"), ("kv-balanced-hand", "maxflow")]
             for p, s in pairs if mode == "offline" else online_pairs:
                 if p not in placements:
                     continue
@@ -247,7 +339,7 @@ def main() -> int:
                     warmup_s=args.warmup,
                     scheduler=s,
                     seed=args.seed,
-                    max_prompt_tokens=args.max_prompt_tokens,
+                    **engine,
                 )
                 summary, _ = simulate(
                     cluster, model, cost, placements[p], trace if mode == "offline" else online, cfg
@@ -266,11 +358,12 @@ def main() -> int:
 
     targets = {}
     for cname in args.clusters:
-        milp_x = offline(cname, "milp", "maxflow")
-        for p, s in HEADLINE[1:]:
-            base = offline(cname, p, s)
-            if milp_x and base:
-                targets[f"{cname}: milp+maxflow / {p}+{s}"] = milp_x / base
+        for ours in ("milp", "milp-serving"):
+            milp_x = offline(cname, ours, "maxflow")
+            for p, s in HEADLINE[1:]:
+                base = offline(cname, p, s)
+                if milp_x and base:
+                    targets[f"{cname}: {ours}+maxflow / {p}+{s}"] = milp_x / base
     out["targets"] = targets
     out["placements"] = USED_PLACEMENTS
     print()
@@ -286,7 +379,7 @@ def main() -> int:
             mean_output = sum(r.output_tokens for r in trace) / len(trace)
             rate = capacity / mean_output
             reqs = prepare_trace(trace, lengths=None, rate_per_s=rate)
-            cfg = SimConfig(duration_s=600.0, scheduler="maxflow", seed=args.seed)
+            cfg = SimConfig(duration_s=600.0, scheduler="maxflow", seed=args.seed, **engine)
             placement = planned[cname]["milp"]  # the one measured above
             summary, _ = simulate(cluster, model, cost, placement, reqs, cfg)
             _, profile = simulate(
@@ -295,7 +388,7 @@ def main() -> int:
                 cost,
                 placement,
                 reqs,
-                SimConfig(duration_s=120.0, scheduler="maxflow"),
+                SimConfig(duration_s=120.0, scheduler="maxflow", **engine),
                 profile=True,
             )
             out["speed"] = {

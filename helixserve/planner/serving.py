@@ -16,8 +16,8 @@ This module does not change any planner; it takes candidates and measures them:
   busiest stage's compute with prompts) and the best `tilings` are simulated,
 
 and returns the one with the highest simulated offline decode throughput (the simulator
-with vLLM-like engine options by default: on-demand KV, chunked prefill of 512 tokens, the
-maxflow router), together with every candidate's score for the report.
+with vLLM-like engine options by default: on-demand KV, chunked prefill of 512 tokens, at
+most 64 requests prefilling, the maxflow router), together with every candidate's score for the report.
 
     best, report = select_placement(cluster, model, cost, [milp], requests)
 """
@@ -53,6 +53,7 @@ class SelectionConfig:
     kv_allocation: str = "on-demand"
     chunked_prefill: bool = True
     max_prompt_tokens: int | None = 512
+    max_prefilling: int | None = 64
     #: rule-generated tilings simulated (the best by the analytic estimate)
     tilings: int = 6
     seed: int = 0
@@ -205,6 +206,7 @@ def simulate_candidate(
         kv_allocation=config.kv_allocation,
         chunked_prefill=config.chunked_prefill,
         max_prompt_tokens=config.max_prompt_tokens,
+        max_prefilling=config.max_prefilling,
     )
     out = summarize(Simulation(cluster, model, cost, placement, list(requests), cfg).run())
     return float(out["decode_throughput_tokens_per_s"])

@@ -84,6 +84,10 @@ class SimConfig:
     #: (`max_prompt_tokens`) over several iterations of the node (vLLM's chunked prefill);
     #: the request moves on once its whole prompt has run on the node
     chunked_prefill: bool = False
+    #: admit no request while this many admitted requests are still in their prefill (no
+    #: first token yet); None: no limit. Keeps an admission burst of prompts from queueing
+    #: on the nodes and links ahead of the decode steps of requests already running
+    max_prefilling: int | None = None
 
 
 class SimRequest:
@@ -238,6 +242,7 @@ class Simulation:
         self.waiting: deque[SimRequest] = deque()
         self.finished: list[SimRequest] = []
         self.in_flight = self.rejected = self.arrived = self.preemptions = 0
+        self.prefilling = 0  # admitted requests without their first token
         #: requests admitted and not finished, in admission order (preemption picks the last)
         self.running: dict[str, SimRequest] = {}
         self.decode_tokens = self.prompt_tokens = 0
@@ -321,7 +326,10 @@ class Simulation:
 
     def _admit(self) -> None:
         waiting, router, now = self.waiting, self.router, self.now
+        cap = self.cfg.max_prefilling
         while True:
+            if cap is not None and self.prefilling >= cap:
+                return
             if not waiting:
                 if self.stream is None:
                     return
@@ -348,6 +356,7 @@ class Simulation:
             r.starts = tuple(h.start_layer for h in route.hops)
             r.admit_s = now
             self.running[r.rid] = r
+            self.prefilling += 1
             need = r.prompt if self.on_demand else r.prompt + r.output
             for n in r.nodes:
                 n.kv_area += n.kv_used * (now - n.kv_t)
@@ -412,6 +421,8 @@ class Simulation:
         """Recompute preemption: free `r`'s KV and requeue it at the head of the admission
         queue; re-admitted, it prefills its prompt and the tokens it generated so far."""
         r.dead = True
+        if r.in_prompt:
+            self.prefilling -= 1
         self._free(r)
         self.router.on_cancel(r.rid)
         self.preemptions += 1
@@ -573,11 +584,14 @@ class Simulation:
         out: dict[SimNode, list[SimRequest]] = {}
         finished_any = False
         on_demand = self.on_demand
+        first_any = False
         for r in reqs:
             if r.dead:
                 continue
             if r.in_prompt:
                 r.in_prompt = False
+                self.prefilling -= 1
+                first_any = True
                 if r.first_s != r.first_s:  # NaN: the first token (not a resumed request's)
                     r.first_s = now
                     if counted:
@@ -598,7 +612,11 @@ class Simulation:
                 if not group:
                     continue
             self._send(COORDINATOR, first, TOKEN_ID_BYTES * len(group), group)
-        if (finished_any or self.in_flight == 0) and (self.waiting or self.stream is not None):
+        if (
+            finished_any
+            or self.in_flight == 0
+            or (first_any and self.cfg.max_prefilling is not None)
+        ) and (self.waiting or self.stream is not None):
             self._admit()
 
     # ---- network ---------------------------------------------------------------------------

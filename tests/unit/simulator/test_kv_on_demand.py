@@ -127,3 +127,21 @@ def test_bad_kv_allocation_is_a_user_error() -> None:
     s = small_node()
     with pytest.raises(UserError, match="kv_allocation"):
         simulate(s, fixed_requests(1, 16, 16), kv_allocation="lazy")
+
+
+def test_max_prefilling_staggers_admission() -> None:
+    # Ample KV: without a cap all 20 requests are admitted at t = 0 and prefill together;
+    # with max_prefilling=3 only 3 are in flight until the first prompts are done.
+    s = with_flows(
+        make_setup([Machine("a", "T4", 0, 4, decode_ms=10.0, prompt_ms=100.0, max_decode=64)])
+    )
+    reqs = fixed_requests(20, prompt=64, output=50)
+    _, free = simulate(s, reqs, duration_s=0.2)
+    assert free["requests_in_flight"] == 20
+    sim, capped = simulate(s, reqs, duration_s=0.2, max_prefilling=3)
+    assert capped["requests_in_flight"] == 3 and capped["requests_waiting"] == 17
+    assert sim.prefilling == 3
+    # Later, as first tokens come back, more are admitted, never more than 3 prefilling.
+    sim, later = simulate(s, reqs, duration_s=5.0, max_prefilling=3)
+    assert later["requests_in_flight"] + later["requests_finished"] > 3
+    assert 0 <= sim.prefilling <= 3
