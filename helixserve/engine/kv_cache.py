@@ -56,13 +56,16 @@ class PagedKVCache:
         self.block_size = layout.block_size
         self.num_blocks = num_blocks
         num_slots = num_blocks * layout.block_size
-        shape = (layout.num_layers, layout.num_kv_heads, num_slots, layout.head_dim)
-        # k, v: [num_local_layers, num_kv_heads, num_slots, head_dim]. Heads first, so that
-        # gathering a request's slots yields [kv_heads, ctx, head_dim] for SDPA directly.
+        shape = (layout.num_layers, 2, layout.num_kv_heads, num_slots, layout.head_dim)
+        # kv: [num_local_layers, 2 (keys, values), num_kv_heads, num_slots, head_dim], one
+        # tensor so that a layer's new keys and values are stored by one index_copy_.
+        # k, v: views [num_local_layers, num_kv_heads, num_slots, head_dim]. Heads first,
+        # so that gathering a request's slots yields [kv_heads, ctx, head_dim] for SDPA.
         # torch.empty: on CPU, pages become resident only when blocks are first used;
         # blocks are zeroed when handed out (see `reserve`).
-        self.k = torch.empty(shape, dtype=layout.dtype, device=device)
-        self.v = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.kv = torch.empty(shape, dtype=layout.dtype, device=device)
+        self.k = self.kv[:, 0]
+        self.v = self.kv[:, 1]
         self.device = device
         # A stack, so recently freed (cache-warm) blocks are reused first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -122,8 +125,7 @@ class PagedKVCache:
         # Slice assignment per block: index_fill_ along the block dim of a 5-D view walked
         # the whole cache (~5 ms a call on the dev CPU); these are a few small writes.
         for b in blocks:
-            self.k[:, :, b * bs : (b + 1) * bs].zero_()
-            self.v[:, :, b * bs : (b + 1) * bs].zero_()
+            self.kv[:, :, :, b * bs : (b + 1) * bs].zero_()
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Drop blocks past `num_tokens` tokens (a request rewound, e.g. re-prefilled)."""

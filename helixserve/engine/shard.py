@@ -41,7 +41,7 @@ DEFAULT_CPU_KV_CAP_BYTES = 2 * 1024**3
 DEFAULT_CUDA_KV_FRACTION = 0.85  # of the memory left free after loading the weights
 
 DENSE_DECODE_MAX_BYTES = 1024**3
-DENSE_DECODE_CAP_STEP = 64
+DENSE_DECODE_CAP_STEP = 32
 
 DTYPES = {
     "float32": torch.float32,
@@ -75,6 +75,19 @@ class WorkItem:
     num_prompt_tokens: int | None = None
     """Optional: tokens at positions >= this are generated ones (for penalties after a
     re-prefill of prompt + output). None: tokens before the first sampled one are prompt."""
+
+
+@dataclass
+class DenseContexts:
+    """Dense copies of the decode contexts of the requests of an all-decode step."""
+
+    ids: tuple[str, ...]
+    """The requests, in the order of the step's rows."""
+    positions: list[int]
+    """Position of each request's token in that step."""
+    kv: torch.Tensor
+    """[local_layers, 2 (keys, values), d, kv_heads, cap, head_dim]; positions past a
+    request's length are finite (masked out)."""
 
 
 @dataclass
@@ -177,9 +190,8 @@ class ShardEngine:
         self.kv = PagedKVCache(layout, layout.num_blocks_for(budget), device)
         self._seq_len: dict[str, int] = {}
         self._history: dict[str, RequestHistory] = {}
-        self._dense: tuple[tuple[str, ...], list[int], torch.Tensor, torch.Tensor] | None = None
-        """Dense decode contexts of the last all-decode step: (request ids, positions,
-        k, v: [local_layers, d, kv_heads, cap, head_dim]); valid only for the very next step."""
+        self._dense: DenseContexts | None = None
+        """Dense decode contexts of the last all-decode step; valid only for the very next step."""
         self.last_logits: torch.Tensor | None = None
         """Logits of the rows sampled in the last step, [num_sampled, vocab] (tests, debugging)."""
 
@@ -253,30 +265,34 @@ class ShardEngine:
         offsets = [0]
         for it in items:
             offsets.append(offsets[-1] + len(it.token_ids))
-        plans: dict[tuple[int, ...], tuple[AttentionPlan, torch.Tensor, torch.Tensor]] = {}
+        plans: dict[tuple[int, ...], AttentionPlan] = {}
         dense = self._dense_contexts(items, prev_dense, plans)
+        whole = all(
+            it.start_layer == self.start_layer and it.end_layer == self.end_layer for it in items
+        )
+        everyone = tuple(range(len(items)))
         for layer in range(self.start_layer, self.end_layer):
-            active = tuple(
-                i for i, it in enumerate(items) if it.start_layer <= layer < it.end_layer
-            )
-            if not active:
-                continue
+            if whole:
+                active = everyone
+            else:
+                active = tuple(
+                    i for i, it in enumerate(items) if it.start_layer <= layer < it.end_layer
+                )
+                if not active:
+                    continue
             if active not in plans:
                 plans[active] = self._plan(items, active)
-            plan, cos, sin = plans[active]
+            plan = plans[active]
             local = layer - self.start_layer
             w = self.layers[local]
-            kc, vc = self.kv.k[local], self.kv.v[local]
+            kv = self.kv.kv[local]  # [2, kv_heads, slots, head_dim]
             if dense is not None:
-                dk, dv = dense[2][local], dense[3][local]
-                x = layer_forward(x, w, kc, vc, plan, cos, sin, self.args, (dk, dv))
+                x = layer_forward(x, w, kv, plan, self.args, dense.kv[local])
             elif len(active) == len(items):
-                x = layer_forward(x, w, kc, vc, plan, cos, sin, self.args)
+                x = layer_forward(x, w, kv, plan, self.args)
             else:
                 rows = self._rows(offsets, active).to(self.device)
-                x = x.index_copy(
-                    0, rows, layer_forward(x[rows], w, kc, vc, plan, cos, sin, self.args)
-                )
+                x = x.index_copy(0, rows, layer_forward(x[rows], w, kv, plan, self.args))
 
         for it in items:
             self._seq_len[it.request_id] = it.position + len(it.token_ids)
@@ -287,16 +303,19 @@ class ShardEngine:
     def _dense_contexts(
         self,
         items: list[WorkItem],
-        prev: tuple[tuple[str, ...], list[int], torch.Tensor, torch.Tensor] | None,
-        plans: dict[tuple[int, ...], tuple[AttentionPlan, torch.Tensor, torch.Tensor]],
-    ) -> tuple[tuple[str, ...], list[int], torch.Tensor, torch.Tensor] | None:
+        prev: DenseContexts | None,
+        plans: dict[tuple[int, ...], AttentionPlan],
+    ) -> DenseContexts | None:
         """Dense decode contexts for an all-decode step over all local layers, or None.
 
         Gathering every request's keys/values out of the paged cache each step (per
         layer) cost ~25% of a batch-32 decode step. When the same requests decode step
-        after step, their contexts are kept in dense [d, kv_heads, cap, hd] tensors per
-        layer and only the new token is appended (the paged cache stays the source of
-        truth; a dense copy is rebuilt from it whenever the batch changes).
+        after step, their contexts are kept in one dense [layers, 2, d, kv_heads, cap, hd]
+        tensor, with spare capacity (up to DENSE_DECODE_CAP_STEP positions) into which each
+        step writes its new token in place. The paged cache stays the source of truth: the
+        dense copy is rebuilt from it whenever the batch changes, and grown (copied into a
+        larger buffer) when the longest context reaches its capacity. It is not used when
+        it would exceed DENSE_DECODE_MAX_BYTES.
         """
         ok = all(
             len(it.token_ids) == 1
@@ -311,34 +330,53 @@ class ShardEngine:
         positions = [it.position for it in items]
         max_ctx = max(positions) + 1
         active = tuple(range(len(items)))
-        plan, cos, sin = plans[active] = self._plan(items, active)
-        plan.dense_pos = torch.tensor(positions, device=self.device)
-        if (
-            prev is not None
-            and prev[0] == ids
-            and all(p == q + 1 for p, q in zip(positions, prev[1], strict=True))
-            and max_ctx <= prev[2].shape[3]
-        ):
-            return ids, positions, prev[2], prev[3]
+        plan = plans[active] = self._plan(items, active)
         a = self.args
         layers, d, bs = self.end_layer - self.start_layer, len(items), self.kv.block_size
-        cap = -(-(max_ctx + DENSE_DECODE_CAP_STEP) // DENSE_DECODE_CAP_STEP) * DENSE_DECODE_CAP_STEP
-        shape = (layers, d, a.num_kv_heads, cap, a.head_dim)
+        step = DENSE_DECODE_CAP_STEP
+        cap = -(-max_ctx // step) * step
         elem = torch.empty((), dtype=self.dtype).element_size()
         if 2 * layers * d * a.num_kv_heads * cap * a.head_dim * elem > DENSE_DECODE_MAX_BYTES:
-            plan.dense_pos = None
             return None
-        # Zeros: positions past a request's length are masked, and must be finite.
-        dk = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        dv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        plan.dense_rows = torch.arange(d, device=self.device)
+        plan.dense_pos = torch.tensor(positions, device=self.device)
+        # Attend to positions <= each row's own; the rest of the capacity is masked.
+        past = torch.arange(cap, device=self.device)[None, :] > plan.dense_pos[:, None]
+        bias = torch.zeros(d, a.num_kv_heads, 1, cap, dtype=self.dtype, device=self.device)
+        plan.dense_bias = bias.masked_fill_(past[:, None, None, :], float("-inf")).view(
+            d * a.num_kv_heads, 1, cap
+        )
+        same = (
+            prev is not None
+            and prev.ids == ids
+            and all(p == q + 1 for p, q in zip(positions, prev.positions, strict=True))
+        )
+        if same and prev is not None:
+            have = prev.kv.shape[4]
+            if cap == have:
+                return DenseContexts(ids, positions, prev.kv)
+            # Grow: copy into a larger buffer; the new positions are zeros (masked, finite).
+            grown = torch.empty(
+                (layers, 2, d, a.num_kv_heads, cap, a.head_dim),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            grown[:, :, :, :, :have] = prev.kv
+            grown[:, :, :, :, have:] = 0
+            return DenseContexts(ids, positions, grown)
+        dkv = torch.empty(
+            (layers, 2, d, a.num_kv_heads, cap, a.head_dim), dtype=self.dtype, device=self.device
+        )
         blocks = self.kv.context_blocks(list(ids), max_ctx).reshape(-1)  # [d * nb]
-        n = blocks.shape[0] // d * bs
-        for src, dst in ((self.kv.k, dk), (self.kv.v, dv)):
-            for local in range(layers):
-                g = src[local].view(a.num_kv_heads, -1, bs * a.head_dim).index_select(1, blocks)
-                g = g.view(a.num_kv_heads, d, n, a.head_dim)[:, :, : min(n, cap)]
-                dst[local, :, :, : g.shape[2]] = g.transpose(0, 1)
-        return ids, positions, dk, dv
+        n = min(blocks.shape[0] // d * bs, cap)
+        # Positions past a request's length are masked, but must be finite: the gathered
+        # blocks hold finite values (zeroed when handed out), the rest is zeroed here.
+        dkv[:, :, :, :, n:] = 0
+        for local in range(layers):
+            g = self.kv.kv[local].view(2, a.num_kv_heads, -1, bs * a.head_dim)
+            g = g.index_select(2, blocks).view(2, a.num_kv_heads, d, -1, a.head_dim)
+            dkv[local, :, :, :, :n] = g[:, :, :, :n].transpose(1, 2)
+        return DenseContexts(ids, positions, dkv)
 
     def _validate(self, items: list[WorkItem]) -> None:
         seen: set[str] = set()
@@ -396,9 +434,7 @@ class ShardEngine:
             rows.extend(range(offsets[i], offsets[i + 1]))
         return torch.tensor(rows, dtype=torch.long)
 
-    def _plan(
-        self, items: list[WorkItem], active: tuple[int, ...]
-    ) -> tuple[AttentionPlan, torch.Tensor, torch.Tensor]:
+    def _plan(self, items: list[WorkItem], active: tuple[int, ...]) -> AttentionPlan:
         """Slots, positions and attention groups of the active items, shared by their layers."""
         dev = self.device
         slots: list[int] = []
@@ -434,8 +470,11 @@ class ShardEngine:
                 d_mask = torch.arange(max_ctx, device=dev)[None, :] < lens[:, None]
                 d_mask = d_mask[:, None, None, :]  # [d, 1, 1, max_ctx]
         pos_t = torch.tensor(positions, device=dev)
-        plan = AttentionPlan(
+        cos, sin = self.rope.qkv_tables(pos_t, max(positions))
+        return AttentionPlan(
             slots=torch.tensor(slots, device=dev),
+            cos=cos,
+            sin=sin,
             decode_rows=d_rows,
             decode_ctx_blocks=d_blocks,
             block_size=self.kv.block_size,
@@ -444,8 +483,6 @@ class ShardEngine:
             prefills=prefills,
             all_decode=len(decode_rows) == row,
         )
-        cos, sin = self.rope.tables(pos_t, max(positions))
-        return plan, cos, sin
 
     def _outputs(
         self, items: list[WorkItem], offsets: list[int], x: torch.Tensor

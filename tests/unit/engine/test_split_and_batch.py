@@ -132,8 +132,12 @@ def test_decode_batches_that_change_between_steps_equal_each_alone(demo_engine, 
     a request sitting out a step, one freed mid-run, one joining, one rewound."""
     prompts = {
         k: demo_tokenizer(t)["input_ids"]
-        for k, t in {"a": "The quick brown fox", "b": "Water boils at",
-                     "c": "List three colors:", "d": "Once upon a time"}.items()
+        for k, t in {
+            "a": "The quick brown fox",
+            "b": "Water boils at",
+            "c": "List three colors:",
+            "d": "Once upon a time",
+        }.items()
     }
     steps = 12
     alone = {k: greedy_run(demo_engine, f"solo-{k}", p, steps).tokens for k, p in prompts.items()}
@@ -169,4 +173,50 @@ def test_decode_batches_that_change_between_steps_equal_each_alone(demo_engine, 
         got = tokens[k]
         assert got == alone[k][: len(got)], k
     assert tokens["c"] == alone["c"][: len(tokens["c"])]
+    assert demo_engine.kv_stats()["used_blocks"] == 0
+
+
+def test_dense_decode_contexts_grow_in_place_equal_each_alone(
+    demo_engine, demo_tokenizer, monkeypatch
+):
+    """Five requests of different lengths decode together (the batched oneDNN path with
+    fused post-ops, >= 4 rows) while their dense contexts grow every 4 positions: tokens
+    and logits equal each request alone, and the paged cache stays the source of truth
+    (a later batch change rebuilds the dense copy from it)."""
+    import helixserve.engine.shard as shard_mod
+
+    monkeypatch.setattr(shard_mod, "DENSE_DECODE_CAP_STEP", 4)
+    texts = [
+        "Hi",
+        "The capital of France is",
+        "1, 2, 3, 4, 5,",
+        "Roses are red,",
+        "A long time ago in a galaxy far, far away there was",
+    ]
+    prompts = {f"g{i}": demo_tokenizer(t)["input_ids"] for i, t in enumerate(texts)}
+    steps = 10
+    alone = {k: greedy_run(demo_engine, f"alone-{k}", p, steps) for k, p in prompts.items()}
+    n = demo_engine.num_model_layers
+    tokens: dict[str, list[int]] = {}
+    logits: dict[str, list[torch.Tensor]] = {k: [] for k in prompts}
+    outs = demo_engine.step([WorkItem(k, 0, n, 0, p, None, GREEDY) for k, p in prompts.items()])
+    for (k, _p), out in zip(prompts.items(), outs, strict=True):
+        tokens[k] = [out.token_id]
+    for i in range(steps):
+        # The last request sits out step 7: the batch changes, the dense copy is rebuilt.
+        batch = [k for k in prompts if not (i == 7 and k == "g4")]
+        items = [
+            WorkItem(k, 0, n, len(prompts[k]) + len(tokens[k]) - 1, [tokens[k][-1]], None, GREEDY)
+            for k in batch
+        ]
+        for row, (k, out) in enumerate(zip(batch, demo_engine.step(items), strict=True)):
+            tokens[k].append(out.token_id)
+            logits[k].append(demo_engine.last_logits[row].clone())
+    for k in prompts:
+        want = steps + 1 if k != "g4" else steps
+        assert tokens[k] == alone[k].tokens[:want], k
+        torch.testing.assert_close(
+            torch.stack(logits[k]), torch.stack(alone[k].logits[1:want]), atol=1e-3, rtol=0
+        )
+        demo_engine.free(k)
     assert demo_engine.kv_stats()["used_blocks"] == 0
