@@ -35,6 +35,7 @@ from typing import Any
 from helixserve.costmodel import CostModel
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement, plan
 from helixserve.planner.serving import SelectionConfig, select_placement
+from helixserve.simulator.engines import ENGINES
 from helixserve.simulator.metrics import summarize
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace
@@ -45,21 +46,6 @@ SHARED = REPO.parent / "shared" / "data"
 #: placement file used per cluster/planner, written into the JSON
 USED_PLACEMENTS: dict[str, str] = {}
 HEADLINE = [("milp", "maxflow"), ("separate", "shortest-queue"), ("swarm", "swarm")]
-#: SimConfig fields of each engine model (see the module doc)
-ENGINES: dict[str, dict[str, Any]] = {
-    "vllm": {
-        "kv_allocation": "on-demand",
-        "chunked_prefill": True,
-        "max_prompt_tokens": 512,
-        "max_prefilling": 64,
-    },
-    "reserve": {
-        "kv_allocation": "reserve",
-        "chunked_prefill": False,
-        "max_prompt_tokens": None,
-        "max_prefilling": None,
-    },
-}
 
 
 def planner_fingerprint() -> str:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -88,6 +89,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="maxflow",
         help="routing policy: maxflow, random, shortest-queue, swarm",
     )
+    engine = p.add_argument_group(
+        "engine model",
+        "how each node's engine allocates KV cache and batches prompts: a preset "
+        "(--engine); the other flags here override its options",
+    )
+    engine.add_argument(
+        "--engine",
+        default="reserve",
+        metavar="NAME",
+        help="reserve (the default, the simulator's own model): a request reserves prompt + "
+        "output KV on its route at admission, a node prefills whole prompts up to its "
+        "profile's largest batch; vllm (benchmarks/serving_sim.py's default): on-demand KV "
+        "with recompute preemption, chunked prefill of 512 prompt tokens an iteration, at "
+        "most 64 requests prefilling",
+    )
+    engine.add_argument(
+        "--kv-allocation",
+        default=None,
+        metavar="MODE",
+        help="reserve (prompt + output KV at admission) or on-demand (as tokens are "
+        "generated, preempting on a full node)",
+    )
+    engine.add_argument(
+        "--chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="split prompts over iterations to fit --max-batched-prompt-tokens",
+    )
+    engine.add_argument(
+        "--max-batched-prompt-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt tokens one node iteration may prefill (vLLM's max_num_batched_tokens; "
+        "not --max-prompt-tokens, the request length filter)",
+    )
+    engine.add_argument(
+        "--max-prefilling",
+        type=int,
+        default=None,
+        metavar="N",
+        help="admission waits while N admitted requests have no first token yet",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--sample",
@@ -135,6 +179,35 @@ def _progress_bar() -> Callable[[float], None]:
     return show
 
 
+def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The SimConfig engine fields: the --engine preset with the flags given over it."""
+    from helixserve.errors import UserError
+    from helixserve.simulator.engines import ENGINES, KV_ALLOCATIONS, engine_config
+
+    if args.engine not in ENGINES:
+        raise UserError(
+            f"--engine: unknown engine model {args.engine!r}; known: {', '.join(sorted(ENGINES))}"
+        )
+    if args.kv_allocation is not None and args.kv_allocation not in KV_ALLOCATIONS:
+        raise UserError(
+            f"--kv-allocation: unknown mode {args.kv_allocation!r}; known: "
+            f"{', '.join(KV_ALLOCATIONS)}"
+        )
+    for flag, value in (
+        ("--max-batched-prompt-tokens", args.max_batched_prompt_tokens),
+        ("--max-prefilling", args.max_prefilling),
+    ):
+        if value is not None and value < 1:
+            raise UserError(f"{flag}: must be >= 1, got {value}")
+    return engine_config(
+        args.engine,
+        kv_allocation=args.kv_allocation,
+        chunked_prefill=args.chunked_prefill,
+        max_prompt_tokens=args.max_batched_prompt_tokens,
+        max_prefilling=args.max_prefilling,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
@@ -151,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from helixserve.spec import load_cluster, load_model, load_profiles
 
+    engine = _engine_config(args)  # before loading and planning: a bad flag fails at once
     cluster = load_cluster(args.cluster)
     model = load_model(args.model, name=args.model_name)
     profiles = load_profiles(args.profiles) if args.profiles else None
@@ -210,11 +284,14 @@ def run(args: argparse.Namespace) -> int:
         warmup_s=args.warmup,
         scheduler=args.scheduler,
         seed=args.seed,
+        **engine,
     )
     progress = None if args.quiet else _progress_bar()
     sim = Simulation(cluster, model, cost, placement, requests, config, progress=progress)
     result = sim.run()
     summary = summarize(result)
+    summary["engine"] = args.engine
+    summary["engine_config"] = engine
     if args.json == "-":
         print(json.dumps(summary, indent=1))
     else:

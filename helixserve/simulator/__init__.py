@@ -4,6 +4,7 @@ sim = Simulation(cluster, model, cost, placement, requests, SimConfig(duration_s
 summary = summarize(sim.run())
 """
 
+from helixserve.simulator.engines import ENGINES, KV_ALLOCATIONS, engine_config
 from helixserve.simulator.metrics import format_table, latencies, percentiles, summarize
 from helixserve.simulator.sim import SimConfig, SimResult, Simulation
 from helixserve.simulator.workload import (
@@ -15,11 +16,14 @@ from helixserve.simulator.workload import (
 )
 
 __all__ = [
+    "ENGINES",
+    "KV_ALLOCATIONS",
     "LengthFilter",
     "SimConfig",
     "SimResult",
     "Simulation",
     "TraceRequest",
+    "engine_config",
     "format_table",
     "latencies",
     "load_azure_trace",

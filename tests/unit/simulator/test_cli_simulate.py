@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,3 +109,111 @@ def test_unknown_scheduler_is_a_one_line_user_error(
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "unknown routing policy 'fifo'" in err and "maxflow" in err
+
+
+TINY_CLUSTER = """\
+name: tiny
+nodes:
+  - {name: a0, gpu: A100-40GB}
+  - {name: a1, gpu: A100-40GB}
+  - {name: l0, gpu: L4}
+  - {name: l1, gpu: L4}
+links:
+  default: {bandwidth_gbps: 8.0, latency_ms: 1.0}
+"""
+
+
+def simulate_tiny(
+    shared: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str
+) -> dict[str, Any]:
+    """Offline JSON summary of llama-30b on 2 A100 + 2 L4 (uniform placement, 20 s)."""
+    cluster = tmp_path / "tiny.yaml"
+    cluster.write_text(TINY_CLUSTER)
+    argv = [
+        "simulate",
+        "--cluster", str(cluster),
+        "--model", str(shared / "models/llama-30b"),
+        "--profiles", str(shared / "profiles/helix-measured.csv"),
+        "--trace", str(shared / "traces/azure-llm-conv-2023.csv"),
+        "--placement", "uniform",
+        "--offline", "--duration", "20", "--quiet", "--json",
+        *extra,
+    ]  # fmt: skip
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_engine_vllm_is_recorded_and_changes_the_simulation(
+    shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reserve = simulate_tiny(shared_data, tmp_path, capsys)
+    vllm = simulate_tiny(shared_data, tmp_path, capsys, "--engine", "vllm")
+    # Without --engine the CLI keeps the simulator's own model (reserve).
+    assert reserve["engine"] == "reserve" and reserve["kv_allocation"] == "reserve"
+    assert reserve["engine_config"] == {
+        "kv_allocation": "reserve",
+        "chunked_prefill": False,
+        "max_prompt_tokens": None,
+        "max_prefilling": None,
+    }
+    assert vllm["engine"] == "vllm" and vllm["kv_allocation"] == "on-demand"
+    assert vllm["engine_config"] == {
+        "kv_allocation": "on-demand",
+        "chunked_prefill": True,
+        "max_prompt_tokens": 512,
+        "max_prefilling": 64,
+    }
+    # Whole prompts (thousands of tokens a batch) vs chunks of at most 512 tokens.
+    assert max(n["mean_prompt_batch_tokens"] for n in reserve["nodes"]) > 512
+    assert max(n["mean_prompt_batch_tokens"] for n in vllm["nodes"]) <= 512
+    assert vllm["decode_throughput_tokens_per_s"] != reserve["decode_throughput_tokens_per_s"]
+
+
+def test_engine_flags_override_the_preset(
+    shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    summary = simulate_tiny(
+        shared_data,
+        tmp_path,
+        capsys,
+        "--engine", "reserve",
+        "--kv-allocation", "on-demand",
+        "--chunked-prefill",
+        "--max-batched-prompt-tokens", "128",
+        "--max-prefilling", "4",
+    )  # fmt: skip
+    assert summary["engine"] == "reserve"
+    assert summary["engine_config"] == {
+        "kv_allocation": "on-demand",
+        "chunked_prefill": True,
+        "max_prompt_tokens": 128,
+        "max_prefilling": 4,
+    }
+    assert summary["kv_allocation"] == "on-demand"
+    assert max(n["mean_prompt_batch_tokens"] for n in summary["nodes"]) <= 128
+    off = simulate_tiny(shared_data, tmp_path, capsys, "--engine", "vllm", "--no-chunked-prefill")
+    assert off["engine_config"]["chunked_prefill"] is False
+    assert off["engine_config"]["max_prompt_tokens"] == 512
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--max-batched-prompt-tokens", "0", "--max-batched-prompt-tokens: must be >= 1, got 0"),
+        ("--max-prefilling", "-3", "--max-prefilling: must be >= 1, got -3"),
+        ("--engine", "sglang", "--engine: unknown engine model 'sglang'; known: reserve, vllm"),
+        (
+            "--kv-allocation",
+            "lazy",
+            "--kv-allocation: unknown mode 'lazy'; known: reserve, on-demand",
+        ),
+    ],
+)
+def test_bad_engine_flag_is_a_one_line_user_error(
+    shared_data: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str
+) -> None:
+    code = main(args(shared_data, "--placement", "separate", "--offline", flag, value))
+    assert code == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"helixserve simulate: error: {message}"
+    assert "planning" not in captured.err  # checked before the cluster is planned

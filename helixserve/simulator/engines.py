@@ -1,0 +1,52 @@
+"""Engine models: named presets of the `SimConfig` fields that say how a node's engine
+allocates KV cache and batches prompts (see docs/simulator.md).
+
+- `reserve`: every request reserves prompt + output KV on its route at admission, and a node
+  prefills whole prompts up to its profile's largest batch (the `SimConfig` defaults).
+- `vllm`: on-demand KV allocation with recompute preemption, as vLLM's paged KV cache;
+  chunked prefill of 512 prompt tokens an iteration (vLLM's `max_num_batched_tokens`); at
+  most 64 admitted requests still prefilling (admission waits beyond that).
+
+`helixserve simulate --engine` and `benchmarks/serving_sim.py --engine` both read `ENGINES`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from helixserve.errors import UserError
+
+#: SimConfig fields of each engine model, by name
+ENGINES: dict[str, dict[str, Any]] = {
+    "vllm": {
+        "kv_allocation": "on-demand",
+        "chunked_prefill": True,
+        "max_prompt_tokens": 512,
+        "max_prefilling": 64,
+    },
+    "reserve": {
+        "kv_allocation": "reserve",
+        "chunked_prefill": False,
+        "max_prompt_tokens": None,
+        "max_prefilling": None,
+    },
+}
+
+#: values `SimConfig.kv_allocation` accepts
+KV_ALLOCATIONS = ("reserve", "on-demand")
+
+
+def engine_config(name: str, **overrides: Any) -> dict[str, Any]:
+    """The SimConfig fields of engine `name` with `overrides` (None: keep the preset's value).
+
+    Raises UserError for an unknown engine or field; bounds are checked by the caller, which
+    knows what the user typed (a flag, a file field)."""
+    if name not in ENGINES:
+        raise UserError(f"engine: unknown engine model {name!r}; known: {', '.join(ENGINES)}")
+    config = dict(ENGINES[name])
+    for key, value in overrides.items():
+        if key not in config:
+            raise UserError(f"engine: unknown option {key!r}; known: {', '.join(config)}")
+        if value is not None:
+            config[key] = value
+    return config
