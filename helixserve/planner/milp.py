@@ -8,11 +8,14 @@ Pipeline within the time limit T (docs/planner.md has the full write-up):
      (skipped on clusters of at most SMALL_NODES machines, where the MILP is small); with
      two or more regions (and at most DENSE_NODES machines) the region relaxation too
      (regions.py, ~10% of T): coverage per region plus the inter-region hops and links;
-  4. local search on the real max flow from all of the above (search.py, ~55% of T);
-  5. the per-node MILP below: first as a large-neighbourhood search (all nodes fixed but
+  4. stage-structured annealing (stages.py; 10% of T, 25% above DENSE_NODES machines):
+     re-cuts pipeline stages with all their replicas at once, from the stage-shaped
+     candidates (the baselines);
+  5. local search on the real max flow from all of the above (search.py, ~55% of T);
+  6. the per-node MILP below: first as a large-neighbourhood search (all nodes fixed but
      3-6 close in layer position, re-solved exactly; half of what is left), then whole,
      warm-started from the best placement so far (the rest of T);
-  6. every candidate is re-evaluated by the max-flow evaluator and the best is returned,
+  7. every candidate is re-evaluated by the max-flow evaluator and the best is returned,
      with the tightest of the proven bounds.
 
 Per-node MILP. Data: L layers; per node i, K_i = max layers, T_i(k) node throughput,
@@ -54,6 +57,7 @@ from helixserve.planner.regions import num_regions, solve_regions
 from helixserve.planner.registry import PlanOutcome, Progress
 from helixserve.planner.search import local_search
 from helixserve.planner.solver import HighsModel, SolveInfo, quiet_pulp, solve
+from helixserve.planner.stages import stage_search
 from helixserve.planner.tiling import regional_tiling, tiling_search
 
 #: up to this many nodes the per-node MILP is small: skip the coverage relaxation
@@ -375,6 +379,15 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
         if reg.ranges:
             candidates.append((value_of(reg.ranges), "regions", reg.ranges))
         say(f"region relaxation [{reg.info.status}]: bound {min(bounds):,.1f} tokens/s")
+
+    if not closed():
+        share = 0.25 if len(net.names) > DENSE_NODES else 0.1
+        staged = stage_search(net, [c[2] for c in candidates],
+                              time.perf_counter() + share * time_limit_s, seed=seed,
+                              partial_inference=partial_inference)
+        if staged is not None:
+            candidates.append((value_of(staged[0]), "stages", staged[0]))
+            say(f"stage annealing: {candidates[-1][0]:,.1f} tokens/s")
 
     def on_improve(v: float) -> None:
         say(f"search: {v:,.1f} tokens/s ({time.perf_counter() - started:.0f}s)")
