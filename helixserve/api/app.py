@@ -209,7 +209,15 @@ def create_app(
         serving.check_model(body.model)
         rid = response_id(request, "cmpl")
         prompts = serving.completion_prompts(body)
-        batch = serving.build_batch(rid, body, prompts, body.max_tokens, body.logprobs, "prompt")
+        batch = serving.build_batch(
+            rid,
+            body,
+            prompts,
+            body.max_tokens,
+            body.logprobs,
+            "prompt",
+            prompt_logprobs=body.logprobs if body.echo else None,
+        )
         if body.stream:
             return await start_stream(
                 request, batch, lambda first, ev: completion_sse(batch, body, first, ev)

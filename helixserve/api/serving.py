@@ -99,6 +99,8 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    #: prompt tokens 1.. scored by the engine (PromptLogprob), when echo asked for logprobs
+    prompt_logprobs: list[Any] | None = None
     finish_reason: str | None = None
     start_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
@@ -199,7 +201,13 @@ class Serving:
             )
         return requested if requested is not None else limit - prompt_len
 
-    def _sampling(self, body: SamplingFields, logprobs: int | None, seed: int | None) -> Any:
+    def _sampling(
+        self,
+        body: SamplingFields,
+        logprobs: int | None,
+        seed: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> Any:
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
@@ -210,6 +218,7 @@ class Serving:
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         params.validate()
         return params
@@ -227,7 +236,9 @@ class Serving:
         max_tokens: int | None,
         logprobs: int | None,
         param: str,
+        prompt_logprobs: int | None = None,
     ) -> Batch:
+        """`prompt_logprobs`: also score each prompt with this many top logprobs (echo)."""
         vocab = len(self.tokenizer)
         choices: list[Choice] = []
         for p_index, (ids, text) in enumerate(prompts):
@@ -250,7 +261,7 @@ class Serving:
                 req = GenerationRequest(
                     request_id=self._next_internal_id(request_id, index),
                     prompt_token_ids=list(ids),
-                    sampling=self._sampling(body, logprobs, seed),
+                    sampling=self._sampling(body, logprobs, seed, prompt_logprobs),
                     max_tokens=budget,
                     min_tokens=body.min_tokens,
                     stop=body.stop_list(),
@@ -349,6 +360,8 @@ class Serving:
                     c.logprobs.append(_finite(ev.logprob))
                     c.top_logprobs.append(list(ev.top_logprobs or []))
                     self.metrics.generation_tokens.inc()
+                if ev.prompt_logprobs is not None:
+                    c.prompt_logprobs = list(ev.prompt_logprobs)
                 c.text += ev.text or ""
                 if ev.finish_reason is not None:
                     c.finish_reason = ev.finish_reason
@@ -387,18 +400,27 @@ class Serving:
     def completion_logprobs(
         self, c: Choice, start: int, end: int, echo_prompt: bool, text_offset: int
     ) -> dict[str, Any]:
-        """OpenAI legacy logprobs of tokens [start, end) of choice c (plus the prompt's tokens,
-        with null logprobs, when echoing: the coordinator does not score prompts)."""
+        """OpenAI legacy logprobs of tokens [start, end) of choice c, plus the prompt's tokens
+        when echoing: the first has a null logprob (nothing before it), the others the engine's
+        scores given the tokens before them (null only if the prompt was not scored)."""
         tokens: list[str] = []
         token_logprobs: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
         if echo_prompt:
-            for tid in c.prompt_ids:
+            scored = c.prompt_logprobs or []  # scored[k - 1] is prompt token k's
+            for k, tid in enumerate(c.prompt_ids):
                 piece = self.token_text(tid)
                 tokens.append(piece)
-                token_logprobs.append(None)
-                tops.append(None)
+                entry = scored[k - 1] if 0 < k <= len(scored) else None
+                if entry is None:
+                    token_logprobs.append(None)
+                    tops.append(None)
+                else:
+                    token_logprobs.append(_finite(entry.logprob))
+                    tops.append(
+                        {self.token_text(t): _finite(lp) or 0.0 for t, lp in entry.top_logprobs}
+                    )
                 offsets.append(text_offset)
                 text_offset += len(piece)
         for i in range(start, end):

@@ -13,6 +13,8 @@ Penalties use the request's token history as seen by the last stage:
 
 Logprobs are those of the model's own distribution (log_softmax of the raw logits, before
 penalties and filters), for the chosen token and the top-n alternatives, like vLLM's default.
+Prompt logprobs (`prompt_logprobs`, for the API's `echo`) are the same quantity for each prompt
+token given the tokens before it: the engine scores the prompt rows of a request that asks.
 Stop tokens and max_tokens are the coordinator's business: the sampler only samples, except
 for `min_tokens`: while fewer than `min_tokens` tokens have been generated, the ids in
 `stop_token_ids` (EOS included, unless the client asked to ignore it) are masked out, so the
@@ -58,6 +60,9 @@ class SamplingParams:
     """Mask `stop_token_ids` until this many tokens have been generated; 0 = off."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that would end the request (EOS and the request's stop ids), for `min_tokens`."""
+    prompt_logprobs: int | None = None
+    """Also score the prompt: each prompt token after the first gets its logprob given the
+    tokens before it and this many top alternatives; None = off (no lm_head over the prompt)."""
 
     def validate(self) -> SamplingParams:
         def bad(name: str, value: object, need: str) -> UserError:
@@ -81,6 +86,8 @@ class SamplingParams:
             raise bad("frequency_penalty", self.frequency_penalty, "need -2 <= value <= 2")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", self.logprobs, f"need 0..{MAX_LOGPROBS} or None")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", self.prompt_logprobs, f"need 0..{MAX_LOGPROBS} or None")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "need a non-negative int")
         return self
@@ -109,6 +116,11 @@ class RequestHistory:
     """After the first sampled token, tokens fed back are generated ones, not prompt."""
     num_generated: int = 0
     """Generated tokens fed back so far (for min_tokens)."""
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    """Prompt logprobs scored so far (prompt_logprobs requests), handed out with the first token."""
+    pending_prompt_row: tuple[int, torch.Tensor] | None = None
+    """(position, logprobs [vocab]) of a prompt chunk's last row: it scores the token at that
+    position, which the next chunk brings."""
 
     def add_tokens(self, token_ids: list[int], generated: bool) -> None:
         if generated:
@@ -130,6 +142,31 @@ class SampleResult:
     token_id: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]]
+
+
+@dataclass
+class PromptLogprob:
+    """One prompt token's logprob given the tokens before it, and the top alternatives there."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
+def score_tokens(logprobs: torch.Tensor, token_ids: list[int], n: int) -> list[PromptLogprob]:
+    """logprobs: [len(token_ids), vocab] (log_softmax rows); row i scores token_ids[i]."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in token_ids]
+    if n > 0:
+        vals, top_ids = torch.topk(logprobs, n, dim=-1)
+        tops = [
+            [(int(t), float(v)) for t, v in zip(ti, tv, strict=True)]
+            for ti, tv in zip(top_ids.tolist(), vals.tolist(), strict=True)
+        ]
+    return [
+        PromptLogprob(t, float(lp), top) for t, lp, top in zip(token_ids, chosen, tops, strict=True)
+    ]
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, hist: RequestHistory) -> None:

@@ -6,7 +6,9 @@ bring their hidden states. Each item may run only a sub-range of the shard's lay
 (partial inference): layers are applied to the rows of the items that run them, grouped
 into runs of consecutive layers with the same active items. Items whose sub-range ends at
 the model's last layer get the final norm, lm_head and the sampler (on their last token);
-the others hand back their hidden states.
+the others hand back their hidden states. A request that asks for prompt logprobs also gets
+the lm_head over its prompt rows (and only those requests: the sampler's path stays one row
+per request).
 
 Per request the engine keeps: its KV blocks (shared by all local layers), the number of
 tokens in its KV (the next position), and on the last stage its token history and its
@@ -33,7 +35,13 @@ from helixserve.engine.model import (
     layer_forward,
     rms_norm,
 )
-from helixserve.engine.sampling import RequestHistory, SamplingParams, sample_rows
+from helixserve.engine.sampling import (
+    PromptLogprob,
+    RequestHistory,
+    SamplingParams,
+    sample_rows,
+    score_tokens,
+)
 from helixserve.errors import UserError
 
 DEFAULT_CPU_KV_FRACTION = 0.25
@@ -41,6 +49,8 @@ DEFAULT_CPU_KV_CAP_BYTES = 2 * 1024**3
 DEFAULT_CUDA_KV_FRACTION = 0.85  # of the memory left free after loading the weights
 
 DENSE_DECODE_MAX_BYTES = 1024**3
+PROMPT_LOGPROBS_ROWS = 128
+"""Prompt rows per lm_head call when scoring a prompt: bounds the [rows, vocab] float32 logits."""
 DENSE_DECODE_CAP_STEP = 32
 
 DTYPES = {
@@ -98,6 +108,9 @@ class ItemOutput:
     token_id: int | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None
+    """With the first sampled token of a request that asked for them: prompt tokens 1.. given
+    the tokens before each (token 0 has none)."""
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
@@ -495,6 +508,11 @@ class ShardEngine:
                 continue
             hist = self._history.setdefault(it.request_id, RequestHistory())
             self._record_tokens(hist, it)
+            if it.sampling is not None and it.sampling.prompt_logprobs is not None:
+                # x rows of the item: [num_tokens, hidden]
+                self._score_prompt(it, hist, x[offsets[i] : offsets[i + 1]])
+                if it.sample and not hist.sampled_once:
+                    outs[i].prompt_logprobs, hist.prompt_logprobs = hist.prompt_logprobs, []
             if it.sample:
                 to_sample.append(i)
         if to_sample:
@@ -510,6 +528,41 @@ class ShardEngine:
                 outs[i].top_logprobs = res.top_logprobs
                 self._history[items[i].request_id].sampled_once = True
         return outs
+
+    @staticmethod
+    def _prompt_end(it: WorkItem, hist: RequestHistory) -> int | None:
+        """Position one past the prompt's last token, or None while it goes on after this item."""
+        if it.num_prompt_tokens is not None:
+            return it.num_prompt_tokens
+        if hist.sampled_once:
+            return 0
+        return it.position + len(it.token_ids) if it.sample else None
+
+    def _score_prompt(self, it: WorkItem, hist: RequestHistory, x: torch.Tensor) -> None:
+        """Log-softmax of the prompt rows of one item; row j scores the token at position
+        position + j + 1. The row before a chunk boundary waits for the next chunk's first
+        token (`pending_prompt_row`). x: [num_tokens, hidden], before the final norm."""
+        assert it.sampling is not None and it.sampling.prompt_logprobs is not None
+        top_n = it.sampling.prompt_logprobs
+        pos, n = it.position, len(it.token_ids)
+        prompt_end = self._prompt_end(it, hist)
+        pending, hist.pending_prompt_row = hist.pending_prompt_row, None
+        if prompt_end is not None and pos >= prompt_end:
+            return
+        if pending is not None and pending[0] == pos:
+            hist.prompt_logprobs += score_tokens(pending[1][None], it.token_ids[:1], top_n)
+        # Rows whose next token is a prompt token: all of them if the prompt goes on past
+        # this item, else up to the one before the prompt's last token.
+        rows = n if prompt_end is None or prompt_end > pos + n else prompt_end - pos - 1
+        assert self.final_norm is not None and self.lm_head is not None
+        for a in range(0, rows, PROMPT_LOGPROBS_ROWS):
+            b = min(rows, a + PROMPT_LOGPROBS_ROWS)
+            h = rms_norm(x[a:b], self.final_norm, self.args.rms_norm_eps)
+            logprobs = torch.log_softmax(self.lm_head(h).float(), dim=-1)  # [b - a, vocab]
+            targets = it.token_ids[a + 1 : b + 1]  # one short at the item's last row
+            hist.prompt_logprobs += score_tokens(logprobs[: len(targets)], targets, top_n)
+            if len(targets) < b - a:
+                hist.pending_prompt_row = (pos + n, logprobs[-1].clone())
 
     @staticmethod
     def _record_tokens(hist: RequestHistory, it: WorkItem) -> None:

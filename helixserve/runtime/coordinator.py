@@ -76,6 +76,9 @@ class TokenEvent:
     compute_s: float = 0.0
     #: hops of the request's route when this token was produced
     num_hops: int = 0
+    #: first token of a request whose sampling asked for prompt_logprobs: prompt tokens 1..
+    #: given the tokens before each (helixserve.engine.sampling.PromptLogprob)
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -333,8 +336,12 @@ class Coordinator:
                 act.generated.append(r.token_id)
                 self.tokens_generated += 1
                 step = out.add(r.token_id)
+                if r.prompt_logprobs is not None:
+                    # scored once: a re-prefill after a fault need not score the prompt again
+                    req.sampling = dataclasses.replace(req.sampling, prompt_logprobs=None)
                 yield TokenEvent(r.token_id, step.text, r.logprob, r.top_logprobs,
-                                 step.finish_reason, r.compute_s, len(act.route_hops))
+                                 step.finish_reason, r.compute_s, len(act.route_hops),
+                                 r.prompt_logprobs)
                 if step.finish_reason is not None:
                     return
                 self._send(act, position=len(req.prompt_token_ids) + len(act.generated) - 1,

@@ -20,6 +20,7 @@ from helixserve.runtime.proto import helix_pb2 as pb
 
 if TYPE_CHECKING:
     from helixserve.engine import SamplingParams
+    from helixserve.engine.sampling import PromptLogprob
 
 #: gRPC message size limit on every channel and server. Raised deliberately from gRPC's 4 MiB
 #: default: a prefill chunk carries hidden: [chunk_tokens, hidden_size]; at 512 tokens of a
@@ -182,6 +183,8 @@ class WireResult:
     error: str = ""
     node: str = ""
     compute_s: float = 0.0
+    #: with the first token of a prompt_logprobs request: prompt tokens 1.. (see helix.proto)
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     @property
     def ok(self) -> bool:
@@ -211,6 +214,7 @@ def sampling_to_pb(s: SamplingParams | None) -> pb.SamplingParams | None:
         logprobs=-1 if s.logprobs is None else s.logprobs,
         min_tokens=s.min_tokens,
         stop_token_ids=list(s.stop_token_ids),
+        prompt_logprobs=-1 if s.prompt_logprobs is None else s.prompt_logprobs,
     )
 
 
@@ -229,6 +233,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         logprobs=None if msg.logprobs < 0 else msg.logprobs,
         min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),
+        prompt_logprobs=None if msg.prompt_logprobs < 0 else msg.prompt_logprobs,
     )
 
 
@@ -369,11 +374,28 @@ def result_to_pb(r: WireResult) -> pb.WorkResult:
         error=r.error,
         node=r.node,
         compute_s=r.compute_s,
+        has_prompt_logprobs=r.prompt_logprobs is not None,
+        prompt_logprobs=[
+            pb.PromptLogprob(
+                token_id=p.token_id,
+                logprob=p.logprob,
+                top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in p.top_logprobs],
+            )
+            for p in r.prompt_logprobs or []
+        ],
     )
     return msg
 
 
 def result_from_pb(msg: pb.WorkResult) -> WireResult:
+    prompt_logprobs = None
+    if msg.has_prompt_logprobs:
+        from helixserve.engine.sampling import PromptLogprob
+
+        prompt_logprobs = [
+            PromptLogprob(p.token_id, p.logprob, [(t.token_id, t.logprob) for t in p.top_logprobs])
+            for p in msg.prompt_logprobs
+        ]
     return WireResult(
         request_id=msg.request_id,
         step_id=msg.step_id,
@@ -384,6 +406,7 @@ def result_from_pb(msg: pb.WorkResult) -> WireResult:
         error=msg.error,
         node=msg.node,
         compute_s=msg.compute_s,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

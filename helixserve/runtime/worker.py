@@ -344,6 +344,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     token_id=out.token_id,
                     logprob=out.logprob,
                     top_logprobs=list(out.top_logprobs or []),
+                    prompt_logprobs=out.prompt_logprobs,
                     node=self.node,
                     compute_s=compute_s,
                 )

@@ -106,6 +106,70 @@ def test_chat_capital_of_france_streaming(demo):
     assert same.usage.completion_tokens == chunks[-1].usage.completion_tokens
 
 
+def _engine_prompt_logprobs(prompt_ids: list[int], top_n: int) -> list:
+    """The same prompt scored by one in-process engine holding every layer."""
+    import torch
+
+    from helixserve.engine import SamplingParams, ShardEngine, WorkItem, prepare_demo_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the workers run beside us
+    try:
+        engine = ShardEngine.load(prepare_demo_model(), 0, 30, kv_cache_bytes=64 << 20)
+        ask = SamplingParams(temperature=0.0, prompt_logprobs=top_n)
+        (out,) = engine.step([WorkItem("ref", 0, 30, 0, prompt_ids, None, ask)])
+    finally:
+        torch.set_num_threads(threads)
+    return out.prompt_logprobs
+
+
+def test_echo_logprobs_score_the_prompt_like_the_engine(demo):
+    """More than one 512-token prefill chunk, so a chunk boundary crosses the wire."""
+    from transformers import AutoTokenizer
+
+    from helixserve.engine import prepare_demo_model
+
+    tok = AutoTokenizer.from_pretrained(prepare_demo_model())
+    text = " ".join(f"Fact {i}: {i} times 7 is {i * 7}, and Paris is in France." for i in range(45))
+    ids = tok.encode(text)
+    assert 512 < len(ids) < 1500, len(ids)
+    resp = client(demo).completions.create(
+        model=model_name(demo), prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=2
+    )
+    lp = resp.choices[0].logprobs
+    assert lp.tokens[: len(ids)] == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    scored = lp.token_logprobs[1 : len(ids)]
+    assert all(x is not None for x in scored)
+    ref = _engine_prompt_logprobs(ids, 2)
+    assert scored == pytest.approx([p.logprob for p in ref], abs=2e-3)
+    # the repeated pattern is learned: later facts are far more likely than the first
+    assert sum(scored[-100:]) > sum(scored[:100]) + 50
+    for k in (1, 511, 512, len(ids) - 1):  # around the chunk boundary too
+        assert max(lp.top_logprobs[k].values()) == pytest.approx(
+            ref[k - 1].top_logprobs[0][1], abs=2e-3
+        )
+    assert lp.text_offset[1] == len(lp.tokens[0])
+    assert all(o >= 0 for o in lp.text_offset) and lp.text_offset == sorted(lp.text_offset)
+    assert lp.token_logprobs[len(ids) :] == pytest.approx(
+        [max(d.values()) for d in lp.top_logprobs[len(ids) :]], abs=1e-5
+    )  # greedy: the generated tokens are the most likely ones
+
+    stream = client(demo).completions.create(
+        model=model_name(demo),
+        prompt=ids,
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        stream=True,
+    )
+    first = next(iter(stream)).choices[0].logprobs
+    stream.close()
+    assert first.token_logprobs[0] is None
+    assert first.token_logprobs[1 : len(ids)] == pytest.approx(scored, abs=1e-5)
+
+
 def test_concurrent_requests_all_complete(demo):
     import concurrent.futures
 

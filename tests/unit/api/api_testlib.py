@@ -15,6 +15,7 @@ from typing import Any
 import uvicorn
 
 from helixserve.api.launch import free_port
+from helixserve.engine.sampling import PromptLogprob
 from helixserve.runtime import (
     GenerationRequest,
     NoRouteError,
@@ -29,8 +30,16 @@ API_KEY = "sk-test-key"
 SCRIPT = " The capital of France is Paris. It is a beautiful city with many museums."
 
 
+def fake_prompt_logprobs(prompt: list[int], top_n: int) -> list[PromptLogprob]:
+    """What the fake scores prompt token k (k >= 1) with: -k/10, and top_n alternatives."""
+    return [
+        PromptLogprob(t, -k / 10, [(t, -k / 10), (t + 1, -k / 10 - 1)][:top_n])
+        for k, t in enumerate(prompt[1:], start=1)
+    ]
+
+
 class FakeCoordinator:
-    """Yields SCRIPT's tokens. Prompts containing NOROUTE / QUEUEFULL raise like the real one;
+    """Yields SCRIPT's tokens (the first with `fake_prompt_logprobs` when asked). Prompts containing NOROUTE / QUEUEFULL raise like the real one;
     WORKERFAIL fails after 2 tokens; SLOW makes each token take 50 ms (disconnect tests)."""
 
     model_name = MODEL
@@ -68,12 +77,16 @@ class FakeCoordinator:
                 ]
                 done = i + 1 == req.max_tokens
                 top = [(tid, -0.1), (tid + 1, -2.5)][: (req.sampling.logprobs or 0)]
+                n_prompt = req.sampling.prompt_logprobs
                 yield TokenEvent(
                     tid,
                     piece,
                     -0.1 if req.sampling.logprobs is not None else None,
                     top,
                     "length" if done else None,
+                    prompt_logprobs=None
+                    if i > 0 or n_prompt is None
+                    else fake_prompt_logprobs(req.prompt_token_ids, n_prompt),
                 )
         finally:
             self.active.discard(req.request_id)

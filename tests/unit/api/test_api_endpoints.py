@@ -78,11 +78,21 @@ def test_completions_n_batch_echo_logprobs(client, fake, tokenizer):
     assert resp.choices[0].text == "Hello there" + script
     assert resp.choices[3].text == "Bonjour" + script
     lp = resp.choices[0].logprobs
-    n_prompt = len(tokenizer.encode("Hello there"))
+    prompt_ids = tokenizer.encode("Hello there")
+    n_prompt = len(prompt_ids)
     assert len(lp.tokens) == n_prompt + 3
-    assert lp.token_logprobs[:n_prompt] == [None] * n_prompt
+    # the prompt's tokens: the first has nothing before it, the others the engine's scores
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx([-k / 10 for k in range(1, n_prompt)])
+    assert lp.top_logprobs[1] == {
+        tokenizer.decode([prompt_ids[1]]): pytest.approx(-0.1),
+        tokenizer.decode([prompt_ids[1] + 1]): pytest.approx(-1.1),
+    }
+    assert lp.tokens[:n_prompt] == [tokenizer.decode([t]) for t in prompt_ids]
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
     assert lp.token_logprobs[n_prompt:] == [-0.1] * 3
     assert len(lp.top_logprobs[-1]) == 2
+    assert [r.sampling.prompt_logprobs for r in fake.requests[-4:]] == [2] * 4
     # usage counts each prompt once and every generated token
     n_total_prompt = n_prompt + len(tokenizer.encode("Bonjour"))
     assert resp.usage.prompt_tokens == n_total_prompt
@@ -90,6 +100,26 @@ def test_completions_n_batch_echo_logprobs(client, fake, tokenizer):
     # seeds differ per choice so n choices are not copies
     seeds = [r.sampling.seed for r in fake.requests[-4:]]
     assert seeds == [7, 8, 7, 8]
+
+
+def test_completions_echo_logprobs_streaming(client, fake, tokenizer):
+    stream = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=3, echo=True, logprobs=0, stream=True
+    )
+    chunks = [c.choices[0] for c in stream]
+    prompt_ids = tokenizer.encode("Hello there")
+    first = chunks[0].logprobs
+    assert chunks[0].text.startswith("Hello there")
+    # the echoed prompt comes in the first chunk with its scores, then one token per chunk
+    assert len(first.tokens) == len(prompt_ids) + 1
+    assert first.token_logprobs[: len(prompt_ids)] == pytest.approx(
+        [None] + [-k / 10 for k in range(1, len(prompt_ids))]
+    )
+    assert first.top_logprobs[1] == {}
+    assert all(len(c.logprobs.tokens) == 1 for c in chunks[1:])
+    # without echo the prompt is not scored
+    client.completions.create(model=MODEL, prompt="Hello there", max_tokens=1, logprobs=1)
+    assert fake.requests[-1].sampling.prompt_logprobs is None
 
 
 def test_completions_token_id_prompt_and_stream(client, tokenizer):

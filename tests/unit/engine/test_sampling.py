@@ -19,7 +19,8 @@ from helixserve.errors import UserError
     [
         ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
         ("seed", -1), ("repetition_penalty", 0.0), ("presence_penalty", 2.5),
-        ("frequency_penalty", -3.0), ("logprobs", 21),
+        ("frequency_penalty", -3.0), ("logprobs", 21), ("prompt_logprobs", -1),
+        ("prompt_logprobs", 21),
     ],
 )  # fmt: skip
 def test_validate_names_field_and_value(field, value):

@@ -57,7 +57,8 @@ def test_hidden_in_another_float_dtype_is_cast():
 def _item(**kw):
     base = dict(request_id="r", coordinator_id="c", step_id=3, hop_index=1, route=ROUTE,
                 position=5, token_ids=[1, 2], hidden=torch.randn(2, 8),
-                sampling=SamplingParams(temperature=0.5, top_k=4, seed=9, logprobs=2), sample=True)
+                sampling=SamplingParams(temperature=0.5, top_k=4, seed=9, logprobs=2,
+                                        prompt_logprobs=0), sample=True)
     base.update(kw)
     return tp.WireItem(**base)
 
@@ -122,3 +123,16 @@ def test_result_round_trip():
     assert back == r
     ack = tp.result_from_pb(tp.result_to_pb(tp.WireResult("r", 5)))
     assert ack.token_id is None and ack.ok
+    assert ack.prompt_logprobs is None
+
+
+def test_prompt_logprobs_round_trip():
+    from helixserve.engine.sampling import PromptLogprob
+
+    scored = [PromptLogprob(5, -2.5, [(9, -0.5), (5, -2.5)]), PromptLogprob(6, -0.25, [])]
+    r = tp.WireResult("r", 4, token_id=7, prompt_logprobs=scored)
+    assert tp.result_from_pb(tp.result_to_pb(r)).prompt_logprobs == scored
+    # a one-token prompt: scored, but nothing to score (not the same as not asked)
+    empty = tp.result_from_pb(tp.result_to_pb(tp.WireResult("r", 4, token_id=7, prompt_logprobs=[])))
+    assert empty.prompt_logprobs == []
+    assert tp.sampling_from_pb(tp.sampling_to_pb(SamplingParams())).prompt_logprobs is None
