@@ -122,12 +122,26 @@ def summarize(result: SimResult) -> dict[str, Any]:
     return out
 
 
+def _engine_row(s: dict[str, Any]) -> str:
+    """The engine preset (when the caller recorded one), KV allocation, prefill, preemptions."""
+    cfg = s.get("engine_config") or {}
+    parts = [f"KV {s['kv_allocation']}"]
+    if cfg.get("chunked_prefill"):
+        parts.append(f"chunked prefill {cfg.get('max_prompt_tokens')} tokens")
+    if cfg.get("max_prefilling"):
+        parts.append(f"<= {cfg['max_prefilling']} prefilling")
+    parts.append(f"{s['preemptions']} preemptions")
+    name = s.get("engine")
+    return (f"{name}: " if name else "") + ", ".join(parts)
+
+
 def format_table(summary: dict[str, Any]) -> str:
     """The human summary the CLI prints."""
     s = summary
     rows = [
         ("placement / scheduler", f"{s['planner']} / {s['scheduler']} ({s['mode']})"),
         ("simulated", f"{s['duration_s']:.0f} s (warmup {s['warmup_s']:.0f} s)"),
+        ("engine model", _engine_row(s)),
         ("decode throughput", f"{s['decode_throughput_tokens_per_s']:.1f} tokens/s"),
         ("prompt throughput", f"{s['prompt_throughput_tokens_per_s']:.1f} tokens/s"),
     ]

@@ -217,3 +217,17 @@ def test_bad_engine_flag_is_a_one_line_user_error(
     captured = capsys.readouterr()
     assert captured.err.strip() == f"helixserve simulate: error: {message}"
     assert "planning" not in captured.err  # checked before the cluster is planned
+
+
+def test_summary_table_names_the_engine_model(
+    shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from helixserve.simulator.metrics import format_table
+
+    vllm = simulate_tiny(shared_data, tmp_path, capsys, "--engine", "vllm")
+    row = next(line for line in format_table(vllm).splitlines() if "engine model" in line)
+    assert "vllm: KV on-demand, chunked prefill 512 tokens, <= 64 prefilling" in row
+    assert f"{vllm['preemptions']} preemptions" in row
+    reserve = simulate_tiny(shared_data, tmp_path, capsys)
+    row = next(line for line in format_table(reserve).splitlines() if "engine model" in line)
+    assert "reserve: KV reserve, 0 preemptions" in row and "chunked" not in row
