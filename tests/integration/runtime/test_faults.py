@@ -1,5 +1,6 @@
-"""Faults: a link between two workers broken mid-request, a worker killed mid-request (and
-brought back), and a worker drained by SIGTERM.
+"""Faults: a link between two workers broken mid-request, the first hop's link cut before a
+prompt_logprobs request's first token, a worker killed mid-request (and brought back), and a
+worker drained by SIGTERM.
 
 Own workers (this module kills them): n0 [0,10) n1 [10,20) n2 [20,30) and m [0,25), m started
 with `--placement P --node m`. The placement's flows send almost everything along n0-n1-n2,
@@ -122,6 +123,60 @@ def test_broken_link_between_workers_reroutes_at_once(fault_workers, demo_model,
     reasons = [r.getMessage() for r in caplog.records if "re-routing" in r.getMessage()]
     assert reasons and all("fate unknown" in m for m in reasons), reasons
     assert all(n["alive"] for n in stats["nodes"].values()), stats["nodes"]
+
+
+def test_prompt_logprobs_come_once_from_the_route_that_served(fault_workers, demo_model,
+                                                             prompt_and_reference, caplog):
+    """The first route fails before the first token: the re-routed request scores the prompt
+    on its new route, and the scores come once, with the first token, as on a healthy stack.
+
+    The coordinator's link to n0 (the first hop) is cut right before the request is admitted:
+    n0 never sees the request, so no token can come back from that route. The coordinator
+    learns of the cut only when it next awaits, after it has routed the request over n0."""
+    prompt, _ = prompt_and_reference
+    ask = dataclasses.replace(GREEDY, prompt_logprobs=2)
+    proxy = CuttableProxy(fault_workers["n0"].port)
+    workers = [dataclasses.replace(w, port=proxy.port) if w.name == "n0" else w
+               for w in fault_workers.values()]
+
+    async def run(coord: Coordinator, request_id: str) -> list:
+        req = GenerationRequest(request_id, prompt, ask, max_tokens=4, ignore_eos=True)
+        return [ev async for ev in coord.generate(req)]
+
+    async def main() -> tuple[list, list, dict, dict, int]:
+        coord = await Coordinator.create(make_cluster(workers), placement(), demo_model)
+        try:
+            healthy = await run(coord, "healthy")
+            before = coord.stats()
+            # only the coordinator talks to n0; no await between the cut and the routing
+            cut = proxy.cut(0)
+            faulty = await run(coord, "cut")
+            return healthy, faulty, before, coord.stats(), cut
+        finally:
+            await coord.close()
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="helixserve.coordinator"):
+            healthy, faulty, before, after, cut = asyncio.run(main())
+    finally:
+        proxy.close()
+    assert before["routes"] == {"n0->n1->n2": 1} and before["reroutes"] == 0
+    assert cut >= 1
+    assert after["reroutes"] == 1, after
+    # the first two routes, then the re-route: m->n2, or n0->n1->n2 if n0 came back first
+    assert after["routes"].get("n0->n1->n2", 0) >= 2, after["routes"]
+    assert sum(after["routes"].values()) == 3, after["routes"]
+    reasons = [r.getMessage() for r in caplog.records if "re-routing" in r.getMessage()]
+    assert len(reasons) == 1 and "node n0 failed" in reasons[0], reasons
+    assert [ev.token_id for ev in faulty] == [ev.token_id for ev in healthy]
+    for events in (healthy, faulty):
+        first = events[0].prompt_logprobs
+        assert first is not None and [p.token_id for p in first] == prompt[1:]
+        assert all(ev.prompt_logprobs is None for ev in events[1:])  # once
+    ref, got = healthy[0].prompt_logprobs, faulty[0].prompt_logprobs
+    assert [p.logprob for p in got] == pytest.approx([p.logprob for p in ref], abs=2e-3)
+    assert [p.top_logprobs[0][1] for p in got] == pytest.approx(
+        [p.top_logprobs[0][1] for p in ref], abs=2e-3)
 
 
 def test_killed_worker_request_continues_on_another_route(fault_workers, demo_model,
