@@ -307,6 +307,9 @@ class Coordinator:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Stream the request's tokens; see the module doc for the lifecycle."""
+        # A copy: min_tokens and scored prompt logprobs rewrite `sampling` for this run only,
+        # so a caller may submit the same request object again.
+        req = dataclasses.replace(req)
         self._validate(req)
         if req.min_tokens > 0:
             # The last hop's sampler masks these until min_tokens are generated.

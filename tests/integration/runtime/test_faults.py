@@ -141,7 +141,9 @@ def test_prompt_logprobs_come_once_from_the_route_that_served(fault_workers, dem
 
     async def run(coord: Coordinator, request_id: str) -> list:
         req = GenerationRequest(request_id, prompt, ask, max_tokens=4, ignore_eos=True)
-        return [ev async for ev in coord.generate(req)]
+        events = [ev async for ev in coord.generate(req)]
+        assert req.sampling is ask  # the caller's request is left as it was: reusable
+        return events
 
     async def main() -> tuple[list, list, dict, dict, int]:
         coord = await Coordinator.create(make_cluster(workers), placement(), demo_model)
