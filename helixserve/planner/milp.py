@@ -67,6 +67,9 @@ PRUNE_FRACTION = 0.002
 #: above this many nodes each node keeps only its strongest out-links in the MILP
 DENSE_NODES = 40
 LINKS_PER_NODE = 16
+#: share of the time limit for the stage annealing, and above DENSE_NODES machines
+STAGE_SHARE = 0.1
+STAGE_SHARE_DENSE = 0.25
 
 
 @dataclass
@@ -381,7 +384,7 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
         say(f"region relaxation [{reg.info.status}]: bound {min(bounds):,.1f} tokens/s")
 
     if not closed():
-        share = 0.25 if len(net.names) > DENSE_NODES else 0.1
+        share = STAGE_SHARE_DENSE if len(net.names) > DENSE_NODES else STAGE_SHARE
         staged = stage_search(net, [c[2] for c in candidates],
                               time.perf_counter() + share * time_limit_s, seed=seed,
                               partial_inference=partial_inference)
