@@ -31,7 +31,7 @@ import numpy as np
 
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
-from helixserve.planner.search import Scorer
+from helixserve.planner.search import Scorer, to_ranges
 
 #: starting temperature, as a fraction of the starting flow
 TEMPERATURE = 0.003
@@ -216,6 +216,4 @@ def stage_search(net: FlowNetwork, starts: list[Ranges], deadline_s: float, seed
             cur, cur_value = cand, value
             if value > best_value:
                 best, best_value = cand, value
-    s, k = best.arrays()
-    ranges = {int(i): (int(s[i]), int(s[i] + k[i])) for i in np.flatnonzero(k > 0)}
-    return ranges, best_value
+    return to_ranges(*best.arrays()), best_value

@@ -46,6 +46,7 @@ from helixserve.errors import UserError
 from helixserve.planner.placement import COORDINATOR, Placement
 from helixserve.scheduler import NodeState, RequestInfo, make_router
 from helixserve.scheduler.options import router_options
+from helixserve.simulator.engines import KV_ALLOCATIONS
 from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.workload import TraceRequest, offline_stream
 from helixserve.spec import ClusterSpec, ModelSpec, NodeSpec
@@ -205,8 +206,10 @@ class Simulation:
             self.nodes[r.name] = SimNode(
                 cluster.node(r.name), r.start_layer, r.end_layer, cost, self.buckets
             )
-        if config.kv_allocation not in ("reserve", "on-demand"):
-            raise UserError(f"kv_allocation: {config.kv_allocation!r}; known: reserve, on-demand")
+        if config.kv_allocation not in KV_ALLOCATIONS:
+            raise UserError(
+                f"kv_allocation: {config.kv_allocation!r}; known: {', '.join(KV_ALLOCATIONS)}"
+            )
         self.on_demand = config.kv_allocation == "on-demand"
         if self.on_demand:
             if not 0 <= config.kv_watermark < 1:
