@@ -11,11 +11,13 @@ Pipeline within the time limit T (docs/planner.md has the full write-up):
   4. stage-structured annealing (stages.py; 10% of T, 25% above DENSE_NODES machines):
      re-cuts pipeline stages with all their replicas at once, from the stage-shaped
      candidates (the baselines);
-  5. local search on the real max flow from all of the above (search.py, ~55% of T);
-  6. the per-node MILP below: first as a large-neighbourhood search (all nodes fixed but
+  5. pinned search (pinned.py; 10% of T, 25% on clusters of 2+ regions): the strongest
+     machines re-sized together by one layer, the rest searched around them;
+  6. local search on the real max flow from all of the above (search.py, ~55% of T);
+  7. the per-node MILP below: first as a large-neighbourhood search (all nodes fixed but
      3-6 close in layer position, re-solved exactly; half of what is left), then whole,
      warm-started from the best placement so far (the rest of T);
-  7. every candidate is re-evaluated by the max-flow evaluator and the best is returned,
+  8. every candidate is re-evaluated by the max-flow evaluator and the best is returned,
      with the tightest of the proven bounds.
 
 Per-node MILP. Data: L layers; per node i, K_i = max layers, T_i(k) node throughput,
@@ -53,6 +55,7 @@ import pulp
 from helixserve.planner.baselines import BASELINES, Ranges
 from helixserve.planner.coverage import solve_coverage
 from helixserve.planner.flow import FlowNetwork
+from helixserve.planner.pinned import pinned_search
 from helixserve.planner.regions import num_regions, solve_regions
 from helixserve.planner.registry import PlanOutcome, Progress
 from helixserve.planner.search import local_search
@@ -70,6 +73,10 @@ LINKS_PER_NODE = 16
 #: share of the time limit for the stage annealing, and above DENSE_NODES machines
 STAGE_SHARE = 0.1
 STAGE_SHARE_DENSE = 0.25
+#: share of the time limit for re-sizing the strongest machines (pinned.py), and on
+#: clusters of two or more regions (where it found better placements; docs/planner.md)
+PINNED_SHARE = 0.1
+PINNED_SHARE_REGIONS = 0.4
 
 
 @dataclass
@@ -391,6 +398,15 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
         if staged is not None:
             candidates.append((value_of(staged[0]), "stages", staged[0]))
             say(f"stage annealing: {candidates[-1][0]:,.1f} tokens/s")
+
+    if not closed():
+        multi = num_regions(net) >= 2 and len(net.names) <= DENSE_NODES
+        share = PINNED_SHARE_REGIONS if multi else PINNED_SHARE
+        best_so_far = max(candidates, key=lambda c: c[0])[2]
+        for r, _ in pinned_search(net, best_so_far, time.perf_counter() + share * time_limit_s,
+                                  seed=seed, partial_inference=partial_inference):
+            candidates.append((value_of(r), "pinned", r))
+            say(f"pinned search: {candidates[-1][0]:,.1f} tokens/s")
 
     def on_improve(v: float) -> None:
         say(f"search: {v:,.1f} tokens/s ({time.perf_counter() - started:.0f}s)")

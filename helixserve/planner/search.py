@@ -83,14 +83,16 @@ def local_search(  # noqa: C901 - one annealing loop reads best in one piece
     partial_inference: bool = True,
     on_improve: Callable[[float], None] | None = None,
     max_stall: int = 4000,
+    fixed: frozenset[int] = frozenset(),
 ) -> tuple[Ranges, float, int]:
-    """Best placement found before `deadline_s` (perf_counter); returns (ranges, flow, evals)."""
+    """Best placement found before `deadline_s` (perf_counter); returns (ranges, flow, evals).
+    Nodes in `fixed` keep the range they have in the start (pinned.py uses this)."""
     rng = random.Random(seed)
     scorer = Scorer(net, partial_inference)
     L = scorer.L
     kmax = net.max_layers
     n = len(net.names)
-    usable = [i for i in range(n) if kmax[i] > 0]
+    usable = [i for i in range(n) if kmax[i] > 0 and i not in fixed]
     best_s, best_k = to_arrays(net, starts[0])
     best = scorer.score(best_s, best_k)[0]
     for st in starts[1:]:

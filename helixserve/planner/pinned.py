@@ -1,0 +1,138 @@
+"""Re-size the strongest machines together, re-optimize the rest around them (pinned search).
+
+The node-level local search (search.py) and the stage annealing (stages.py) change one node
+or one stage at a time. Some better placements are out of their reach because they need the
+strongest machines *and* everything downstream of them to change at once. On
+helix-geo-24 (llama-2-70b) both searches stop at 5,666.7 tokens/s: the 4 A100s in a chain
+of 4 x 12 layers, whose `T(12)` is exactly 5,666.7. With 11 layers each, `T(11)` = 6,182,
+but then the 20 L4s and T4s must cover 36 layers instead of 32 and receive the chain's
+output across the slow inter-region links on more machines; a one-node move from the
+12-layer chain only uncovers a layer, so the search never goes there.
+
+This step does that move as a large-neighbourhood search:
+  1. the group: machines with the same `T(k)` curve (same GPU, count and memory), the one
+     with the largest total layer work `sum_i max_k k T_i(k)` (the A100s above);
+  2. for d in (-1, +1): every member of the group in the best placement so far gets
+     `k + d` layers; members that formed a chain (one starts where the previous ends) are
+     laid out again as a chain from the same start, the others keep their start;
+  3. layers left uncovered are filled by growing the neighbouring ranges of the other
+     machines where their memory allows, else by moving a machine whose layers stay
+     covered without it;
+  4. the local search runs with the group pinned (`local_search(fixed=...)`): only the
+     other machines move.
+The results are candidates for the (unpinned) local search and the MILP that follow in
+milp.py, so a variant that does not pay off costs only its time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from helixserve.planner.baselines import Ranges
+from helixserve.planner.flow import FlowNetwork
+from helixserve.planner.search import local_search
+
+#: size changes tried for the group, in this order
+DELTAS = (-1, 1)
+
+
+def strongest_group(net: FlowNetwork, ranges: Ranges) -> list[int]:
+    """Held machines of the `T(k)` class with the most total layer work, by start layer."""
+    classes: dict[tuple[object, ...], list[int]] = {}
+    for i in ranges:
+        nd = net.cluster.nodes[i]
+        classes.setdefault((nd.gpu, nd.num_gpus, nd.memory_gb), []).append(i)
+    if not classes:
+        return []
+
+    def work(i: int) -> float:
+        return max(k * t for k, t in enumerate(net.throughput[i]))
+
+    members = max(classes.values(), key=lambda ms: sum(work(i) for i in ms))
+    return sorted(members, key=lambda i: ranges[i])
+
+
+def resize(ranges: Ranges, group: list[int], delta: int, kmax: np.ndarray,
+           num_layers: int) -> Ranges | None:
+    """`ranges` with every member of `group` (sorted by start) `delta` layers longer; chains
+    stay chains from the same start. None when no member can change size."""
+    out = dict(ranges)
+    changed = False
+    prev_old_end = prev_new_end = None
+    for i in group:
+        s, e = ranges[i]
+        k = min(max(1, e - s + delta), int(kmax[i]))
+        changed |= k != e - s
+        start = prev_new_end if s == prev_old_end and prev_new_end is not None else s
+        start = max(0, min(start, num_layers - k))
+        out[i] = (start, start + k)
+        prev_old_end, prev_new_end = e, start + k
+    return out if changed else None
+
+
+def fill_gaps(ranges: Ranges, fixed: set[int], kmax: np.ndarray, num_layers: int) -> Ranges:
+    """Grow free machines next to uncovered layers (end at the gap: grow the end; start
+    right after it: grow the start) until every layer is covered or nothing can grow."""
+    out = dict(ranges)
+    while True:
+        held = np.zeros(num_layers + 1, dtype=int)
+        for s, e in out.values():
+            held[s] += 1
+            held[e] -= 1
+        gaps = np.flatnonzero(np.cumsum(held)[:num_layers] == 0)
+        if len(gaps) == 0:
+            return out
+        a = b = int(gaps[0])  # the first uncovered run [a, b]
+        while b + 1 < num_layers and held_at(out, b + 1) == 0:
+            b += 1
+        grown = False
+        for i, (s, e) in sorted(out.items(), key=lambda it: it[1][1] - it[1][0]):
+            if i in fixed or e - s >= kmax[i]:
+                continue
+            if e == a:
+                out[i] = (s, e + 1)
+            elif s == b + 1:
+                out[i] = (s - 1, e)
+            else:
+                continue
+            grown = True
+            break
+        if not grown:  # move a free machine whose layers all stay covered without it
+            spare = [i for i, (s, e) in out.items() if i not in fixed
+                     and all(held_at(out, x) > 1 for x in range(s, e))]
+            if not spare:
+                return out  # the local search's re-place move may still cover it
+            i = max(spare, key=lambda j: min(held_at(out, x) for x in range(*out[j])))
+            k = out[i][1] - out[i][0]
+            start = max(0, min(a, num_layers - k))
+            out[i] = (start, start + k)
+
+
+def held_at(ranges: Ranges, layer: int) -> int:
+    return sum(1 for s, e in ranges.values() if s <= layer < e)
+
+
+def pinned_search(net: FlowNetwork, best: Ranges, deadline_s: float, seed: int = 0,
+                  partial_inference: bool = True) -> list[tuple[Ranges, float]]:
+    """Each size variant of the strongest group, searched with the group pinned until its
+    share of `deadline_s`; returns (ranges, max flow) per variant that found a flow."""
+    L = net.model.num_layers
+    group = strongest_group(net, best)
+    variants = [r for d in DELTAS
+                if (r := resize(best, group, d, net.max_layers, L)) is not None]
+    found: list[tuple[Ranges, float]] = []
+    for n, start in enumerate(variants):
+        now = time.perf_counter()
+        share = (deadline_s - now) / (len(variants) - n)
+        if share <= 0.2:
+            break
+        start = fill_gaps(start, set(group), net.max_layers, L)
+        ranges, value, _ = local_search(net, [start], now + share, seed=seed + n,
+                                        partial_inference=partial_inference,
+                                        max_stall=200 * len(net.names),
+                                        fixed=frozenset(group))
+        if value > 0:
+            found.append((ranges, float(value)))
+    return found
