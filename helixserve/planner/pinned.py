@@ -14,7 +14,9 @@ This step does that move as a large-neighbourhood search:
      with the largest total layer work `sum_i max_k k T_i(k)` (the A100s above);
   2. for d in (-1, +1): every member of the group in the best placement so far gets
      `k + d` layers; members that formed a chain (one starts where the previous ends) are
-     laid out again as a chain from the same start, the others keep their start;
+     laid out again as a chain from the same start, the others keep their start; the
+     other machines move with the member whose old end is the last at or before their start,
+     so the receivers of the group's output still start where it ends;
   3. layers left uncovered are filled by growing the neighbouring ranges of the other
      machines where their memory allows, else by moving a machine whose layers stay
      covered without it;
@@ -36,6 +38,8 @@ from helixserve.planner.search import local_search
 
 #: size changes tried for the group, in this order
 DELTAS = (-1, 1)
+#: local-search restarts from the best after this many evaluations per machine without gain
+STALL = 200
 
 
 def strongest_group(net: FlowNetwork, ranges: Ranges) -> list[int]:
@@ -57,9 +61,12 @@ def strongest_group(net: FlowNetwork, ranges: Ranges) -> list[int]:
 def resize(ranges: Ranges, group: list[int], delta: int, kmax: np.ndarray,
            num_layers: int) -> Ranges | None:
     """`ranges` with every member of `group` (sorted by start) `delta` layers longer; chains
-    stay chains from the same start. None when no member can change size."""
+    stay chains from the same start. The other machines move with the group member whose
+    old end is the last at or before their start (the receivers of a chain's output keep
+    starting where it ends). None when no member can change size."""
     out = dict(ranges)
     changed = False
+    moved_ends: dict[int, int] = {}  # old end -> new end of group members
     prev_old_end = prev_new_end = None
     for i in group:
         s, e = ranges[i]
@@ -68,13 +75,27 @@ def resize(ranges: Ranges, group: list[int], delta: int, kmax: np.ndarray,
         start = prev_new_end if s == prev_old_end and prev_new_end is not None else s
         start = max(0, min(start, num_layers - k))
         out[i] = (start, start + k)
+        moved_ends[e] = start + k
         prev_old_end, prev_new_end = e, start + k
-    return out if changed else None
+    if not changed:
+        return None
+    members = set(group)
+    for j, (s, e) in ranges.items():
+        before = [old for old in moved_ends if old <= s]
+        if j in members or not before:
+            continue
+        shift = moved_ends[max(before)] - max(before)
+        start = max(0, min(s + shift, num_layers - (e - s)))
+        out[j] = (start, start + e - s)
+    return out
 
 
-def fill_gaps(ranges: Ranges, fixed: set[int], kmax: np.ndarray, num_layers: int) -> Ranges:
+def fill_gaps(net: FlowNetwork, ranges: Ranges, fixed: set[int]) -> Ranges:
     """Grow free machines next to uncovered layers (end at the gap: grow the end; start
-    right after it: grow the start) until every layer is covered or nothing can grow."""
+    right after it: grow the start); where none can, move a free machine whose layers stay
+    covered without it, the one best linked to the machines on both sides of the gap.
+    Stops when every layer is covered or nothing can change."""
+    kmax, num_layers = net.max_layers, net.model.num_layers
     out = dict(ranges)
     while True:
         held = np.zeros(num_layers + 1, dtype=int)
@@ -104,10 +125,21 @@ def fill_gaps(ranges: Ranges, fixed: set[int], kmax: np.ndarray, num_layers: int
                      and all(held_at(out, x) > 1 for x in range(s, e))]
             if not spare:
                 return out  # the local search's re-place move may still cover it
-            i = max(spare, key=lambda j: min(held_at(out, x) for x in range(*out[j])))
+            i = max(spare, key=lambda j: (_linked(net, out, j, a, b),
+                                          min(held_at(out, x) for x in range(*out[j]))))
             k = out[i][1] - out[i][0]
             start = max(0, min(a, num_layers - k))
             out[i] = (start, start + k)
+
+
+def _linked(net: FlowNetwork, ranges: Ranges, j: int, a: int, b: int) -> float:
+    """Link capacity into machine j from the holders of layer a - 1 (or the coordinator)
+    and out of it to the holders of layer b + 1 (or the coordinator), the smaller."""
+    into = (net.source_cap[j] if a == 0 else
+            sum(net.link_cap[h, j] for h, (s, e) in ranges.items() if s <= a - 1 < e and h != j))
+    out_of = (net.sink_cap[j] if b + 1 >= net.model.num_layers else
+              sum(net.link_cap[j, q] for q, (s, e) in ranges.items() if s <= b + 1 < e and q != j))
+    return float(min(into, out_of))
 
 
 def held_at(ranges: Ranges, layer: int) -> int:
@@ -128,10 +160,10 @@ def pinned_search(net: FlowNetwork, best: Ranges, deadline_s: float, seed: int =
         share = (deadline_s - now) / (len(variants) - n)
         if share <= 0.2:
             break
-        start = fill_gaps(start, set(group), net.max_layers, L)
+        start = fill_gaps(net, start, set(group))
         ranges, value, _ = local_search(net, [start], now + share, seed=seed + n,
                                         partial_inference=partial_inference,
-                                        max_stall=200 * len(net.names),
+                                        max_stall=STALL * len(net.names),
                                         fixed=frozenset(group))
         if value > 0:
             found.append((ranges, float(value)))

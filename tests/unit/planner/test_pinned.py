@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 import pytest
-from planner_factories import make_cluster
+from planner_factories import make_cluster, tiny_model
 
 from helixserve.planner import FlowNetwork
 from helixserve.planner.pinned import fill_gaps, pinned_search, resize, strongest_group
@@ -21,8 +21,9 @@ def test_resize_keeps_chains_and_starts():
     kmax = np.array([12, 12, 12, 12, 4])
     chain = {0: (0, 12), 1: (12, 24), 2: (24, 36), 3: (40, 50), 4: (36, 40)}
     shrunk = resize(chain, [0, 1, 2, 3], -1, kmax, 80)
-    # 0-1-2 are a chain and stay one from layer 0; 3 did not touch 2 and keeps its start
-    assert shrunk == {0: (0, 11), 1: (11, 22), 2: (22, 33), 3: (40, 49), 4: (36, 40)}
+    # 0-1-2 are a chain and stay one from layer 0; 3 did not touch 2 and keeps its start;
+    # 4 started where 2 ended and still does
+    assert shrunk == {0: (0, 11), 1: (11, 22), 2: (22, 33), 3: (40, 49), 4: (33, 37)}
     grown = resize(shrunk, [0, 1, 2, 3], 1, kmax, 80)
     assert grown == {0: (0, 12), 1: (12, 24), 2: (24, 36), 3: (40, 50), 4: (36, 40)}
     # every member already at its memory's limit: nothing to try
@@ -31,19 +32,34 @@ def test_resize_keeps_chains_and_starts():
     assert resize({0: (70, 80)}, [0], 1, kmax, 80) == {0: (69, 80)}
 
 
-def test_fill_gaps_grows_neighbours_then_moves_spares():
-    kmax = np.array([4, 4, 4, 4])
+def _small_net(num_layers: int, measured_cost) -> FlowNetwork:
+    net = FlowNetwork(make_cluster(t4=4), tiny_model(num_layers), measured_cost)
+    net.max_layers = np.array([4, 4, 4, 4])  # as if each T4 held at most 4 of these layers
+    return net
+
+
+def test_fill_gaps_grows_neighbours_then_moves_spares(measured_cost):
+    net = _small_net(8, measured_cost)
     # layer 4 uncovered: node 0 is at its limit, node 1 starts right after and can grow
-    out = fill_gaps({0: (0, 4), 1: (5, 8), 2: (5, 8)}, set(), kmax, 8)
+    out = fill_gaps(net, {0: (0, 4), 1: (5, 8), 2: (5, 8)}, set())
     assert out[0] == (0, 4) and out[1] == (4, 8) and _covers(out, 8)
+    net = _small_net(10, measured_cost)
     # layers 4-5 uncovered, node 0 pinned, node 1 at its limit: a spare moves there
     ranges = {0: (0, 4), 1: (6, 10), 2: (6, 10)}
-    out = fill_gaps(ranges, {0}, kmax, 10)
+    out = fill_gaps(net, ranges, {0})
     assert _covers(out, 10) and out[0] == (0, 4)
     assert ranges == {0: (0, 4), 1: (6, 10), 2: (6, 10)}  # the input is not modified
     # nothing free to grow or move: returned as it is (still uncovered)
     stuck = {0: (0, 4), 1: (6, 10)}
-    assert fill_gaps(stuck, set(), kmax, 10) == stuck
+    assert fill_gaps(net, stuck, set()) == stuck
+
+
+def test_resize_moves_the_receivers_with_the_chain():
+    kmax = np.array([12, 12, 4, 4, 7])
+    ranges = {0: (0, 12), 1: (12, 24), 2: (24, 28), 3: (24, 28), 4: (28, 35)}
+    out = resize(ranges, [0, 1], -1, kmax, 35)
+    # the chain ends at 22 now: what started at or after its old end moves back 2 layers
+    assert out == {0: (0, 11), 1: (11, 22), 2: (22, 26), 3: (22, 26), 4: (26, 33)}
 
 
 def test_local_search_keeps_fixed_nodes(llama70b, measured_cost):
