@@ -418,20 +418,14 @@ class Serving:
                     tops.append(None)
                 else:
                     token_logprobs.append(_finite(entry.logprob))
-                    tops.append(
-                        {self.token_text(t): _finite(lp) or 0.0 for t, lp in entry.top_logprobs}
-                    )
+                    tops.append(self._with_token(piece, entry.logprob, entry.top_logprobs))
                 offsets.append(text_offset)
                 text_offset += len(piece)
         for i in range(start, end):
             piece = self.token_text(c.token_ids[i])
             tokens.append(piece)
             token_logprobs.append(c.logprobs[i])
-            tops.append(
-                {self.token_text(t): _finite(lp) or 0.0 for t, lp in c.top_logprobs[i]}
-                if c.top_logprobs[i]
-                else {}
-            )
+            tops.append(self._with_token(piece, c.logprobs[i], c.top_logprobs[i] or []))
             offsets.append(text_offset)
             text_offset += len(piece)
         return {
@@ -440,6 +434,15 @@ class Serving:
             "top_logprobs": tops,
             "text_offset": offsets,
         }
+
+    def _with_token(self, piece: str, logprob: float | None,
+                    top: list[tuple[int, float]]) -> dict[str, float]:
+        """Legacy `top_logprobs` of one position: the top N, plus the token itself when it
+        is not among them (as vLLM does; so `logprobs=0` still names the token)."""
+        out = {self.token_text(t): _finite(lp) or 0.0 for t, lp in top}
+        if piece not in out and logprob is not None:
+            out[piece] = _finite(logprob) or 0.0
+        return out
 
     def chat_logprobs(self, c: Choice, start: int, end: int) -> dict[str, Any]:
         content = []

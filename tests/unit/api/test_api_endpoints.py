@@ -115,8 +115,12 @@ def test_completions_echo_logprobs_streaming(client, fake, tokenizer):
     assert first.token_logprobs[: len(prompt_ids)] == pytest.approx(
         [None] + [-k / 10 for k in range(1, len(prompt_ids))]
     )
-    assert first.top_logprobs[1] == {}
+    # logprobs=0 asks for no alternatives, but each position still names its own token (as
+    # vLLM does), for the prompt and for the generated tokens
+    assert first.top_logprobs[1] == {tokenizer.decode([prompt_ids[1]]): pytest.approx(-0.1)}
     assert all(len(c.logprobs.tokens) == 1 for c in chunks[1:])
+    assert all(c.logprobs.top_logprobs[0] == {c.logprobs.tokens[0]: pytest.approx(-0.1)}
+               for c in chunks[1:])
     # without echo the prompt is not scored
     client.completions.create(model=MODEL, prompt="Hello there", max_tokens=1, logprobs=1)
     assert fake.requests[-1].sampling.prompt_logprobs is None
