@@ -132,6 +132,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="admission waits while N admitted requests have no first token yet",
     )
+    engine.add_argument(
+        "--kv-watermark",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="fraction of each node's KV cache kept free at admission for running requests "
+        "to grow into (on-demand allocation; default 0.01, as vLLM)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--sample",
@@ -199,12 +207,15 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
     ):
         if value is not None and value < 1:
             raise UserError(f"{flag}: must be >= 1, got {value}")
+    if args.kv_watermark is not None and not 0 <= args.kv_watermark < 1:
+        raise UserError(f"--kv-watermark: must be in [0, 1), got {args.kv_watermark}")
     return engine_config(
         args.engine,
         kv_allocation=args.kv_allocation,
         chunked_prefill=args.chunked_prefill,
         max_prompt_tokens=args.max_batched_prompt_tokens,
         max_prefilling=args.max_prefilling,
+        kv_watermark=args.kv_watermark,
     )
 
 

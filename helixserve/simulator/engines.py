@@ -6,6 +6,8 @@ allocates KV cache and batches prompts (see docs/simulator.md).
 - `vllm`: on-demand KV allocation with recompute preemption, as vLLM's paged KV cache;
   chunked prefill of 512 prompt tokens an iteration (vLLM's `max_num_batched_tokens`); at
   most 64 admitted requests still prefilling (admission waits beyond that).
+Both keep 1% of each node's KV cache free at admission (`kv_watermark`, vLLM's default
+watermark; it matters only with on-demand allocation, where running requests grow into it).
 
 `helixserve simulate --engine` and `benchmarks/serving_sim.py --engine` both read `ENGINES`.
 """
@@ -23,12 +25,14 @@ ENGINES: dict[str, dict[str, Any]] = {
         "chunked_prefill": True,
         "max_prompt_tokens": 512,
         "max_prefilling": 64,
+        "kv_watermark": 0.01,
     },
     "reserve": {
         "kv_allocation": "reserve",
         "chunked_prefill": False,
         "max_prompt_tokens": None,
         "max_prefilling": None,
+        "kv_watermark": 0.01,
     },
 }
 

@@ -155,6 +155,7 @@ def test_engine_vllm_is_recorded_and_changes_the_simulation(
         "chunked_prefill": False,
         "max_prompt_tokens": None,
         "max_prefilling": None,
+        "kv_watermark": 0.01,
     }
     assert vllm["engine"] == "vllm" and vllm["kv_allocation"] == "on-demand"
     assert vllm["engine_config"] == {
@@ -162,6 +163,7 @@ def test_engine_vllm_is_recorded_and_changes_the_simulation(
         "chunked_prefill": True,
         "max_prompt_tokens": 512,
         "max_prefilling": 64,
+        "kv_watermark": 0.01,
     }
     # Whole prompts (thousands of tokens a batch) vs chunks of at most 512 tokens.
     assert max(n["mean_prompt_batch_tokens"] for n in reserve["nodes"]) > 512
@@ -181,6 +183,7 @@ def test_engine_flags_override_the_preset(
         "--chunked-prefill",
         "--max-batched-prompt-tokens", "128",
         "--max-prefilling", "4",
+        "--kv-watermark", "0.2",
     )  # fmt: skip
     assert summary["engine"] == "reserve"
     assert summary["engine_config"] == {
@@ -188,6 +191,7 @@ def test_engine_flags_override_the_preset(
         "chunked_prefill": True,
         "max_prompt_tokens": 128,
         "max_prefilling": 4,
+        "kv_watermark": 0.2,
     }
     assert summary["kv_allocation"] == "on-demand"
     assert max(n["mean_prompt_batch_tokens"] for n in summary["nodes"]) <= 128
@@ -201,6 +205,7 @@ def test_engine_flags_override_the_preset(
     [
         ("--max-batched-prompt-tokens", "0", "--max-batched-prompt-tokens: must be >= 1, got 0"),
         ("--max-prefilling", "-3", "--max-prefilling: must be >= 1, got -3"),
+        ("--kv-watermark", "1.5", "--kv-watermark: must be in [0, 1), got 1.5"),
         ("--engine", "sglang", "--engine: unknown engine model 'sglang'; known: reserve, vllm"),
         (
             "--kv-allocation",
