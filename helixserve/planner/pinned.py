@@ -13,9 +13,9 @@ This step does that move as a large-neighbourhood search:
   1. the group: machines with the same `T(k)` curve (same GPU, count and memory), the one
      with the largest total layer work `sum_i max_k k T_i(k)` (the A100s above);
   2. for d in (-1, +1): every member of the group in the best placement so far gets
-     `k + d` layers; members that formed a chain (one starts where the previous ends) are
-     laid out again as a chain from the same start, the others keep their start; the
-     other machines move with the member whose old end is the last at or before their start,
+     `k + d` layers, k the largest size among them; members that formed a chain (one
+     starts where the previous ends) are laid out again as a chain from the same start,
+     the others keep their start; the other machines move with the member whose old end is the last at or before their start,
      so the receivers of the group's output still start where it ends;
   3. layers left uncovered are filled by growing the neighbouring ranges of the other
      machines where their memory allows, else by moving a machine whose layers stay
@@ -38,6 +38,9 @@ from helixserve.planner.search import local_search
 
 #: size changes tried for the group, in this order
 DELTAS = (-1, 1)
+#: their shares of the time when both apply: a smaller size is what the searches cannot
+#: reach by themselves (a larger one they can, by growing ranges one at a time)
+WEIGHTS = {-1: 2.0, 1: 1.0}
 #: local-search restarts from the best after this many evaluations per machine without gain
 STALL = 200
 
@@ -60,17 +63,19 @@ def strongest_group(net: FlowNetwork, ranges: Ranges) -> list[int]:
 
 def resize(ranges: Ranges, group: list[int], delta: int, kmax: np.ndarray,
            num_layers: int) -> Ranges | None:
-    """`ranges` with every member of `group` (sorted by start) `delta` layers longer; chains
-    stay chains from the same start. The other machines move with the group member whose
+    """`ranges` with every member of `group` (sorted by start) at the group's largest size
+    plus `delta` layers (a chain runs at its slowest member's `T(k)`, so the members get one
+    size); chains stay chains from the same start. The other machines move with the group member whose
     old end is the last at or before their start (the receivers of a chain's output keep
     starting where it ends). None when no member can change size."""
     out = dict(ranges)
     changed = False
     moved_ends: dict[int, int] = {}  # old end -> new end of group members
     prev_old_end = prev_new_end = None
+    size = max(ranges[i][1] - ranges[i][0] for i in group) + delta
     for i in group:
         s, e = ranges[i]
-        k = min(max(1, e - s + delta), int(kmax[i]))
+        k = min(max(1, size), int(kmax[i]))
         changed |= k != e - s
         start = prev_new_end if s == prev_old_end and prev_new_end is not None else s
         start = max(0, min(start, num_layers - k))
@@ -152,12 +157,12 @@ def pinned_search(net: FlowNetwork, best: Ranges, deadline_s: float, seed: int =
     share of `deadline_s`; returns (ranges, max flow) per variant that found a flow."""
     L = net.model.num_layers
     group = strongest_group(net, best)
-    variants = [r for d in DELTAS
+    variants = [(WEIGHTS[d], r) for d in DELTAS
                 if (r := resize(best, group, d, net.max_layers, L)) is not None]
     found: list[tuple[Ranges, float]] = []
-    for n, start in enumerate(variants):
+    for n, (weight, start) in enumerate(variants):
         now = time.perf_counter()
-        share = (deadline_s - now) / (len(variants) - n)
+        share = (deadline_s - now) * weight / sum(w for w, _ in variants[n:])
         if share <= 0.2:
             break
         start = fill_gaps(net, start, set(group))

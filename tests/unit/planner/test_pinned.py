@@ -21,13 +21,16 @@ def test_resize_keeps_chains_and_starts():
     kmax = np.array([12, 12, 12, 12, 4])
     chain = {0: (0, 12), 1: (12, 24), 2: (24, 36), 3: (40, 50), 4: (36, 40)}
     shrunk = resize(chain, [0, 1, 2, 3], -1, kmax, 80)
-    # 0-1-2 are a chain and stay one from layer 0; 3 did not touch 2 and keeps its start;
-    # 4 started where 2 ended and still does
-    assert shrunk == {0: (0, 11), 1: (11, 22), 2: (22, 33), 3: (40, 49), 4: (33, 37)}
+    # every member gets the largest size minus one (11); 0-1-2 are a chain and stay one
+    # from layer 0; 3 did not touch 2 and keeps its start; 4 started where 2 ended and
+    # still does
+    assert shrunk == {0: (0, 11), 1: (11, 22), 2: (22, 33), 3: (40, 51), 4: (33, 37)}
     grown = resize(shrunk, [0, 1, 2, 3], 1, kmax, 80)
-    assert grown == {0: (0, 12), 1: (12, 24), 2: (24, 36), 3: (40, 50), 4: (36, 40)}
+    assert grown == {0: (0, 12), 1: (12, 24), 2: (24, 36), 3: (40, 52), 4: (36, 40)}
     # every member already at its memory's limit: nothing to try
     assert resize(chain, [0, 1, 2], 1, kmax, 80) is None
+    # a smaller member is brought up to the group's size
+    assert resize({0: (0, 12), 1: (12, 22)}, [0, 1], 1, kmax, 80) == {0: (0, 12), 1: (12, 24)}
     # a range pushed past the last layer is moved back inside
     assert resize({0: (70, 80)}, [0], 1, kmax, 80) == {0: (69, 80)}
 
