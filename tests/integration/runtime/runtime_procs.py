@@ -161,7 +161,8 @@ class CuttableProxy:
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            conn: dict[str, object] = {"client": client, "upstream": upstream, "hole": False}
+            conn: dict[str, object] = {"client": client, "upstream": upstream, "hole": False,
+                                       "sent": 0, "limit": None}
             with self._lock:
                 self.conns.append(conn)
             threading.Thread(target=self._pump, args=(conn, client, upstream, True),
@@ -176,6 +177,17 @@ class CuttableProxy:
             while data := src.recv(65536):
                 if from_client and conn["hole"]:
                     continue
+                if from_client:
+                    sent, limit = conn["sent"], conn["limit"]
+                    assert isinstance(sent, int)
+                    if isinstance(limit, int) and sent + len(data) >= limit:
+                        # armed: pass the bytes up to the limit, then swallow the rest
+                        data = data[: max(0, limit - sent)]
+                        conn["hole"] = True
+                        trip = conn["trip"]
+                        assert callable(trip)
+                        trip()
+                    conn["sent"] = sent + len(data)
                 dst.sendall(data)
         except OSError:
             pass
@@ -184,12 +196,37 @@ class CuttableProxy:
                 s.shutdown(socket.SHUT_RDWR)
 
     def cut(self, first: int, close_after_s: float = 1.0) -> int:
-        import threading
-
         with self._lock:
             victims = self.conns[first:]
         for conn in victims:
             conn["hole"] = True
+        self._close_later(victims, close_after_s)
+        return len(victims)
+
+    def arm(self, index: int, more_bytes: int, close_after_s: float = 1.0) -> None:
+        """Connection `index` passes `more_bytes` more bytes from its client, then becomes a
+        black hole and is closed `close_after_s` later, as `cut` does: a stream that breaks
+        part-way through what the client is sending (say, after a few prefill chunks)."""
+        with self._lock:
+            conn = self.conns[index]
+        conn["trip"] = lambda: self._close_later([conn], close_after_s)
+        sent = conn["sent"]
+        assert isinstance(sent, int)
+        conn["limit"] = sent + more_bytes
+
+    def tripped(self, index: int) -> bool:
+        with self._lock:
+            return bool(self.conns[index]["hole"])
+
+    def bytes_from_client(self, index: int) -> int:
+        with self._lock:
+            sent = self.conns[index]["sent"]
+        assert isinstance(sent, int)
+        return sent
+
+    @staticmethod
+    def _close_later(victims: list[dict[str, object]], close_after_s: float) -> None:
+        import threading
 
         def close() -> None:
             for conn in victims:
@@ -201,7 +238,6 @@ class CuttableProxy:
                     sock.close()
 
         threading.Timer(close_after_s, close).start()
-        return len(victims)
 
     def close(self) -> None:
         self.listener.close()

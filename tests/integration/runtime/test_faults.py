@@ -1,6 +1,7 @@
 """Faults: a link between two workers broken mid-request, the first hop's link cut before a
-prompt_logprobs request's first token, a worker killed mid-request (and brought back), and a
-worker drained by SIGTERM.
+prompt_logprobs request's first token, the last hop's link broken part-way through such a
+request's chunked prefill, a worker killed mid-request (and brought back), and a worker
+drained by SIGTERM.
 
 Own workers (this module kills them): n0 [0,10) n1 [10,20) n2 [20,30) and m [0,25), m started
 with `--placement P --node m`. The placement's flows send almost everything along n0-n1-n2,
@@ -179,6 +180,70 @@ def test_prompt_logprobs_come_once_from_the_route_that_served(fault_workers, dem
     assert [p.logprob for p in got] == pytest.approx([p.logprob for p in ref], abs=2e-3)
     assert [p.top_logprobs[0][1] for p in got] == pytest.approx(
         [p.top_logprobs[0][1] for p in ref], abs=2e-3)
+
+
+def test_prompt_logprobs_after_a_break_mid_prefill(fault_workers, demo_model, caplog):
+    """The last stage has scored part of a chunked prompt when its stream from n1 breaks:
+    the re-routed request scores the whole prompt again under a fresh id, and its first
+    token carries every prompt position's score exactly once, as on a healthy run.
+
+    Chunks of 8 tokens; n1's connection to n2 (through a proxy) passes 2.5 fp32 chunks'
+    worth of bytes of the faulty request, then swallows the rest and breaks: n2 has received
+    (and scored) the first chunks but not the rest."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    chunk = 8
+    tok = AutoTokenizer.from_pretrained(str(demo_model))
+    text = tok.apply_chat_template([{"role": "user", "content": " ".join([PROMPT] * 8)}],
+                                   tokenize=False, add_generation_prompt=True)
+    prompt = tok.encode(text, add_special_tokens=False)
+    hidden = json.loads((demo_model / "config.json").read_text())["hidden_size"]
+    fp32_chunk_bytes = chunk * hidden * 4
+    # a partial prefill whatever the wire dtype (2 or 4 bytes): >= 2 chunks through, and
+    # fewer than all of them
+    assert len(prompt) // chunk * chunk * hidden * 2 > 2.5 * fp32_chunk_bytes
+    ask = dataclasses.replace(GREEDY, prompt_logprobs=1)
+    proxy = CuttableProxy(fault_workers["n2"].port)
+    workers = [dataclasses.replace(w, port=proxy.port) if w.name == "n2" else w
+               for w in fault_workers.values()]
+
+    async def run(coord: Coordinator, request_id: str) -> list:
+        req = GenerationRequest(request_id, prompt, ask, max_tokens=4, ignore_eos=True)
+        return [ev async for ev in coord.generate(req)]
+
+    async def main() -> tuple[list, list, dict, dict, int]:
+        coord = await Coordinator.create(make_cluster(workers), placement(), demo_model,
+                                         prefill_chunk_tokens=chunk, step_timeout_s=600.0)
+        try:
+            own = proxy.num_connections  # the coordinator's connection(s) to n2
+            healthy = await run(coord, "healthy")
+            assert proxy.num_connections == own + 1  # n1's stream to n2
+            before = coord.stats()
+            proxy.arm(own, int(2.5 * fp32_chunk_bytes))
+            faulty = await run(coord, "mid-prefill")
+            assert proxy.tripped(own)
+            return healthy, faulty, before, coord.stats(), proxy.bytes_from_client(own)
+        finally:
+            await coord.close()
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="helixserve.coordinator"):
+            healthy, faulty, before, after, _ = asyncio.run(main())
+    finally:
+        proxy.close()
+    assert len(prompt) > 10 * chunk
+    assert before["routes"] == {"n0->n1->n2": 1}
+    assert after["reroutes"] - before["reroutes"] == 1, after
+    assert [ev.token_id for ev in faulty] == [ev.token_id for ev in healthy]
+    for events in (healthy, faulty):
+        first = events[0].prompt_logprobs
+        # every position once: nothing left over from the first attempt's partial scoring
+        assert first is not None and [p.token_id for p in first] == prompt[1:]
+        assert all(ev.prompt_logprobs is None for ev in events[1:])
+    ref, got = healthy[0].prompt_logprobs, faulty[0].prompt_logprobs
+    assert [p.logprob for p in got] == pytest.approx([p.logprob for p in ref], abs=2e-3)
 
 
 def test_killed_worker_request_continues_on_another_route(fault_workers, demo_model,
