@@ -11,12 +11,13 @@ Pipeline within the time limit T (docs/planner.md has the full write-up):
   4. stage-structured annealing (stages.py; 10% of T, 25% above DENSE_NODES machines):
      re-cuts pipeline stages with all their replicas at once, from the stage-shaped
      candidates (the baselines);
-  5. pinned search (pinned.py; 10% of T, 25% on clusters of 2+ regions): the strongest
-     machines re-sized together by one layer, the rest searched around them;
+  5. pinned search (pinned.py; 10% of T, 55% with 2+ regions and at most DENSE_NODES
+     machines): the strongest machines re-sized together by one layer, the rest searched
+     around them;
   6. local search on the real max flow from all of the above (search.py, ~55% of T);
-  7. the per-node MILP below: first as a large-neighbourhood search (all nodes fixed but
-     3-6 close in layer position, re-solved exactly; half of what is left), then whole,
-     warm-started from the best placement so far (the rest of T);
+  7. with at least 8% of T left, the per-node MILP below: first as a large-neighbourhood
+     search (all nodes fixed but 3-6 close in layer position, re-solved exactly; half of
+     what is left), then whole, warm-started from the best placement so far (the rest of T);
   8. every candidate is re-evaluated by the max-flow evaluator and the best is returned,
      with the tightest of the proven bounds.
 
@@ -76,7 +77,9 @@ STAGE_SHARE_DENSE = 0.25
 #: share of the time limit for re-sizing the strongest machines (pinned.py), and on
 #: clusters of two or more regions (where it found better placements; docs/planner.md)
 PINNED_SHARE = 0.1
-PINNED_SHARE_REGIONS = 0.4
+PINNED_SHARE_REGIONS = 0.55
+#: the per-node MILP (LNS, then whole) runs only with at least this share of the limit left
+MILP_MIN_SHARE = 0.08
 
 
 @dataclass
@@ -421,7 +424,8 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
     best_value, best_name, best_ranges = max(candidates, key=lambda c: c[0])
 
     milp_info: SolveInfo | None = None
-    if remaining() > 0.5 and not closed():
+    # building the per-node MILP takes seconds on large clusters: only with time to use it
+    if remaining() > MILP_MIN_SHARE * time_limit_s and not closed():
         prob, v, pruned = build_milp(net, min(bounds), partial_inference)
         if len(net.names) > SMALL_NODES:
             say(f"lns: re-solving {len(v['s'])}-node MILP neighbourhoods of 3-6 nodes")
@@ -442,15 +446,16 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
                 f"{(bnd or 0) + pruned:,.1f}{gap}")
 
         # leave time to read the solution back and evaluate it within the limit
-        milp_info = solve(prob, max(0.5, remaining() - 0.02 * time_limit_s - 0.2),
-                          warm_start=True, progress=on_progress)
-        if milp_info.bound is not None:
-            bounds.append(milp_info.bound + pruned)
-        if milp_info.objective is not None:
-            r = _extract(net, v)
-            if r:
-                candidates.append((value_of(r), "milp", r))
-        say(f"milp [{milp_info.status}]: {candidates[-1][0]:,.1f} tokens/s")
+        budget = remaining() - 0.02 * time_limit_s - 0.2
+        if budget >= 0.3:
+            milp_info = solve(prob, budget, warm_start=True, progress=on_progress)
+            if milp_info.bound is not None:
+                bounds.append(milp_info.bound + pruned)
+            if milp_info.objective is not None:
+                r = _extract(net, v)
+                if r:
+                    candidates.append((value_of(r), "milp", r))
+            say(f"milp [{milp_info.status}]: {candidates[-1][0]:,.1f} tokens/s")
     best_value, best_name, best_ranges = max(candidates, key=lambda c: c[0])
     bound = max(min(bounds), best_value)
     say(f"best: {best_value:,.1f} tokens/s from {best_name}; bound {bound:,.1f} "
