@@ -15,8 +15,9 @@ This step does that move as a large-neighbourhood search:
   2. for d in (-1, +1): every member of the group in the best placement so far gets
      `k + d` layers, k the largest size among them; members that formed a chain (one
      starts where the previous ends) are laid out again as a chain from the same start,
-     the others keep their start; the other machines move with the member whose old end is the last at or before their start,
-     so the receivers of the group's output still start where it ends;
+     the others keep their start; the other machines move with the member whose old end
+     is the last at or before their start, so the receivers of the group's output still
+     start where it ends;
   3. layers left uncovered are filled by growing the neighbouring ranges of the other
      machines where their memory allows, else by moving a machine whose layers stay
      covered without it;
@@ -65,9 +66,9 @@ def resize(ranges: Ranges, group: list[int], delta: int, kmax: np.ndarray,
            num_layers: int) -> Ranges | None:
     """`ranges` with every member of `group` (sorted by start) at the group's largest size
     plus `delta` layers (a chain runs at its slowest member's `T(k)`, so the members get one
-    size); chains stay chains from the same start. The other machines move with the group member whose
-    old end is the last at or before their start (the receivers of a chain's output keep
-    starting where it ends). None when no member can change size."""
+    size); chains stay chains from the same start. The other machines move with the group
+    member whose old end is the last at or before their start (the receivers of a chain's
+    output keep starting where it ends). None when no member can change size."""
     out = dict(ranges)
     changed = False
     moved_ends: dict[int, int] = {}  # old end -> new end of group members
@@ -103,15 +104,16 @@ def fill_gaps(net: FlowNetwork, ranges: Ranges, fixed: set[int]) -> Ranges:
     kmax, num_layers = net.max_layers, net.model.num_layers
     out = dict(ranges)
     while True:
-        held = np.zeros(num_layers + 1, dtype=int)
+        diff = np.zeros(num_layers + 1, dtype=int)
         for s, e in out.values():
-            held[s] += 1
-            held[e] -= 1
-        gaps = np.flatnonzero(np.cumsum(held)[:num_layers] == 0)
+            diff[s] += 1
+            diff[e] -= 1
+        held = np.cumsum(diff)[:num_layers]  # machines holding each layer
+        gaps = np.flatnonzero(held == 0)
         if len(gaps) == 0:
             return out
         a = b = int(gaps[0])  # the first uncovered run [a, b]
-        while b + 1 < num_layers and held_at(out, b + 1) == 0:
+        while b + 1 < num_layers and held[b + 1] == 0:
             b += 1
         grown = False
         for i, (s, e) in sorted(out.items(), key=lambda it: it[1][1] - it[1][0]):
@@ -126,12 +128,11 @@ def fill_gaps(net: FlowNetwork, ranges: Ranges, fixed: set[int]) -> Ranges:
             grown = True
             break
         if not grown:  # move a free machine whose layers all stay covered without it
-            spare = [i for i, (s, e) in out.items() if i not in fixed
-                     and all(held_at(out, x) > 1 for x in range(s, e))]
+            spare = [i for i, (s, e) in out.items() if i not in fixed and held[s:e].min() > 1]
             if not spare:
                 return out  # the local search's re-place move may still cover it
             i = max(spare, key=lambda j: (_linked(net, out, j, a, b),
-                                          min(held_at(out, x) for x in range(*out[j]))))
+                                          held[out[j][0]:out[j][1]].min()))
             k = out[i][1] - out[i][0]
             start = max(0, min(a, num_layers - k))
             out[i] = (start, start + k)
@@ -145,10 +146,6 @@ def _linked(net: FlowNetwork, ranges: Ranges, j: int, a: int, b: int) -> float:
     out_of = (net.sink_cap[j] if b + 1 >= net.model.num_layers else
               sum(net.link_cap[j, q] for q, (s, e) in ranges.items() if s <= b + 1 < e and q != j))
     return float(min(into, out_of))
-
-
-def held_at(ranges: Ranges, layer: int) -> int:
-    return sum(1 for s, e in ranges.values() if s <= layer < e)
 
 
 def pinned_search(net: FlowNetwork, best: Ranges, deadline_s: float, seed: int = 0,

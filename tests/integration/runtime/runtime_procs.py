@@ -218,12 +218,6 @@ class CuttableProxy:
         with self._lock:
             return bool(self.conns[index]["hole"])
 
-    def bytes_from_client(self, index: int) -> int:
-        with self._lock:
-            sent = self.conns[index]["sent"]
-        assert isinstance(sent, int)
-        return sent
-
     @staticmethod
     def _close_later(victims: list[dict[str, object]], close_after_s: float) -> None:
         import threading

@@ -126,6 +126,24 @@ def test_broken_link_between_workers_reroutes_at_once(fault_workers, demo_model,
     assert all(n["alive"] for n in stats["nodes"].values()), stats["nodes"]
 
 
+async def _generate(coord: Coordinator, request_id: str, prompt: list[int],
+                    sampling: SamplingParams) -> tuple[GenerationRequest, list]:
+    req = GenerationRequest(request_id, prompt, sampling, max_tokens=4, ignore_eos=True)
+    return req, [ev async for ev in coord.generate(req)]
+
+
+def _assert_prompt_scored_once(healthy: list, faulty: list, prompt: list[int]) -> None:
+    """Same tokens as the healthy run; every prompt position scored once, with the first
+    token, within 2e-3 of the healthy run's scores."""
+    assert [ev.token_id for ev in faulty] == [ev.token_id for ev in healthy]
+    for events in (healthy, faulty):
+        first = events[0].prompt_logprobs
+        assert first is not None and [p.token_id for p in first] == prompt[1:]
+        assert all(ev.prompt_logprobs is None for ev in events[1:])  # once
+    ref, got = healthy[0].prompt_logprobs, faulty[0].prompt_logprobs
+    assert [p.logprob for p in got] == pytest.approx([p.logprob for p in ref], abs=2e-3)
+
+
 def test_prompt_logprobs_come_once_from_the_route_that_served(fault_workers, demo_model,
                                                              prompt_and_reference, caplog):
     """The first route fails before the first token: the re-routed request scores the prompt
@@ -141,8 +159,7 @@ def test_prompt_logprobs_come_once_from_the_route_that_served(fault_workers, dem
                for w in fault_workers.values()]
 
     async def run(coord: Coordinator, request_id: str) -> list:
-        req = GenerationRequest(request_id, prompt, ask, max_tokens=4, ignore_eos=True)
-        events = [ev async for ev in coord.generate(req)]
+        req, events = await _generate(coord, request_id, prompt, ask)
         assert req.sampling is ask  # the caller's request is left as it was: reusable
         return events
 
@@ -171,18 +188,13 @@ def test_prompt_logprobs_come_once_from_the_route_that_served(fault_workers, dem
     assert sum(after["routes"].values()) == 3, after["routes"]
     reasons = [r.getMessage() for r in caplog.records if "re-routing" in r.getMessage()]
     assert len(reasons) == 1 and "node n0 failed" in reasons[0], reasons
-    assert [ev.token_id for ev in faulty] == [ev.token_id for ev in healthy]
-    for events in (healthy, faulty):
-        first = events[0].prompt_logprobs
-        assert first is not None and [p.token_id for p in first] == prompt[1:]
-        assert all(ev.prompt_logprobs is None for ev in events[1:])  # once
+    _assert_prompt_scored_once(healthy, faulty, prompt)
     ref, got = healthy[0].prompt_logprobs, faulty[0].prompt_logprobs
-    assert [p.logprob for p in got] == pytest.approx([p.logprob for p in ref], abs=2e-3)
     assert [p.top_logprobs[0][1] for p in got] == pytest.approx(
         [p.top_logprobs[0][1] for p in ref], abs=2e-3)
 
 
-def test_prompt_logprobs_after_a_break_mid_prefill(fault_workers, demo_model, caplog):
+def test_prompt_logprobs_after_a_break_mid_prefill(fault_workers, demo_model):
     """The last stage has scored part of a chunked prompt when its stream from n1 breaks:
     the re-routed request scores the whole prompt again under a fresh id, and its first
     token carries every prompt position's score exactly once, as on a healthy run.
@@ -209,41 +221,30 @@ def test_prompt_logprobs_after_a_break_mid_prefill(fault_workers, demo_model, ca
     workers = [dataclasses.replace(w, port=proxy.port) if w.name == "n2" else w
                for w in fault_workers.values()]
 
-    async def run(coord: Coordinator, request_id: str) -> list:
-        req = GenerationRequest(request_id, prompt, ask, max_tokens=4, ignore_eos=True)
-        return [ev async for ev in coord.generate(req)]
-
-    async def main() -> tuple[list, list, dict, dict, int]:
+    async def main() -> tuple[list, list, dict, dict]:
         coord = await Coordinator.create(make_cluster(workers), placement(), demo_model,
                                          prefill_chunk_tokens=chunk, step_timeout_s=600.0)
         try:
             own = proxy.num_connections  # the coordinator's connection(s) to n2
-            healthy = await run(coord, "healthy")
+            _, healthy = await _generate(coord, "healthy", prompt, ask)
             assert proxy.num_connections == own + 1  # n1's stream to n2
             before = coord.stats()
             proxy.arm(own, int(2.5 * fp32_chunk_bytes))
-            faulty = await run(coord, "mid-prefill")
+            _, faulty = await _generate(coord, "mid-prefill", prompt, ask)
             assert proxy.tripped(own)
-            return healthy, faulty, before, coord.stats(), proxy.bytes_from_client(own)
+            return healthy, faulty, before, coord.stats()
         finally:
             await coord.close()
 
     try:
-        with caplog.at_level(logging.WARNING, logger="helixserve.coordinator"):
-            healthy, faulty, before, after, _ = asyncio.run(main())
+        healthy, faulty, before, after = asyncio.run(main())
     finally:
         proxy.close()
     assert len(prompt) > 10 * chunk
     assert before["routes"] == {"n0->n1->n2": 1}
     assert after["reroutes"] - before["reroutes"] == 1, after
-    assert [ev.token_id for ev in faulty] == [ev.token_id for ev in healthy]
-    for events in (healthy, faulty):
-        first = events[0].prompt_logprobs
-        # every position once: nothing left over from the first attempt's partial scoring
-        assert first is not None and [p.token_id for p in first] == prompt[1:]
-        assert all(ev.prompt_logprobs is None for ev in events[1:])
-    ref, got = healthy[0].prompt_logprobs, faulty[0].prompt_logprobs
-    assert [p.logprob for p in got] == pytest.approx([p.logprob for p in ref], abs=2e-3)
+    # every position once: nothing left over from the first attempt's partial scoring
+    _assert_prompt_scored_once(healthy, faulty, prompt)
 
 
 def test_killed_worker_request_continues_on_another_route(fault_workers, demo_model,
