@@ -2,7 +2,9 @@
 
 Bounds live on the fields, so a bad value is rejected before any work with a 400 naming the
 parameter (the app maps pydantic's errors to the OpenAI error JSON, not FastAPI's 422).
-Unknown fields are ignored, as OpenAI's and vLLM's servers do. Field names and meanings are
+Unknown fields are ignored, as OpenAI's and vLLM's servers do, except the ones that would
+change what comes back if we honoured them (tools, structured output, best_of): those are
+rejected with a 400 naming the field, never silently dropped. Field names and meanings are
 OpenAI's; `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens` and
 `stop_token_ids` are vLLM's extensions with vLLM's meanings.
 """
@@ -11,11 +13,25 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 #: most choices per request (n) and most top logprobs, as vLLM's defaults
 MAX_N = 16
 MAX_LOGPROBS = 20
+#: vLLM's structured-output extensions: not supported, so rejected rather than ignored
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                 "structured_outputs")
+
+
+def _reject(what: str, hint: str) -> ValueError:
+    return ValueError(f"{what} is not supported by this server; {hint}")
 
 
 class StreamOptions(BaseModel):
@@ -47,6 +63,30 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    #: token id (a string key in JSON) -> value added to its logit before sampling
+    logit_bias: dict[str, float] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"key {key!r} is not a token id")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"bias {value} for token {key} is outside -100..100")
+        return v
+
+    @field_validator(*GUIDED_FIELDS)
+    @classmethod
+    def _no_guided_decoding(cls, v: Any) -> Any:
+        if v is not None:
+            raise _reject("structured output", "leave the guided_* fields out")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -70,6 +110,9 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items()))
+
 
 class CompletionRequest(SamplingFields):
     #: text, token ids, or a batch of either (each prompt gets n choices)
@@ -78,6 +121,14 @@ class CompletionRequest(SamplingFields):
     #: number of top logprobs per token (0 = only the sampled token's)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: int | None) -> int | None:
+        if v is not None and v > 1:
+            raise _reject("best_of > 1", "ask for n choices and rank them by their logprobs")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -126,6 +177,33 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    #: tool calling and structured output are not supported: rejected unless they ask for
+    #: nothing ("none" tool choice, "text" response format), as vLLM without a tool parser
+    tool_choice: Any = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tool_calls(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
+        if v and info.data.get("tool_choice") != "none":
+            raise _reject("tool calling", 'leave tools out or set tool_choice to "none"')
+        return v
+
+    @field_validator("functions")
+    @classmethod
+    def _no_functions(cls, v: list[Any] | None) -> list[Any] | None:
+        if v:
+            raise _reject("function calling", "leave functions out")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "text") != "text":
+            raise _reject(f"response_format {v.get('type')!r}", 'use {"type": "text"}')
+        return v
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

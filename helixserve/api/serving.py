@@ -219,7 +219,13 @@ class Serving:
             frequency_penalty=body.frequency_penalty or 0.0,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=body.bias_pairs(),
         )
+        vocab = len(self.tokenizer)
+        for token_id, _ in params.logit_bias:
+            if token_id >= vocab:
+                raise APIError(400, f"logit_bias: token id {token_id} out of range [0, {vocab})",
+                               param="logit_bias", code="invalid_parameter")
         params.validate()
         return params
 

@@ -15,6 +15,9 @@ Logprobs are those of the model's own distribution (log_softmax of the raw logit
 penalties and filters), for the chosen token and the top-n alternatives, like vLLM's default.
 Prompt logprobs (`prompt_logprobs`, for the API's `echo`) are the same quantity for each prompt
 token given the tokens before it: the engine scores the prompt rows of a request that asks.
+`logit_bias` (OpenAI semantics) adds a per-token value to the logits before the penalties and
+everything after them; -100 / +100 in practice ban / force a token. Logprobs stay the model's
+own, unbiased, like the penalties.
 Stop tokens and max_tokens are the coordinator's business: the sampler only samples, except
 for `min_tokens`: while fewer than `min_tokens` tokens have been generated, the ids in
 `stop_token_ids` (EOS included, unless the client asked to ignore it) are masked out, so the
@@ -63,6 +66,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Also score the prompt: each prompt token after the first gets its logprob given the
     tokens before it and this many top alternatives; None = off (no lm_head over the prompt)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, value) pairs added to the logits before sampling (OpenAI range -100..100)."""
 
     def validate(self) -> SamplingParams:
         def bad(name: str, value: object, need: str) -> UserError:
@@ -90,11 +95,21 @@ class SamplingParams:
             raise bad("prompt_logprobs", self.prompt_logprobs, f"need 0..{MAX_LOGPROBS} or None")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "need a non-negative int")
+        for token_id, value in self.logit_bias:
+            if not isinstance(token_id, int) or token_id < 0:
+                raise bad("logit_bias", token_id, "need non-negative token ids")
+            if not -100.0 <= value <= 100.0:
+                raise bad("logit_bias", value, "need -100 <= bias <= 100")
         return self
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Penalties or a logit bias: the row cannot take the batched greedy argmax."""
+        return self.has_penalties or bool(self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:
@@ -169,6 +184,16 @@ def score_tokens(logprobs: torch.Tensor, token_ids: list[int], n: int) -> list[P
     ]
 
 
+def apply_logit_bias(logits: torch.Tensor, params: SamplingParams) -> None:
+    """In place on one row. logits: [vocab_size] float32."""
+    if not params.logit_bias:
+        return
+    ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=logits.device)
+    values = torch.tensor([v for _, v in params.logit_bias], dtype=logits.dtype,
+                          device=logits.device)
+    logits[ids] += values
+
+
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, hist: RequestHistory) -> None:
     """In place on one row. logits: [vocab_size] float32."""
     device = logits.device
@@ -224,7 +249,7 @@ def sample_rows(
 
     # Fast path for the common case: greedy rows without penalties, one batched argmax.
     plain_greedy = [
-        p.is_greedy and not p.has_penalties and not suppresses_stop(p, h)
+        p.is_greedy and not p.changes_logits and not suppresses_stop(p, h)
         for p, h in zip(params, hists, strict=True)
     ]
     chosen: list[int] = [0] * num_rows
@@ -238,6 +263,7 @@ def sample_rows(
             continue
         p, hist = params[i], hists[i]
         row = logits[i].clone()
+        apply_logit_bias(row, p)
         apply_penalties(row, p, hist)
         if suppresses_stop(p, hist):
             ids = torch.tensor(p.stop_token_ids, dtype=torch.long, device=row.device)

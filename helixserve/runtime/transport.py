@@ -215,6 +215,7 @@ def sampling_to_pb(s: SamplingParams | None) -> pb.SamplingParams | None:
         min_tokens=s.min_tokens,
         stop_token_ids=list(s.stop_token_ids),
         prompt_logprobs=-1 if s.prompt_logprobs is None else s.prompt_logprobs,
+        logit_bias=dict(s.logit_bias),
     )
 
 
@@ -234,6 +235,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),
         prompt_logprobs=None if msg.prompt_logprobs < 0 else msg.prompt_logprobs,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 

@@ -24,41 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bhelix.proto\x12\rhelixserve.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"L\n\x03Hop\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bstart_layer\x18\x03 \x01(\x05\x12\x11\n\tend_layer\x18\x04 \x01(\x05\"\x9a\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x10\n\x08logprobs\x18\n \x01(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\x0fprompt_logprobs\x18\r \x01(\x05\"\xb8\x02\n\x08WorkItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\x12\x11\n\thop_index\x18\x04 \x01(\r\x12!\n\x05route\x18\x05 \x03(\x0b\x32\x12.helixserve.v1.Hop\x12\x10\n\x08position\x18\x06 \x01(\x05\x12\x11\n\ttoken_ids\x18\x07 \x03(\x05\x12%\n\x06hidden\x18\x08 \x01(\x0b\x32\x15.helixserve.v1.Tensor\x12/\n\x08sampling\x18\t \x01(\x0b\x32\x1d.helixserve.v1.SamplingParams\x12\x0e\n\x06sample\x18\n \x01(\x08\x12\x11\n\tcompute_s\x18\x0b \x01(\x01\x12\x19\n\x11num_prompt_tokens\x18\x0c \x01(\x05\"5\n\x0bStreamHello\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\"^\n\tWorkBatch\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x1a.helixserve.v1.StreamHello\x12&\n\x05items\x18\x02 \x03(\x0b\x32\x17.helixserve.v1.WorkItem\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"c\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.helixserve.v1.TopLogprob\"\xc6\x02\n\nWorkResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x11\n\thas_token\x18\x03 \x01(\x08\x12\x10\n\x08token_id\x18\x04 \x01(\x05\x12\x0f\n\x07logprob\x18\x05 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x19.helixserve.v1.TopLogprob\x12\x13\n\x0bstatus_code\x18\x07 \x01(\x05\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0c\n\x04node\x18\t \x01(\t\x12\x11\n\tcompute_s\x18\n \x01(\x01\x12\x13\n\x0bhas_logprob\x18\x0b \x01(\x08\x12\x35\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1c.helixserve.v1.PromptLogprob\x12\x1b\n\x13has_prompt_logprobs\x18\r \x01(\x08\"9\n\x0bResultBatch\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.helixserve.v1.WorkResult\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x05\"\r\n\x0bInfoRequest\"\xba\x03\n\tInfoReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10num_model_layers\x18\x03 \x01(\x05\x12\x13\n\x0bstart_layer\x18\x04 \x01(\x05\x12\x11\n\tend_layer\x18\x05 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x13\n\x0bhidden_size\x18\t \x01(\x05\x12\x15\n\rkv_block_size\x18\n \x01(\x05\x12\x17\n\x0fkv_total_blocks\x18\x0b \x01(\x03\x12\x16\n\x0ekv_used_blocks\x18\x0c \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\r \x01(\x03\x12\x11\n\tqueue_len\x18\x0e \x01(\x05\x12\x17\n\x0flast_batch_size\x18\x0f \x01(\x05\x12\x15\n\rbusy_fraction\x18\x10 \x01(\x02\x12\r\n\x05steps\x18\x11 \x01(\x03\x12\x17\n\x0f\x61\x63tive_requests\x18\x12 \x01(\x03\x12\x10\n\x08\x64raining\x18\x13 \x01(\x08\x12\x15\n\reos_token_ids\x18\x14 \x03(\x05\x12\x11\n\titems_run\x18\x15 \x01(\x03\x32\xd4\x01\n\x0bHelixWorker\x12@\n\x04Work\x12\x18.helixserve.v1.WorkBatch\x1a\x1a.helixserve.v1.ResultBatch(\x01\x30\x01\x12\x45\n\x07Release\x12\x1d.helixserve.v1.ReleaseRequest\x1a\x1b.helixserve.v1.ReleaseReply\x12<\n\x04Info\x12\x1a.helixserve.v1.InfoRequest\x1a\x18.helixserve.v1.InfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bhelix.proto\x12\rhelixserve.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"L\n\x03Hop\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bstart_layer\x18\x03 \x01(\x05\x12\x11\n\tend_layer\x18\x04 \x01(\x05\"\x8e\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x10\n\x08logprobs\x18\n \x01(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x17\n\x0fprompt_logprobs\x18\r \x01(\x05\x12@\n\nlogit_bias\x18\x0e \x03(\x0b\x32,.helixserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xb8\x02\n\x08WorkItem\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\x12\x11\n\thop_index\x18\x04 \x01(\r\x12!\n\x05route\x18\x05 \x03(\x0b\x32\x12.helixserve.v1.Hop\x12\x10\n\x08position\x18\x06 \x01(\x05\x12\x11\n\ttoken_ids\x18\x07 \x03(\x05\x12%\n\x06hidden\x18\x08 \x01(\x0b\x32\x15.helixserve.v1.Tensor\x12/\n\x08sampling\x18\t \x01(\x0b\x32\x1d.helixserve.v1.SamplingParams\x12\x0e\n\x06sample\x18\n \x01(\x08\x12\x11\n\tcompute_s\x18\x0b \x01(\x01\x12\x19\n\x11num_prompt_tokens\x18\x0c \x01(\x05\"5\n\x0bStreamHello\x12\x16\n\x0e\x63oordinator_id\x18\x01 \x01(\t\x12\x0e\n\x06sender\x18\x02 \x01(\t\"^\n\tWorkBatch\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x1a.helixserve.v1.StreamHello\x12&\n\x05items\x18\x02 \x03(\x0b\x32\x17.helixserve.v1.WorkItem\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"c\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.helixserve.v1.TopLogprob\"\xc6\x02\n\nWorkResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x11\n\thas_token\x18\x03 \x01(\x08\x12\x10\n\x08token_id\x18\x04 \x01(\x05\x12\x0f\n\x07logprob\x18\x05 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x19.helixserve.v1.TopLogprob\x12\x13\n\x0bstatus_code\x18\x07 \x01(\x05\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0c\n\x04node\x18\t \x01(\t\x12\x11\n\tcompute_s\x18\n \x01(\x01\x12\x13\n\x0bhas_logprob\x18\x0b \x01(\x08\x12\x35\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1c.helixserve.v1.PromptLogprob\x12\x1b\n\x13has_prompt_logprobs\x18\r \x01(\x08\"9\n\x0bResultBatch\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.helixserve.v1.WorkResult\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x05\"\r\n\x0bInfoRequest\"\xba\x03\n\tInfoReply\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10num_model_layers\x18\x03 \x01(\x05\x12\x13\n\x0bstart_layer\x18\x04 \x01(\x05\x12\x11\n\tend_layer\x18\x05 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x13\n\x0bhidden_size\x18\t \x01(\x05\x12\x15\n\rkv_block_size\x18\n \x01(\x05\x12\x17\n\x0fkv_total_blocks\x18\x0b \x01(\x03\x12\x16\n\x0ekv_used_blocks\x18\x0c \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\r \x01(\x03\x12\x11\n\tqueue_len\x18\x0e \x01(\x05\x12\x17\n\x0flast_batch_size\x18\x0f \x01(\x05\x12\x15\n\rbusy_fraction\x18\x10 \x01(\x02\x12\r\n\x05steps\x18\x11 \x01(\x03\x12\x17\n\x0f\x61\x63tive_requests\x18\x12 \x01(\x03\x12\x10\n\x08\x64raining\x18\x13 \x01(\x08\x12\x15\n\reos_token_ids\x18\x14 \x03(\x05\x12\x11\n\titems_run\x18\x15 \x01(\x03\x32\xd4\x01\n\x0bHelixWorker\x12@\n\x04Work\x12\x18.helixserve.v1.WorkBatch\x1a\x1a.helixserve.v1.ResultBatch(\x01\x30\x01\x12\x45\n\x07Release\x12\x1d.helixserve.v1.ReleaseRequest\x1a\x1b.helixserve.v1.ReleaseReply\x12<\n\x04Info\x12\x1a.helixserve.v1.InfoRequest\x1a\x18.helixserve.v1.InfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'helix_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TENSOR']._serialized_start=30
   _globals['_TENSOR']._serialized_end=82
   _globals['_HOP']._serialized_start=84
   _globals['_HOP']._serialized_end=160
   _globals['_SAMPLINGPARAMS']._serialized_start=163
-  _globals['_SAMPLINGPARAMS']._serialized_end=445
-  _globals['_WORKITEM']._serialized_start=448
-  _globals['_WORKITEM']._serialized_end=760
-  _globals['_STREAMHELLO']._serialized_start=762
-  _globals['_STREAMHELLO']._serialized_end=815
-  _globals['_WORKBATCH']._serialized_start=817
-  _globals['_WORKBATCH']._serialized_end=911
-  _globals['_TOPLOGPROB']._serialized_start=913
-  _globals['_TOPLOGPROB']._serialized_end=960
-  _globals['_PROMPTLOGPROB']._serialized_start=962
-  _globals['_PROMPTLOGPROB']._serialized_end=1061
-  _globals['_WORKRESULT']._serialized_start=1064
-  _globals['_WORKRESULT']._serialized_end=1390
-  _globals['_RESULTBATCH']._serialized_start=1392
-  _globals['_RESULTBATCH']._serialized_end=1449
-  _globals['_RELEASEREQUEST']._serialized_start=1451
-  _globals['_RELEASEREQUEST']._serialized_end=1488
-  _globals['_RELEASEREPLY']._serialized_start=1490
-  _globals['_RELEASEREPLY']._serialized_end=1522
-  _globals['_INFOREQUEST']._serialized_start=1524
-  _globals['_INFOREQUEST']._serialized_end=1537
-  _globals['_INFOREPLY']._serialized_start=1540
-  _globals['_INFOREPLY']._serialized_end=1982
-  _globals['_HELIXWORKER']._serialized_start=1985
-  _globals['_HELIXWORKER']._serialized_end=2197
+  _globals['_SAMPLINGPARAMS']._serialized_end=561
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=513
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=561
+  _globals['_WORKITEM']._serialized_start=564
+  _globals['_WORKITEM']._serialized_end=876
+  _globals['_STREAMHELLO']._serialized_start=878
+  _globals['_STREAMHELLO']._serialized_end=931
+  _globals['_WORKBATCH']._serialized_start=933
+  _globals['_WORKBATCH']._serialized_end=1027
+  _globals['_TOPLOGPROB']._serialized_start=1029
+  _globals['_TOPLOGPROB']._serialized_end=1076
+  _globals['_PROMPTLOGPROB']._serialized_start=1078
+  _globals['_PROMPTLOGPROB']._serialized_end=1177
+  _globals['_WORKRESULT']._serialized_start=1180
+  _globals['_WORKRESULT']._serialized_end=1506
+  _globals['_RESULTBATCH']._serialized_start=1508
+  _globals['_RESULTBATCH']._serialized_end=1565
+  _globals['_RELEASEREQUEST']._serialized_start=1567
+  _globals['_RELEASEREQUEST']._serialized_end=1604
+  _globals['_RELEASEREPLY']._serialized_start=1606
+  _globals['_RELEASEREPLY']._serialized_end=1638
+  _globals['_INFOREQUEST']._serialized_start=1640
+  _globals['_INFOREQUEST']._serialized_end=1653
+  _globals['_INFOREPLY']._serialized_start=1656
+  _globals['_INFOREPLY']._serialized_end=2098
+  _globals['_HELIXWORKER']._serialized_start=2101
+  _globals['_HELIXWORKER']._serialized_end=2313
 # @@protoc_insertion_point(module_scope)

@@ -106,6 +106,29 @@ def test_chat_capital_of_france_streaming(demo):
     assert same.usage.completion_tokens == chunks[-1].usage.completion_tokens
 
 
+def _token_id(demo, text: str) -> int:
+    resp = httpx.post(demo.url + "/tokenize", headers=AUTH,
+                      json={"prompt": text, "add_special_tokens": False})
+    (token_id,) = resp.json()["tokens"]
+    return token_id
+
+
+def test_logit_bias_bans_and_forces_tokens_through_the_workers(demo):
+    ask = {"model": model_name(demo), "messages": FRANCE, "max_tokens": 1, "temperature": 0}
+    first = client(demo).chat.completions.create(**ask).choices[0].message.content
+    banned = client(demo).chat.completions.create(
+        **ask, logit_bias={str(_token_id(demo, first)): -100}
+    ).choices[0].message.content
+    assert banned != first
+    paris = _token_id(demo, "Paris")
+    forced = client(demo).chat.completions.create(
+        **ask, logit_bias={str(paris): 100}, logprobs=True, top_logprobs=1
+    ).choices[0]
+    assert forced.message.content == "Paris"
+    # the logprob is the model's own: forcing an unlikely first token does not make it likely
+    assert forced.logprobs.content[0].logprob < -1.0
+
+
 def _engine_prompt_logprobs(prompt_ids: list[int], top_n: int) -> list:
     """The same prompt scored by one in-process engine holding every layer."""
     import torch

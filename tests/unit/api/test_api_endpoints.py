@@ -168,6 +168,17 @@ def test_sampling_params_reach_the_coordinator(client, fake):
     assert req.stop == ["Paris", "\n"] and req.stop_token_ids == [2]
 
 
+def test_logit_bias_reaches_the_coordinator_and_no_op_options_are_accepted(client, fake):
+    client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=3, logit_bias={"7": -100, "12": 2.5},
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        tool_choice="none", response_format={"type": "text"},
+    )
+    assert fake.requests[-1].sampling.logit_bias == ((7, -100.0), (12, 2.5))
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, best_of=1)
+    assert fake.requests[-1].sampling.logit_bias == ()
+
+
 def test_chat_logprobs_shape(client):
     resp = client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=2, logprobs=True, top_logprobs=2

@@ -42,6 +42,18 @@ def check_error(resp: httpx.Response, status: int, param: str | None = None) -> 
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"min_tokens": -1}, "min_tokens"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {str(10**9): 1}}, "logit_bias"),  # out of the vocabulary
+        # asked-for behaviour we do not have is refused, never silently dropped
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+         "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_choice": ["a", "b"]}, "guided_choice"),
     ],
 )
 def test_invalid_parameter_is_400_not_422(server, patch, param):
@@ -83,6 +95,15 @@ def test_prompt_plus_max_tokens_over_context_is_400(server, fake):
         headers=AUTH,
     )
     assert check_error(resp, 400, "messages")["code"] == "context_length_exceeded"
+
+
+def test_best_of_above_one_is_400(server):
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 1, "best_of": 3},
+        headers=AUTH,
+    )
+    assert "best_of" in check_error(resp, 400, "best_of")["message"]
 
 
 def test_token_id_out_of_vocab_is_400(server):

@@ -28,6 +28,12 @@ def test_validate_names_field_and_value(field, value):
         SamplingParams(**{field: value}).validate()
 
 
+@pytest.mark.parametrize(("bias", "shown"), [(((3, 100.5),), "100.5"), (((-1, 1.0),), "-1")])
+def test_validate_logit_bias(bias, shown):
+    with pytest.raises(UserError, match=rf"logit_bias: bad value {shown}"):
+        SamplingParams(logit_bias=bias).validate()
+
+
 def test_defaults_are_valid():
     assert SamplingParams().validate() == SamplingParams()
 
@@ -91,6 +97,20 @@ def test_penalty_turns_greedy_choice():
     (r,) = sample_rows(base, [SamplingParams(temperature=0.0)], [hist])
     (p,) = sample_rows(base, [SamplingParams(temperature=0.0, presence_penalty=0.5)], [hist])
     assert (r.token_id, p.token_id) == (0, 1)
+
+
+def test_logit_bias_bans_and_forces_tokens_and_keeps_logprobs_unbiased():
+    greedy = SamplingParams(temperature=0.0, logprobs=1)
+    ban = SamplingParams(temperature=0.0, logprobs=1, logit_bias=((0, -100.0),))
+    force = SamplingParams(temperature=0.0, logprobs=1, logit_bias=((5, 100.0),))
+    rows = LOGITS[None].repeat(3, 1)  # one batch: the plain row takes the batched argmax
+    plain, banned, forced = sample_rows(rows, [greedy, ban, force], [RequestHistory()] * 3)
+    assert (plain.token_id, banned.token_id, forced.token_id) == (0, 1, 5)
+    # logprobs are the model's own: the banned row's choice keeps its unbiased 0.3
+    assert banned.logprob == pytest.approx(math.log(0.3), abs=1e-5)
+    assert forced.top_logprobs[0][0] == 0
+    sampled = _support(SamplingParams(temperature=1.0, logit_bias=((0, -100.0), (1, -100.0))))
+    assert 0 not in sampled and 1 not in sampled and sampled[2] > sampled[3]
 
 
 def test_logprobs_of_chosen_and_top_n():
