@@ -5,7 +5,9 @@
 For each (cluster, model, planner): the max-flow throughput of the placement, the proven
 upper bound and gap (milp only), the solve time, and the ratio to the best baseline.
 Clusters: ../shared/data/clusters/*.yaml, plus synthetic-50 and synthetic-100 (seeded,
-four regions, a mix of the machines Helix profiled). Models: llama-2-70b and llama-30b
+four regions, a mix of the machines Helix profiled). On request (`--clusters mix-42` or
+`mix-42-geo`): the Helix paper's 42-machine high-heterogeneity GPU mix, in one region or
+dealt over three, with links like the 24-machine files' (seeded). Models: llama-2-70b and llama-30b
 from ../shared/data/models, with the measured profiles.
 """
 
@@ -50,6 +52,34 @@ def synthetic_cluster(num_nodes: int, seed: int = 0, num_regions: int = 4) -> Cl
                        source=f"synthetic-{num_nodes}")
 
 
+#: the Helix paper's 42-machine high-heterogeneity cluster: 4 A100, 6 V100, 8 L4, 4 2xL4,
+#: 10 T4, 6 2xT4, 4 4xT4
+MIX_42 = ([("A100-40GB", 1)] * 4 + [("V100-16GB", 1)] * 6 + [("L4", 1)] * 8 + [("L4", 2)] * 4
+          + [("T4", 1)] * 10 + [("T4", 2)] * 6 + [("T4", 4)] * 4)
+
+
+def mix42_cluster(geo: bool, seed: int = 0) -> ClusterSpec:
+    """MIX_42 in one region (8 Gbit/s links, as helix-single-24) or shuffled over three
+    regions of 14 (9-11 Gbit/s inside, 0.08-0.12 Gbit/s and 50 ms between and to the
+    coordinator, as helix-geo-24)."""
+    rng = random.Random(seed)
+    nodes = [NodeSpec(f"n{i}", gpu, n, region=f"region-{i // 14 if geo else 0}", nic_gbps=80.0)
+             for i, (gpu, n) in enumerate(MIX_42)]
+    if geo:
+        rng.shuffle(nodes)
+    explicit: dict[tuple[str, str], LinkSpec] = {}
+    for a in nodes:
+        for pair in (("coordinator", a.name), (a.name, "coordinator")):
+            explicit[pair] = LinkSpec(rng.uniform(0.09, 0.12) if geo else 8.0, 50.0)
+        for b in nodes:
+            if a is not b:
+                same = a.region == b.region
+                explicit[(a.name, b.name)] = LinkSpec(
+                    rng.uniform(9, 11) if same else rng.uniform(0.08, 0.12), 1.0 if same else 50.0)
+    name = "mix-42-geo" if geo else "mix-42"
+    return ClusterSpec(name, nodes, default_link=LinkSpec(0.0), explicit=explicit, source=name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--time-limit", type=float, default=60.0, help="milp budget per instance (s)")
@@ -65,6 +95,8 @@ def main() -> None:
     for item in args.clusters.split(","):
         if item == "shared":
             clusters += [load_cluster(p) for p in sorted((SHARED / "clusters").glob("*.yaml"))]
+        elif item in ("mix-42", "mix-42-geo"):
+            clusters.append(mix42_cluster(item == "mix-42-geo", seed=args.seed))
         elif item.startswith("synthetic-"):
             clusters.append(synthetic_cluster(int(item.split("-")[1]), seed=args.seed))
         else:
