@@ -46,6 +46,9 @@ class CoordinatorLike(Protocol):
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]: ...
 
+    # optional: `max_new_tokens(prompt_tokens) -> int | None`, the most tokens a route's KV
+    # cache leaves room for; used to default an unset max_tokens
+
     def stats(self) -> Mapping[str, Any]: ...
 
 
@@ -137,6 +140,7 @@ class Serving:
         self.served_model_name = served_model_name
         self.metrics = metrics
         self._token_text: dict[int, str] = {}
+        self._token_bytes: dict[int, list[int]] = {}
         self._seq = 0
         #: set when the server starts shutting down: running requests end at their next token
         self.draining = False
@@ -153,6 +157,19 @@ class Serving:
             text = self.tokenizer.decode([token_id])
             self._token_text[token_id] = text
         return text
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes, for chat logprobs' `bytes`: a token holding part of a UTF-8
+        character decodes to U+FFFD, but its bytes let a client rebuild the text (as
+        OpenAI's do). Byte-level BPE and SentencePiece byte-fallback tokens give their raw
+        bytes; any other token the UTF-8 of its text."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = list(self.token_text(token_id).encode())
+            if "\ufffd" in self.token_text(token_id):
+                raw = _raw_token_bytes(self.tokenizer, token_id) or raw
+            self._token_bytes[token_id] = raw
+        return raw
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -199,7 +216,25 @@ class Serving:
                 param=param,
                 code="context_length_exceeded",
             )
-        return requested if requested is not None else limit - prompt_len
+        if requested is not None:
+            return requested
+        # Unset max_tokens: up to the context, but no more than a route's KV cache can hold,
+        # so a request that leaves it out is served, not refused for KV it would never use
+        # (vLLM instead refuses to start when the KV cannot hold one max_model_len sequence).
+        default = limit - prompt_len
+        room = getattr(self.coord, "max_new_tokens", None)
+        fits = room(prompt_len) if room is not None else None
+        if fits is not None and fits < default:
+            if fits < 1:
+                raise APIError(
+                    400,
+                    f"{param}: {prompt_len} tokens do not fit in the KV cache of any route "
+                    f"with room for one generated token",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+            default = fits
+        return default
 
     def _sampling(
         self,
@@ -458,15 +493,51 @@ class Serving:
                 {
                     "token": piece,
                     "logprob": c.logprobs[i],
-                    "bytes": list(piece.encode()),
+                    "bytes": self.token_bytes(c.token_ids[i]),
                     "top_logprobs": [
                         {
                             "token": self.token_text(t),
                             "logprob": _finite(lp),
-                            "bytes": list(self.token_text(t).encode()),
+                            "bytes": self.token_bytes(t),
                         }
                         for t, lp in c.top_logprobs[i]
                     ],
                 }
             )
         return {"content": content}
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's `bytes_to_unicode`),
+    inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _raw_token_bytes(tokenizer: Any, token_id: int) -> list[int] | None:
+    """Raw bytes of a token from its vocabulary string; None when the form is unknown."""
+    try:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+    except Exception:  # noqa: BLE001 - a tokenizer without the method: keep the text's bytes
+        return None
+    if not isinstance(piece, str) or not piece:
+        return None
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return [int(piece[3:5], 16)]  # SentencePiece byte fallback
+        except ValueError:
+            return None
+    if all(ch in _BYTE_LEVEL for ch in piece):
+        return [_BYTE_LEVEL[ch] for ch in piece]
+    return None

@@ -251,6 +251,15 @@ class Coordinator:
                     best[layer] = max(best[layer], n.kv_capacity_tokens)
         return min(best)
 
+    def max_new_tokens(self, prompt_tokens: int) -> int | None:
+        """Most tokens a request of this prompt length could generate on the roomiest route
+        of the live workers (its KV must hold prompt + output, plus the block slack `_route`
+        asks for); None while no route covers the model or before the workers reported."""
+        if not self._covered():
+            return None
+        block = max((n.info.kv_block_size for n in self.nodes.values() if n.info), default=1)
+        return self._largest_route_kv_tokens() - prompt_tokens - (block - 1)
+
     def _covered(self) -> bool:
         covered = [False] * self.placement.num_layers
         for n in self.nodes.values():

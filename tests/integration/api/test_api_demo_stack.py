@@ -106,6 +106,16 @@ def test_chat_capital_of_france_streaming(demo):
     assert same.usage.completion_tokens == chunks[-1].usage.completion_tokens
 
 
+def test_chat_without_max_tokens_is_served_within_a_routes_kv(demo):
+    # the context (8,192) is more than any demo route's KV holds: the default max_tokens is
+    # capped to what fits instead of the request being refused
+    resp = client(demo).chat.completions.create(
+        model=model_name(demo), messages=[{"role": "user", "content": "Say hello."}],
+        temperature=0,
+    )
+    assert resp.choices[0].finish_reason == "stop" and resp.choices[0].message.content
+
+
 def _token_id(demo, text: str) -> int:
     resp = httpx.post(demo.url + "/tokenize", headers=AUTH,
                       json={"prompt": text, "add_special_tokens": False})

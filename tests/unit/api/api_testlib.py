@@ -28,6 +28,8 @@ MODEL = "fake-model"
 API_KEY = "sk-test-key"
 #: what the fake model says, token by token
 SCRIPT = " The capital of France is Paris. It is a beautiful city with many museums."
+#: said instead when the prompt contains UNICODE: tokens that split UTF-8 characters
+UNICODE_SCRIPT = "こんにちは café"
 
 
 def fake_prompt_logprobs(prompt: list[int], top_n: int) -> list[PromptLogprob]:
@@ -40,7 +42,9 @@ def fake_prompt_logprobs(prompt: list[int], top_n: int) -> list[PromptLogprob]:
 
 class FakeCoordinator:
     """Yields SCRIPT's tokens (the first with `fake_prompt_logprobs` when asked). Prompts containing NOROUTE / QUEUEFULL raise like the real one;
-    WORKERFAIL fails after 2 tokens; SLOW makes each token take 50 ms (disconnect tests)."""
+    WORKERFAIL fails after 2 tokens; SLOW makes each token take 50 ms (disconnect tests);
+    UNICODE says UNICODE_SCRIPT. `kv_room` (None = unlimited) stands for the KV tokens of
+    the roomiest route, as `Coordinator.max_new_tokens` reports them."""
 
     model_name = MODEL
 
@@ -54,6 +58,10 @@ class FakeCoordinator:
         self.running = 0
         #: nodes the fake reports as down (stats "alive": False)
         self.dead_nodes: set[str] = set()
+        self.kv_room: int | None = None
+
+    def max_new_tokens(self, prompt_tokens: int) -> int | None:
+        return None if self.kv_room is None else self.kv_room - prompt_tokens
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         prompt = self.tokenizer.decode(req.prompt_token_ids)
@@ -65,16 +73,24 @@ class FakeCoordinator:
         self.active.add(req.request_id)
         self.running += 1
         delay_s = 0.05 if "SLOW" in prompt else 0.0
+        script_ids = self.script_ids
+        if "UNICODE" in prompt:
+            script_ids = self.tokenizer.encode(UNICODE_SCRIPT, add_special_tokens=False)
+        emitted = ""
         try:
             for i in range(req.max_tokens):
                 await asyncio.sleep(delay_s)
                 if i == 2 and "WORKERFAIL" in prompt:
                     raise RequestFailedError(f"request {req.request_id}: node n2: out of memory")
-                k = i % len(self.script_ids)
-                tid = self.script_ids[k]
-                piece = self.tokenizer.decode(self.script_ids[: k + 1])[
-                    len(self.tokenizer.decode(self.script_ids[:k])) :
-                ]
+                k = i % len(script_ids)
+                tid = script_ids[k]
+                # incremental text, holding back an incomplete UTF-8 character as the real
+                # coordinator does
+                if k == 0:
+                    emitted = ""
+                full = self.tokenizer.decode(script_ids[: k + 1])
+                piece = "" if full.endswith("\ufffd") else full[len(emitted) :]
+                emitted = emitted if full.endswith("\ufffd") else full
                 done = i + 1 == req.max_tokens
                 top = [(tid, -0.1), (tid + 1, -2.5)][: (req.sampling.logprobs or 0)]
                 n_prompt = req.sampling.prompt_logprobs

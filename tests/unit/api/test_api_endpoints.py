@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-from api_testlib import API_KEY, MODEL, SCRIPT
+from api_testlib import API_KEY, MODEL, SCRIPT, UNICODE_SCRIPT
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -193,6 +193,34 @@ def test_default_max_tokens_fills_the_context(client, fake):
     client.completions.create(model=MODEL, prompt="Hi")
     req = fake.requests[-1]
     assert req.max_tokens == fake.max_model_len - len(req.prompt_token_ids)
+
+
+def test_default_max_tokens_is_capped_by_the_kv_of_a_route(client, fake, server):
+    fake.kv_room = 100
+    try:
+        client.completions.create(model=MODEL, prompt="Hi")
+        req = fake.requests[-1]
+        assert req.max_tokens == 100 - len(req.prompt_token_ids)
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=150)  # asked: as asked
+        assert fake.requests[-1].max_tokens == 150
+        resp = httpx.post(server.url + "/v1/completions", headers=AUTH,
+                          json={"model": MODEL, "prompt": "word " * 120})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+    finally:
+        fake.kv_room = None
+
+
+def test_chat_logprob_bytes_rebuild_split_utf8_characters(client, tokenizer):
+    ids = tokenizer.encode(UNICODE_SCRIPT, add_special_tokens=False)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "UNICODE"}], max_tokens=len(ids),
+        logprobs=True, top_logprobs=1,
+    )
+    content = resp.choices[0].logprobs.content
+    assert resp.choices[0].message.content == UNICODE_SCRIPT
+    assert any(c.token == "\ufffd" for c in content)  # some tokens hold part of a character
+    assert bytes(b for c in content for b in c.bytes).decode() == UNICODE_SCRIPT
+    assert all(c.top_logprobs[0].bytes == c.bytes for c in content)
 
 
 def test_request_id_echoed_and_used(server):
