@@ -72,6 +72,14 @@ class _StateCollector(Collector):
         )
         reroutes.add_metric(model, _num(stats.get("reroutes")))
         yield reroutes
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions",
+            "Requests preempted (KV freed, recomputed later) because a worker ran out of KV "
+            "(on-demand KV allocation).",
+            labels=["model_name"],
+        )
+        preemptions.add_metric(model, _num(stats.get("preemptions")))
+        yield preemptions
 
         nodes: Mapping[str, Mapping[str, Any]] = stats.get("nodes") or {}
         used = sum(_num(n.get("kv_used_blocks")) for n in nodes.values())

@@ -241,6 +241,8 @@ async def run_stack(
     workers: WorkerProcesses | None = None,
     on_started: Callable[[Any, Any], None] | None = None,
     log_level: str = "warning",
+    kv_allocation: str = "reserve",
+    kv_watermark: float = 0.01,
 ) -> None:
     """Serve until SIGINT/SIGTERM. With `workers`, start them first and stop them last."""
     from helixserve.api.app import create_app
@@ -260,7 +262,8 @@ async def run_stack(
         if workers is not None:
             workers.start()
             workers.wait_ready()
-        coord = await Coordinator.create(cluster, placement, model_dir, scheduler=scheduler)
+        coord = await Coordinator.create(cluster, placement, model_dir, scheduler=scheduler,
+                                         kv_allocation=kv_allocation, kv_watermark=kv_watermark)
         try:
             app = create_app(coord, served_model_name, api_key)
             await serve_app(

@@ -50,6 +50,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=128,
         help="KV cache budget per worker in MiB (default 128: thousands of tokens)",
     )
+    p.add_argument(
+        "--kv-allocation",
+        choices=("reserve", "on-demand"),
+        default="reserve",
+        help="reserve: admit a request when prompt + max_tokens fit in KV on every hop "
+        "(default); on-demand: admit when the prompt fits, let requests grow into free KV "
+        "and preempt (recompute) when a worker runs out, as vLLM does",
+    )
+    p.add_argument(
+        "--kv-watermark",
+        type=float,
+        default=0.01,
+        help="on-demand: fraction of each worker's KV kept free at admission (default 0.01)",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
 
@@ -90,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--port: bad value {args.port}")
     if args.worker_kv_cache_mb < 1 or args.worker_threads < 1:
         raise UserError("--worker-kv-cache-mb and --worker-threads: must be >= 1")
+    if not 0.0 <= args.kv_watermark < 1.0:
+        raise UserError(f"--kv-watermark: bad value {args.kv_watermark}; need 0 <= value < 1")
     memory_gb = _memory(args.memory_gb)
 
     def log(msg: str) -> None:
@@ -138,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
                 workers=workers,
                 on_started=started,
                 log_level=args.log_level,
+            kv_allocation=args.kv_allocation,
+            kv_watermark=args.kv_watermark,
             )
         )
     except KeyboardInterrupt:

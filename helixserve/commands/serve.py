@@ -32,6 +32,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--scheduler", default="maxflow", help="routing policy (default maxflow)")
     p.add_argument("--served-model-name", default=None, help="model name clients use")
+    p.add_argument(
+        "--kv-allocation",
+        choices=("reserve", "on-demand"),
+        default="reserve",
+        help="reserve: admit a request when prompt + max_tokens fit in KV on every hop "
+        "(default); on-demand: admit when the prompt fits, let requests grow into free KV "
+        "and preempt (recompute) when a worker runs out, as vLLM does",
+    )
+    p.add_argument(
+        "--kv-watermark",
+        type=float,
+        default=0.01,
+        help="on-demand: fraction of each worker's KV kept free at admission (default 0.01)",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
 
@@ -43,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536:
         raise UserError(f"--port: bad value {args.port}")
+    if not 0.0 <= args.kv_watermark < 1.0:
+        raise UserError(f"--kv-watermark: bad value {args.kv_watermark}; need 0 <= value < 1")
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
     from helixserve.api.stack import describe_placement, run_stack
@@ -63,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
             scheduler=args.scheduler,
             on_started=started,
             log_level=args.log_level,
+            kv_allocation=args.kv_allocation,
+            kv_watermark=args.kv_watermark,
         )
     )
     return 0

@@ -11,6 +11,15 @@ the last hop returns the sampled token on this coordinator's stream) -> finish (
 string, max_tokens) -> release KV on every hop. Closing the generator early (client gone) or
 cancelling its task takes the same release path.
 
+KV allocation (`kv_allocation`): "reserve" (the default) admits a request when prompt +
+max_tokens fit on every hop of a route and holds that much for its life, so a worker never
+runs out. "on-demand" admits it when its prompt fits (less a watermark kept free), counts
+what running requests have generated since against each node, and when a worker still runs
+out of KV blocks for a request's next step, preempts that request: its KV is freed, it
+waits for room ahead of new requests, and prompt + tokens so far are prefilled again
+(vLLM's preemption by recompute); the client's stream goes on without a gap. Preemptions
+are counted in `stats()` and in `vllm:num_preemptions`.
+
 Faults: the coordinator keeps one Work stream per worker. When a stream breaks, the node is
 marked down in the router and every request routed through it is re-routed over surviving
 nodes and re-prefilled with its prompt + the tokens generated so far; the client's stream
@@ -93,6 +102,15 @@ class _Active:
     reroutes: int = 0
     #: step ids sent on the current route whose result (token or ack) has not come back
     pending: set[int] = field(default_factory=set)
+    #: tokens generated when the current route was admitted (on-demand KV: what grew since)
+    admitted_at: int = 0
+    preemptions: int = 0
+
+
+#: how the router accounts for KV: "reserve" promises prompt + max_tokens on every hop at
+#: admission; "on-demand" promises the prompt, lets requests grow into free KV (a watermark
+#: kept free) and preempts by recompute when a worker runs out
+KV_ALLOCATIONS = ("reserve", "on-demand")
 
 
 class Coordinator:
@@ -106,7 +124,8 @@ class Coordinator:
     step_timeout_s: float
 
     def __init__(self, placement: Any, model_dir: Path, router: Any, max_queue: int,
-                 max_reroutes: int, stats_interval_s: float) -> None:
+                 max_reroutes: int, stats_interval_s: float, kv_allocation: str = "reserve",
+                 kv_watermark: float = 0.01) -> None:
         self.placement = placement
         self.model_dir = Path(model_dir)
         self.router = router
@@ -125,6 +144,11 @@ class Coordinator:
         self.hop_counts: dict[tuple[str, ...], int] = {}
         self.tokens_generated = 0
         self.reroutes = 0  # requests moved to a new route after a failure, since start
+        self.kv_allocation = kv_allocation
+        self.kv_watermark = kv_watermark
+        self.preemptions = 0  # on-demand KV: requests recomputed after a worker ran out of KV
+        #: preempted requests waiting to be admitted again: new requests wait behind them
+        self._preempted_waiting = 0
 
     @classmethod
     async def create(
@@ -141,12 +165,21 @@ class Coordinator:
         stats_interval_s: float = 0.5,
         max_reroutes: int = 3,
         step_timeout_s: float = 300.0,
+        kv_allocation: str = "reserve",
+        kv_watermark: float = 0.01,
     ) -> Coordinator:
         from helixserve.scheduler import make_router
 
+        if kv_allocation not in KV_ALLOCATIONS:
+            raise UserError(f"kv_allocation: bad value {kv_allocation!r}; "
+                            f"known: {', '.join(KV_ALLOCATIONS)}")
+        if not 0.0 <= kv_watermark < 1.0:
+            raise UserError(f"kv_watermark: bad value {kv_watermark}; need 0 <= value < 1")
+
         router = make_router(scheduler, placement, seed=0,
                              **_routing_inputs(cluster, placement, Path(model_dir)))
-        self = cls(placement, model_dir, router, max_queue, max_reroutes, stats_interval_s)
+        self = cls(placement, model_dir, router, max_queue, max_reroutes, stats_interval_s,
+                   kv_allocation, kv_watermark)
         self.model_name = placement.model or self.model_dir.name
         addresses = {n.name: getattr(n, "address", None) for n in cluster.nodes}
         for i, nr in enumerate(placement.nodes):
@@ -234,10 +267,23 @@ class Coordinator:
         from helixserve.scheduler import NodeState
 
         # The router keeps its own KV promises per routed request (scheduler/base.py), so it
-        # gets each node's capacity, not its live free count.
+        # gets each node's capacity, not its live free count. With on-demand KV it promised
+        # only the prompts: what the requests have generated since comes off here, and the
+        # watermark stays free for them to grow into.
+        grown = dict.fromkeys(self.nodes, 0)
+        if self.kv_allocation == "on-demand":
+            for act in self.active.values():
+                for h in act.route_hops:
+                    grown[h.node] += len(act.generated) - act.admitted_at
         return {
-            name: NodeState(name, kv_free_tokens=n.kv_capacity_tokens, queue_len=n.queue_len,
-                            alive=n.alive)
+            name: NodeState(
+                name,
+                kv_free_tokens=n.kv_capacity_tokens - grown[name]
+                - (int(self.kv_watermark * n.kv_capacity_tokens)
+                   if self.kv_allocation == "on-demand" else 0),
+                queue_len=n.queue_len,
+                alive=n.alive,
+            )
             for name, n in self.nodes.items()
         }
 
@@ -294,6 +340,8 @@ class Coordinator:
             "waiting": self.waiting,
             "tokens_generated": self.tokens_generated,
             "reroutes": self.reroutes,
+            "preemptions": self.preemptions,
+            "kv_allocation": self.kv_allocation,
             "nodes": nodes,
             "routes": {"->".join(r): c for r, c in self.hop_counts.items()},
         }
@@ -382,7 +430,7 @@ class Coordinator:
         if validate is not None:
             validate()  # UserError naming the bad field
 
-    async def _route(self, act: _Active, replay_tokens: int = 0) -> None:
+    async def _route(self, act: _Active, replay_tokens: int = 0, preempted: bool = False) -> None:
         from helixserve.scheduler import RequestInfo
 
         req = act.req
@@ -393,6 +441,10 @@ class Coordinator:
         block = max((n.info.kv_block_size for n in self.nodes.values() if n.info), default=1)
         info = RequestInfo(act.internal_id, prompt_tokens,
                            min(remaining, self.max_model_len - prompt_tokens) + block - 1)
+        if self.kv_allocation == "on-demand":
+            # promise what the request holds at admission; it grows into the rest
+            info = dataclasses.replace(info, kv_tokens=prompt_tokens + block)
+        # Either way a request must fit alone on the roomiest route, or it could never end.
         need = info.prompt_tokens + info.max_new_tokens
         fits = self._largest_route_kv_tokens()
         if need > fits and self._covered():
@@ -401,6 +453,8 @@ class Coordinator:
                 f"more than {fits}; lower max_tokens"
             )
         waited = False
+        if preempted:
+            self._preempted_waiting += 1
         try:
             while True:
                 if not self._covered():
@@ -408,11 +462,13 @@ class Coordinator:
                         f"no route covers the model's {self.placement.num_layers} layers over "
                         f"the live workers ({', '.join(n for n, c in self.nodes.items() if c.alive) or 'none'})"
                     )
-                route = self.router.route(info, self._node_states())
+                # preempted requests go first: a new one does not take the KV they wait for
+                route = (self.router.route(info, self._node_states())
+                         if preempted or not self._preempted_waiting else None)
                 if route is not None:
                     break
                 if not waited:
-                    if self.waiting >= self.max_queue:
+                    if self.waiting >= self.max_queue and not preempted:
                         raise QueueFullError(f"waiting queue full ({self.max_queue} requests)")
                     self.waiting += 1
                     waited = True
@@ -422,6 +478,9 @@ class Coordinator:
         finally:
             if waited:
                 self.waiting -= 1
+            if preempted:
+                self._preempted_waiting -= 1
+        act.admitted_at = len(act.generated)
         act.route_hops = tuple(
             WireHop(h.node, self.nodes[h.node].address, h.start_layer, h.end_layer)
             for h in route.hops
@@ -472,7 +531,7 @@ class Coordinator:
                 await self._reroute(act, f"node {r.node} failed: {r.reason}")
                 continue
             if not r.ok:
-                from helixserve.runtime.transport import UNAVAILABLE
+                from helixserve.runtime.transport import RESOURCE_EXHAUSTED, UNAVAILABLE
 
                 if r.step_id and r.step_id not in act.pending:
                     # a step already answered, reported again by a worker whose stream to
@@ -480,6 +539,9 @@ class Coordinator:
                     continue
                 if r.status_code == UNAVAILABLE:
                     await self._reroute(act, r.error)
+                    continue
+                if r.status_code == RESOURCE_EXHAUSTED and self.kv_allocation == "on-demand":
+                    await self._preempt(act, r.error)
                     continue
                 raise RequestFailedError(f"request {act.req.request_id}: {r.error}")
             act.pending.discard(r.step_id)
@@ -505,6 +567,24 @@ class Coordinator:
         act.pending.clear()
         self.reroutes += 1
         await self._route(act, replay_tokens=len(act.generated))
+        self._send_prefill(act, act.req.prompt_token_ids + act.generated)
+
+    async def _preempt(self, act: _Active, reason: str) -> None:
+        """On-demand KV: a hop had no block left for this request's next token. Free its KV
+        everywhere, wait for room ahead of new requests, and recompute prompt + tokens so far
+        (vLLM's preemption by recompute). Not a fault, so not counted against max_reroutes."""
+        act.preemptions += 1
+        self.preemptions += 1
+        log.info("preempting %s (%d tokens generated): %s", act.internal_id, len(act.generated),
+                 reason)
+        self._release_kv(act.internal_id, act.route_hops)
+        self.router.on_cancel(act.internal_id)
+        self.active.pop(act.internal_id, None)
+        act.internal_id = self._new_internal_id(act.req)
+        act.results = asyncio.Queue()
+        act.pending.clear()
+        self._spawn(self._notify_admit())
+        await self._route(act, replay_tokens=len(act.generated), preempted=True)
         self._send_prefill(act, act.req.prompt_token_ids + act.generated)
 
     def _finish(self, act: _Active) -> None:

@@ -114,6 +114,7 @@ class FakeCoordinator:
             "running": self.running,
             "waiting": 0,
             "reroutes": 2,
+            "preemptions": 5,
             "nodes": {
                 "n1": {"start_layer": 0, "end_layer": 12, "layers": 12, "queue_len": 1,
                        "batch_size": 2, "kv_used_blocks": 3, "kv_total_blocks": 10,

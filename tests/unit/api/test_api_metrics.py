@@ -16,6 +16,7 @@ VLLM_NAMES = (
     "vllm:inter_token_latency_seconds_count",
     "vllm:e2e_request_latency_seconds_count",
     "vllm:request_success_total",
+    "vllm:num_preemptions_total",
 )
 
 
@@ -82,5 +83,6 @@ def test_state_gauges_from_coordinator_stats(server):
     assert value(samples, "helixserve:node_busy_fraction", node="n2") == 0.25
     assert value(samples, "helixserve:route_requests_total", route="n1->n2") == 3
     assert value(samples, "helixserve:request_reroutes_total") == 2
+    assert value(samples, "vllm:num_preemptions_total") == 5
     for src, dst in (("coordinator", "n1"), ("n1", "n2"), ("n2", "coordinator")):
         assert value(samples, "helixserve:route_hop_requests_total", src=src, dst=dst) == 3
