@@ -55,6 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="time a pod may take to load weights before it is restarted")
     k.add_argument("--shm-size", default="8Gi", help="size of the memory-backed /dev/shm")
     k.add_argument("--cluster-domain", default="cluster.local")
+    k.add_argument("--kv-allocation", choices=("reserve", "on-demand"), default="reserve",
+                   help="the coordinator's KV accounting (helixserve serve --kv-allocation)")
     k.set_defaults(func=run)
 
 
@@ -82,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         service_monitor=args.service_monitor,
         coordinator_image=args.coordinator_image,
         api_key_secret=args.api_key_secret,
+        kv_allocation=args.kv_allocation,
     )
     rendering = render_k8s(args.cluster, args.placement, opts)
     written, removed = write_manifests(rendering, args.out)

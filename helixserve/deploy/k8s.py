@@ -72,6 +72,8 @@ class RenderOptions:
     coordinator_image: str | None = None
     #: Secret whose key `api-key` becomes HELIXSERVE_API_KEY of the coordinator (Bearer auth)
     api_key_secret: str | None = None
+    #: the coordinator's `--kv-allocation` (reserve | on-demand; docs/runtime.md)
+    kv_allocation: str = "reserve"
 
 
 @dataclass(frozen=True)
@@ -369,6 +371,7 @@ def coordinator_deployment(
         "--model", opts.model_path,
         "--host", "0.0.0.0",
         "--port", str(HTTP_PORT),
+        "--kv-allocation", opts.kv_allocation,
     ]  # fmt: skip
     env = _env()
     if opts.api_key_secret:
