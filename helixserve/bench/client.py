@@ -49,6 +49,10 @@ class ClientConfig:
     timeout_s: float = 600.0
     #: sent as temperature; 0 = greedy, the usual for throughput runs
     temperature: float = 0.0
+    #: None: force each request's dataset output length (max_tokens + ignore_eos, as vLLM's
+    #: benchmark does); N: send max_tokens N and let generation end at EOS, as chat clients
+    #: that ask for more than they use do
+    max_tokens: int | None = None
 
 
 def _api_root(base_url: str) -> str:
@@ -59,13 +63,13 @@ def _api_root(base_url: str) -> str:
 def _payload(cfg: ClientConfig, req: BenchRequest) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": cfg.model,
-        "max_tokens": req.output_tokens,
+        "max_tokens": req.output_tokens if cfg.max_tokens is None else cfg.max_tokens,
         "temperature": cfg.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
-        # force the requested output length, as vLLM's benchmark does
-        "ignore_eos": True,
     }
+    if cfg.max_tokens is None:
+        body["ignore_eos"] = True  # force the requested output length, as vLLM's benchmark does
     if cfg.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
     else:

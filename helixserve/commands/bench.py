@@ -46,6 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-output-len", type=int, default=None, help="azure-conv: scale outputs to fit"
     )
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="send this max_tokens and let outputs end at EOS (default: force each "
+        "request's dataset output length with max_tokens + ignore_eos)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write results here")
@@ -78,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1:
         raise UserError(f"--num-prompts: must be >= 1, got {args.num_prompts}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise UserError(f"--max-tokens: must be >= 1, got {args.max_tokens}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise UserError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
     if args.dataset == "azure-conv":
@@ -107,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         timeout_s=args.timeout_s,
         temperature=args.temperature,
+        max_tokens=args.max_tokens,
     )
     check = asyncio.run(probe(cfg))
     if not check.success:

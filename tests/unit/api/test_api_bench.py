@@ -95,6 +95,22 @@ def test_bench_cli_against_the_api(server, tmp_path: Path, endpoint):
     assert result["e2e"]["mean_ms"] >= result["ttft"]["mean_ms"]
 
 
+def test_bench_max_tokens_lets_outputs_end_at_eos(server, fake):
+    cmd = [
+        sys.executable, "-m", "helixserve", "bench", "--url", server.url, "--model", MODEL,
+        "--api-key", API_KEY, "--dataset", "random", "--num-prompts", "3",
+        "--random-input-len", "8", "--random-output-len", "5", "--max-tokens", "7",
+    ]  # fmt: skip
+    before = len(fake.requests)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sent = fake.requests[before:][-3:]  # the first one is the CLI's probe request
+    assert all(r.max_tokens == 7 and not r.ignore_eos for r in sent)
+    bad = subprocess.run([*cmd[:-2], "--max-tokens", "0"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--max-tokens" in bad.stderr
+
+
 def test_bench_cli_wrong_model_fails_fast(server):
     cmd = [
         sys.executable, "-m", "helixserve", "bench", "--url", server.url, "--model", "nope",
