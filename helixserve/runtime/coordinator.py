@@ -104,7 +104,6 @@ class _Active:
     pending: set[int] = field(default_factory=set)
     #: tokens generated when the current route was admitted (on-demand KV: what grew since)
     admitted_at: int = 0
-    preemptions: int = 0
 
 
 #: how the router accounts for KV: "reserve" promises prompt + max_tokens on every hop at
@@ -573,7 +572,6 @@ class Coordinator:
         """On-demand KV: a hop had no block left for this request's next token. Free its KV
         everywhere, wait for room ahead of new requests, and recompute prompt + tokens so far
         (vLLM's preemption by recompute). Not a fault, so not counted against max_reroutes."""
-        act.preemptions += 1
         self.preemptions += 1
         log.info("preempting %s (%d tokens generated): %s", act.internal_id, len(act.generated),
                  reason)
