@@ -241,7 +241,7 @@ async def run_stack(
     workers: WorkerProcesses | None = None,
     on_started: Callable[[Any, Any], None] | None = None,
     log_level: str = "warning",
-    kv_allocation: str = "reserve",
+    kv_allocation: str = "on-demand",
     kv_watermark: float = 0.01,
 ) -> None:
     """Serve until SIGINT/SIGTERM. With `workers`, start them first and stop them last."""

@@ -53,10 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-allocation",
         choices=("reserve", "on-demand"),
-        default="reserve",
-        help="reserve: admit a request when prompt + max_tokens fit in KV on every hop "
-        "(default); on-demand: admit when the prompt fits, let requests grow into free KV "
-        "and preempt (recompute) when a worker runs out, as vLLM does",
+        default="on-demand",
+        help="on-demand (default): admit a request when its prompt fits, let requests grow "
+        "into free KV and preempt (recompute) when a worker runs out, as vLLM does; "
+        "reserve: admit when prompt + max_tokens fit on every hop and never preempt",
     )
     p.add_argument(
         "--kv-watermark",

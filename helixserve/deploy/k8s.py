@@ -73,7 +73,7 @@ class RenderOptions:
     #: Secret whose key `api-key` becomes HELIXSERVE_API_KEY of the coordinator (Bearer auth)
     api_key_secret: str | None = None
     #: the coordinator's `--kv-allocation` (reserve | on-demand; docs/runtime.md)
-    kv_allocation: str = "reserve"
+    kv_allocation: str = "on-demand"
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ the last hop returns the sampled token on this coordinator's stream) -> finish (
 string, max_tokens) -> release KV on every hop. Closing the generator early (client gone) or
 cancelling its task takes the same release path.
 
-KV allocation (`kv_allocation`): "reserve" (the default) admits a request when prompt +
-max_tokens fit on every hop of a route and holds that much for its life, so a worker never
-runs out. "on-demand" admits it when its prompt fits (less a watermark kept free), counts
+KV allocation (`kv_allocation`): "reserve" admits a request when prompt + max_tokens fit on
+every hop of a route and holds that much for its life, so a worker never runs out.
+"on-demand" (the default, as in vLLM) admits it when its prompt fits (less a watermark kept free), counts
 what running requests have generated since against each node, and when a worker still runs
 out of KV blocks for a request's next step, preempts that request: its KV is freed, it
 waits for room ahead of new requests, and prompt + tokens so far are prefilled again
@@ -123,7 +123,7 @@ class Coordinator:
     step_timeout_s: float
 
     def __init__(self, placement: Any, model_dir: Path, router: Any, max_queue: int,
-                 max_reroutes: int, stats_interval_s: float, kv_allocation: str = "reserve",
+                 max_reroutes: int, stats_interval_s: float, kv_allocation: str = "on-demand",
                  kv_watermark: float = 0.01) -> None:
         self.placement = placement
         self.model_dir = Path(model_dir)
@@ -164,7 +164,7 @@ class Coordinator:
         stats_interval_s: float = 0.5,
         max_reroutes: int = 3,
         step_timeout_s: float = 300.0,
-        kv_allocation: str = "reserve",
+        kv_allocation: str = "on-demand",
         kv_watermark: float = 0.01,
     ) -> Coordinator:
         from helixserve.scheduler import make_router

@@ -296,8 +296,10 @@ def test_admission_limits(workers, demo_model):
     even = [workers[n] for n in ("n0", "n1", "n2")]
 
     async def main() -> None:
+        # reserve: the waiting below needs prompt + max_tokens held at admission
         coord = await Coordinator.create(make_cluster(even), even_placement(), demo_model,
-                                         max_queue=0, max_model_len=100_000)
+                                         max_queue=0, max_model_len=100_000,
+                                         kv_allocation="reserve")
         try:
             capacity = coord.nodes["n0"].kv_capacity_tokens
             # can never fit: refused at once instead of waiting forever

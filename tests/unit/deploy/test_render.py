@@ -148,11 +148,10 @@ def test_coordinator_and_api_service(geo_cluster: Path, geo_placement: Path) -> 
     assert flag(cmd, "--placement") == "/etc/helixserve/placement.json"
     assert flag(cmd, "--model") == "/models/llama-2-70b"
     assert (flag(cmd, "--host"), flag(cmd, "--port")) == ("0.0.0.0", "8000")
-    assert flag(cmd, "--kv-allocation") == "reserve"
-    on_demand = objects(render_k8s(geo_cluster, geo_placement,
-                                   opts(kv_allocation="on-demand")).files)
-    assert flag(container(on_demand["coordinator-deployment.yaml"])["command"],
-                "--kv-allocation") == "on-demand"
+    assert flag(cmd, "--kv-allocation") == "on-demand"
+    reserve = objects(render_k8s(geo_cluster, geo_placement, opts(kv_allocation="reserve")).files)
+    assert flag(container(reserve["coordinator-deployment.yaml"])["command"],
+                "--kv-allocation") == "reserve"
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     for probe in ("startupProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
