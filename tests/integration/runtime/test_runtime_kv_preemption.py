@@ -1,9 +1,11 @@
-"""On-demand KV in the real runtime: a worker whose KV holds one long request at a time.
+"""On-demand KV in the real runtime: a 3-worker pipeline whose middle worker's KV holds one
+long request at a time.
 
 `reserve` admits the requests one after another (each promises prompt + max_tokens). With
-`on-demand` all are admitted at once, they outgrow the worker's KV, the worker refuses a
-step (RESOURCE_EXHAUSTED), and the coordinator preempts by recompute. Every request still
-gets exactly the tokens it gets when served alone.
+`on-demand` (the default) all are admitted at once. They outgrow the middle worker's KV, that
+worker refuses a step mid-route (RESOURCE_EXHAUSTED), and the coordinator preempts by
+recompute. Every request still gets exactly the tokens it gets when served alone, and every
+worker's KV is empty afterwards.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from runtime_procs import (
-    NUM_LAYERS,
     WorkerProc,
     make_cluster,
     make_placement,
@@ -25,44 +27,56 @@ from runtime_procs import (
 
 from helixserve.engine import SamplingParams
 from helixserve.runtime import Coordinator, GenerationRequest
+from helixserve.runtime import transport as tp
+from helixserve.runtime.proto import helix_pb2 as pb
+from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.integration]
 
 GREEDY = SamplingParams(temperature=0.0)
-#: ~9.4 MB: about 200 tokens of KV for all 30 layers of the demo model (fp32 on CPU)
-SMALL_KV_BYTES = 9_400_000
-PROMPTS = [
-    "The history of the printing press",
-    "Write a short poem about the sea",
-    "Explain how a bicycle stays upright",
-]
+#: KV bytes per worker: ~208 tokens for 10 layers of the demo model (fp32 on CPU), and ~160
+#: on the middle worker, so that it is the one that runs out
+WORKERS = [("a", 0, 10, 3_200_000), ("b", 10, 20, 2_500_000), ("c", 20, 30, 3_200_000)]
+PROMPTS = [f"Story {i}: once upon a time in a land far away" for i in range(4)]
 
 
 @pytest.fixture(scope="module")
-def small_worker(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProc]:
+def small_workers(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
     tmp = tmp_path_factory.mktemp("small-kv")
-    w = start_worker(demo_model, "w", 0, NUM_LAYERS, tmp,
-                     extra=["--kv-cache-bytes", str(SMALL_KV_BYTES)])
+    procs = [start_worker(demo_model, name, a, b, tmp, extra=["--kv-cache-bytes", str(kv)])
+             for name, a, b, kv in WORKERS]
     try:
-        wait_ready([w])
-        yield w
+        wait_ready(procs)
+        yield procs
     finally:
-        stop_workers([w])
+        stop_workers(procs)
 
 
-async def _serve(worker: WorkerProc, model: Path, mode: str) -> tuple[list[list[int]], int, int, int]:
-    """Tokens of every prompt, the most requests running at once, preemptions, KV capacity."""
+async def _kv_used(workers: list[WorkerProc]) -> dict[str, int]:
+    used = {}
+    for w in workers:
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            info = tp.info_from_pb(await pb_grpc.HelixWorkerStub(ch).Info(pb.InfoRequest()))
+            used[w.name] = info.kv_used_blocks
+    return used
+
+
+async def _serve(workers: list[WorkerProc], model: Path, mode: str
+                 ) -> tuple[list[list[int]], int, int, dict[str, int]]:
+    """Tokens of every prompt, the most requests running at once, preemptions, capacities."""
     from transformers import AutoTokenizer
 
-    placement = make_placement([("w", 0, NUM_LAYERS)],
-                               [("coordinator", "w", 1.0), ("w", "coordinator", 1.0)])
-    coord = await Coordinator.create(make_cluster([worker]), placement, model, kv_allocation=mode,
+    placement = make_placement(
+        [(name, a, b) for name, a, b, _ in WORKERS],
+        [("coordinator", "a", 1), ("a", "b", 1), ("b", "c", 1), ("c", "coordinator", 1)],
+    )
+    coord = await Coordinator.create(make_cluster(workers), placement, model, kv_allocation=mode,
                                      stats_interval_s=0.1)
     tok = AutoTokenizer.from_pretrained(str(model))
-    capacity = coord.nodes["w"].kv_capacity_tokens
+    caps = {name: coord.nodes[name].kv_capacity_tokens for name, *_ in WORKERS}
     prompts = [tok.encode(p) for p in PROMPTS]
-    # each fits alone (reserve admits one at a time); together they need ~2.5x the KV
-    max_tokens = capacity - max(len(p) for p in prompts) - 32
+    # each fits alone on the tightest worker; together they need ~3x its KV
+    max_tokens = min(caps.values()) - max(len(p) for p in prompts) - 32
     most = 0
 
     async def watch() -> None:
@@ -78,18 +92,28 @@ async def _serve(worker: WorkerProc, model: Path, mode: str) -> tuple[list[list[
     watcher = asyncio.get_running_loop().create_task(watch())
     try:
         tokens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        return list(tokens), most, coord.preemptions, capacity
+        return list(tokens), most, coord.preemptions, caps
     finally:
         watcher.cancel()
         await coord.close()
 
 
-def test_on_demand_admits_all_preempts_and_keeps_the_tokens(small_worker, demo_model):
-    reserved, most_r, pre_r, capacity = asyncio.run(_serve(small_worker, demo_model, "reserve"))
-    assert 150 <= capacity <= 260, capacity  # the premise: one long request fills the KV
+async def _wait_kv_empty(workers: list[WorkerProc]) -> dict[str, int]:
+    used = await _kv_used(workers)
+    for _ in range(100):
+        if not any(used.values()):
+            break
+        await asyncio.sleep(0.1)
+        used = await _kv_used(workers)
+    return used
+
+
+def test_on_demand_admits_all_preempts_mid_route_and_keeps_the_tokens(small_workers, demo_model):
+    reserved, most_r, pre_r, caps = asyncio.run(_serve(small_workers, demo_model, "reserve"))
+    assert 120 <= caps["b"] < caps["a"] <= 260, caps  # the premise: b is the tight one
     assert most_r == 1 and pre_r == 0
-    on_demand, most_o, pre_o, _ = asyncio.run(_serve(small_worker, demo_model, "on-demand"))
+    on_demand, most_o, pre_o, _ = asyncio.run(_serve(small_workers, demo_model, "on-demand"))
     assert most_o == len(PROMPTS)
     assert pre_o >= 1
-    assert all(len(t) == len(reserved[0]) for t in on_demand)
     assert on_demand == reserved
+    assert asyncio.run(_wait_kv_empty(small_workers)) == dict.fromkeys("abc", 0)
