@@ -13,13 +13,11 @@ cancelling its task takes the same release path.
 
 KV allocation (`kv_allocation`): "reserve" admits a request when prompt + max_tokens fit on
 every hop of a route and holds that much for its life, so a worker never runs out.
-"on-demand" (the default, as in vLLM) admits it when its prompt fits (less a watermark kept
-free) and counts what running requests have generated since against each node. When a
-worker still runs out of KV blocks for a request's step, the newest request admitted there
-is preempted: the failing one itself if it is the newest or still prefilling, otherwise the
-other one, whose KV is freed before the failed decode step is sent again. A preempted
-request waits for room ahead of new requests, then prompt + tokens so far are prefilled
-again (vLLM's preemption by recompute); the client's stream goes on without a gap. Preemptions
+"on-demand" (the default, as in vLLM) admits it when its prompt fits (less a watermark kept free), counts
+what running requests have generated since against each node, and when a worker still runs
+out of KV blocks for a request's next step, preempts that request: its KV is freed, it
+waits for room ahead of new requests, and prompt + tokens so far are prefilled again
+(vLLM's preemption by recompute); the client's stream goes on without a gap. Preemptions
 are counted in `stats()` and in `vllm:num_preemptions`.
 
 Faults: the coordinator keeps one Work stream per worker. When a stream breaks, the node is
@@ -93,33 +91,19 @@ class TokenEvent:
 
 
 @dataclass
-class _Evicted:
-    """Put in a request's result queue when another request took its KV: re-admit it.
-    Only for the route `internal_id` names: a request that was preempted for its own full
-    step in the meantime already was, and ignores it."""
-
-    internal_id: str
-
-
-@dataclass
 class _Active:
     """A request being served: what a re-route needs to replay it."""
 
     req: GenerationRequest
     internal_id: str
     route_hops: tuple[WireHop, ...] = ()
-    results: asyncio.Queue[WireResult | NodeFailure | _Evicted] = field(
-        default_factory=asyncio.Queue)
+    results: asyncio.Queue[WireResult | NodeFailure] = field(default_factory=asyncio.Queue)
     generated: list[int] = field(default_factory=list)
     reroutes: int = 0
     #: step ids sent on the current route whose result (token or ack) has not come back
     pending: set[int] = field(default_factory=set)
     #: tokens generated when the current route was admitted (on-demand KV: what grew since)
     admitted_at: int = 0
-    #: admission order of the current route (on-demand KV preempts the newest first)
-    admitted_seq: int = 0
-    #: the step in flight is a decode step (one token), which can be sent again as it is
-    decoding: bool = False
 
 
 #: how the router accounts for KV: "reserve" promises prompt + max_tokens on every hop at
@@ -164,7 +148,6 @@ class Coordinator:
         self.preemptions = 0  # on-demand KV: requests recomputed after a worker ran out of KV
         #: preempted requests waiting to be admitted again: new requests wait behind them
         self._preempted_waiting = 0
-        self._admissions = itertools.count(1)
 
     @classmethod
     async def create(
@@ -420,7 +403,8 @@ class Coordinator:
                                  r.prompt_logprobs)
                 if step.finish_reason is not None:
                     return
-                self._send_decode(act)
+                self._send(act, position=len(req.prompt_token_ids) + len(act.generated) - 1,
+                           token_ids=[r.token_id], sample=True)
         finally:
             self._finish(act)
 
@@ -496,7 +480,6 @@ class Coordinator:
             if preempted:
                 self._preempted_waiting -= 1
         act.admitted_at = len(act.generated)
-        act.admitted_seq = next(self._admissions)
         act.route_hops = tuple(
             WireHop(h.node, self.nodes[h.node].address, h.start_layer, h.end_layer)
             for h in route.hops
@@ -508,19 +491,12 @@ class Coordinator:
     def _send_prefill(self, act: _Active, token_ids: list[int]) -> None:
         """Prompt (+ tokens generated so far, on a re-route) in chunks, all sent at once."""
         chunk = self.prefill_chunk_tokens
-        act.decoding = False
         # On a replay the last hop must know which tokens are generated ones (penalties).
         num_prompt = len(act.req.prompt_token_ids) if act.generated else None
         for start in range(0, len(token_ids), chunk):
             part = token_ids[start : start + chunk]
             self._send(act, position=start, token_ids=part,
                        sample=start + chunk >= len(token_ids), num_prompt_tokens=num_prompt)
-
-    def _send_decode(self, act: _Active) -> None:
-        """The next token's step: the last generated token, fed back at its position."""
-        act.decoding = True
-        self._send(act, position=len(act.req.prompt_token_ids) + len(act.generated) - 1,
-                   token_ids=[act.generated[-1]], sample=True)
 
     def _send(self, act: _Active, position: int, token_ids: list[int], sample: bool,
               num_prompt_tokens: int | None = None) -> None:
@@ -553,10 +529,6 @@ class Coordinator:
             if isinstance(r, NodeFailure):
                 await self._reroute(act, f"node {r.node} failed: {r.reason}")
                 continue
-            if isinstance(r, _Evicted):
-                if r.internal_id == act.internal_id:
-                    await self._readmit(act)
-                continue
             if not r.ok:
                 from helixserve.runtime.transport import RESOURCE_EXHAUSTED, UNAVAILABLE
 
@@ -568,7 +540,7 @@ class Coordinator:
                     await self._reroute(act, r.error)
                     continue
                 if r.status_code == RESOURCE_EXHAUSTED and self.kv_allocation == "on-demand":
-                    await self._out_of_kv(act, r)
+                    await self._preempt(act, r.error)
                     continue
                 raise RequestFailedError(f"request {act.req.request_id}: {r.error}")
             act.pending.discard(r.step_id)
@@ -596,53 +568,16 @@ class Coordinator:
         await self._route(act, replay_tokens=len(act.generated))
         self._send_prefill(act, act.req.prompt_token_ids + act.generated)
 
-    async def _out_of_kv(self, act: _Active, r: WireResult) -> None:
-        """On-demand KV: node `r.node` had no block left for this request's step. As vLLM
-        does, the newest request admitted there gives way: if that is another one, its KV is
-        freed (awaited, so the room exists) and it is re-admitted later, and this request's
-        decode step is sent again (hops that ran it already rewind to its position). If this
-        request is the newest there, or was still prefilling, it is preempted itself."""
-        victims = [
-            other for other in self.active.values()
-            if other is not act and other.admitted_seq > act.admitted_seq
-            and any(h.node == r.node for h in other.route_hops)
-        ]
-        if not victims or not act.decoding:
-            await self._preempt(act, r.error)
-            return
-        victim = max(victims, key=lambda other: other.admitted_seq)
-        self.preemptions += 1
-        log.info("preempting %s (%d tokens generated): %s needs its KV for %s",
-                 victim.internal_id, len(victim.generated), r.node, act.internal_id)
-        # Off its route first (its late results are dropped from now on), its KV freed
-        # everywhere before its own loop may be admitted again or this step is re-sent. The
-        # id is taken now: while the release is awaited, the victim may preempt itself and
-        # be admitted again under a new one, which the marker must not touch.
-        vid, hops = victim.internal_id, victim.route_hops
-        self.router.on_cancel(vid)
-        self.active.pop(vid, None)
-        await asyncio.gather(*(self.nodes[h.node].release([vid]) for h in hops))
-        victim.results.put_nowait(_Evicted(vid))
-        act.pending.discard(r.step_id)
-        self._send_decode(act)
-
     async def _preempt(self, act: _Active, reason: str) -> None:
-        """Free this request's KV everywhere and re-admit it: vLLM's preemption by
-        recompute. Not a fault, so not counted against max_reroutes."""
+        """On-demand KV: a hop had no block left for this request's next token. Free its KV
+        everywhere, wait for room ahead of new requests, and recompute prompt + tokens so far
+        (vLLM's preemption by recompute). Not a fault, so not counted against max_reroutes."""
         self.preemptions += 1
         log.info("preempting %s (%d tokens generated): %s", act.internal_id, len(act.generated),
                  reason)
         self._release_kv(act.internal_id, act.route_hops)
         self.router.on_cancel(act.internal_id)
         self.active.pop(act.internal_id, None)
-        await self._readmit(act)
-
-    async def _readmit(self, act: _Active) -> None:
-        """Wait for room ahead of new requests, then prefill prompt + tokens so far again
-        under a fresh internal id (workers drop late items of the old one)."""
-        if self.active.pop(act.internal_id, None) is not None:  # still routed: free it
-            self.router.on_cancel(act.internal_id)
-            self._release_kv(act.internal_id, act.route_hops)
         act.internal_id = self._new_internal_id(act.req)
         act.results = asyncio.Queue()
         act.pending.clear()

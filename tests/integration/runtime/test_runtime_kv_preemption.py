@@ -3,8 +3,8 @@ long request at a time.
 
 `reserve` admits the requests one after another (each promises prompt + max_tokens). With
 `on-demand` (the default) all are admitted at once. They outgrow the middle worker's KV, that
-worker refuses a step mid-route (RESOURCE_EXHAUSTED), and the coordinator preempts the
-newest request there by recompute. Every request still gets exactly the tokens it gets when served alone, and every
+worker refuses a step mid-route (RESOURCE_EXHAUSTED), and the coordinator preempts by
+recompute. Every request still gets exactly the tokens it gets when served alone, and every
 worker's KV is empty afterwards.
 """
 
