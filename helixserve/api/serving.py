@@ -165,8 +165,9 @@ class Serving:
         bytes; any other token the UTF-8 of its text."""
         raw = self._token_bytes.get(token_id)
         if raw is None:
-            raw = list(self.token_text(token_id).encode())
-            if "\ufffd" in self.token_text(token_id):
+            text = self.token_text(token_id)
+            raw = list(text.encode())
+            if "\ufffd" in text:
                 raw = _raw_token_bytes(self.tokenizer, token_id) or raw
             self._token_bytes[token_id] = raw
         return raw

@@ -12,6 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
+from helixserve.commands.serve import add_kv_arguments, check_kv_arguments
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -50,20 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=128,
         help="KV cache budget per worker in MiB (default 128: thousands of tokens)",
     )
-    p.add_argument(
-        "--kv-allocation",
-        choices=("reserve", "on-demand"),
-        default="on-demand",
-        help="on-demand (default): admit a request when its prompt fits, let requests grow "
-        "into free KV and preempt (recompute) when a worker runs out, as vLLM does; "
-        "reserve: admit when prompt + max_tokens fit on every hop and never preempt",
-    )
-    p.add_argument(
-        "--kv-watermark",
-        type=float,
-        default=0.01,
-        help="on-demand: fraction of each worker's KV kept free at admission (default 0.01)",
-    )
+    add_kv_arguments(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
 
@@ -104,8 +93,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--port: bad value {args.port}")
     if args.worker_kv_cache_mb < 1 or args.worker_threads < 1:
         raise UserError("--worker-kv-cache-mb and --worker-threads: must be >= 1")
-    if not 0.0 <= args.kv_watermark < 1.0:
-        raise UserError(f"--kv-watermark: bad value {args.kv_watermark}; need 0 <= value < 1")
+    check_kv_arguments(args)
     memory_gb = _memory(args.memory_gb)
 
     def log(msg: str) -> None:
@@ -154,8 +142,8 @@ def run(args: argparse.Namespace) -> int:
                 workers=workers,
                 on_started=started,
                 log_level=args.log_level,
-            kv_allocation=args.kv_allocation,
-            kv_watermark=args.kv_watermark,
+                kv_allocation=args.kv_allocation,
+                kv_watermark=args.kv_watermark,
             )
         )
     except KeyboardInterrupt:

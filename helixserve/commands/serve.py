@@ -32,9 +32,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--scheduler", default="maxflow", help="routing policy (default maxflow)")
     p.add_argument("--served-model-name", default=None, help="model name clients use")
+    add_kv_arguments(p)
+    p.add_argument("--log-level", default="warning", help="uvicorn log level")
+    p.set_defaults(func=run)
+
+
+#: `helixserve.scheduler.types.KV_ALLOCATIONS`, spelled out: importing the scheduler loads
+#: the planner, which no CLI call should pay for at start-up
+KV_ALLOCATION_CHOICES = ("reserve", "on-demand")
+
+
+def add_kv_arguments(p: argparse.ArgumentParser) -> None:
+    """The coordinator's KV accounting flags (serve and demo); see `check_kv_arguments`."""
     p.add_argument(
         "--kv-allocation",
-        choices=("reserve", "on-demand"),
+        choices=KV_ALLOCATION_CHOICES,
         default="on-demand",
         help="on-demand (default): admit a request when its prompt fits, let requests grow "
         "into free KV and preempt (recompute) when a worker runs out, as vLLM does; "
@@ -46,8 +58,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0.01,
         help="on-demand: fraction of each worker's KV kept free at admission (default 0.01)",
     )
-    p.add_argument("--log-level", default="warning", help="uvicorn log level")
-    p.set_defaults(func=run)
+
+
+def check_kv_arguments(args: argparse.Namespace) -> None:
+    from helixserve.errors import UserError
+
+    if not 0.0 <= args.kv_watermark < 1.0:
+        raise UserError(f"--kv-watermark: bad value {args.kv_watermark}; need 0 <= value < 1")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536:
         raise UserError(f"--port: bad value {args.port}")
-    if not 0.0 <= args.kv_watermark < 1.0:
-        raise UserError(f"--kv-watermark: bad value {args.kv_watermark}; need 0 <= value < 1")
+    check_kv_arguments(args)
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
     from helixserve.api.stack import describe_placement, run_stack

@@ -13,11 +13,11 @@ cancelling its task takes the same release path.
 
 KV allocation (`kv_allocation`): "reserve" admits a request when prompt + max_tokens fit on
 every hop of a route and holds that much for its life, so a worker never runs out.
-"on-demand" (the default, as in vLLM) admits it when its prompt fits (less a watermark kept free), counts
-what running requests have generated since against each node, and when a worker still runs
-out of KV blocks for a request's next step, preempts that request: its KV is freed, it
-waits for room ahead of new requests, and prompt + tokens so far are prefilled again
-(vLLM's preemption by recompute); the client's stream goes on without a gap. Preemptions
+"on-demand" (the default, as in vLLM) admits it when its prompt fits (less a watermark kept
+free), counts what running requests have generated since against each node, and when a
+worker still runs out of KV blocks for a request's next step, preempts that request: its KV
+is freed, it waits for room ahead of new requests, and prompt + tokens so far are prefilled
+again (vLLM's preemption by recompute); the client's stream goes on without a gap. Preemptions
 are counted in `stats()` and in `vllm:num_preemptions`.
 
 Faults: the coordinator keeps one Work stream per worker. When a stream breaks, the node is
@@ -44,6 +44,7 @@ from helixserve.errors import UserError
 from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
 from helixserve.runtime.transport import WireHop, WireItem, WireResult
+from helixserve.scheduler.types import KV_ALLOCATIONS
 
 log = logging.getLogger("helixserve.coordinator")
 
@@ -104,12 +105,6 @@ class _Active:
     pending: set[int] = field(default_factory=set)
     #: tokens generated when the current route was admitted (on-demand KV: what grew since)
     admitted_at: int = 0
-
-
-#: how the router accounts for KV: "reserve" promises prompt + max_tokens on every hop at
-#: admission; "on-demand" promises the prompt, lets requests grow into free KV (a watermark
-#: kept free) and preempts by recompute when a worker runs out
-KV_ALLOCATIONS = ("reserve", "on-demand")
 
 
 class Coordinator:
@@ -302,8 +297,10 @@ class Coordinator:
         asks for); None while no route covers the model or before the workers reported."""
         if not self._covered():
             return None
-        block = max((n.info.kv_block_size for n in self.nodes.values() if n.info), default=1)
-        return self._largest_route_kv_tokens() - prompt_tokens - (block - 1)
+        return self._largest_route_kv_tokens() - prompt_tokens - (self._block_size() - 1)
+
+    def _block_size(self) -> int:
+        return max((n.info.kv_block_size for n in self.nodes.values() if n.info), default=1)
 
     def _covered(self) -> bool:
         covered = [False] * self.placement.num_layers
@@ -437,7 +434,7 @@ class Coordinator:
         remaining = max(1, req.max_tokens - len(act.generated))
         # Workers allocate KV in blocks: ask the router for one block more than the tokens, so
         # its promises (in tokens) never add up to more blocks than a worker has.
-        block = max((n.info.kv_block_size for n in self.nodes.values() if n.info), default=1)
+        block = self._block_size()
         info = RequestInfo(act.internal_id, prompt_tokens,
                            min(remaining, self.max_model_len - prompt_tokens) + block - 1)
         if self.kv_allocation == "on-demand":
@@ -556,17 +553,8 @@ class Coordinator:
         # Which hop failed? A worker reports an unreachable next hop before this coordinator's
         # own stream to it breaks: ask every hop, so the new route avoids the dead one.
         await asyncio.gather(*(self.nodes[h.node].check_alive() for h in act.route_hops))
-        old_id = act.internal_id
-        self._release_kv(old_id, act.route_hops)
-        self.router.on_cancel(old_id)
-        self.active.pop(old_id, None)
-        # A fresh internal id: workers drop any late item of the old one (released ids).
-        act.internal_id = self._new_internal_id(act.req)
-        act.results = asyncio.Queue()
-        act.pending.clear()
         self.reroutes += 1
-        await self._route(act, replay_tokens=len(act.generated))
-        self._send_prefill(act, act.req.prompt_token_ids + act.generated)
+        await self._replay(act)
 
     async def _preempt(self, act: _Active, reason: str) -> None:
         """On-demand KV: a hop had no block left for this request's next token. Free its KV
@@ -575,14 +563,23 @@ class Coordinator:
         self.preemptions += 1
         log.info("preempting %s (%d tokens generated): %s", act.internal_id, len(act.generated),
                  reason)
-        self._release_kv(act.internal_id, act.route_hops)
-        self.router.on_cancel(act.internal_id)
-        self.active.pop(act.internal_id, None)
+        await self._replay(act, preempted=True)
+
+    async def _replay(self, act: _Active, preempted: bool = False) -> None:
+        """Take the request off its route (KV released, router promise cancelled), admit it
+        again and prefill prompt + tokens so far. A preempted request's freed KV may let
+        waiting ones in, and it is admitted ahead of new requests."""
+        old_id = act.internal_id
+        self._release_kv(old_id, act.route_hops)
+        self.router.on_cancel(old_id)
+        self.active.pop(old_id, None)
+        # A fresh internal id: workers drop any late item of the old one (released ids).
         act.internal_id = self._new_internal_id(act.req)
         act.results = asyncio.Queue()
         act.pending.clear()
-        self._spawn(self._notify_admit())
-        await self._route(act, replay_tokens=len(act.generated), preempted=True)
+        if preempted:
+            self._spawn(self._notify_admit())
+        await self._route(act, replay_tokens=len(act.generated), preempted=preempted)
         self._send_prefill(act, act.req.prompt_token_ids + act.generated)
 
     def _finish(self, act: _Active) -> None:

@@ -11,6 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+#: how a caller accounts for KV with the router: "reserve" promises prompt + max_new_tokens
+#: at admission; "on-demand" promises the prompt and reports what requests grew into
+#: (`RequestInfo.kv_tokens`, scheduler/base.py)
+KV_ALLOCATIONS = ("reserve", "on-demand")
+
 
 @dataclass(frozen=True)
 class Hop:

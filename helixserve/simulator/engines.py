@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from helixserve.errors import UserError
+from helixserve.scheduler.types import KV_ALLOCATIONS as _KV_ALLOCATIONS
 
 #: SimConfig fields of each engine model, by name
 ENGINES: dict[str, dict[str, Any]] = {
@@ -36,8 +37,8 @@ ENGINES: dict[str, dict[str, Any]] = {
     },
 }
 
-#: values `SimConfig.kv_allocation` accepts
-KV_ALLOCATIONS = ("reserve", "on-demand")
+#: values `SimConfig.kv_allocation` accepts (the runtime's coordinator takes the same)
+KV_ALLOCATIONS = _KV_ALLOCATIONS
 
 
 def engine_config(name: str, **overrides: Any) -> dict[str, Any]:

@@ -21,3 +21,11 @@ def test_unknown_flag_exits_2():
     )
     assert proc.returncode == 2
     assert "--no-such-flag" in proc.stderr
+
+
+def test_cli_kv_allocation_choices_are_the_schedulers():
+    from helixserve.commands.serve import KV_ALLOCATION_CHOICES
+    from helixserve.scheduler.types import KV_ALLOCATIONS
+    from helixserve.simulator.engines import KV_ALLOCATIONS as SIM_KV_ALLOCATIONS
+
+    assert KV_ALLOCATION_CHOICES == KV_ALLOCATIONS == SIM_KV_ALLOCATIONS
