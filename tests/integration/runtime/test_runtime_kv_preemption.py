@@ -11,6 +11,7 @@ worker's KV is empty afterwards.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,7 +92,10 @@ async def _serve(workers: list[WorkerProc], model: Path, mode: str
 
     watcher = asyncio.get_running_loop().create_task(watch())
     try:
+        started = time.perf_counter()
         tokens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        print(f"{mode}: {time.perf_counter() - started:.1f} s, {most} running at most, "
+              f"{coord.preemptions} preemptions")  # shown with pytest -s (docs/runtime.md)
         return list(tokens), most, coord.preemptions, caps
     finally:
         watcher.cancel()
