@@ -9,8 +9,9 @@ Helix, t(P, D) = t_prompt(P) + t_decode(D):
       t_prompt(P) = W/(BW e_bw) + 2 N P/(F e_f)
     (W layer weight bytes, N layer params, kv KV bytes per token per layer, c the context
     length a decoding sequence reads). e_bw, e_f and c are fitted to the measured curves.
-Memory of a machine holding k layers: k W for weights (at most WEIGHT_FRACTION of the
-memory, Helix's rule) and the rest (times MEMORY_UTILIZATION) for KV cache.
+Memory of a machine holding k layers: k W for weights and the rest (times
+MEMORY_UTILIZATION) for KV cache. Planners keep weights within WEIGHT_FRACTION of the memory
+(Helix's rule, `max_layers`); a machine can load more (`loadable_layers`), with little KV.
 T(k) (docs/planner.md): decode tokens/s of the machine with the largest batch its KV cache
 and its batch limit allow, each sequence holding `context_tokens` of KV:
       b(k) = min(max_decode_tokens, kv_capacity_tokens(k) / context_tokens)
@@ -235,6 +236,17 @@ class CostModel:
         k = int(self.memory_bytes(node) * self.weight_fraction // self.model.layer_weight_bytes)
         return min(k, self.model.num_layers)
 
+    def loadable_layers(self, node: NodeSpec) -> int:
+        """Most layers the node can physically serve: their weights fit in the memory the
+        engine may allocate (MEMORY_UTILIZATION) with KV left for one sequence of
+        `context_tokens` on every layer. Planners stay within `max_layers` (the weight cap);
+        a placement beyond it but within this still runs, with little KV (Helix's own
+        separate-pipeline baselines do this), so the evaluator and simulator accept it."""
+        m = self.model
+        per_layer = m.layer_weight_bytes + self.context_tokens * m.kv_bytes_per_token_per_layer
+        k = int(self.memory_bytes(node) * MEMORY_UTILIZATION // per_layer)
+        return max(self.max_layers(node), min(k, m.num_layers))
+
     def kv_capacity_tokens(self, node: NodeSpec, num_layers: int) -> int:
         """Tokens of KV cache per layer held, with `num_layers` layers loaded."""
         if num_layers <= 0:
@@ -260,13 +272,14 @@ class CostModel:
         return max(0, min(self.batch_limits(node)[1], kv_seqs))
 
     def node_throughput_tokens_per_s(self, node: NodeSpec, num_layers: int) -> float:
-        """T(k): decode tokens/s through the node holding `num_layers` layers (0 if it can't)."""
+        """T(k): decode tokens/s through the node holding `num_layers` layers (0 if it can't
+        load them: more than `loadable_layers`)."""
         key = (node.gpu, node.num_gpus, node.memory_gb, num_layers)
         cached = self._throughput_cache.get(key)
         if cached is not None:
             return cached
         value = 0.0
-        if 0 < num_layers <= self.max_layers(node):
+        if 0 < num_layers <= self.loadable_layers(node):
             if self.serving is not None:
                 value = self._serving_throughput(node, num_layers, self.serving)
             else:

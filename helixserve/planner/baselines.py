@@ -8,7 +8,12 @@ Each takes the precomputed `FlowNetwork` and returns node index -> [start, end):
               block selection).
   * swarm:    S equal stages (every S that fits tried), nodes sorted by throughput
               assigned greedily to the stage with the least throughput (SWARM).
-  * separate: one or more pipelines per machine type (gpu, num_gpus), no mixing.
+  * separate: one or more pipelines per machine type (gpu, num_gpus), no mixing. A type
+              that cannot hold the model within the weight cap makes one pipeline of all its
+              machines, the layers split evenly, its weights beyond the cap when they still
+              load (`loadable_layers`), as the Helix authors' Separate Pipelines baseline for
+              llama-2-70b does (20 layers per A100-40GB, 10 per L4, 6-7 per T4). No type
+              that can: one mixed greedy pipeline (petals).
 """
 
 from __future__ import annotations
@@ -111,9 +116,11 @@ def separate(net: FlowNetwork) -> Ranges:
     for members in groups.values():
         k = int(net.max_layers[members[0]])
         per_pipe = math.ceil(L / k)
-        pipes = len(members) // per_pipe
-        if pipes == 0:
-            continue  # this machine type cannot hold the whole model on its own
+        if len(members) < per_pipe:
+            # beyond the weight cap: one pipeline of every machine, as little over it as can be
+            if math.ceil(L / len(members)) > net.loadable[members[0]]:
+                continue  # this machine type cannot hold the whole model on its own
+            per_pipe = len(members)
         stages = _stages(L, per_pipe)
         # spare machines of the type join the pipelines as extra replicas of their stages
         for p, i in enumerate(members):

@@ -58,7 +58,9 @@ class FlowNetwork:
             for j, b in enumerate(self.names):
                 if i != j:
                     self.link_cap[i, j] = cluster.effective_bandwidth_gbps(a, b) * 1e9 / 8 / act
+        #: most layers a planner gives node i (the weight cap); `loadable` is what it can run
         self.max_layers = np.array([cost.max_layers(nd) for nd in cluster.nodes], dtype=int)
+        self.loadable = np.array([cost.loadable_layers(nd) for nd in cluster.nodes], dtype=int)
         #: throughput[i][k] = T_i(k), k = 0..max_layers_i (T_i(0) = 0)
         self.throughput = [
             [0.0] + [cost.node_throughput_tokens_per_s(nd, k) for k in range(1, K + 1)]
@@ -66,8 +68,10 @@ class FlowNetwork:
         ]
 
     def node_cap(self, i: int, k: int) -> float:
-        if k <= 0 or k > self.max_layers[i]:
+        if k <= 0 or k > self.loadable[i]:
             return 0.0
+        if k > self.max_layers[i]:  # beyond the planners' weight cap (a baseline, a user's file)
+            return self.cost.node_throughput_tokens_per_s(self.cluster.nodes[i], k)
         return self.throughput[i][k]
 
     def max_flow(
@@ -201,10 +205,11 @@ def evaluate(
     net = network or FlowNetwork(cluster, model, cost)
     ranges = net.ranges_of(placement)
     for i, (s, e) in ranges.items():
-        if e - s > net.max_layers[i]:
+        if e - s > net.loadable[i]:
             raise UserError(
                 f"placement: node {net.names[i]!r} holds {e - s} layers [{s}, {e}) but its "
-                f"memory fits at most {net.max_layers[i]}"
+                f"memory fits at most {net.loadable[i]} (planners give it at most "
+                f"{net.max_layers[i]}, keeping weights within {cost.weight_fraction:.0%} of it)"
             )
     value, flows = net.max_flow(ranges, partial_inference, with_flows=True)
     return FlowResult(value, flows)

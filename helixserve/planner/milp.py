@@ -1,7 +1,9 @@
 """The `milp` planner: Helix's max-flow MILP (arXiv 2406.01566, section 4), tightened.
 
 Pipeline within the time limit T (docs/planner.md has the full write-up):
-  1. the four baselines, evaluated; the best is the floor of the answer;
+  1. the four baselines, evaluated; the best is the floor of the answer. Like every step
+     below and the bounds, the answer keeps k_i <= max_layers (the weight cap), so a
+     baseline beyond it (separate's pipeline of a type that fits no other way) is skipped;
   2. the tiling heuristic (tiling.py, <= 15% of T, and <= 10% per region): stacked rows of
      equal ranges chosen by a small configuration MILP, the target throughput bisected;
   3. the layer-coverage relaxation (coverage.py, ~10% of T): an upper bound, and a start
@@ -354,7 +356,9 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
     candidates: list[tuple[float, str, Ranges]] = []
     for name, fn in BASELINES.items():
         r = fn(net)
-        candidates.append((value_of(r), name, r))
+        # separate goes beyond the weight cap when a type fits no other way: not a candidate
+        if all(e - s <= net.max_layers[i] for i, (s, e) in r.items()):
+            candidates.append((value_of(r), name, r))
     base_value, base_name, _ = max(candidates, key=lambda c: c[0])
     bounds = [layer_work_bound(net)]
     say(f"baselines: best {base_name} {base_value:,.1f} tokens/s; "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from helixserve.costmodel import CostModel
 from helixserve.planner.placement import COORDINATOR, Flow, Placement
@@ -50,6 +51,19 @@ def format_table(rows: list[NodeRow], unused: list[str]) -> str:
         )
     if unused:
         lines.append(f"unused: {', '.join(unused)}")
+    return "\n".join(lines)
+
+
+def format_selection(report: list[dict[str, Any]]) -> str:
+    """The serving selection's candidates (`planner.serving.select_placement`'s report)."""
+    head = f"{'candidate':<22} {'max flow':>10} {'served tok/s':>12}  stages"
+    lines = [head, "-" * len(head)]
+    for r in report:
+        mark = "*" if r["chosen"] else " "
+        lines.append(
+            f"{mark}{r['source']:<21} {r['max_flow_tokens_per_s'] or 0:>10,.1f} "
+            f"{r['simulated_tokens_per_s'] or 0:>12,.1f}  {r['stages']}"
+        )
     return "\n".join(lines)
 
 

@@ -69,6 +69,12 @@ def test_memory_arithmetic_by_hand(cost70):
     kv = int((usable * MEMORY_UTILIZATION - k * m.layer_weight_bytes)
              // (k * m.kv_bytes_per_token_per_layer))
     assert cost70.kv_capacity_tokens(node, k) == kv
+    # loadable: weights plus one context of KV per layer within the engine's share
+    per_layer = m.layer_weight_bytes + cost70.context_tokens * m.kv_bytes_per_token_per_layer
+    loadable = int(usable * MEMORY_UTILIZATION // per_layer)
+    assert cost70.loadable_layers(node) == loadable > cost70.max_layers(node)
+    assert cost70.kv_capacity_tokens(node, loadable) >= cost70.context_tokens
+    assert cost70.kv_capacity_tokens(node, loadable + 1) < cost70.context_tokens
     # a memory budget overrides the catalog
     small = NodeSpec("y", "L4", 1, memory_gb=2 * m.layer_weight_bytes / 1e9 / WEIGHT_FRACTION)
     assert cost70.max_layers(small) == 2
@@ -96,7 +102,11 @@ def test_node_throughput_is_decode_batch_over_time(cost70):
                         cost70.kv_capacity_tokens(node, k) // cost70.context_tokens)
         assert cost70.node_throughput_tokens_per_s(node, k) == pytest.approx(
             b / (k * cost70.layer_time_ms("A100-40GB", 1, 0, b) / 1000))
-    assert cost70.node_throughput_tokens_per_s(node, 13) == 0.0  # does not fit
+    # beyond the weight cap but loadable: a smaller batch (less KV), still a throughput
+    over = cost70.max_layers(node) + 1
+    assert 0 < cost70.node_throughput_tokens_per_s(node, over) < \
+        cost70.node_throughput_tokens_per_s(node, over - 1)
+    assert cost70.node_throughput_tokens_per_s(node, cost70.loadable_layers(node) + 1) == 0.0
 
 
 def test_model_that_does_not_fit_says_by_how_much(cost70):

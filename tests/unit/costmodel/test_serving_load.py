@@ -55,7 +55,7 @@ def test_serving_throughput_is_the_documented_formula(parts) -> None:  # type: i
         per_token_ms = k * (cost.layer_time_ms("L4", 1, 0, b) / b
                             + 3.0 * cost.layer_time_ms("L4", 1, 760, 0) / 760)
         assert cost.node_throughput_tokens_per_s(node, k) == pytest.approx(1000.0 / per_token_ms)
-    assert cost.node_throughput_tokens_per_s(node, cost.max_layers(node) + 1) == 0.0
+    assert cost.node_throughput_tokens_per_s(node, cost.loadable_layers(node) + 1) == 0.0
 
 
 def test_serving_throughput_is_below_the_decode_only_one(parts) -> None:  # type: ignore[no-untyped-def]

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+from planner_factories import SHARED
+
 from helixserve.cli import main
 
 
@@ -43,3 +45,32 @@ def test_user_errors_exit_2_with_one_line(tmp_path, capsys):
     assert len(err) == 1 and "nodes[0].gpu: unknown GPU 'A1000'" in err[0]
     assert main(["plan", "--example", "--planner", "gurobi", "--quiet"]) == 2
     assert "known: milp, uniform, petals, swarm, separate" in capsys.readouterr().err
+
+
+def test_plan_picks_the_placement_that_serves_best(tmp_path, capsys):
+    """--serve-trace: the planned placement and the stacked tilings are simulated serving
+    the trace; the one with the most simulated decode tokens/s is written."""
+    out = tmp_path / "p.json"
+    trace = SHARED / "traces" / "azure-llm-conv-2023.csv"
+    assert main(["plan", "--example", "--time-limit", "3", "--quiet", "--out", str(out),
+                 "--serve-trace", str(trace), "--serve-duration", "80"]) == 0
+    text = capsys.readouterr().out
+    assert "serving selection (vllm engine, 80 s offline, the first 20 s not counted" in text
+    table = text[text.index("serving selection"):text.index("cluster ")].splitlines()[3:]
+    served = {line[1:22].strip(): float(line[34:46].replace(",", "")) for line in table if line}
+    assert "given:milp" in served and "stacked-tiling" in served and len(table) >= 2
+    kept = [line for line in table if line.startswith("*")]
+    assert len(kept) == 1 and float(kept[0][34:46].replace(",", "")) == max(served.values())
+    planned = json.loads(out.read_text())
+    assert planned["planner"] == "milp-serving" and planned["num_layers"] == 80
+    assert "planner milp-serving" in text
+
+
+def test_plan_serve_flags_are_checked(tmp_path, capsys):
+    assert main(["plan", "--example", "--quiet", "--serve-trace", "x.csv",
+                 "--serve-duration", "0"]) == 2
+    assert "--serve-duration: bad value 0.0; must be > 0" in capsys.readouterr().err
+    assert main(["plan", "--example", "--quiet", "--serve-trace",
+                 str(tmp_path / "missing.csv")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing.csv" in err[0]

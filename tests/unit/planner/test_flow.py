@@ -133,5 +133,6 @@ def test_evaluate_rejects_ranges_that_do_not_fit(llama70b, measured_cost):
     cluster = make_cluster(t4=2)
     placement = Placement(llama70b.name, "x", 80, "hand", [NodeRange("t4-0", 0, 40),
                                                           NodeRange("t4-1", 40, 80)])
-    with pytest.raises(UserError, match="holds 40 layers .* at most 4"):
+    with pytest.raises(UserError, match=r"holds 40 layers .* at most 8 \(planners give it "
+                                        r"at most 4, keeping weights within 50% of it\)"):
         evaluate(cluster, llama70b, measured_cost, placement)

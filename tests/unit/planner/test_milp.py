@@ -73,14 +73,57 @@ def test_baselines_cover_all_layers_on_shared_sizes(name, llama70b, measured_cos
     cluster = make_cluster(a100=4, l4=8, t4=12)
     placement = plan(name, cluster, llama70b, measured_cost)
     assert placement.covers_all_layers()
+    assert placement.throughput_tokens_per_s > 0
+    for r in placement.nodes:
+        node = cluster.node(r.name)
+        # only separate goes beyond the weight cap: no type holds llama-2-70b within it here
+        limit = measured_cost.loadable_layers(node) if name == "separate" else \
+            measured_cost.max_layers(node)
+        assert r.num_layers <= limit
+
+
+def test_separate_is_one_pipeline_per_type_as_helix_built_it(llama70b, measured_cost):
+    """The Helix artifact's hand-made Separate Pipelines for llama-2-70b on its 24-machine
+    cluster: 4 A100 x 20 layers, 8 L4 x 10, 12 T4 x 6-7, each type a pipeline of its own."""
+    cluster = make_cluster(a100=4, l4=8, t4=12)
+    placement = plan("separate", cluster, llama70b, measured_cost)
+    sizes: dict[str, list[int]] = {}
+    for r in placement.nodes:
+        sizes.setdefault(cluster.node(r.name).gpu, []).append(r.num_layers)
+    assert sorted(sizes["A100-40GB"]) == [20] * 4
+    assert sorted(sizes["L4"]) == [10] * 8
+    assert sorted(sizes["T4"]) == [6] * 4 + [7] * 8
+    for gpu in sizes:
+        ranges = sorted((r.start_layer, r.end_layer) for r in placement.nodes
+                        if cluster.node(r.name).gpu == gpu)
+        assert ranges[0][0] == 0 and ranges[-1][1] == 80
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    # a type that fits within the cap keeps its pipelines within it; spares become replicas
+    roomy = make_cluster(a100=9)
+    for r in plan("separate", roomy, llama70b, measured_cost).nodes:
+        assert r.num_layers <= measured_cost.max_layers(roomy.node(r.name))
+    # a type that cannot even load the model is left out; none can: one mixed pipeline
+    mixed = make_cluster(a100=3, l4=6, t4=9)
+    assert plan("separate", mixed, llama70b, measured_cost).nodes == \
+        plan("petals", mixed, llama70b, measured_cost).nodes
+
+
+def test_milp_stays_within_the_weight_cap(llama70b, measured_cost):
+    cluster = make_cluster(a100=4, l4=8, t4=12)
+    separate = plan("separate", cluster, llama70b, measured_cost)
+    placement = plan("milp", cluster, llama70b, measured_cost, time_limit_s=6)
+    assert placement.throughput_tokens_per_s > 1.5 * separate.throughput_tokens_per_s
     for r in placement.nodes:
         assert r.num_layers <= measured_cost.max_layers(cluster.node(r.name))
 
 
 def test_milp_never_worse_than_best_baseline(llama70b, measured_cost):
     cluster = make_cluster(a100=2, l4=4, t4=8)
-    best = max(plan(n, cluster, llama70b, measured_cost).throughput_tokens_per_s
-               for n in BASELINES)
+    within_cap = [p for p in (plan(n, cluster, llama70b, measured_cost) for n in BASELINES)
+                  if all(r.num_layers <= measured_cost.max_layers(cluster.node(r.name))
+                         for r in p.nodes)]
+    assert len(within_cap) == len(BASELINES)  # no type holds the model alone here
+    best = max(p.throughput_tokens_per_s for p in within_cap)
     placement = plan("milp", cluster, llama70b, measured_cost, time_limit_s=4)
     assert placement.throughput_tokens_per_s >= best * (1 - 1e-9)
     assert placement.upper_bound_tokens_per_s >= placement.throughput_tokens_per_s
