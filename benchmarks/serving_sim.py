@@ -16,9 +16,10 @@ serves, and at most 64 admitted requests still prefilling (admission waits beyon
 `reserve` = every request reserves prompt + output KV on its route at admission and
 a node prefills whole prompts up to its profile's largest batch (the simulator's defaults,
 this benchmark's model before 2026-12-02). Both apply to every planner and scheduler.
-On the full-matrix clusters `milp-serving` is `helixserve.planner.serving.select_placement`
-over the milp placement and the cluster's best stacked tilings (picked by a 1200 s offline
-simulation with the same engine model; the reported numbers come from the runs here).
+`milp-serving` is `helixserve.planner.serving.select_placement` over the milp placement,
+the cluster's best stacked tilings and, with two or more regions, its regional pipelines
+(picked by a 1200 s offline simulation with the same engine model; the reported numbers
+come from the runs here).
 
     python benchmarks/serving_sim.py --json benchmarks/results/serving_sim.json
 """
@@ -372,11 +373,7 @@ def main() -> int:
             res = evaluate(cluster, model, cost, ref)
             ref.flows, ref.throughput_tokens_per_s = res.flows, res.throughput_tokens_per_s
             placements["kv-balanced-hand"] = ref
-        if (
-            cname in args.full_matrix_clusters
-            and "milp" in placements
-            and not args.no_serving_selection
-        ):
+        if "milp" in placements and not args.no_serving_selection:
             placements["milp-serving"] = serving_selection(
                 cluster, model, cost, placements["milp"], trace, engine, args, out
             )
@@ -391,7 +388,7 @@ def main() -> int:
             pairs = [(p, s) for p in placements for s in args.schedulers]
         else:
             pairs = [pair for pair in HEADLINE if pair[0] in placements]
-            pairs += [(p, "maxflow") for p in ("helix-authors",) if p in placements]
+            pairs += [(p, "maxflow") for p in ("helix-authors", "milp-serving") if p in placements]
         for mode in ("offline", "online"):
             online_pairs = [*HEADLINE, ("milp-serving", "maxflow"), ("kv-balanced-hand", "maxflow")]
             for p, s in pairs if mode == "offline" else online_pairs:

@@ -69,3 +69,51 @@ def test_selection_needs_requests() -> None:
     s = make_setup(MACHINES)
     with pytest.raises(UserError, match="requests"):
         select_placement(s.cluster, s.model, s.cost, [], [], SelectionConfig(tilings=1))
+
+
+def test_regional_pipelines_keep_every_route_inside_a_region(shared_data) -> None:  # type: ignore[no-untyped-def]
+    import dataclasses
+
+    from helixserve.costmodel import CostModel
+    from helixserve.planner import plan
+    from helixserve.planner.serving import regional_pipelines
+    from helixserve.spec import load_cluster, load_model, load_profiles
+
+    model = load_model(shared_data / "models" / "llama-2-70b")
+    cost = CostModel(model, load_profiles(shared_data / "profiles" / "helix-measured.csv"))
+    geo = load_cluster(shared_data / "clusters" / "helix-geo-24.yaml")
+    p = regional_pipelines(geo, model, cost)
+    assert p is not None and p.planner == "regional-pipelines"
+    by_region: dict[str, list[NodeRange]] = {}
+    for n in p.nodes:
+        node = geo.node(n.name)
+        by_region.setdefault(node.region, []).append(n)
+        # no region holds the model within the weight cap, so each goes beyond it, but
+        # every machine still loads its layers with KV for a context on each
+        assert n.num_layers <= cost.loadable_layers(node)
+        assert cost.kv_capacity_tokens(node, n.num_layers) >= cost.context_tokens
+    assert len(by_region) == 3
+    for nodes in by_region.values():  # one chain per region over all of its machines
+        chain = sorted((n.start_layer, n.end_layer) for n in nodes)
+        assert chain[0][0] == 0 and chain[-1][1] == 80
+        assert all(a[1] == b[0] for a, b in zip(chain, chain[1:], strict=False))
+    assert len(p.nodes) == len(geo.nodes)
+    # the four A100s of region-0 split the 80 layers evenly: the most KV the slowest keeps
+    assert sorted(n.num_layers for n in by_region["region-0"]) == [20] * 4
+    # a region that cannot hold the model even beyond the cap is left out
+    small = dataclasses.replace(
+        geo, nodes=[n for n in geo.nodes if n.region != "region-1" or n.name in ("n4", "n6")])
+    q = regional_pipelines(small, model, cost)
+    assert q is not None and {small.node(n.name).region for n in q.nodes} == {
+        "region-0", "region-2"}
+    # one region: nothing to keep apart
+    single = load_cluster(shared_data / "clusters" / "helix-single-24.yaml")
+    assert regional_pipelines(single, model, cost) is None
+    # the selection simulates it next to the given placement and the stacked tilings
+    given = plan("petals", geo, model, cost)
+    reqs = fixed_requests(60, prompt=300, output=40)
+    _, report = select_placement(geo, model, cost, [given], reqs,
+                                 SelectionConfig(duration_s=20.0, warmup_s=2.0, tilings=1))
+    assert [r["source"] for r in report] == ["given:petals", "stacked-tiling",
+                                            "regional-pipelines"]
+    assert all(r["simulated_tokens_per_s"] is not None for r in report)
