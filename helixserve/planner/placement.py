@@ -51,6 +51,9 @@ class Placement:
     throughput_tokens_per_s: float | None = None
     upper_bound_tokens_per_s: float | None = None
     solve_time_s: float | None = None
+    #: routers keep a request inside its region wherever the flow continues there (a
+    #: serving-selection choice for multi-region clusters; see helixserve.scheduler.maxflow)
+    route_within_regions: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -103,6 +106,8 @@ class Placement:
             value = getattr(self, key)
             if value is not None:
                 out[key] = round(value, 6)
+        if self.route_within_regions:
+            out["route_within_regions"] = True
         return out
 
     def save(self, path: str | Path) -> None:
@@ -164,6 +169,11 @@ class Placement:
         placement.throughput_tokens_per_s = optional["throughput_tokens_per_s"]
         placement.upper_bound_tokens_per_s = optional["upper_bound_tokens_per_s"]
         placement.solve_time_s = optional["solve_time_s"]
+        within = data.get("route_within_regions", False)
+        if not isinstance(within, bool):
+            raise UserError(f"{source}: route_within_regions: expected true or false, "
+                            f"got {within!r}")
+        placement.route_within_regions = within
         placement.validate(source)
         return placement
 

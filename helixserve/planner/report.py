@@ -56,13 +56,12 @@ def format_table(rows: list[NodeRow], unused: list[str]) -> str:
 
 def format_selection(report: list[dict[str, Any]]) -> str:
     """The serving selection's candidates (`planner.serving.select_placement`'s report)."""
-    head = f"{'candidate':<22} {'max flow':>10} {'served tok/s':>12}  stages"
+    head = f"  {'max flow':>10} {'served tok/s':>12}  {'candidate':<34} stages"
     lines = [head, "-" * len(head)]
     for r in report:
-        mark = "*" if r["chosen"] else " "
         lines.append(
-            f"{mark}{r['source']:<21} {r['max_flow_tokens_per_s'] or 0:>10,.1f} "
-            f"{r['simulated_tokens_per_s'] or 0:>12,.1f}  {r['stages']}"
+            f"{'*' if r['chosen'] else ' '} {r['max_flow_tokens_per_s'] or 0:>10,.1f} "
+            f"{r['simulated_tokens_per_s'] or 0:>12,.1f}  {r['source']:<34} {r['stages']}"
         )
     return "\n".join(lines)
 

@@ -18,6 +18,8 @@ This module does not change any planner; it takes candidates and measures them:
   ranked by an analytic estimate (KV concurrency over the batch-1 round trip, capped by the
   busiest stage's compute with prompts) and the best `tilings` are simulated,
 
+on a multi-region cluster each of them a second time with `route_within_regions` (the
+maxflow router then keeps a request inside its region wherever the flow continues there),
 and returns the one with the highest simulated offline decode throughput (the simulator
 with vLLM-like engine options by default: on-demand KV, chunked prefill of 512 tokens, at
 most 64 requests prefilling, the maxflow router), together with every candidate's score for the report.
@@ -27,6 +29,7 @@ most 64 requests prefilling, the maxflow router), together with every candidate'
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import product
@@ -269,8 +272,9 @@ def select_placement(
     config: SelectionConfig | None = None,
     name: str = "milp-serving",
 ) -> tuple[Placement, list[dict[str, Any]]]:
-    """The candidate (given placements + the best stacked tilings) with the highest
-    simulated offline decode throughput, renamed `name`, and every candidate's report."""
+    """The candidate (given placements, the best stacked tilings, regional pipelines; on a
+    multi-region cluster each also with `route_within_regions`) with the highest simulated
+    offline decode throughput, renamed `name`, and every candidate's report."""
     config = config or SelectionConfig()
     if not requests:
         raise UserError("serving selection: needs requests to simulate (a trace)")
@@ -283,6 +287,12 @@ def select_placement(
     regional = regional_pipelines(cluster, model, cost)
     if regional is not None:
         cands.append(Candidate(regional, "regional-pipelines"))
+    if len({n.region for n in cluster.nodes}) > 1:
+        # each again with the router keeping requests inside their region where it can
+        for c in list(cands):
+            cands.append(Candidate(dataclasses.replace(c.placement, route_within_regions=True),
+                                   f"{c.source} +within-regions",
+                                   estimate_tokens_per_s=c.estimate_tokens_per_s))
     for c in cands:
         c.simulated_tokens_per_s = simulate_candidate(
             cluster, model, cost, c.placement, requests, config
@@ -298,6 +308,7 @@ def select_placement(
         flows=list(chosen.flows),
         throughput_tokens_per_s=chosen.throughput_tokens_per_s,
         upper_bound_tokens_per_s=None,
+        route_within_regions=chosen.route_within_regions,
         solve_time_s=chosen.solve_time_s,
     )
     report = [c.describe() | {"chosen": c is best} for c in cands]

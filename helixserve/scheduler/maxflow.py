@@ -19,6 +19,14 @@ credits stay bounded). If the chosen hop cannot complete a route (every continua
 masked), the next-best candidate is tried; credits change only along the route finally
 taken, so failed attempts leave no trace.
 
+Regions (placements with `route_within_regions`, which the serving selection sets when it
+simulates better; `node_region` here). A node whose flow continues inside its own region
+keeps only those edges: its requests do not also cross to another region, where every
+prompt's activations and every decode step would queue on the slow link; the flow it sent
+there goes to its in-region successors in proportion to theirs. Crossings the flow needs
+(a node with no in-region successor) stay. Not the default: on a placement whose crossings
+the flow relies on (milp's on helix-geo-24) it costs throughput (docs/benchmarks.md).
+
 Which flow. By default (`spread=True`) the weights are not the solver's flow as given but
 the maximum-entropy flow with the same per-node throughput (`spread.py`): a solver's flow
 is typically a few disjoint chains, and fixed pipelines under greedy batching merge their
@@ -51,6 +59,7 @@ class MaxFlowRouter(GraphRouter):
         edges: Iterable[tuple[str, str]] | None = None,
         edge_capacity_tokens_per_s: Mapping[tuple[str, str], float] | None = None,
         node_throughput_tokens_per_s: Mapping[str, float] | None = None,
+        node_region: Mapping[str, str] | None = None,
     ) -> None:
         """`spread`: route over the max-entropy flow with the same node throughputs
         (`spread.py`) instead of the solver's flow as given. `spill`: when KV masks every
@@ -58,7 +67,9 @@ class MaxFlowRouter(GraphRouter):
         loaded first) rather than make the request wait. `edges` (existing links) and
         `edge_capacity_tokens_per_s` bound where the spread and the spill may send work;
         `node_throughput_tokens_per_s` lets the spread share a range's flow among all the
-        nodes holding it."""
+        nodes holding it. `node_region` (node -> region; `router_options` passes it for a
+        placement with `route_within_regions`): a node whose flow continues inside its
+        region does not also send requests to other regions (module doc)."""
         if not placement.flows:
             raise UserError(
                 "placement: flows: empty; the maxflow router routes over the max-flow "
@@ -87,6 +98,8 @@ class MaxFlowRouter(GraphRouter):
         for (src, dst), f in flows.items():
             if f >= min_flow_share * outflow[src]:
                 self.weights.setdefault(src, {})[dst] = f
+        if node_region:
+            self._keep_within_regions(node_region)
         self.spill_edges = (
             self._spill_edges(placement, edges, edge_capacity_tokens_per_s) if spill else set()
         )
@@ -99,6 +112,14 @@ class MaxFlowRouter(GraphRouter):
         self.credit: dict[tuple[str, str], float] = {}
         # Candidates seen at each vertex during the current search, for `_commit`.
         self._seen: dict[str, list[str]] = {}
+
+    def _keep_within_regions(self, region: Mapping[str, str]) -> None:
+        """Drop a node's cross-region edges where its flow also continues in its region."""
+        for src, out in self.weights.items():
+            here = region.get(src)
+            local = {d: f for d, f in out.items() if region.get(d, here) == here}
+            if here is not None and local and len(local) < len(out):
+                self.weights[src] = local
 
     def route(self, req: RequestInfo, state: Mapping[str, NodeState]) -> Route | None:
         # First over the flow alone; spill only when no flow route can admit the request.

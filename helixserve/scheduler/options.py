@@ -39,6 +39,8 @@ def router_options(
         for a, b in edges
     }  # fmt: skip
     out: dict[str, Any] = {"edges": edges, "edge_capacity_tokens_per_s": capacity}
+    if placement.route_within_regions:
+        out["node_region"] = {n.name: cluster.node(n.name).region for n in placement.nodes}
     if cost is not None:
         out["node_throughput_tokens_per_s"] = {
             n.name: cost.node_throughput_tokens_per_s(cluster.node(n.name), n.num_layers)

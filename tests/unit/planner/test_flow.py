@@ -136,3 +136,18 @@ def test_evaluate_rejects_ranges_that_do_not_fit(llama70b, measured_cost):
     with pytest.raises(UserError, match=r"holds 40 layers .* at most 8 \(planners give it "
                                         r"at most 4, keeping weights within 50% of it\)"):
         evaluate(cluster, llama70b, measured_cost, placement)
+
+
+def test_route_within_regions_is_an_optional_placement_field(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from helixserve.errors import UserError
+    from helixserve.planner import load_placement
+
+    p = Placement("m", "c", 8, "hand", [NodeRange("a", 0, 8)])
+    assert "route_within_regions" not in p.to_dict()  # absent unless set: old readers agree
+    p.route_within_regions = True
+    path = tmp_path / "p.json"
+    p.save(path)
+    assert load_placement(path).route_within_regions is True
+    data = p.to_dict() | {"route_within_regions": "yes"}
+    with pytest.raises(UserError, match="route_within_regions: expected true or false, got 'yes'"):
+        Placement.from_dict(data)

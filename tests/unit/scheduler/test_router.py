@@ -273,3 +273,38 @@ def test_spread_shares_a_range_among_replicas_the_flow_left_idle() -> None:
     st = states({n: 10**9 for n in ("a", "b1", "b2", "c")})
     second = [router.route(req(i), st).nodes[1] for i in range(40)]  # type: ignore[union-attr]
     assert second.count("b2") == 10
+
+
+def test_routes_stay_in_their_region_where_the_flow_continues_there() -> None:
+    # a (east) hands layer 4 to b (east) or x (west); y (west) has only a cross-region
+    # successor, c (east). With node_region, a keeps only b; y's crossing stays.
+    p = placement(
+        {"a": (0, 4), "b": (4, 8), "x": (4, 8), "y": (0, 4), "c": (4, 8)},
+        [(C, "a", 2.0), (C, "y", 1.0), ("a", "b", 1.0), ("a", "x", 1.0), ("y", "c", 1.0),
+         ("b", C, 1.0), ("x", C, 1.0), ("c", C, 1.0)],
+    )
+    region = {"a": "east", "b": "east", "c": "east", "x": "west", "y": "west"}
+    kv = states({n: 10**6 for n in region})
+    plain = make_router("maxflow", p, spread=False, spill=False)
+    kept = make_router("maxflow", p, spread=False, spill=False, node_region=region)
+    assert plain.weights["a"] == {"b": 1.0, "x": 1.0}
+    assert kept.weights["a"] == {"b": 1.0} and kept.weights["y"] == {"c": 1.0}
+    assert kept.weights[C] == plain.weights[C]  # the coordinator's first hops are free
+    seconds = {r.hops[1].node for r in (kept.route(req(i), kv) for i in range(20)) if r}
+    assert seconds == {"b", "c"}  # never a -> x
+    # router_options passes the regions only for a placement that asks for it
+    from helixserve.scheduler.options import router_options
+    from helixserve.spec import ClusterSpec, NodeSpec
+
+    cluster = ClusterSpec("c", [NodeSpec(n, "L4", region=r) for n, r in region.items()])
+    assert "node_region" not in router_options(cluster, _model(), p)
+    p.route_within_regions = True
+    assert router_options(cluster, _model(), p)["node_region"] == region
+
+
+def _model():  # type: ignore[no-untyped-def]
+    from helixserve.spec import ModelSpec
+
+    return ModelSpec(name="m", num_layers=8, hidden_size=64, num_attention_heads=4,
+                     num_key_value_heads=4, head_dim=16, intermediate_size=128,
+                     vocab_size=100, max_position_embeddings=256)

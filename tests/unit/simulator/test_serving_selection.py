@@ -112,8 +112,10 @@ def test_regional_pipelines_keep_every_route_inside_a_region(shared_data) -> Non
     # the selection simulates it next to the given placement and the stacked tilings
     given = plan("petals", geo, model, cost)
     reqs = fixed_requests(60, prompt=300, output=40)
-    _, report = select_placement(geo, model, cost, [given], reqs,
+    best, report = select_placement(geo, model, cost, [given], reqs,
                                  SelectionConfig(duration_s=20.0, warmup_s=2.0, tilings=1))
-    assert [r["source"] for r in report] == ["given:petals", "stacked-tiling",
-                                            "regional-pipelines"]
+    sources = ["given:petals", "stacked-tiling", "regional-pipelines"]
+    assert [r["source"] for r in report] == sources + [f"{x} +within-regions" for x in sources]
     assert all(r["simulated_tokens_per_s"] is not None for r in report)
+    chosen = next(r for r in report if r["chosen"])
+    assert best.route_within_regions == chosen["source"].endswith("+within-regions")
