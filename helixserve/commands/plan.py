@@ -72,12 +72,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", help="write a PNG of the flow graph here")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--serve-trace", metavar="TRACE.csv",
-                   help="then pick the placement by simulated serving: the planned one and "
-                   "the cluster's best stacked tilings each serve this Azure-format trace "
-                   "offline, and the one with the most decode tokens/s is kept (the max flow "
-                   "ranks placements by compute, but on a KV-bound cluster what binds is KV "
-                   "concurrency over the round trip: docs/simulator.md). About 10 s of "
-                   "simulation per candidate on 24 machines")
+                   help="then pick the placement by simulated serving: the planned one, "
+                   "the cluster's best stacked tilings and, across regions, pipelines kept "
+                   "inside each region each serve this Azure-format trace offline (across "
+                   "regions each also with routing kept within regions), and the one with "
+                   "the most decode tokens/s is kept (the max flow ranks placements by "
+                   "compute, but on a KV-bound cluster what binds is KV concurrency over the "
+                   "round trip: docs/planner.md). About 10 s of simulation per candidate on "
+                   "24 machines")
     p.add_argument("--serve-engine", default="vllm", choices=("vllm", "reserve"),
                    help="engine model of that simulation (default vllm: on-demand KV, "
                    "chunked prefill of 512 tokens; see `helixserve simulate --engine`)")
@@ -141,7 +143,8 @@ def _serve_requests(path: str) -> list[Any]:
 
 def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
                        planned: Any, requests: list[Any], progress: Any) -> Any:
-    """The planned placement or a stacked tiling, whichever serves `requests` best."""
+    """The planned placement, a stacked tiling or regional pipelines (each, across regions,
+    also routed within regions), whichever serves `requests` best."""
     from helixserve.planner.report import format_selection
     from helixserve.planner.serving import SelectionConfig, select_placement
     from helixserve.simulator.engines import engine_config
@@ -156,8 +159,8 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
         max_prefilling=engine["max_prefilling"],
         seed=args.seed,
     )
-    progress(f"serving selection: simulating the {planned.planner} placement and up to "
-             f"{config.tilings} stacked tilings, {config.duration_s:.0f} s each")
+    progress(f"serving selection: simulating the {planned.planner} placement and the "
+             f"other candidates, {config.duration_s:.0f} s each")
     chosen, report = select_placement(cluster, model, cost, [planned], requests, config,
                                       name=f"{planned.planner}-serving")
     print(f"serving selection ({args.serve_engine} engine, {config.duration_s:.0f} s offline, "

@@ -29,9 +29,8 @@ most 64 requests prefilling, the maxflow router), together with every candidate'
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Any
 
@@ -162,9 +161,9 @@ def regional_pipelines(cluster: ClusterSpec, model: ModelSpec, cost: CostModel) 
     region never waits on those links, and a region that cannot hold the model within the
     cap still can beyond it (`loadable_layers`), with less KV. In each region the machines
     (fastest layer first) get layers one at a time, each to the machine that keeps the most
-    KV per layer with it (the pipeline holds as many requests as its fullest machine allows), within
-    the cap when the region fits there and within `loadable_layers` otherwise. Machines of
-    regions that cannot hold the model are left out."""
+    KV per layer with it (a pipeline holds as many requests as its fullest machine allows),
+    within the cap when the region fits there and within `loadable_layers` otherwise.
+    Machines of regions that cannot hold the model are left out."""
     L = model.num_layers
     regions: dict[str, list[str]] = {}
     for n in cluster.nodes:
@@ -290,7 +289,7 @@ def select_placement(
     if len({n.region for n in cluster.nodes}) > 1:
         # each again with the router keeping requests inside their region where it can
         for c in list(cands):
-            cands.append(Candidate(dataclasses.replace(c.placement, route_within_regions=True),
+            cands.append(Candidate(replace(c.placement, route_within_regions=True),
                                    f"{c.source} +within-regions",
                                    estimate_tokens_per_s=c.estimate_tokens_per_s))
     for c in cands:

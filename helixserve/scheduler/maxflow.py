@@ -24,8 +24,9 @@ simulates better; `node_region` here). A node whose flow continues inside its ow
 keeps only those edges: its requests do not also cross to another region, where every
 prompt's activations and every decode step would queue on the slow link; the flow it sent
 there goes to its in-region successors in proportion to theirs. Crossings the flow needs
-(a node with no in-region successor) stay. Not the default: on a placement whose crossings
-the flow relies on (milp's on helix-geo-24) it costs throughput (docs/benchmarks.md).
+(a node with no in-region successor) stay. Not the default: it depends on the placement
+(on helix-geo-24 it cost one milp placement 21% and gave a later one 26%;
+docs/benchmarks.md), so the serving selection decides it by simulation.
 
 Which flow. By default (`spread=True`) the weights are not the solver's flow as given but
 the maximum-entropy flow with the same per-node throughput (`spread.py`): a solver's flow
