@@ -1,9 +1,10 @@
 """The `milp` planner: Helix's max-flow MILP (arXiv 2406.01566, section 4), tightened.
 
 Pipeline within the time limit T (docs/planner.md has the full write-up):
-  1. the four baselines, evaluated; the best is the floor of the answer. Like every step
-     below and the bounds, the answer keeps k_i <= max_layers (the weight cap), so a
-     baseline beyond it (separate's pipeline of a type that fits no other way) is skipped;
+  1. the four baselines, evaluated; the best is the floor of the answer. Every step below
+     and every bound keeps k_i <= max_layers (the weight cap); a baseline beyond it
+     (separate's pipeline of a type that fits no other way) is never searched from, only
+     compared at the end: if it is the best, it is the answer, with no bound;
   2. the tiling heuristic (tiling.py, <= 15% of T, and <= 10% per region): stacked rows of
      equal ranges chosen by a small configuration MILP, the target throughput bisected;
   3. the layer-coverage relaxation (coverage.py, ~10% of T): an upper bound, and a start
@@ -354,12 +355,14 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
         return net.max_flow(r, partial_inference)[0] if r else 0.0
 
     candidates: list[tuple[float, str, Ranges]] = []
+    #: baselines beyond the weight cap (separate's pipeline of a type that fits no other
+    #: way): compared at the end, never searched from
+    beyond_cap: list[tuple[float, str, Ranges]] = []
     for name, fn in BASELINES.items():
         r = fn(net)
-        # separate goes beyond the weight cap when a type fits no other way: not a candidate
-        if all(e - s <= net.max_layers[i] for i, (s, e) in r.items()):
-            candidates.append((value_of(r), name, r))
-    base_value, base_name, _ = max(candidates, key=lambda c: c[0])
+        within = all(e - s <= net.max_layers[i] for i, (s, e) in r.items())
+        (candidates if within else beyond_cap).append((value_of(r), name, r))
+    base_value, base_name, _ = max(candidates + beyond_cap, key=lambda c: c[0])
     bounds = [layer_work_bound(net)]
     say(f"baselines: best {base_name} {base_value:,.1f} tokens/s; "
         f"layer-work bound {bounds[0]:,.1f}")
@@ -461,6 +464,12 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
                     candidates.append((value_of(r), "milp", r))
             say(f"milp [{milp_info.status}]: {candidates[-1][0]:,.1f} tokens/s")
     best_value, best_name, best_ranges = max(candidates, key=lambda c: c[0])
+    outside = max(beyond_cap, key=lambda c: c[0], default=None)
+    if outside is not None and outside[0] > best_value:
+        # the bounds are over placements within the cap: none holds for this one
+        say(f"best: {outside[0]:,.1f} tokens/s from {outside[1]}, beyond the weight cap "
+            f"(within it: {best_value:,.1f}, bound {min(bounds):,.1f})")
+        return PlanOutcome(outside[2], upper_bound_tokens_per_s=None)
     bound = max(min(bounds), best_value)
     say(f"best: {best_value:,.1f} tokens/s from {best_name}; bound {bound:,.1f} "
         f"(gap {1 - best_value / bound if bound else 0:.1%})")
