@@ -89,6 +89,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="maxflow",
         help="routing policy: maxflow, random, shortest-queue, swarm",
     )
+    p.add_argument(
+        "--route-within-regions",
+        action="store_true",
+        help="maxflow keeps a request inside its region wherever the flow continues there "
+        "(as a placement with \"route_within_regions\": true; `helixserve plan "
+        "--serve-trace` sets it when that serves better)",
+    )
     engine = p.add_argument_group(
         "engine model",
         "how each node's engine allocates KV cache and batches prompts: a preset "
@@ -255,6 +262,9 @@ def run(args: argparse.Namespace) -> int:
             f"--placement: {args.placement!r} is neither a file nor a planner; "
             f"known planners: {', '.join(PLANNERS)}"
         )
+
+    if args.route_within_regions:
+        placement.route_within_regions = True
 
     lengths = LengthFilter(
         args.max_prompt_tokens, args.max_output_tokens, args.min_tokens, args.lengths

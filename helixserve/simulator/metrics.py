@@ -87,6 +87,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "cluster": result.placement.cluster,
         "planner": result.placement.planner,
         "scheduler": cfg.scheduler,
+        "route_within_regions": result.placement.route_within_regions,
         "mode": "offline" if cfg.offline else "online",
         "seed": cfg.seed,
         "duration_s": duration_s,

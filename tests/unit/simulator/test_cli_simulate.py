@@ -236,3 +236,35 @@ def test_summary_table_names_the_engine_model(
     reserve = simulate_tiny(shared_data, tmp_path, capsys)
     row = next(line for line in format_table(reserve).splitlines() if "engine model" in line)
     assert "reserve: KV reserve, 0 preemptions" in row and "chunked" not in row
+
+
+def test_route_within_regions_flag_is_recorded_and_changes_geo_routing(
+    shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On helix-geo-24, routing `separate`'s pipelines within regions keeps requests off the
+    slow links the flow would otherwise send some of them over: the simulation changes."""
+    runs = {}
+    for flag in ((), ("--route-within-regions",)):
+        out = tmp_path / f"sim{len(flag)}.json"
+        argv = args(shared_data, "--placement", "separate", "--offline", "--duration", "60",
+                    "--engine", "vllm", "--json", str(out), *flag)
+        argv[argv.index("--cluster") + 1] = str(shared_data / "clusters/helix-geo-24.yaml")
+        assert main(argv) == 0
+        runs[bool(flag)] = json.loads(out.read_text())
+    capsys.readouterr()
+    assert runs[False]["route_within_regions"] is False
+    assert runs[True]["route_within_regions"] is True
+    from helixserve.spec import load_cluster
+
+    geo = load_cluster(shared_data / "clusters/helix-geo-24.yaml")
+
+    def region(name: str) -> str:
+        return "coordinator" if name == "coordinator" else geo.node(name).region
+
+    def crossing(run: dict) -> int:  # type: ignore[type-arg]
+        return sum(k["bytes"] for k in run["links"]
+                   if "coordinator" not in (k["src"], k["dst"])
+                   and region(k["src"]) != region(k["dst"]))
+
+    # the pipelines that must cross (L4s and T4s span two regions) still do, but less
+    assert 0 < crossing(runs[True]) < crossing(runs[False])
