@@ -146,13 +146,7 @@ def serving_selection(
         chosen = load_placement(path)
     else:
         print(f"  serving-aware selection on {cluster.name} ...", file=sys.stderr)
-        cfg = SelectionConfig(
-            seed=args.seed,
-            kv_allocation=engine["kv_allocation"],
-            chunked_prefill=engine["chunked_prefill"],
-            max_prompt_tokens=engine["max_prompt_tokens"],
-            max_prefilling=engine["max_prefilling"],
-        )
+        cfg = SelectionConfig.from_engine(engine, seed=args.seed)
         chosen, report = select_placement(cluster, model, cost, [milp], trace, cfg)
         path.parent.mkdir(parents=True, exist_ok=True)
         chosen.save(path)
@@ -389,6 +383,11 @@ def main() -> int:
         else:
             pairs = [pair for pair in HEADLINE if pair[0] in placements]
             pairs += [(p, "maxflow") for p in ("helix-authors", "milp-serving") if p in placements]
+        # separate's per-type pipelines, each a cluster of its own (see below)
+        separate_parts = (
+            split_by_type(cluster, model, cost, placements["separate"])
+            if "separate" in placements else []
+        )
         for mode in ("offline", "online"):
             online_pairs = [*HEADLINE, ("milp-serving", "maxflow"), ("kv-balanced-hand", "maxflow")]
             for p, s in pairs if mode == "offline" else online_pairs:
@@ -403,7 +402,7 @@ def main() -> int:
                     **engine,
                 )
                 reqs = trace if mode == "offline" else online
-                parts = split_by_type(cluster, model, cost, placements[p]) if p == "separate" else []
+                parts = separate_parts if p == "separate" else []
                 if parts:
                     # Separate Pipelines as the Helix artifact simulates them: each machine
                     # type's pipeline a cluster of its own, the results summed; in the shared

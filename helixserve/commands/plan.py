@@ -149,14 +149,10 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
     from helixserve.planner.serving import SelectionConfig, select_placement
     from helixserve.simulator.engines import engine_config
 
-    engine = engine_config(args.serve_engine)
-    config = SelectionConfig(
+    config = SelectionConfig.from_engine(
+        engine_config(args.serve_engine),
         duration_s=args.serve_duration,
         warmup_s=min(300.0, args.serve_duration / 4),
-        kv_allocation=engine["kv_allocation"],
-        chunked_prefill=engine["chunked_prefill"],
-        max_prompt_tokens=engine["max_prompt_tokens"],
-        max_prefilling=engine["max_prefilling"],
         seed=args.seed,
     )
     progress(f"serving selection: simulating the {planned.planner} placement and the "

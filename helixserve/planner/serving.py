@@ -29,7 +29,7 @@ most 64 requests prefilling, the maxflow router), together with every candidate'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Any
@@ -62,6 +62,12 @@ class SelectionConfig:
     #: rule-generated tilings simulated (the best by the analytic estimate)
     tilings: int = 6
     seed: int = 0
+
+    @classmethod
+    def from_engine(cls, engine: Mapping[str, Any], **fields: Any) -> SelectionConfig:
+        """The selection run with an engine model's options (`simulator.engines.ENGINES`)."""
+        keys = ("kv_allocation", "chunked_prefill", "max_prompt_tokens", "max_prefilling")
+        return cls(**{k: engine[k] for k in keys}, **fields)
 
 
 @dataclass
@@ -182,9 +188,9 @@ def regional_pipelines(cluster: ClusterSpec, model: ModelSpec, cost: CostModel) 
             cost.layer_time_ms(specs[i].gpu, specs[i].num_gpus, 0, 1), names[i]))
         share = [0] * len(specs)
         for _ in range(L):  # each layer to the machine that keeps the most KV per layer
+            # (ties: the first in `order`, the faster machine; max keeps the first)
             i = max((i for i in order if share[i] < cap[i]),
-                    key=lambda i: (cost.kv_capacity_tokens(specs[i], share[i] + 1),
-                                   -order.index(i)))
+                    key=lambda i: cost.kv_capacity_tokens(specs[i], share[i] + 1))
             share[i] += 1
         layer = 0
         for i in order:
@@ -262,6 +268,18 @@ def simulate_candidate(
     return float(out["decode_throughput_tokens_per_s"])
 
 
+def _routing_differs(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, a: Placement,
+                     b: Placement, scheduler: str) -> bool:
+    """Whether `scheduler` routes the two placements (the same ranges and flows) differently:
+    `route_within_regions` only removes maxflow edges, so equal edge weights (or a router
+    without any) mean the same simulation."""
+    from helixserve.scheduler import make_router
+    from helixserve.scheduler.options import router_options
+
+    ra, rb = (make_router(scheduler, p, **router_options(cluster, model, p, cost)) for p in (a, b))
+    return getattr(ra, "weights", None) != getattr(rb, "weights", None)
+
+
 def select_placement(
     cluster: ClusterSpec,
     model: ModelSpec,
@@ -286,29 +304,25 @@ def select_placement(
     regional = regional_pipelines(cluster, model, cost)
     if regional is not None:
         cands.append(Candidate(regional, "regional-pipelines"))
-    if len({n.region for n in cluster.nodes}) > 1:
-        # each again with the router keeping requests inside their region where it can
-        for c in list(cands):
-            cands.append(Candidate(replace(c.placement, route_within_regions=True),
-                                   f"{c.source} +within-regions",
-                                   estimate_tokens_per_s=c.estimate_tokens_per_s))
     for c in cands:
         c.simulated_tokens_per_s = simulate_candidate(
             cluster, model, cost, c.placement, requests, config
         )
+    if len({n.region for n in cluster.nodes}) > 1:
+        # each again with the router keeping requests inside their region where it can; a
+        # variant the router would route just the same scores the same without a new run
+        for c in list(cands):
+            within = Candidate(replace(c.placement, route_within_regions=True),
+                               f"{c.source} +within-regions",
+                               estimate_tokens_per_s=c.estimate_tokens_per_s)
+            within.simulated_tokens_per_s = (
+                simulate_candidate(cluster, model, cost, within.placement, requests, config)
+                if _routing_differs(cluster, model, cost, c.placement, within.placement,
+                                    config.scheduler)
+                else c.simulated_tokens_per_s
+            )
+            cands.append(within)
     best = max(cands, key=lambda c: c.simulated_tokens_per_s or 0.0)
-    chosen = best.placement
-    out = Placement(
-        model=chosen.model,
-        cluster=chosen.cluster,
-        num_layers=chosen.num_layers,
-        planner=name,
-        nodes=list(chosen.nodes),
-        flows=list(chosen.flows),
-        throughput_tokens_per_s=chosen.throughput_tokens_per_s,
-        upper_bound_tokens_per_s=None,
-        route_within_regions=chosen.route_within_regions,
-        solve_time_s=chosen.solve_time_s,
-    )
+    out = replace(best.placement, planner=name, upper_bound_tokens_per_s=None)
     report = [c.describe() | {"chosen": c is best} for c in cands]
     return out, report
