@@ -209,3 +209,27 @@ def test_regional_tiling_runs_regions_side_by_side(llama70b, measured_cost):
     alone = tiling_search(one_net, 0.0, layer_work_bound(one_net), time.perf_counter() + 20)
     assert alone is not None
     assert value >= 1.95 * alone[1]
+
+
+def test_capped_coverage_bounds_are_valid_and_tight():
+    """Capping T(k) at c keeps the coverage relaxation a relaxation: a proven bound below c
+    bounds every placement (brute force here); at or above the optimum it proves one."""
+    from helixserve.planner.coverage import solve_coverage
+
+    model = tiny_model(num_layers=5)
+    net = FlowNetwork(make_cluster(l4=1, t4=2), model, CostModel(model))
+    optimum = brute_force(net, True)
+    plain = solve_coverage(net, 10.0)
+    assert plain.info.bound >= optimum * (1 - 1e-6)
+    proved = []
+    for factor in (0.5, 1.0005, 1.01, 1.2, 3.0):
+        cap = optimum * factor
+        capped = solve_coverage(net, 10.0, cap=cap)
+        if capped.info.bound < cap * (1 - 1e-9):
+            assert capped.info.bound >= optimum * (1 - 1e-6), factor
+            proved.append(capped.info.bound)
+        else:  # nothing proven: the capped optimum reaches the cap
+            assert capped.info.objective == pytest.approx(cap, rel=1e-6)
+    # with uniform links the coverage optimum is the max-flow optimum; just above it the
+    # capped model proves a bound within the margin
+    assert proved and min(proved) <= optimum * 1.0005
