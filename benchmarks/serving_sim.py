@@ -16,6 +16,10 @@ serves, and at most 64 admitted requests still prefilling (admission waits beyon
 `reserve` = every request reserves prompt + output KV on its route at admission and
 a node prefills whole prompts up to its profile's largest batch (the simulator's defaults,
 this benchmark's model before 2026-12-02). Both apply to every planner and scheduler.
+The engine also sets the memory each GPU keeps outside weights and KV, for planning and
+simulating alike (`--gpu-reserve-gb` overrides): 4.5 GB for `vllm`, fitted to the KV blocks
+vLLM 0.4.0 allocated in Helix's measurements (1 GiB, the cost model's default, before
+2026-12-03 and for `reserve`).
 `milp-serving` is `helixserve.planner.serving.select_placement` over the milp placement,
 the cluster's best stacked tilings and, with two or more regions, its regional pipelines
 (picked by a 1200 s offline simulation with the same engine model; the reported numbers
@@ -43,7 +47,7 @@ from helixserve.costmodel import CostModel
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement, plan
 from helixserve.planner.placement import COORDINATOR
 from helixserve.planner.serving import SelectionConfig, select_placement
-from helixserve.simulator.engines import ENGINES
+from helixserve.simulator.engines import ENGINE_GPU_RESERVE_GB, ENGINES
 from helixserve.simulator.metrics import summarize
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace
@@ -61,12 +65,19 @@ HEADLINE = [("milp", "maxflow"), ("separate", "shortest-queue"), ("swarm", "swar
 TARGET_PAIRS = [("separate", "shortest-queue"), ("swarm", "swarm")]
 
 
+#: --gpu-reserve-gb of this run (None: the cost model's default); part of the cache key
+GPU_RESERVE_GB: float | None = None
+
+
 def planner_fingerprint() -> str:
-    """Hash of the planner and cost-model sources: a changed planner invalidates the cache."""
+    """Hash of the planner and cost-model sources (and a non-default GPU reserve): a changed
+    planner or cost model invalidates the cache."""
     h = hashlib.sha256()
     for d in ("planner", "costmodel", "spec"):
         for f in sorted((REPO / "helixserve" / d).glob("*.py")):
             h.update(f.read_bytes())
+    if GPU_RESERVE_GB is not None:
+        h.update(f"reserve={GPU_RESERVE_GB}".encode())
     return h.hexdigest()[:12]
 
 
@@ -322,13 +333,25 @@ def main() -> int:
         action="store_true",
         help="skip the milp-serving placement (serving-aware selection)",
     )
+    ap.add_argument(
+        "--gpu-reserve-gb",
+        type=float,
+        default=None,
+        help="memory per GPU outside weights and KV, for planning and simulating (default: "
+        "the engine's: 4.5 for vllm, fitted to the KV vLLM 0.4.0 allocated in Helix's "
+        "measurements; 1 GiB for reserve)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--json", type=Path, default=None, metavar="OUT")
     args = ap.parse_args()
 
+    global GPU_RESERVE_GB
+    GPU_RESERVE_GB = (args.gpu_reserve_gb if args.gpu_reserve_gb is not None
+                      else ENGINE_GPU_RESERVE_GB[args.engine])
     model = load_model(SHARED / "models" / args.model)
-    cost = CostModel(model, load_profiles(SHARED / "profiles" / "helix-measured.csv"))
+    cost = CostModel(model, load_profiles(SHARED / "profiles" / "helix-measured.csv"),
+                     reserved_gb_per_gpu=GPU_RESERVE_GB)
     trace = prepare_trace(load_azure_trace(SHARED / "traces" / "azure-llm-conv-2023.csv"))
     online = prepare_trace(trace, lengths=None, rate_per_s=args.online_rate)
     rows: list[dict[str, Any]] = []
@@ -341,6 +364,7 @@ def main() -> int:
         "online_rate_per_s": args.online_rate,
         "trace_requests": len(trace),
         "planner_fingerprint": planner_fingerprint(),
+        "gpu_reserve_gb": cost.reserved_bytes_per_gpu / 1e9,
         "runs": rows,
     }
     reuse: dict[str, str] = {}

@@ -11,6 +11,26 @@ from typing import Any
 EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "example"
 
 
+def add_reserve_arg(p: argparse.ArgumentParser) -> None:
+    """--gpu-reserve-gb, shared with `simulate`."""
+    p.add_argument("--gpu-reserve-gb", type=float, default=None, metavar="GB",
+                   help="memory per GPU the serving engine keeps outside weights and KV "
+                   "(CUDA context, activations, graphs); more means less KV on every node. "
+                   "Default 1.07 (1 GiB); simulate --engine vllm: 4.5, fitted to the KV "
+                   "vLLM 0.4.0 allocated in Helix's measurements. The weight cap per node "
+                   "does not change")
+
+
+def reserve_gb(args: argparse.Namespace) -> float | None:
+    """The --gpu-reserve-gb value, checked (UserError naming the flag)."""
+    from helixserve.errors import UserError
+
+    value = getattr(args, "gpu_reserve_gb", None)
+    if value is not None and not 0.0 <= value < 1e4:
+        raise UserError(f"--gpu-reserve-gb: bad value {value}; must be >= 0 (GB per GPU)")
+    return value
+
+
 def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None:
     """--cluster/--model/--model-name/--profiles/--gpus, shared with `evaluate`."""
     p.add_argument("--cluster", help="cluster YAML (format: docs/planner.md)")
@@ -20,6 +40,7 @@ def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None
     p.add_argument("--profiles", help="measured per-layer times CSV (default: none, the "
                    "analytic roofline model from the GPU catalog)")
     p.add_argument("--gpus", help="GPU catalog CSV (default: the one shipped in the package)")
+    add_reserve_arg(p)
     p.add_argument("--no-partial-inference", action="store_true",
                    help="edges only where one node's range ends exactly where the next starts")
     if example:
@@ -51,7 +72,8 @@ def load_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     cluster = load_cluster(args.cluster, catalog=catalog)
     model = load_model(args.model, name=args.model_name)
     profiles = load_profiles(args.profiles) if args.profiles else ProfileTable.empty()
-    return cluster, model, CostModel(model, profiles, catalog)
+    return cluster, model, CostModel(model, profiles, catalog,
+                                     reserved_gb_per_gpu=reserve_gb(args))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

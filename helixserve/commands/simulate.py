@@ -10,6 +10,8 @@ from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from helixserve.commands.plan import add_reserve_arg
+
     p = subparsers.add_parser(
         "simulate",
         help="simulate serving a request trace on a placement (throughput, latency)",
@@ -25,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="model name in the profiles table (default: the directory name)",
     )
     p.add_argument("--profiles", default=None, help="profiles CSV (default: analytic model)")
+    add_reserve_arg(p)
     p.add_argument(
         "--placement",
         required=True,
@@ -229,9 +232,11 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from helixserve.commands.plan import reserve_gb
     from helixserve.costmodel import CostModel
     from helixserve.errors import UserError
     from helixserve.planner import PLANNERS, evaluate, load_placement, plan
+    from helixserve.simulator.engines import ENGINE_GPU_RESERVE_GB
     from helixserve.simulator.metrics import format_table, latencies, summarize
     from helixserve.simulator.sim import SimConfig, Simulation
     from helixserve.simulator.workload import (
@@ -246,7 +251,9 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     model = load_model(args.model, name=args.model_name)
     profiles = load_profiles(args.profiles) if args.profiles else None
-    cost = CostModel(model, profiles)
+    reserve = reserve_gb(args)
+    cost = CostModel(model, profiles, reserved_gb_per_gpu=(
+        reserve if reserve is not None else ENGINE_GPU_RESERVE_GB[args.engine]))
 
     if args.placement in PLANNERS:
         print(f"planning with {args.placement} ...", file=sys.stderr)
@@ -312,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
     result = sim.run()
     summary = summarize(result)
     summary["engine"] = args.engine
+    summary["gpu_reserve_gb"] = round(cost.reserved_bytes_per_gpu / 1e9, 6)
     summary["engine_config"] = engine
     if args.json == "-":
         print(json.dumps(summary, indent=1))

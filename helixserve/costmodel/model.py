@@ -42,6 +42,12 @@ GIB = 2**30
 WEIGHT_FRACTION = 0.5
 #: per-GPU memory held by the CUDA context, activations and the allocator, never usable
 RESERVED_BYTES_PER_GPU = 1 * GIB
+#: the same for vLLM, fitted to the KV blocks vLLM 0.4.0 allocated with k layers of
+#: LLaMA-2-70B loaded on an A100-40GB, L4 and T4 (Helix's measurements,
+#: ../shared/data/profiles/helix-gpu-constants.csv): with 4.5 GB our KV matches theirs
+#: within 6% at every k; with 1 GiB it is 10-66% more. The simulator's vLLM engine model
+#: uses it (helixserve.simulator.engines)
+VLLM_RESERVED_GB_PER_GPU = 4.5
 #: fraction of memory the serving engine may allocate (vLLM's gpu_memory_utilization)
 MEMORY_UTILIZATION = 0.9
 #: KV tokens a decoding sequence holds on average (the Azure conversation trace: ~1000)
@@ -128,6 +134,7 @@ class CostModel:
         context_tokens: int = DEFAULT_CONTEXT_TOKENS,
         serving: ServingLoad | None = None,
         weight_fraction: float = WEIGHT_FRACTION,
+        reserved_gb_per_gpu: float | None = None,
     ) -> None:
         self.model = model
         self.profiles = profiles or ProfileTable.empty()
@@ -140,6 +147,12 @@ class CostModel:
                             f"must be in (0, 1]")
         #: most of a machine's memory its weights may take (Helix: 0.5); less leaves more KV
         self.weight_fraction = weight_fraction
+        if reserved_gb_per_gpu is not None and not 0.0 <= reserved_gb_per_gpu < 1e4:
+            raise UserError(f"cost model: reserved_gb_per_gpu: bad value {reserved_gb_per_gpu}; "
+                            f"must be >= 0 GB")
+        #: memory per GPU outside weights and KV (CUDA context, activations, graphs)
+        self.reserved_bytes_per_gpu = (RESERVED_BYTES_PER_GPU if reserved_gb_per_gpu is None
+                                       else reserved_gb_per_gpu * 1e9)
         self.efficiency = self._fit_efficiency()
         self._throughput_cache: dict[tuple[str, int, float | None, int], float] = {}
 
@@ -224,16 +237,21 @@ class CostModel:
         return Efficiency(base.memory_bandwidth, base.tensor_flops, ctx)
 
     # ---- memory -----------------------------------------------------------------------
-    def memory_bytes(self, node: NodeSpec) -> float:
-        """Usable memory of the node: its budget, or the catalog memory less a per-GPU reserve."""
+    def memory_bytes(self, node: NodeSpec, reserved_per_gpu: float | None = None) -> float:
+        """Usable memory of the node: its budget, or the catalog memory less a per-GPU
+        reserve (the cost model's `reserved_bytes_per_gpu` unless given)."""
         if node.memory_gb is not None:
             return node.memory_gb * 1e9
         spec = self.catalog.get(node.gpu)
-        return node.num_gpus * (spec.memory_gb * GIB - RESERVED_BYTES_PER_GPU)
+        reserve = self.reserved_bytes_per_gpu if reserved_per_gpu is None else reserved_per_gpu
+        return node.num_gpus * max(0.0, spec.memory_gb * GIB - reserve)
 
     def max_layers(self, node: NodeSpec) -> int:
-        """Most layers the node can hold: weights within WEIGHT_FRACTION of its memory."""
-        k = int(self.memory_bytes(node) * self.weight_fraction // self.model.layer_weight_bytes)
+        """Most layers the node can hold: weights within WEIGHT_FRACTION of its memory. The
+        cap is Helix's rule of thumb for the machine, so it is taken with the default
+        reserve whatever `reserved_gb_per_gpu` says (that one changes the KV, not the cap)."""
+        memory = self.memory_bytes(node, RESERVED_BYTES_PER_GPU)
+        k = int(memory * self.weight_fraction // self.model.layer_weight_bytes)
         return min(k, self.model.num_layers)
 
     def loadable_layers(self, node: NodeSpec) -> int:

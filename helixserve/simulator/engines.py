@@ -9,6 +9,12 @@ allocates KV cache and batches prompts (see docs/simulator.md).
 Both keep 1% of each node's KV cache free at admission (`kv_watermark`, vLLM's default
 watermark; it matters only with on-demand allocation, where running requests grow into it).
 
+An engine also decides how much of each GPU's memory it keeps for itself outside weights
+and KV (`ENGINE_GPU_RESERVE_GB`): `vllm` keeps the 4.5 GB fitted to the KV blocks vLLM 0.4.0
+allocated in Helix's measurements (costmodel.VLLM_RESERVED_GB_PER_GPU); `reserve` keeps the
+cost model's default (1 GiB). `--gpu-reserve-gb` overrides it; the cost model that plans
+and simulates is built with it, so a placement is planned for the memory it will have.
+
 `helixserve simulate --engine` and `benchmarks/serving_sim.py --engine` both read `ENGINES`.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from helixserve.costmodel.model import VLLM_RESERVED_GB_PER_GPU
 from helixserve.errors import UserError
 from helixserve.scheduler.types import KV_ALLOCATIONS as _KV_ALLOCATIONS
 
@@ -35,6 +42,12 @@ ENGINES: dict[str, dict[str, Any]] = {
         "max_prefilling": None,
         "kv_watermark": 0.01,
     },
+}
+
+#: GB per GPU each engine keeps outside weights and KV (None: the cost model's default)
+ENGINE_GPU_RESERVE_GB: dict[str, float | None] = {
+    "vllm": VLLM_RESERVED_GB_PER_GPU,
+    "reserve": None,
 }
 
 #: values `SimConfig.kv_allocation` accepts (the runtime's coordinator takes the same)

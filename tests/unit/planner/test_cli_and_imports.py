@@ -35,6 +35,15 @@ def test_plan_example_then_evaluate(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert abs(result["throughput_tokens_per_s"] - planned["throughput_tokens_per_s"]) < 1e-3
     assert {"src", "dst", "tokens_per_s"} <= set(result["flows"][0])
+    # a larger per-GPU reserve leaves less KV, smaller decode batches: never more throughput
+    assert main(["evaluate", "--example", "--placement", str(out), "--json",
+                 "--gpu-reserve-gb", "4.5"]) == 0
+    reserved = json.loads(capsys.readouterr().out)["throughput_tokens_per_s"]
+    assert 0 < reserved < result["throughput_tokens_per_s"]
+    assert main(["evaluate", "--example", "--placement", str(out),
+                 "--gpu-reserve-gb", "-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--gpu-reserve-gb: bad value -1.0" in err[0]
 
 
 def test_user_errors_exit_2_with_one_line(tmp_path, capsys):

@@ -169,6 +169,11 @@ def test_engine_vllm_is_recorded_and_changes_the_simulation(
     assert max(n["mean_prompt_batch_tokens"] for n in reserve["nodes"]) > 512
     assert max(n["mean_prompt_batch_tokens"] for n in vllm["nodes"]) <= 512
     assert vllm["decode_throughput_tokens_per_s"] != reserve["decode_throughput_tokens_per_s"]
+    # vllm keeps the GPU memory fitted to vLLM's measured KV; reserve the cost model's 1 GiB
+    assert vllm["gpu_reserve_gb"] == 4.5
+    assert reserve["gpu_reserve_gb"] == pytest.approx(2**30 / 1e9)
+    assert sum(n["kv_capacity_tokens"] for n in vllm["nodes"]) < sum(
+        n["kv_capacity_tokens"] for n in reserve["nodes"])
 
 
 def test_engine_flags_override_the_preset(
@@ -195,6 +200,9 @@ def test_engine_flags_override_the_preset(
     }
     assert summary["kv_allocation"] == "on-demand"
     assert max(n["mean_prompt_batch_tokens"] for n in summary["nodes"]) <= 128
+    assert summary["gpu_reserve_gb"] == pytest.approx(2**30 / 1e9)
+    mine = simulate_tiny(shared_data, tmp_path, capsys, "--engine", "vllm", "--gpu-reserve-gb", "2")
+    assert mine["gpu_reserve_gb"] == 2.0
     off = simulate_tiny(shared_data, tmp_path, capsys, "--engine", "vllm", "--no-chunked-prefill")
     assert off["engine_config"]["chunked_prefill"] is False
     assert off["engine_config"]["max_prompt_tokens"] == 512
