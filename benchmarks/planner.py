@@ -88,6 +88,9 @@ def main() -> None:
     ap.add_argument("--clusters", default="shared,synthetic-50,synthetic-100",
                     help="'shared' = every ../shared/data/clusters/*.yaml; synthetic-N; or paths")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu-reserve-gb", type=float, default=None,
+                    help="memory per GPU outside weights and KV (default: the cost model's "
+                    "1 GiB; 4.5 is what vLLM 0.4.0 kept in Helix's measurements)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -111,7 +114,7 @@ def main() -> None:
     for cluster in clusters:
         for model_name in args.models.split(","):
             model = load_model(SHARED / "models" / model_name)
-            cost = CostModel(model, profiles)
+            cost = CostModel(model, profiles, reserved_gb_per_gpu=args.gpu_reserve_gb)
             results = {}
             for name in planners:
                 started = time.perf_counter()
@@ -135,6 +138,7 @@ def main() -> None:
                       f"{row['vs_best_baseline'] or 0:>11.2f} {wall:>7.1f}", flush=True)
     if args.json:
         meta = {"time_limit_s": args.time_limit, "seed": args.seed, "machine": platform.node(),
+                "gpu_reserve_gb": args.gpu_reserve_gb,
                 "python": platform.python_version(), "processor": platform.processor()}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
         print(f"wrote {args.json}")
