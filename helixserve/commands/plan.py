@@ -104,7 +104,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "24 machines")
     p.add_argument("--serve-engine", default="vllm", choices=("vllm", "reserve"),
                    help="engine model of that simulation (default vllm: on-demand KV, "
-                   "chunked prefill of 512 tokens; see `helixserve simulate --engine`)")
+                   "chunked prefill of 512 tokens; see `helixserve simulate --engine`). "
+                   "Its memory is the plan's: pass --gpu-reserve-gb 4.5 to plan and select "
+                   "with vLLM's")
     p.add_argument("--serve-duration", type=float, default=1200.0, metavar="SECONDS",
                    help="simulated seconds per candidate, the first quarter (at most 300 s) "
                    "not counted (default 1200)")
