@@ -118,10 +118,12 @@ def plot_placement(cluster: ClusterSpec, placement: Placement, flows: list[Flow]
             "alpha": 0.6, "shrinkA": 2, "shrinkB": 2, "connectionstyle": "arc3,rad=0.25"})
     for r in ranges:
         x, y = pos[r.name]
-        g = cluster.node(r.name).gpu
+        node = cluster.node(r.name)
         ax.add_patch(plt.Rectangle((r.start_layer, y - 0.3), r.num_layers, 0.6,
-                                   color=colour[g], alpha=0.85))
-        ax.text(x, y, f"{r.name}\n[{r.start_layer},{r.end_layer})", ha="center", va="center",
+                                   color=colour[node.gpu], alpha=0.85))
+        # a machine of several GPUs is the GPU's colour, marked with its count
+        name = r.name if node.num_gpus == 1 else f"{r.name} x{node.num_gpus}"
+        ax.text(x, y, f"{name}\n[{r.start_layer},{r.end_layer})", ha="center", va="center",
                 fontsize=7)
     for xy, label in ((src, "coordinator\n(source)"), (snk, "coordinator\n(sink)")):
         ax.plot(*xy, marker="s", markersize=14, color="black")
