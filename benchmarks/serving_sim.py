@@ -47,7 +47,7 @@ from helixserve.costmodel import CostModel
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement, plan
 from helixserve.planner.placement import COORDINATOR
 from helixserve.planner.serving import SelectionConfig, select_placement
-from helixserve.simulator.engines import ENGINE_GPU_RESERVE_GB, ENGINES
+from helixserve.simulator.engines import ENGINES, engine_gpu_reserve_gb
 from helixserve.simulator.metrics import summarize
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace
@@ -347,8 +347,7 @@ def main() -> int:
     args = ap.parse_args()
 
     global GPU_RESERVE_GB
-    GPU_RESERVE_GB = (args.gpu_reserve_gb if args.gpu_reserve_gb is not None
-                      else ENGINE_GPU_RESERVE_GB[args.engine])
+    GPU_RESERVE_GB = engine_gpu_reserve_gb(args.engine, args.gpu_reserve_gb)
     model = load_model(SHARED / "models" / args.model)
     cost = CostModel(model, load_profiles(SHARED / "profiles" / "helix-measured.csv"),
                      reserved_gb_per_gpu=GPU_RESERVE_GB)

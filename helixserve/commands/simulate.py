@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.costmodel import CostModel
     from helixserve.errors import UserError
     from helixserve.planner import PLANNERS, evaluate, load_placement, plan
-    from helixserve.simulator.engines import ENGINE_GPU_RESERVE_GB
+    from helixserve.simulator.engines import engine_gpu_reserve_gb
     from helixserve.simulator.metrics import format_table, latencies, summarize
     from helixserve.simulator.sim import SimConfig, Simulation
     from helixserve.simulator.workload import (
@@ -251,9 +251,8 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     model = load_model(args.model, name=args.model_name)
     profiles = load_profiles(args.profiles) if args.profiles else None
-    reserve = reserve_gb(args)
-    cost = CostModel(model, profiles, reserved_gb_per_gpu=(
-        reserve if reserve is not None else ENGINE_GPU_RESERVE_GB[args.engine]))
+    cost = CostModel(model, profiles,
+                     reserved_gb_per_gpu=engine_gpu_reserve_gb(args.engine, reserve_gb(args)))
 
     if args.placement in PLANNERS:
         print(f"planning with {args.placement} ...", file=sys.stderr)

@@ -50,6 +50,12 @@ ENGINE_GPU_RESERVE_GB: dict[str, float | None] = {
     "reserve": None,
 }
 
+def engine_gpu_reserve_gb(name: str, override: float | None = None) -> float | None:
+    """GB per GPU a cost model for engine `name` keeps: `override` (--gpu-reserve-gb) when
+    given, else the engine's (None: the cost model's default)."""
+    return override if override is not None else ENGINE_GPU_RESERVE_GB[name]
+
+
 #: values `SimConfig.kv_allocation` accepts (the runtime's coordinator takes the same)
 KV_ALLOCATIONS = _KV_ALLOCATIONS
 
