@@ -28,6 +28,7 @@ from pathlib import Path
 
 from helixserve.costmodel import CostModel
 from helixserve.planner import evaluate, load_placement, plan
+from helixserve.planner.parallel import check_jobs
 from helixserve.spec import load_cluster, load_model, load_profiles
 
 HERE = Path(__file__).resolve().parent
@@ -46,8 +47,11 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=60.0, help="milp budget per case (s)")
     ap.add_argument("--cases", help="comma-separated cluster names (default: all)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="processes for milp's searches (default: the cores, at most 8)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    jobs = check_jobs(args.jobs)
 
     profiles = load_profiles(SHARED / "profiles" / "helix-measured.csv")
     wanted = set(args.cases.split(",")) if args.cases else None
@@ -65,7 +69,8 @@ def main() -> None:
         helix_path = HERE / "helix-placements" / f"{cluster.name}-{model.name}.json"
         helix = evaluate(cluster, model, cost, load_placement(helix_path)).throughput_tokens_per_s
         started = time.perf_counter()
-        ours = plan("milp", cluster, model, cost, time_limit_s=args.time_limit, seed=args.seed)
+        ours = plan("milp", cluster, model, cost, time_limit_s=args.time_limit, seed=args.seed,
+                    jobs=jobs)
         wall = time.perf_counter() - started
         thr = ours.throughput_tokens_per_s or 0.0
         bound = ours.upper_bound_tokens_per_s
@@ -80,7 +85,7 @@ def main() -> None:
               f"{'' if gap is None else f'{gap:.1%}':>6} {thr / helix:>10.2f} {wall:>7.1f}",
               flush=True)
     if args.json:
-        meta = {"time_limit_s": args.time_limit, "seed": args.seed, "machine": platform.node(),
+        meta = {"time_limit_s": args.time_limit, "seed": args.seed, "jobs": jobs, "machine": platform.node(),
                 "python": platform.python_version(), "processor": platform.processor(),
                 "cpus": os.cpu_count()}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")

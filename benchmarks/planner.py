@@ -22,6 +22,7 @@ from pathlib import Path
 
 from helixserve.costmodel import CostModel
 from helixserve.planner import PLANNERS, plan
+from helixserve.planner.parallel import check_jobs
 from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec, load_cluster, load_model, load_profiles
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -88,11 +89,14 @@ def main() -> None:
     ap.add_argument("--clusters", default="shared,synthetic-50,synthetic-100",
                     help="'shared' = every ../shared/data/clusters/*.yaml; synthetic-N; or paths")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="processes for milp's searches (default: the cores, at most 8)")
     ap.add_argument("--gpu-reserve-gb", type=float, default=None,
                     help="memory per GPU outside weights and KV (default: the cost model's "
                     "1 GiB; 4.5 is what vLLM 0.4.0 kept in Helix's measurements)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    jobs = check_jobs(args.jobs)
 
     clusters: list[ClusterSpec] = []
     for item in args.clusters.split(","):
@@ -118,7 +122,8 @@ def main() -> None:
             results = {}
             for name in planners:
                 started = time.perf_counter()
-                p = plan(name, cluster, model, cost, time_limit_s=args.time_limit, seed=args.seed)
+                p = plan(name, cluster, model, cost, time_limit_s=args.time_limit, seed=args.seed,
+                         jobs=jobs)
                 results[name] = (p, time.perf_counter() - started)
             base = max((results[n][0].throughput_tokens_per_s or 0.0 for n in results
                         if n != "milp"), default=0.0)
@@ -137,7 +142,7 @@ def main() -> None:
                       f"{'' if gap is None else f'{gap:.1%}':>6} "
                       f"{row['vs_best_baseline'] or 0:>11.2f} {wall:>7.1f}", flush=True)
     if args.json:
-        meta = {"time_limit_s": args.time_limit, "seed": args.seed, "machine": platform.node(),
+        meta = {"time_limit_s": args.time_limit, "seed": args.seed, "jobs": jobs, "machine": platform.node(),
                 "gpu_reserve_gb": args.gpu_reserve_gb,
                 "python": platform.python_version(), "processor": platform.processor()}
         Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")

@@ -90,6 +90,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
                    help="wall-clock budget of the milp planner (default 60)")
     p.add_argument("--seed", type=int, default=0, help="seed of the local search")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="processes for milp's annealing searches, each with its own seed, "
+                   "the best kept (default: the cores this process may use, at most 8; "
+                   "1: one process, as before)")
     p.add_argument("--out", help="write the placement JSON here")
     p.add_argument("--plot", help="write a PNG of the flow graph here")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -132,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
 
     partial = not args.no_partial_inference
     placement = plan(args.planner, cluster, model, cost, time_limit_s=args.time_limit,
-                     seed=args.seed, progress=progress, partial_inference=partial)
+                     seed=args.seed, progress=progress, partial_inference=partial,
+                     jobs=args.jobs)
     if requests is not None:
         placement = _select_by_serving(args, cluster, model, cost, placement, requests, progress)
     result = evaluate(cluster, model, cost, placement, partial_inference=partial)

@@ -149,13 +149,18 @@ def _linked(net: FlowNetwork, ranges: Ranges, j: int, a: int, b: int) -> float:
 
 
 def pinned_search(net: FlowNetwork, best: Ranges, deadline_s: float, seed: int = 0,
-                  partial_inference: bool = True) -> list[tuple[Ranges, float]]:
+                  partial_inference: bool = True,
+                  heaviest_only: bool = False) -> list[tuple[Ranges, float]]:
     """Each size variant of the strongest group, searched with the group pinned until its
-    share of `deadline_s`; returns (ranges, max flow) per variant that found a flow."""
+    share of `deadline_s`; returns (ranges, max flow) per variant that found a flow.
+    `heaviest_only`: only the variant of the largest weight, for all the time (what the
+    extra processes of --jobs run, while the first one runs them all: parallel.py)."""
     L = net.model.num_layers
     group = strongest_group(net, best)
     variants = [(WEIGHTS[d], r) for d in DELTAS
                 if (r := resize(best, group, d, net.max_layers, L)) is not None]
+    if heaviest_only and variants:
+        variants = [max(variants, key=lambda v: v[0])]
     found: list[tuple[Ranges, float]] = []
     for n, (weight, start) in enumerate(variants):
         now = time.perf_counter()

@@ -11,6 +11,7 @@ from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
 from helixserve.planner.baselines import BASELINES, Ranges
 from helixserve.planner.flow import FlowNetwork
+from helixserve.planner.parallel import check_jobs
 from helixserve.planner.placement import NodeRange, Placement
 from helixserve.spec import ClusterSpec, ModelSpec
 
@@ -26,12 +27,12 @@ class PlanOutcome:
 
 class Planner(Protocol):
     def __call__(self, net: FlowNetwork, time_limit_s: float, seed: int,
-                 progress: Progress | None) -> PlanOutcome: ...
+                 progress: Progress | None, jobs: int) -> PlanOutcome: ...
 
 
 def _baseline(fn: Callable[[FlowNetwork], Ranges]) -> Planner:
     def run(net: FlowNetwork, time_limit_s: float, seed: int,
-            progress: Progress | None) -> PlanOutcome:
+            progress: Progress | None, jobs: int) -> PlanOutcome:
         return PlanOutcome(fn(net))
 
     run.__name__ = fn.__name__
@@ -39,10 +40,10 @@ def _baseline(fn: Callable[[FlowNetwork], Ranges]) -> Planner:
 
 
 def _milp(net: FlowNetwork, time_limit_s: float, seed: int,
-          progress: Progress | None) -> PlanOutcome:
+          progress: Progress | None, jobs: int) -> PlanOutcome:
     from helixserve.planner.milp import solve_milp
 
-    return solve_milp(net, time_limit_s=time_limit_s, seed=seed, progress=progress)
+    return solve_milp(net, time_limit_s=time_limit_s, seed=seed, progress=progress, jobs=jobs)
 
 
 PLANNERS: dict[str, Planner] = {"milp": _milp} | {
@@ -59,8 +60,11 @@ def plan(
     seed: int = 0,
     progress: Progress | None = None,
     partial_inference: bool = True,
+    jobs: int | None = None,
 ) -> Placement:
-    """Run planner `name`; the Placement comes back with flows and throughput filled."""
+    """Run planner `name`; the Placement comes back with flows and throughput filled.
+    `jobs`: processes for milp's searches, one seed each (parallel.py); None: the cores
+    this process may use (at most 8)."""
     planner = PLANNERS.get(name)
     if planner is None:
         raise UserError(f"--planner: unknown planner {name!r}; known: {', '.join(PLANNERS)}")
@@ -69,7 +73,7 @@ def plan(
     net = FlowNetwork(cluster, model, cost)
     # the time limit covers building the flow network too (about 1 s on 100 machines)
     outcome = planner(net, max(0.5, time_limit_s - (time.perf_counter() - started)), seed,
-                      progress)
+                      progress, check_jobs(jobs))
     nodes = [NodeRange(net.names[i], s, e) for i, (s, e) in sorted(outcome.ranges.items())]
     value, flows = net.max_flow(outcome.ranges, partial_inference, with_flows=True)
     bound = outcome.upper_bound_tokens_per_s

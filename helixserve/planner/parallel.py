@@ -1,0 +1,118 @@
+"""Run the planner's annealing searches on several cores at once, one seed per core (--jobs).
+
+The searches of stages.py, pinned.py and search.py are single-threaded simulated annealing
+against a deadline, and where they end depends on the seed: on helix-geo-24 the same
+60-second plan ended anywhere between 5,108 and 5,914 tokens/s over seeds (docs/planner.md).
+Independent restarts are the simplest use of more cores and shrink that spread: with `jobs`
+cores, seed `seed` runs here, in this process (so `jobs=1` is exactly the serial planner),
+and seeds `seed + SEED_STRIDE * w`, w = 1..jobs-1, run at the same time in worker processes,
+all against the same deadline; the caller keeps the best result (or all of them).
+
+Worker processes come from a forkserver (a clean, single-threaded parent: the planner's own
+process may hold solver or server threads, which `fork` must not copy), with the search
+modules preloaded so a worker starts in milliseconds. What goes in (the FlowNetwork, the
+start placements) and what comes back (layer ranges and flows) are this program's own
+in-memory objects handed to a copy of itself, not a message between components, so
+multiprocessing's pickling is used here; nothing of it crosses a machine or a version.
+
+A worker that fails (out of memory, killed) costs only its seed: its error is reported
+through `progress` and the in-process result still stands. Searches shorter than
+MIN_PARALLEL_S run in-process only, since starting workers would eat their time.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any, TypeVar
+
+from helixserve.errors import UserError
+
+R = TypeVar("R")
+
+#: distance between the seeds of the workers (keeps their random streams apart)
+SEED_STRIDE = 7919
+#: below this many seconds of search, workers are not worth starting
+MIN_PARALLEL_S = 2.0
+#: --jobs default: the cores this process may use, at most this many
+MAX_DEFAULT_JOBS = 8
+#: the modules a worker needs, imported once in the forkserver
+_PRELOAD = ["helixserve.planner.search", "helixserve.planner.stages",
+            "helixserve.planner.pinned"]
+
+
+def default_jobs() -> int:
+    """Cores this process may run on (its CPU affinity, e.g. a container's cpuset), at most
+    MAX_DEFAULT_JOBS."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_DEFAULT_JOBS))
+
+
+def check_jobs(jobs: int | None) -> int:
+    """--jobs value, checked; None means default_jobs()."""
+    if jobs is None:
+        return default_jobs()
+    if jobs < 1:
+        raise UserError(f"--jobs: bad value {jobs}; must be >= 1 (processes for the search)")
+    return jobs
+
+
+_context: Any = None
+
+
+def _mp_context() -> Any:
+    global _context
+    if _context is None:
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() \
+            else "spawn"
+        _context = multiprocessing.get_context(method)
+        if method == "forkserver":
+            _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def _run_worker(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any],
+                wall_deadline: float) -> R:
+    # deadlines are perf_counter values, whose origin is per process: rebase on wall time
+    kwargs = dict(kwargs, deadline_s=time.perf_counter() + (wall_deadline - time.time()))
+    return fn(*args, **kwargs)
+
+
+def run_seeds(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any],
+              deadline_s: float, seed: int, jobs: int,
+              progress: Callable[[str], None] | None = None,
+              worker_kwargs: dict[str, Any] | None = None) -> list[R]:
+    """`fn(*args, **kwargs, deadline_s=..., seed=...)` for `jobs` seeds at once; the result
+    of `seed` (run in this process) first, then the workers' in seed order. `fn` must be a
+    module-level function; `kwargs` may hold callbacks only for the in-process run, under
+    the key "on_improve" (workers get none); `worker_kwargs` go to the workers only."""
+    left_s = deadline_s - time.perf_counter()
+    if jobs <= 1 or left_s < MIN_PARALLEL_S:
+        return [fn(*args, **kwargs, deadline_s=deadline_s, seed=seed)]
+    wall_deadline = time.time() + left_s
+    remote = {k: v for k, v in kwargs.items() if k != "on_improve"} | (worker_kwargs or {})
+    executor = ProcessPoolExecutor(max_workers=jobs - 1, mp_context=_mp_context())
+    try:
+        futures: list[Future[R]] = [
+            executor.submit(_run_worker, fn, args,
+                            dict(remote, seed=seed + SEED_STRIDE * w), wall_deadline)
+            for w in range(1, jobs)
+        ]
+        results = [fn(*args, **kwargs, deadline_s=deadline_s, seed=seed)]
+        for w, fut in enumerate(futures, start=1):
+            try:
+                # a worker overruns the deadline only by its last step and the transfer
+                results.append(fut.result(timeout=max(5.0, 0.5 * left_s)))
+            except Exception as exc:  # noqa: BLE001 - a lost worker costs only its seed
+                if progress is not None:
+                    progress(f"search worker {w} (seed {seed + SEED_STRIDE * w}) failed: "
+                             f"{type(exc).__name__}: {exc}")
+        return results
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
