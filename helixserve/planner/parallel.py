@@ -37,6 +37,9 @@ R = TypeVar("R")
 SEED_STRIDE = 7919
 #: below this many seconds of search, workers are not worth starting
 MIN_PARALLEL_S = 2.0
+#: workers stop this much (at most 5% of the search) before the deadline: their last step
+#: and the transfer of their result back must fit before it
+WORKER_MARGIN_S = 1.0
 #: --jobs default: the cores this process may use, at most this many
 MAX_DEFAULT_JOBS = 8
 #: the modules a worker needs, imported once in the forkserver
@@ -95,7 +98,8 @@ def run_seeds(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any
     left_s = deadline_s - time.perf_counter()
     if jobs <= 1 or left_s < MIN_PARALLEL_S:
         return [fn(*args, **kwargs, deadline_s=deadline_s, seed=seed)]
-    wall_deadline = time.time() + left_s
+    # workers stop a little early, so that their results are back by the caller's deadline
+    wall_deadline = time.time() + left_s - min(WORKER_MARGIN_S, 0.05 * left_s)
     remote = {k: v for k, v in kwargs.items() if k != "on_improve"} | (worker_kwargs or {})
     executor = ProcessPoolExecutor(max_workers=jobs - 1, mp_context=_mp_context())
     try:
