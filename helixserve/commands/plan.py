@@ -92,8 +92,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the local search")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="processes for milp's annealing searches, each with its own seed, "
-                   "the best kept (default: the cores this process may use, at most 8; "
-                   "1: one process, as before)")
+                   "the best kept, and for --serve-trace's simulations (default: the cores "
+                   "this process may use, at most 8; 1: one process, as before)")
     p.add_argument("--out", help="write the placement JSON here")
     p.add_argument("--plot", help="write a PNG of the flow graph here")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -174,6 +174,7 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
                        planned: Any, requests: list[Any], progress: Any) -> Any:
     """The planned placement, a stacked tiling or regional pipelines (each, across regions,
     also routed within regions), whichever serves `requests` best."""
+    from helixserve.planner.parallel import check_jobs
     from helixserve.planner.report import format_selection
     from helixserve.planner.serving import SelectionConfig, select_placement
     from helixserve.simulator.engines import engine_config
@@ -187,7 +188,8 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
     progress(f"serving selection: simulating the {planned.planner} placement and the "
              f"other candidates, {config.duration_s:.0f} s each")
     chosen, report = select_placement(cluster, model, cost, [planned], requests, config,
-                                      name=f"{planned.planner}-serving")
+                                      name=f"{planned.planner}-serving",
+                                      jobs=check_jobs(args.jobs))
     print(f"serving selection ({args.serve_engine} engine, {config.duration_s:.0f} s offline, "
           f"the first {config.warmup_s:.0f} s not counted; * = kept):")
     print(format_selection(report))

@@ -15,7 +15,10 @@ start placements) and what comes back (layer ranges and flows) are this program'
 in-memory objects handed to a copy of itself, not a message between components, so
 multiprocessing's pickling is used here; nothing of it crosses a machine or a version.
 
-A worker that fails (out of memory, killed) costs only its seed: its error is reported
+`map_in_workers` runs independent deterministic calls (the simulations of
+`plan --serve-trace`'s candidates) on the same kind of workers.
+
+A search worker that fails (out of memory, killed) costs only its seed: its error is reported
 through `progress` and the in-process result still stands. Searches shorter than
 MIN_PARALLEL_S run in-process only, since starting workers would eat their time.
 """
@@ -44,7 +47,8 @@ WORKER_MARGIN_S = 1.0
 MAX_DEFAULT_JOBS = 8
 #: the modules a worker needs, imported once in the forkserver
 _PRELOAD = ["helixserve.planner.search", "helixserve.planner.stages",
-            "helixserve.planner.pinned"]
+            "helixserve.planner.pinned", "helixserve.planner.serving",
+            "helixserve.simulator.sim"]
 
 
 def default_jobs() -> int:
@@ -120,3 +124,16 @@ def run_seeds(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any
         return results
     finally:
         executor.shutdown(wait=False, cancel_futures=True)
+
+
+def map_in_workers(fn: Callable[..., R], calls: list[tuple[Any, ...]], jobs: int) -> list[R]:
+    """`[fn(*args) for args in calls]`, on up to `jobs` processes at once (in this process
+    when `jobs` is 1 or there is one call), results in the order of `calls`. For work that
+    is deterministic for its arguments (plan --serve-trace's simulations), so the answer
+    does not depend on `jobs`; an exception in any call is raised here."""
+    if jobs <= 1 or len(calls) <= 1:
+        return [fn(*args) for args in calls]
+    with ProcessPoolExecutor(max_workers=min(jobs, len(calls)),
+                             mp_context=_mp_context()) as executor:
+        futures = [executor.submit(fn, *args) for args in calls]
+        return [f.result() for f in futures]

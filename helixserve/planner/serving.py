@@ -37,6 +37,7 @@ from typing import Any
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
 from helixserve.planner.flow import evaluate
+from helixserve.planner.parallel import check_jobs, map_in_workers
 from helixserve.planner.placement import NodeRange, Placement
 from helixserve.spec import ClusterSpec, ModelSpec
 
@@ -250,9 +251,7 @@ def simulate_candidate(
     from helixserve.simulator.metrics import summarize
     from helixserve.simulator.sim import SimConfig, Simulation
 
-    if not placement.flows:
-        res = evaluate(cluster, model, cost, placement)
-        placement.flows, placement.throughput_tokens_per_s = res.flows, res.throughput_tokens_per_s
+    _fill_flows(cluster, model, cost, placement)
     cfg = SimConfig(
         duration_s=config.duration_s,
         offline=True,
@@ -266,6 +265,13 @@ def simulate_candidate(
     )
     out = summarize(Simulation(cluster, model, cost, placement, list(requests), cfg).run())
     return float(out["decode_throughput_tokens_per_s"])
+
+
+def _fill_flows(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
+                placement: Placement) -> None:
+    if not placement.flows:
+        res = evaluate(cluster, model, cost, placement)
+        placement.flows, placement.throughput_tokens_per_s = res.flows, res.throughput_tokens_per_s
 
 
 def _routing_differs(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, a: Placement,
@@ -288,10 +294,13 @@ def select_placement(
     requests: Sequence[Any],
     config: SelectionConfig | None = None,
     name: str = "milp-serving",
+    jobs: int | None = None,
 ) -> tuple[Placement, list[dict[str, Any]]]:
     """The candidate (given placements, the best stacked tilings, regional pipelines; on a
     multi-region cluster each also with `route_within_regions`) with the highest simulated
-    offline decode throughput, renamed `name`, and every candidate's report."""
+    offline decode throughput, renamed `name`, and every candidate's report. The
+    simulations run on up to `jobs` processes at once (None: the cores this process may
+    use, at most 8); each is deterministic, so the answer is the same for any `jobs`."""
     config = config or SelectionConfig()
     if not requests:
         raise UserError("serving selection: needs requests to simulate (a trace)")
@@ -305,23 +314,29 @@ def select_placement(
     if regional is not None:
         cands.append(Candidate(regional, "regional-pipelines"))
     for c in cands:
-        c.simulated_tokens_per_s = simulate_candidate(
-            cluster, model, cost, c.placement, requests, config
-        )
+        _fill_flows(cluster, model, cost, c.placement)
+    # on a multi-region cluster each again with the router keeping requests inside their
+    # region where it can; a variant the router would route just the same scores the same
+    # without a run of its own
+    variants: list[tuple[Candidate, Candidate, bool]] = []
     if len({n.region for n in cluster.nodes}) > 1:
-        # each again with the router keeping requests inside their region where it can; a
-        # variant the router would route just the same scores the same without a new run
-        for c in list(cands):
+        for c in cands:
             within = Candidate(replace(c.placement, route_within_regions=True),
                                f"{c.source} +within-regions",
                                estimate_tokens_per_s=c.estimate_tokens_per_s)
-            within.simulated_tokens_per_s = (
-                simulate_candidate(cluster, model, cost, within.placement, requests, config)
-                if _routing_differs(cluster, model, cost, c.placement, within.placement,
-                                    config.scheduler)
-                else c.simulated_tokens_per_s
-            )
-            cands.append(within)
+            differs = _routing_differs(cluster, model, cost, c.placement, within.placement,
+                                       config.scheduler)
+            variants.append((within, c, differs))
+    runs = cands + [w for w, _, differs in variants if differs]
+    scores = map_in_workers(simulate_candidate,
+                            [(cluster, model, cost, c.placement, requests, config)
+                             for c in runs], check_jobs(jobs))
+    for c, score in zip(runs, scores, strict=True):
+        c.simulated_tokens_per_s = score
+    for within, c, differs in variants:
+        if not differs:
+            within.simulated_tokens_per_s = c.simulated_tokens_per_s
+        cands.append(within)
     best = max(cands, key=lambda c: c.simulated_tokens_per_s or 0.0)
     out = replace(best.placement, planner=name, upper_bound_tokens_per_s=None)
     report = [c.describe() | {"chosen": c is best} for c in cands]

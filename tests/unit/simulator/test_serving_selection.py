@@ -53,7 +53,9 @@ def test_selection_returns_the_candidate_with_the_best_simulation() -> None:
     )  # fmt: skip
     reqs = fixed_requests(40, prompt=300, output=60)
     cfg = SelectionConfig(duration_s=20.0, warmup_s=2.0, tilings=3)
-    best, report = select_placement(s.cluster, s.model, s.cost, [slow], reqs, cfg)
+    best, report = select_placement(s.cluster, s.model, s.cost, [slow], reqs, cfg, jobs=1)
+    # the four simulations on two processes: each is deterministic, so the same report
+    assert select_placement(s.cluster, s.model, s.cost, [slow], reqs, cfg, jobs=2)[1] == report
     assert best.planner == "milp-serving"
     assert len(report) == 4 and sum(r["chosen"] for r in report) == 1
     chosen = next(r for r in report if r["chosen"])
