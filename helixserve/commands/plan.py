@@ -94,6 +94,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="processes for milp's annealing searches, each with its own seed, "
                    "the best kept, and for --serve-trace's simulations (default: the cores "
                    "this process may use, at most 8; 1: one process, as before)")
+    p.add_argument("--from", dest="from_placement", metavar="CURRENT.json",
+                   help="the placement the cluster runs now: also build one that keeps every "
+                   "machine of it that is still in the cluster and still fits as it is, "
+                   "placing only new machines and the layers of lost ones (and, if that is "
+                   "not within --max-loss of the full re-plan, moving a few neighbours; "
+                   "30%% of the time), and keep it unless the full re-plan is more than --max-loss "
+                   "better; prints which machines change range (each one restarts and "
+                   "reloads its layers)")
+    p.add_argument("--max-loss", type=float, default=0.05, metavar="FRACTION",
+                   help="with --from: throughput the incremental placement may lose against "
+                   "the full re-plan and still be kept (default 0.05; 0: only if as good)")
     p.add_argument("--out", help="write the placement JSON here")
     p.add_argument("--plot", help="write a PNG of the flow graph here")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -119,7 +130,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from helixserve.errors import UserError
-    from helixserve.planner import evaluate, plan
+    from helixserve.planner import evaluate, load_placement, plan
     from helixserve.planner.report import format_table, node_rows, plot_placement
 
     if args.time_limit <= 0:
@@ -135,9 +146,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{time.perf_counter() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     partial = not args.no_partial_inference
-    placement = plan(args.planner, cluster, model, cost, time_limit_s=args.time_limit,
-                     seed=args.seed, progress=progress, partial_inference=partial,
-                     jobs=args.jobs)
+    current = None
+    if args.from_placement:
+        current = load_placement(args.from_placement)
+        placement = _replan(args, cluster, model, cost, current, progress, partial)
+    else:
+        placement = plan(args.planner, cluster, model, cost, time_limit_s=args.time_limit,
+                         seed=args.seed, progress=progress, partial_inference=partial,
+                         jobs=args.jobs)
     if requests is not None:
         placement = _select_by_serving(args, cluster, model, cost, placement, requests, progress)
     result = evaluate(cluster, model, cost, placement, partial_inference=partial)
@@ -151,6 +167,11 @@ def run(args: argparse.Namespace) -> int:
         gap = 1 - result.throughput_tokens_per_s / placement.upper_bound_tokens_per_s
         line += f"; upper bound {placement.upper_bound_tokens_per_s:,.1f} (gap {gap:.1%})"
     print(line + f"; solved in {placement.solve_time_s or 0:.1f}s")
+    if current is not None:
+        from helixserve.planner.incremental import changes
+
+        print(f"changes against {args.from_placement}: "
+              f"{changes(current, placement).summary()}")
     if args.out:
         placement.save(args.out)
         print(f"wrote {args.out}")
@@ -158,6 +179,28 @@ def run(args: argparse.Namespace) -> int:
         plot_placement(cluster, placement, result.flows, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _replan(args: argparse.Namespace, cluster: Any, model: Any, cost: Any, current: Any,
+            progress: Any, partial: bool) -> Any:
+    """--from: the incremental placement or the full re-plan (planner/incremental.py)."""
+    from helixserve.planner.incremental import changes, replan
+
+    out = replan(cluster, model, cost, current, args.planner, args.time_limit, args.seed,
+                 progress, partial, args.jobs, args.max_loss)
+    inc, full = out.incremental, out.full
+    full_value = full.throughput_tokens_per_s or 0.0
+    loss = 1 - inc.throughput_tokens_per_s / full_value if full_value else 0.0
+    names = ", ".join
+    print(f"from {args.from_placement}: {len(inc.kept)} machines kept as they were; "
+          f"gone: {names(inc.gone) or '-'}; new: {names(inc.new) or '-'}; "
+          f"no longer fit: {names(inc.freed) or '-'}")
+    print(f"incremental {inc.throughput_tokens_per_s:,.1f} tokens/s; full re-plan "
+          f"{full_value:,.1f} tokens/s, moving {len(changes(current, full).moved)} machines "
+          f"(the incremental one has {1 - loss:.1%} of it); kept: "
+          f"{'incremental' if out.kept_incremental else 'full re-plan'} "
+          f"(--max-loss {args.max_loss:g})")
+    return out.placement
 
 
 def _serve_requests(path: str) -> list[Any]:
