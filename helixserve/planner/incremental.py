@@ -15,13 +15,13 @@ also builds the *incremental* placement:
     then gaps that remain are filled (pinned.fill_gaps), then the local search moves only
     the free machines (local_search with the kept ones fixed);
   * while that is more than `max_loss` below a full re-plan (run first, 70% of the time),
-    kept machines are un-pinned in rounds of 1, 2, 4, ... (those nearest the layer of least
-    capacity first) and searched again, each round from the last one's best: losing a
+    kept machines are un-pinned in rounds of 1, 2, 4, ... up to half of them (those nearest
+    the layer of least capacity first) and searched again, each round from the last one's best: losing a
     machine that was the only holder of some layers, with no new one to take them, needs
     some neighbours to move.
 
-`choose` keeps the incremental placement when its throughput is within `max_loss` of the
-full one's, else the full re-plan; either way the changes against `current` are reported
+`choose` keeps the incremental placement when it is as good as the full re-plan, or within
+`max_loss` of its throughput while moving fewer machines; else the full re-plan; either way the changes against `current` are reported
 (`changes`). The full re-plan's bound holds for both: the bounds are over every placement
 within the weight cap.
 """
@@ -139,9 +139,10 @@ def incremental(net: FlowNetwork, current: Placement, deadline_s: float, seed: i
     ranges = fill_gaps(net, ranges, set(kept))
     value = net.max_flow(ranges, partial_inference)[0]
     # rounds: 0 (only the free machines move), then 1, 2, 4, ... kept machines un-pinned
+    # (at most half of the kept machines: beyond that a full re-plan is the better answer)
     sizes = [0]
-    while sizes[-1] < len(kept):
-        sizes.append(min(len(kept), max(1, 2 * sizes[-1])))
+    while sizes[-1] < max(1, len(kept) // 2) <= len(kept):
+        sizes.append(min(max(1, len(kept) // 2), max(1, 2 * sizes[-1])))
     pinned = set(kept)
     for n, size in enumerate(sizes):
         if n > 0 and value >= target:
@@ -179,10 +180,14 @@ def changes(old: Placement, new: Placement) -> Changes:
     return Changes(moved, added, removed, unchanged)
 
 
-def choose(full_tokens_per_s: float, incremental_tokens_per_s: float, max_loss: float) -> bool:
-    """Whether to keep the incremental placement: it loses at most `max_loss` (a fraction)
-    of the full re-plan's throughput."""
-    return incremental_tokens_per_s >= (1.0 - max_loss) * full_tokens_per_s
+def choose(full_tokens_per_s: float, incremental_tokens_per_s: float, max_loss: float,
+           full_moves: int, incremental_moves: int) -> bool:
+    """Whether to keep the incremental placement: as good as the full re-plan, or within
+    `max_loss` (a fraction) of its throughput while moving fewer machines."""
+    if incremental_tokens_per_s >= full_tokens_per_s:
+        return True
+    return (incremental_tokens_per_s >= (1.0 - max_loss) * full_tokens_per_s
+            and incremental_moves < full_moves)
 
 
 @dataclass
@@ -213,18 +218,27 @@ def replan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, current: Pla
     if progress is not None:
         progress(f"incremental: {inc.throughput_tokens_per_s:,.1f} tokens/s, "
                  f"{len(inc.kept)} of the machines kept as they were")
-    keep = choose(full_value, inc.throughput_tokens_per_s, max_loss)
+    moves = {n: len(c.moved) + len(c.added)
+             for n, c in (("full", changes(current, full)),
+                          ("inc", changes(current, _as_placement(net, inc.ranges, model,
+                                                                 cluster))))}
+    keep = choose(full_value, inc.throughput_tokens_per_s, max_loss, moves["full"],
+                  moves["inc"])
     if not keep:
         full.solve_time_s = time.perf_counter() - started
         return Replan(full, inc, full, False)
     value, flows = net.max_flow(inc.ranges, partial_inference, with_flows=True)
     bound = full.upper_bound_tokens_per_s
-    chosen = Placement(
-        model=model.name, cluster=cluster.name, num_layers=model.num_layers,
-        planner=f"{planner}-incremental",
-        nodes=[NodeRange(net.names[i], s, e) for i, (s, e) in sorted(inc.ranges.items())],
-        flows=flows, throughput_tokens_per_s=value,
-        upper_bound_tokens_per_s=None if bound is None else max(bound, value),
-        solve_time_s=time.perf_counter() - started,
-    )
+    chosen = _as_placement(net, inc.ranges, model, cluster)
+    chosen.planner = f"{planner}-incremental"
+    chosen.flows, chosen.throughput_tokens_per_s = flows, value
+    chosen.upper_bound_tokens_per_s = None if bound is None else max(bound, value)
+    chosen.solve_time_s = time.perf_counter() - started
     return Replan(chosen, inc, full, True)
+
+
+def _as_placement(net: FlowNetwork, ranges: Ranges, model: ModelSpec,
+                  cluster: ClusterSpec) -> Placement:
+    return Placement(model=model.name, cluster=cluster.name, num_layers=model.num_layers,
+                     planner="incremental",
+                     nodes=[NodeRange(net.names[i], s, e) for i, (s, e) in sorted(ranges.items())])

@@ -85,8 +85,10 @@ def test_changes_lists_moved_added_removed():
 
 
 def test_choose_and_input_errors(llama70b, measured_cost):
-    assert choose(100.0, 95.0, 0.05) and not choose(100.0, 94.9, 0.05)
-    assert choose(100.0, 100.0, 0.0)
+    # within max_loss and fewer machines moved; as good; moving as many is never kept
+    assert choose(100.0, 95.0, 0.05, 10, 2) and not choose(100.0, 94.9, 0.05, 10, 2)
+    assert choose(100.0, 100.0, 0.0, 10, 10)
+    assert not choose(100.0, 99.0, 0.05, 10, 10)
     cluster = make_cluster(a100=2, l4=2, t4=4)
     with pytest.raises(UserError, match="--from: num_layers: 40, but the model has 80"):
         replan(cluster, llama70b, measured_cost, _placement({"a100-0": (0, 12)}, 40),
