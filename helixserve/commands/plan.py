@@ -195,8 +195,9 @@ def _replan(args: argparse.Namespace, cluster: Any, model: Any, cost: Any, curre
     print(f"from {args.from_placement}: {len(inc.kept)} machines kept as they were; "
           f"gone: {names(inc.gone) or '-'}; new: {names(inc.new) or '-'}; "
           f"no longer fit: {names(inc.freed) or '-'}")
-    print(f"incremental {inc.throughput_tokens_per_s:,.1f} tokens/s; full re-plan "
-          f"{full_value:,.1f} tokens/s, moving {len(changes(current, full).moved)} machines "
+    print(f"incremental {inc.throughput_tokens_per_s:,.1f} tokens/s, moving "
+          f"{changes(current, out.incremental_placement).moves} machines; full re-plan "
+          f"{full_value:,.1f} tokens/s, moving {changes(current, full).moves} "
           f"(the incremental one has {1 - loss:.1%} of it); kept: "
           f"{'incremental' if out.kept_incremental else 'full re-plan'} "
           f"(--max-loss {args.max_loss:g})")

@@ -71,6 +71,11 @@ class Changes:
     removed: list[tuple[str, tuple[int, int]]]
     unchanged: int
 
+    @property
+    def moves(self) -> int:
+        """Machines that (re)load layers: moved or added."""
+        return len(self.moved) + len(self.added)
+
     def summary(self) -> str:
         parts = [f"{self.unchanged} unchanged", f"{len(self.moved)} moved"]
         parts += [f"{len(self.added)} added", f"{len(self.removed)} removed"]
@@ -192,8 +197,10 @@ def choose(full_tokens_per_s: float, incremental_tokens_per_s: float, max_loss: 
 
 @dataclass
 class Replan:
+    #: the one kept: `incremental_placement` or `full`
     placement: Placement
     incremental: Incremental
+    incremental_placement: Placement
     full: Placement
     kept_incremental: bool
 
@@ -218,27 +225,18 @@ def replan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, current: Pla
     if progress is not None:
         progress(f"incremental: {inc.throughput_tokens_per_s:,.1f} tokens/s, "
                  f"{len(inc.kept)} of the machines kept as they were")
-    moves = {n: len(c.moved) + len(c.added)
-             for n, c in (("full", changes(current, full)),
-                          ("inc", changes(current, _as_placement(net, inc.ranges, model,
-                                                                 cluster))))}
-    keep = choose(full_value, inc.throughput_tokens_per_s, max_loss, moves["full"],
-                  moves["inc"])
-    if not keep:
-        full.solve_time_s = time.perf_counter() - started
-        return Replan(full, inc, full, False)
     value, flows = net.max_flow(inc.ranges, partial_inference, with_flows=True)
     bound = full.upper_bound_tokens_per_s
-    chosen = _as_placement(net, inc.ranges, model, cluster)
-    chosen.planner = f"{planner}-incremental"
-    chosen.flows, chosen.throughput_tokens_per_s = flows, value
-    chosen.upper_bound_tokens_per_s = None if bound is None else max(bound, value)
+    inc_placement = Placement(
+        model=model.name, cluster=cluster.name, num_layers=model.num_layers,
+        planner=f"{planner}-incremental",
+        nodes=[NodeRange(net.names[i], s, e) for i, (s, e) in sorted(inc.ranges.items())],
+        flows=flows, throughput_tokens_per_s=value,
+        upper_bound_tokens_per_s=None if bound is None else max(bound, value),
+    )
+    keep = choose(full_value, inc.throughput_tokens_per_s, max_loss,
+                  changes(current, full).moves, changes(current, inc_placement).moves)
+    chosen = inc_placement if keep else full
     chosen.solve_time_s = time.perf_counter() - started
-    return Replan(chosen, inc, full, True)
+    return Replan(chosen, inc, inc_placement, full, keep)
 
-
-def _as_placement(net: FlowNetwork, ranges: Ranges, model: ModelSpec,
-                  cluster: ClusterSpec) -> Placement:
-    return Placement(model=model.name, cluster=cluster.name, num_layers=model.num_layers,
-                     planner="incremental",
-                     nodes=[NodeRange(net.names[i], s, e) for i, (s, e) in sorted(ranges.items())])
