@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from helixserve.errors import UserError
@@ -84,6 +86,28 @@ def _mp_context() -> Any:
     return _context
 
 
+@contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """While workers start: a forkserver or spawn worker first imports the caller's
+    `__main__` (by its __spec__ or __file__), which re-runs a script's top level when it has
+    no `if __name__ == "__main__":` guard (a `plan()` call in a user's script would plan
+    again in every worker). Workers here run only helixserve functions, so they are
+    started with `__main__` looking like an interactive session's."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved: dict[str, Any] = {k: main.__dict__[k] for k in ("__file__", "__spec__")
+                             if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 def _run_worker(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any],
                 wall_deadline: float) -> R:
     # deadlines are perf_counter values, whose origin is per process: rebase on wall time
@@ -107,11 +131,12 @@ def run_seeds(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any
     remote = {k: v for k, v in kwargs.items() if k != "on_improve"} | (worker_kwargs or {})
     executor = ProcessPoolExecutor(max_workers=jobs - 1, mp_context=_mp_context())
     try:
-        futures: list[Future[R]] = [
-            executor.submit(_run_worker, fn, args,
-                            dict(remote, seed=seed + SEED_STRIDE * w), wall_deadline)
-            for w in range(1, jobs)
-        ]
+        with _main_module_hidden():  # workers start in submit()
+            futures: list[Future[R]] = [
+                executor.submit(_run_worker, fn, args,
+                                dict(remote, seed=seed + SEED_STRIDE * w), wall_deadline)
+                for w in range(1, jobs)
+            ]
         results = [fn(*args, **kwargs, deadline_s=deadline_s, seed=seed)]
         for w, fut in enumerate(futures, start=1):
             try:
@@ -135,5 +160,6 @@ def map_in_workers(fn: Callable[..., R], calls: list[tuple[Any, ...]], jobs: int
         return [fn(*args) for args in calls]
     with ProcessPoolExecutor(max_workers=min(jobs, len(calls)),
                              mp_context=_mp_context()) as executor:
-        futures = [executor.submit(fn, *args) for args in calls]
+        with _main_module_hidden():  # workers start in submit()
+            futures = [executor.submit(fn, *args) for args in calls]
         return [f.result() for f in futures]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -100,3 +102,28 @@ def test_milp_with_two_jobs_keeps_the_best_of_both_seeds(llama70b, measured_cost
               lines[-1].split("seeds: ")[1].rstrip(")").split(" / ")]
     reported = float(lines[-1].split(": ")[1].split(" tokens/s")[0].replace(",", ""))
     assert reported >= max(values) * (1 - 1e-9)
+
+
+def test_workers_do_not_rerun_a_script_without_a_main_guard(tmp_path):
+    # forkserver/spawn workers import the caller's __main__ unless it is hidden while they
+    # start: a user's script calling plan() at top level would run again in every worker
+    script = tmp_path / "user_script.py"
+    script.write_text(
+        "import sys\n"
+        "from helixserve.costmodel import CostModel\n"
+        "from helixserve.planner import plan\n"
+        "from helixserve.spec import load_cluster, load_model, load_profiles\n"
+        f"data = {str(SHARED)!r}\n"
+        "print('top level runs', file=sys.stderr, flush=True)\n"
+        "model = load_model(data + '/models/llama-2-70b')\n"
+        "cost = CostModel(model, load_profiles(data + '/profiles/helix-measured.csv'))\n"
+        "cluster = load_cluster(data + '/clusters/helix-single-24.yaml')\n"
+        "said = []\n"
+        "plan('milp', cluster, model, cost, time_limit_s=8.0, jobs=2, progress=said.append)\n"
+        "print([m for m in said if 'seeds' in m or 'failed' in m])\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("top level runs") == 1, out.stderr
+    assert "best of 2 seeds" in out.stdout and "failed" not in out.stdout
