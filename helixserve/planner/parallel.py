@@ -131,12 +131,17 @@ def run_seeds(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any
     remote = {k: v for k, v in kwargs.items() if k != "on_improve"} | (worker_kwargs or {})
     executor = ProcessPoolExecutor(max_workers=jobs - 1, mp_context=_mp_context())
     try:
-        with _main_module_hidden():  # workers start in submit()
-            futures: list[Future[R]] = [
-                executor.submit(_run_worker, fn, args,
-                                dict(remote, seed=seed + SEED_STRIDE * w), wall_deadline)
-                for w in range(1, jobs)
-            ]
+        futures: list[Future[R]] = []
+        try:
+            with _main_module_hidden():  # workers start in submit()
+                for w in range(1, jobs):
+                    futures.append(executor.submit(
+                        _run_worker, fn, args, dict(remote, seed=seed + SEED_STRIDE * w),
+                        wall_deadline))
+        except OSError as exc:  # no processes here (sandbox, ulimit): one seed, as --jobs 1
+            if progress is not None:
+                progress(f"search workers could not start ({exc}); {len(futures)} of "
+                         f"{jobs - 1} running")
         results = [fn(*args, **kwargs, deadline_s=deadline_s, seed=seed)]
         for w, fut in enumerate(futures, start=1):
             try:

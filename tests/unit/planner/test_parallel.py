@@ -127,3 +127,26 @@ def test_workers_do_not_rerun_a_script_without_a_main_guard(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("top level runs") == 1, out.stderr
     assert "best of 2 seeds" in out.stdout and "failed" not in out.stdout
+
+
+def test_workers_that_cannot_start_leave_the_search_in_process(measured_cost, monkeypatch):
+    import helixserve.planner.parallel as parallel
+
+    class NoProcesses:  # as in a sandbox that forbids new processes
+        def __init__(self, **_kwargs: object) -> None:
+            pass
+
+        def submit(self, *_args: object, **_kwargs: object) -> None:
+            raise OSError(11, "Resource temporarily unavailable")
+
+        def shutdown(self, **_kwargs: object) -> None:
+            pass
+
+    monkeypatch.setattr(parallel, "ProcessPoolExecutor", NoProcesses)
+    net = _small_net(measured_cost)
+    said: list[str] = []
+    out = run_seeds(local_search, (net, [_start(net)]), {"max_stall": 300},
+                    time.perf_counter() + 60.0, seed=0, jobs=3, progress=said.append)
+    assert len(out) == 1 and out[0][1] > 0
+    assert said == ["search workers could not start ([Errno 11] Resource temporarily "
+                    "unavailable); 0 of 2 running"]
