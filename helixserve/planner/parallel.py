@@ -165,6 +165,10 @@ def map_in_workers(fn: Callable[..., R], calls: list[tuple[Any, ...]], jobs: int
         return [fn(*args) for args in calls]
     with ProcessPoolExecutor(max_workers=min(jobs, len(calls)),
                              mp_context=_mp_context()) as executor:
-        with _main_module_hidden():  # workers start in submit()
-            futures = [executor.submit(fn, *args) for args in calls]
+        try:
+            with _main_module_hidden():  # workers start in submit()
+                futures = [executor.submit(fn, *args) for args in calls]
+        except OSError:  # no processes here (sandbox, ulimit): the same answer, serially
+            executor.shutdown(wait=True, cancel_futures=True)
+            return [fn(*args) for args in calls]
         return [f.result() for f in futures]
