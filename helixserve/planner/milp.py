@@ -59,7 +59,7 @@ import pulp
 from helixserve.planner.baselines import BASELINES, Ranges
 from helixserve.planner.coverage import solve_coverage
 from helixserve.planner.flow import FlowNetwork
-from helixserve.planner.parallel import run_seeds
+from helixserve.planner.parallel import run_seeds, warm_up
 from helixserve.planner.pinned import pinned_search
 from helixserve.planner.regions import num_regions, solve_regions
 from helixserve.planner.registry import PlanOutcome, Progress
@@ -363,6 +363,10 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
     started = time.perf_counter()
     deadline = started + time_limit_s
     say = progress or (lambda msg: None)
+    # on a few machines the per-node MILP is solved exactly and the searches stall in
+    # moments: extra processes would only cost their start
+    jobs = 1 if len(net.names) <= SMALL_NODES else jobs
+    warm_up(jobs)
 
     def remaining() -> float:
         return max(0.0, deadline - time.perf_counter())

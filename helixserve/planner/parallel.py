@@ -45,6 +45,8 @@ MIN_PARALLEL_S = 2.0
 #: workers stop this much (at most 5% of the search) before the deadline: their last step
 #: and the transfer of their result back must fit before it
 WORKER_MARGIN_S = 1.0
+#: how long a search waits for its workers once its own run is over (+5% of its time)
+WORKER_WAIT_S = 2.0
 #: --jobs default: the cores this process may use, at most this many
 MAX_DEFAULT_JOBS = 8
 #: the modules a worker needs, imported once in the forkserver
@@ -84,6 +86,20 @@ def _mp_context() -> Any:
         if method == "forkserver":
             _context.set_forkserver_preload(_PRELOAD)
     return _context
+
+
+def warm_up(jobs: int) -> None:
+    """Start the forkserver now (with jobs > 1 on a platform that has it), so that it has
+    imported the search modules by the time the first search asks it for a worker: that
+    first request waits for those imports, which takes seconds on a loaded machine."""
+    if jobs <= 1:
+        return
+    ctx = _mp_context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        with _main_module_hidden():
+            forkserver.ensure_running()
 
 
 @contextmanager
@@ -145,8 +161,9 @@ def run_seeds(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any
         results = [fn(*args, **kwargs, deadline_s=deadline_s, seed=seed)]
         for w, fut in enumerate(futures, start=1):
             try:
-                # a worker overruns the deadline only by its last step and the transfer
-                results.append(fut.result(timeout=max(5.0, 0.5 * left_s)))
+                # workers stop WORKER_MARGIN_S early; one still busy after this is stuck
+                # (an overloaded machine): the caller's later steps need the time
+                results.append(fut.result(timeout=WORKER_WAIT_S + 0.05 * left_s))
             except Exception as exc:  # noqa: BLE001 - a lost worker costs only its seed
                 if progress is not None:
                     progress(f"search worker {w} (seed {seed + SEED_STRIDE * w}) failed: "

@@ -150,3 +150,18 @@ def test_workers_that_cannot_start_leave_the_search_in_process(measured_cost, mo
     assert len(out) == 1 and out[0][1] > 0
     assert said == ["search workers could not start ([Errno 11] Resource temporarily "
                     "unavailable); 0 of 2 running"]
+
+
+def test_python_m_helixserve_plan_runs_once_with_workers(tmp_path):
+    # `python -m helixserve`: a worker that imported helixserve.__main__ would run the CLI
+    # again (a second plan, or a second demo on the same work dir)
+    out = tmp_path / "p.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "helixserve", "plan", "--time-limit", "8", "--jobs", "2",
+         "--cluster", str(SHARED / "clusters" / "helix-single-24.yaml"),
+         "--model", str(SHARED / "models" / "llama-2-70b"),
+         "--profiles", str(SHARED / "profiles" / "helix-measured.csv"), "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("wrote ") == 1, proc.stdout
+    assert proc.stderr.count("baselines:") == 1 and "best of 2 seeds" in proc.stderr
