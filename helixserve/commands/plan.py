@@ -99,8 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "machine of it that is still in the cluster and still fits as it is, "
                    "placing only new machines and the layers of lost ones (and, if that is "
                    "not within --max-loss of the full re-plan, moving a few neighbours; "
-                   "30%% of the time), and keep it unless the full re-plan is more than --max-loss "
-                   "better; prints which machines change range (each one restarts and "
+                   "30%% of the time), and keep it unless the full re-plan is more than "
+                   "--max-loss better; prints which machines change range (each one restarts and "
                    "reloads its layers)")
     p.add_argument("--max-loss", type=float, default=0.05, metavar="FRACTION",
                    help="with --from: throughput the incremental placement may lose against "
@@ -190,7 +190,7 @@ def _replan(args: argparse.Namespace, cluster: Any, model: Any, cost: Any, curre
                  progress, partial, args.jobs, args.max_loss)
     inc, full = out.incremental, out.full
     full_value = full.throughput_tokens_per_s or 0.0
-    loss = 1 - inc.throughput_tokens_per_s / full_value if full_value else 0.0
+    share = inc.throughput_tokens_per_s / full_value if full_value else 1.0
     names = ", ".join
     print(f"from {args.from_placement}: {len(inc.kept)} machines kept as they were; "
           f"gone: {names(inc.gone) or '-'}; new: {names(inc.new) or '-'}; "
@@ -198,7 +198,7 @@ def _replan(args: argparse.Namespace, cluster: Any, model: Any, cost: Any, curre
     print(f"incremental {inc.throughput_tokens_per_s:,.1f} tokens/s, moving "
           f"{changes(current, out.incremental_placement).moves} machines; full re-plan "
           f"{full_value:,.1f} tokens/s, moving {changes(current, full).moves} "
-          f"(the incremental one has {1 - loss:.1%} of it); kept: "
+          f"(the incremental one has {share:.1%} of it); kept: "
           f"{'incremental' if out.kept_incremental else 'full re-plan'} "
           f"(--max-loss {args.max_loss:g})")
     return out.placement
@@ -218,7 +218,6 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
                        planned: Any, requests: list[Any], progress: Any) -> Any:
     """The planned placement, a stacked tiling or regional pipelines (each, across regions,
     also routed within regions), whichever serves `requests` best."""
-    from helixserve.planner.parallel import check_jobs
     from helixserve.planner.report import format_selection
     from helixserve.planner.serving import SelectionConfig, select_placement
     from helixserve.simulator.engines import engine_config
@@ -233,7 +232,7 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
              f"other candidates, {config.duration_s:.0f} s each")
     chosen, report = select_placement(cluster, model, cost, [planned], requests, config,
                                       name=f"{planned.planner}-serving",
-                                      jobs=check_jobs(args.jobs))
+                                      jobs=args.jobs)
     print(f"serving selection ({args.serve_engine} engine, {config.duration_s:.0f} s offline, "
           f"the first {config.warmup_s:.0f} s not counted; * = kept):")
     print(format_selection(report))

@@ -15,15 +15,15 @@ also builds the *incremental* placement:
     then gaps that remain are filled (pinned.fill_gaps), then the local search moves only
     the free machines (local_search with the kept ones fixed);
   * while that is more than `max_loss` below a full re-plan (run first, 70% of the time),
-    kept machines are un-pinned in rounds of 1, 2, 4, ... up to half of them (those nearest
-    the layer of least capacity first) and searched again, each round from the last one's best: losing a
-    machine that was the only holder of some layers, with no new one to take them, needs
-    some neighbours to move.
+    kept machines are un-pinned in rounds of 1, 2, 4, ... up to half of them (those
+    nearest the layer of least capacity first) and searched again, each round from the
+    last one's best: losing a machine that was the only holder of some layers, with no
+    new one to take them, needs some neighbours to move.
 
 `choose` keeps the incremental placement when it is as good as the full re-plan, or within
-`max_loss` of its throughput while moving fewer machines; else the full re-plan; either way the changes against `current` are reported
-(`changes`). The full re-plan's bound holds for both: the bounds are over every placement
-within the weight cap.
+`max_loss` of its throughput while moving fewer machines; else the full re-plan. Either way
+the changes against `current` are reported (`changes`). The full re-plan's bound holds for
+both: the bounds are over every placement within the weight cap.
 """
 
 from __future__ import annotations
@@ -92,13 +92,17 @@ def check_current(current: Placement, num_layers: int, source: str) -> None:
                         f"{num_layers} layers; --from needs a placement of the same model")
 
 
-def _weakest_first(net: FlowNetwork, ranges: Ranges, candidates: list[int]) -> list[int]:
-    """`candidates` ordered by how close their range is to the layer of least capacity."""
-    L = net.model.num_layers
-    cover = np.zeros(L)
+def _cover(net: FlowNetwork, ranges: Ranges) -> np.ndarray:
+    """Per layer, the summed T(k) of the machines holding it."""
+    cover = np.zeros(net.model.num_layers)
     for j, (s, e) in ranges.items():
         cover[s:e] += net.node_cap(j, e - s)
-    weakest = int(np.argmin(cover))
+    return cover
+
+
+def _weakest_first(net: FlowNetwork, ranges: Ranges, candidates: list[int]) -> list[int]:
+    """`candidates` ordered by how close their range is to the layer of least capacity."""
+    weakest = int(np.argmin(_cover(net, ranges)))
 
     def distance(j: int) -> int:
         s, e = ranges[j]
@@ -114,7 +118,6 @@ def incremental(net: FlowNetwork, current: Placement, deadline_s: float, seed: i
     (1, 2, 4, ... of them, nearest the layer of least capacity first) until it gets there;
     each round starts from the last one's best."""
     check_current(current, net.model.num_layers, "--from")
-    L = net.model.num_layers
     kept: Ranges = {}
     freed, gone = [], []
     for r in current.nodes:
@@ -130,24 +133,21 @@ def incremental(net: FlowNetwork, current: Placement, deadline_s: float, seed: i
     free = [i for i in range(len(net.names)) if i not in kept and net.max_layers[i] > 0]
 
     ranges = dict(kept)
-    caps = {i: net.node_cap(i, e - s) for i, (s, e) in kept.items()}
     # the strongest free machines first, each where capacity is lowest
     for i in sorted(free, key=lambda j: -net.node_cap(j, int(net.max_layers[j])) *
                     int(net.max_layers[j])):
         k = int(net.max_layers[i])
-        cover = np.zeros(L)
-        for j, (s, e) in ranges.items():
-            cover[s:e] += caps[j]
-        window = np.convolve(cover, np.ones(k), mode="valid")
-        s = int(np.argmin(window))
-        ranges[i], caps[i] = (s, s + k), net.node_cap(i, k)
+        s = int(np.argmin(np.convolve(_cover(net, ranges), np.ones(k), mode="valid")))
+        ranges[i] = (s, s + k)
     ranges = fill_gaps(net, ranges, set(kept))
     value = net.max_flow(ranges, partial_inference)[0]
     # rounds: 0 (only the free machines move), then 1, 2, 4, ... kept machines un-pinned
-    # (at most half of the kept machines: beyond that a full re-plan is the better answer)
+    # (at most half of the kept machines, or the one there is: beyond that a full re-plan
+    # is the better answer)
+    most = max(1, len(kept) // 2) if kept else 0
     sizes = [0]
-    while sizes[-1] < max(1, len(kept) // 2) <= len(kept):
-        sizes.append(min(max(1, len(kept) // 2), max(1, 2 * sizes[-1])))
+    while sizes[-1] < most:
+        sizes.append(min(most, max(1, 2 * sizes[-1])))
     pinned = set(kept)
     for n, size in enumerate(sizes):
         if n > 0 and value >= target:
@@ -216,8 +216,9 @@ def replan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, current: Pla
         raise UserError(f"--max-loss: bad value {max_loss}; must be a fraction in [0, 1]")
     check_current(current, model.num_layers, "--from")
     started = time.perf_counter()
-    full = plan(planner, cluster, model, cost, time_limit_s=(1 - INCREMENTAL_SHARE) * time_limit_s,
-                seed=seed, progress=progress, partial_inference=partial_inference, jobs=jobs)
+    full = plan(planner, cluster, model, cost,
+                time_limit_s=(1 - INCREMENTAL_SHARE) * time_limit_s, seed=seed,
+                progress=progress, partial_inference=partial_inference, jobs=jobs)
     full_value = full.throughput_tokens_per_s or 0.0
     net = FlowNetwork(cluster, model, cost)
     inc = incremental(net, current, started + time_limit_s - 0.02 * time_limit_s, seed,
