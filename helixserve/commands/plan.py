@@ -184,8 +184,9 @@ def run(args: argparse.Namespace) -> int:
 def _replan(args: argparse.Namespace, cluster: Any, model: Any, cost: Any, current: Any,
             progress: Any, partial: bool) -> Any:
     """--from: the incremental placement or the full re-plan (planner/incremental.py)."""
-    from helixserve.planner.incremental import changes, replan
+    from helixserve.planner.incremental import changes, check_current, replan
 
+    check_current(current, model.num_layers, args.from_placement)  # names the file
     out = replan(cluster, model, cost, current, args.planner, args.time_limit, args.seed,
                  progress, partial, args.jobs, args.max_loss)
     inc, full = out.incremental, out.full
