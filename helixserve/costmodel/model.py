@@ -265,6 +265,20 @@ class CostModel:
         k = int(self.memory_bytes(node) * MEMORY_UTILIZATION // per_layer)
         return max(self.max_layers(node), min(k, m.num_layers))
 
+    def _check_kv_left(self, cluster: ClusterSpec) -> None:
+        """Raise UserError when the per-GPU reserve leaves too few nodes any KV cache to
+        serve every layer (their T(k) would be 0: a plan of throughput 0)."""
+        serving = [n for n in cluster.nodes if self.kv_capacity_tokens(n, 1) > 0]
+        layers = sum(self.max_layers(n) for n in serving)
+        if layers >= self.model.num_layers:
+            return
+        idle = [n.name for n in cluster.nodes if n not in serving]
+        raise UserError(
+            f"{cluster.source}: with {self.reserved_bytes_per_gpu / 1e9:g} GB kept per GPU "
+            f"(--gpu-reserve-gb), {len(idle)} of {len(cluster.nodes)} nodes have no memory left "
+            f"for KV cache (first: {idle[0]}); the others hold at most {layers} of the "
+            f"{self.model.num_layers} layers")
+
     def kv_capacity_tokens(self, node: NodeSpec, num_layers: int) -> int:
         """Tokens of KV cache per layer held, with `num_layers` layers loaded."""
         if num_layers <= 0:
@@ -322,6 +336,7 @@ class CostModel:
         """Raise UserError when the whole cluster cannot hold every layer of the model."""
         total = sum(self.max_layers(n) for n in cluster.nodes)
         if total >= self.model.num_layers:
+            self._check_kv_left(cluster)
             return
         m = self.model
         need_gb = m.num_layers * m.layer_weight_bytes / self.weight_fraction / 1e9

@@ -8,6 +8,7 @@ A link between two endpoints resolves as: `explicit` (directed) > `between_regio
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from helixserve.errors import UserError
+from helixserve.errors import UserError, read_user_file
 from helixserve.spec.gpus import GpuCatalog, load_gpu_catalog
 
 COORDINATOR = "coordinator"
@@ -108,17 +109,40 @@ class ClusterSpec:
         return bw
 
 
+#: the largest value a number in a cluster file may take: far above any real machine or
+#: link (1 PB of memory, 1 Pbit/s, 11 days of latency), far below float overflow
+_MAX_NUMBER = 1e6
+#: GPUs inside one machine
+_MAX_GPUS_PER_NODE = 1024
+
+
 def _num(value: Any, where: str, *, allow_zero: bool = True) -> float:
+    """A finite number in [0, _MAX_NUMBER] (> 0 unless `allow_zero`). A string that reads
+    as one is taken: YAML 1.1 reads `1e3` (no dot) as the string '1e3'."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise UserError(f"{where}: expected a number, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise UserError(f"{where}: expected a number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise UserError(f"{where}: bad value {value!r}; must be {'>= 0' if allow_zero else '> 0'}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero) \
+            or value > _MAX_NUMBER:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise UserError(f"{where}: bad value {value!r}; must be {bound} and <= {_MAX_NUMBER:g}")
     return float(value)
 
 
-def _link(raw: Any, where: str) -> LinkSpec:
+def _check_keys(raw: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    unknown = sorted(str(k) for k in set(raw) - set(known))
+    if unknown:
+        raise UserError(f"{where}: unknown field {unknown[0]!r}; known: {', '.join(known)}")
+
+
+def _link(raw: Any, where: str, ends: tuple[str, ...] = ()) -> LinkSpec:
     if not isinstance(raw, dict):
         raise UserError(f"{where}: expected a mapping, got {raw!r}")
+    _check_keys(raw, (*ends, "bandwidth_gbps", "latency_ms"), where)
     if "bandwidth_gbps" not in raw:
         raise UserError(f"{where}.bandwidth_gbps: missing")
     return LinkSpec(
@@ -133,6 +157,7 @@ def parse_cluster(data: Any, source: str = "cluster",
     catalog = catalog or load_gpu_catalog()
     if not isinstance(data, dict):
         raise UserError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    _check_keys(data, ("name", "nodes", "links", "coordinator"), source)
     nodes_raw = data.get("nodes")
     if not isinstance(nodes_raw, list) or not nodes_raw:
         raise UserError(f"{source}: nodes: expected a non-empty list, got {nodes_raw!r}")
@@ -152,8 +177,10 @@ def parse_cluster(data: Any, source: str = "cluster",
         if not isinstance(gpu, str) or gpu not in catalog:
             raise UserError(f"{where}.gpu: unknown GPU {gpu!r}; known: {', '.join(catalog.names())}")
         num_gpus = raw.get("num_gpus", 1)
-        if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
-            raise UserError(f"{where}.num_gpus: bad value {num_gpus!r}; must be an integer >= 1")
+        if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or not (
+                1 <= num_gpus <= _MAX_GPUS_PER_NODE):
+            raise UserError(f"{where}.num_gpus: bad value {num_gpus!r}; must be an integer "
+                            f"from 1 to {_MAX_GPUS_PER_NODE}")
         region = raw.get("region", DEFAULT_REGION)
         if not isinstance(region, str):
             raise UserError(f"{where}.region: bad value {region!r}; expected a string")
@@ -177,6 +204,7 @@ def parse_cluster(data: Any, source: str = "cluster",
     coord = data.get("coordinator") or {}
     if not isinstance(coord, dict):
         raise UserError(f"{source}: coordinator: expected a mapping, got {coord!r}")
+    _check_keys(coord, ("region", "nic_gbps"), f"{source}: coordinator")
     coord_region = coord.get("region", DEFAULT_REGION)
     if not isinstance(coord_region, str):
         raise UserError(f"{source}: coordinator.region: bad value {coord_region!r}")
@@ -185,6 +213,8 @@ def parse_cluster(data: Any, source: str = "cluster",
     links = data.get("links") or {}
     if not isinstance(links, dict):
         raise UserError(f"{source}: links: expected a mapping, got {links!r}")
+    _check_keys(links, ("default", "between_regions", "explicit"), f"{source}: links")
+    regions = {n.region for n in nodes} | {coord_region}
     default_link: LinkSpec | None = DEFAULT_LINK
     if "default" in links:
         default_link = _link(links["default"], f"{source}: links.default")
@@ -195,7 +225,15 @@ def parse_cluster(data: Any, source: str = "cluster",
                 raw.get("b"), str):
             raise UserError(f"{where}: expected {{a: REGION, b: REGION, bandwidth_gbps: ...}}, "
                             f"got {raw!r}")
-        between[frozenset((raw["a"], raw["b"]))] = _link(raw, where)
+        for key in ("a", "b"):
+            if raw[key] not in regions:
+                raise UserError(f"{where}.{key}: no node or coordinator is in region "
+                                f"{raw[key]!r}; regions: {', '.join(sorted(regions))}")
+        pair = frozenset((raw["a"], raw["b"]))
+        if pair in between:
+            raise UserError(f"{where}: a second link between regions {raw['a']!r} and "
+                            f"{raw['b']!r}")
+        between[pair] = _link(raw, where, ("a", "b"))
     explicit: dict[tuple[str, str], LinkSpec] = {}
     # 600 entries per shared cluster: one dict lookup per endpoint, no per-entry scans
     for i, raw in enumerate(links.get("explicit") or []):
@@ -211,9 +249,13 @@ def parse_cluster(data: Any, source: str = "cluster",
             ends.append(end)
         if ends[0] == ends[1]:
             raise UserError(f"{where}: src and dst are the same node {ends[0]!r}")
-        explicit[(ends[0], ends[1])] = _link(raw, where)
+        if (ends[0], ends[1]) in explicit:
+            raise UserError(f"{where}: a second link {ends[0]} -> {ends[1]}")
+        explicit[(ends[0], ends[1])] = _link(raw, where, ("src", "dst"))
 
     name = data.get("name", Path(source).stem)
+    if not isinstance(name, str | int | float) or isinstance(name, bool):
+        raise UserError(f"{source}: name: bad value {name!r}; expected text")
     return ClusterSpec(
         name=str(name), nodes=nodes, coordinator_region=coord_region,
         coordinator_nic_gbps=None if coord_nic is None else _num(
@@ -225,10 +267,7 @@ def parse_cluster(data: Any, source: str = "cluster",
 def load_cluster(path: str | Path, catalog: GpuCatalog | None = None) -> ClusterSpec:
     """Read and validate a cluster YAML file."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise UserError(f"{p}: cannot read cluster file: {exc.strerror}") from None
+    text = read_user_file(p, "cluster file")
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
         data = yaml.load(text, Loader=loader)  # noqa: S506 - a safe loader

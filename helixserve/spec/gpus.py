@@ -7,10 +7,11 @@ pseudo-GPU so a local CPU cluster (the demo) can be planned too.
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from helixserve.errors import UserError
+from helixserve.errors import UserError, read_user_file
 
 DEFAULT_CATALOG = Path(__file__).resolve().parents[1] / "data" / "gpus.csv"
 
@@ -56,10 +57,7 @@ class GpuCatalog:
 def load_gpu_catalog(path: str | Path | None = None) -> GpuCatalog:
     """Read a catalog CSV (columns of shared/data/gpus.csv); default: the shipped copy."""
     p = Path(path) if path is not None else DEFAULT_CATALOG
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise UserError(f"{p}: cannot read GPU catalog: {exc.strerror}") from None
+    text = read_user_file(p, "GPU catalog")
     reader = csv.DictReader(text.splitlines())
     need = ("gpu", "memory_gb", "memory_bandwidth_gbytes_per_s", "bf16_dense_tflops",
             "fp16_dense_tflops")
@@ -75,8 +73,11 @@ def load_gpu_catalog(path: str | Path | None = None) -> GpuCatalog:
                 values.append(float(row[col]))
             except (TypeError, ValueError):
                 raise UserError(f"{p}: line {line_no}: {col}: bad number {row[col]!r}") from None
-            if values[-1] < 0:
-                raise UserError(f"{p}: line {line_no}: {col}: negative value {row[col]!r}")
+            # memory, bandwidth and fp16 FLOP/s must be > 0; bf16 0 means "no bf16"
+            positive = col != "bf16_dense_tflops"
+            if not math.isfinite(values[-1]) or values[-1] < 0 or (positive and values[-1] == 0):
+                raise UserError(f"{p}: line {line_no}: {col}: bad value {row[col]!r}; must be "
+                                f"a finite number {'> 0' if positive else '>= 0'}")
         if name in gpus:
             raise UserError(f"{p}: line {line_no}: gpu: duplicate {name!r}")
         gpus[name] = GpuSpec(name, *values)

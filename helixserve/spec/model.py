@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helixserve.errors import UserError
+from helixserve.errors import UserError, read_user_file
 
 
 @dataclass(frozen=True)
@@ -104,10 +104,7 @@ def load_model(path: str | Path, name: str | None = None, dtype_bytes: int = 2) 
     """Read a config.json (or a directory holding one); name defaults to the directory name."""
     p = Path(path)
     cfg_path = p / "config.json" if p.is_dir() else p
-    try:
-        text = cfg_path.read_text()
-    except OSError as exc:
-        raise UserError(f"{cfg_path}: cannot read model config: {exc.strerror}") from None
+    text = read_user_file(cfg_path, "model config")
     try:
         cfg = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -8,10 +8,12 @@ assumed monotone (the Helix measurements have dips).
 from __future__ import annotations
 
 import csv
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from helixserve.errors import UserError
+from helixserve.errors import UserError, read_user_file
 
 PHASES = ("prompt", "decode")
 COLUMNS = ("model", "gpu", "num_gpus", "phase", "batch_tokens", "layer_ms")
@@ -46,12 +48,17 @@ class ProfileTable:
         return sorted(self.curves)
 
 
+def _field(row: dict[str, str], column: str, kind: type[int] | type[float], where: str) -> Any:
+    try:
+        return kind(row[column])
+    except (TypeError, ValueError):
+        what = "an integer" if kind is int else "a number"
+        raise UserError(f"{where}: {column}: bad value {row[column]!r}; expected {what}") from None
+
+
 def load_profiles(path: str | Path) -> ProfileTable:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise UserError(f"{p}: cannot read profiles: {exc.strerror}") from None
+    text = read_user_file(p, "profiles")
     reader = csv.DictReader(text.splitlines())
     missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
     if missing:
@@ -63,15 +70,16 @@ def load_profiles(path: str | Path) -> ProfileTable:
         phase = row["phase"]
         if phase not in PHASES:
             raise UserError(f"{where}: phase: bad value {phase!r}; known: prompt, decode")
-        try:
-            num_gpus = int(row["num_gpus"])
-            tokens = int(row["batch_tokens"])
-            ms = float(row["layer_ms"])
-        except (TypeError, ValueError):
-            raise UserError(f"{where}: bad number in {row!r}") from None
-        if num_gpus < 1 or tokens < 1 or ms < 0:
-            raise UserError(f"{where}: num_gpus/batch_tokens must be >= 1 and layer_ms >= 0, "
-                            f"got {num_gpus}/{tokens}/{ms}")
+        num_gpus = _field(row, "num_gpus", int, where)
+        tokens = _field(row, "batch_tokens", int, where)
+        ms = _field(row, "layer_ms", float, where)
+        if num_gpus < 1:
+            raise UserError(f"{where}: num_gpus: bad value {num_gpus}; must be >= 1")
+        if tokens < 1:
+            raise UserError(f"{where}: batch_tokens: bad value {tokens}; must be >= 1")
+        if not (math.isfinite(ms) and ms > 0):
+            raise UserError(f"{where}: layer_ms: bad value {row['layer_ms']!r}; must be a "
+                            "finite number > 0")
         # a repeated point keeps the last value (a re-run of `helixserve profile` wins)
         points.setdefault((row["model"], row["gpu"], num_gpus, phase), {})[tokens] = ms
     curves = {

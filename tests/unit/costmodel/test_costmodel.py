@@ -116,6 +116,19 @@ def test_model_that_does_not_fit_says_by_how_much(cost70):
         cost70.check_fits(cluster)
 
 
+def test_a_reserve_that_leaves_no_kv_is_an_error(profiles):
+    model = load_model(SHARED / "models" / "llama-2-70b")
+    nodes = [NodeSpec(f"a{i}", "A100-40GB") for i in range(6)] + [NodeSpec("t0", "T4"),
+                                                                   NodeSpec("t1", "T4")]
+    cluster = ClusterSpec("c", nodes, source="c.yaml")
+    CostModel(model, profiles, reserved_gb_per_gpu=4.5).check_fits(cluster)
+    # 30 GB kept of a T4's 16 GB and an A100's 40 GB: the T4s have no KV, the A100s still do
+    with pytest.raises(UserError, match=r"c\.yaml: with 30 GB kept per GPU \(--gpu-reserve-gb\), "
+                                        r"2 of 8 nodes have no memory left for KV cache "
+                                        r"\(first: t0\); the others hold at most 72 of the 80"):
+        CostModel(model, profiles, reserved_gb_per_gpu=30).check_fits(cluster)
+
+
 def test_gpu_reserve_changes_kv_not_the_weight_cap(profiles):
     model = load_model(SHARED / "models" / "llama-2-70b")
     default = CostModel(model, profiles)

@@ -77,6 +77,27 @@ def test_shared_clusters_parse_all_explicit_links():
         ("memory_gb: 12.5", "memory_gb: -1", r"nodes\[2\]\.memory_gb: bad value -1"),
         ("{name: a, gpu: A100-40GB", "{name: A_1, gpu: A100-40GB", r"nodes\[0\]\.name: bad value"),
         ("region: r1, memory_gb", "regoin: r1, memory_gb", r"nodes\[2\]: unknown field 'regoin'"),
+        # non-finite and absurd numbers
+        ("memory_gb: 12.5", "memory_gb: .inf", r"nodes\[2\]\.memory_gb: bad value inf"),
+        ("memory_gb: 12.5", "memory_gb: 1.0e+300", r"nodes\[2\]\.memory_gb: bad value 1e\+300"),
+        ("default: {bandwidth_gbps: 8.0", "default: {bandwidth_gbps: .nan",
+         r"links\.default\.bandwidth_gbps: bad value nan"),
+        ("latency_ms: 40", "latency_ms: .nan", r"between_regions\[0\]\.latency_ms: bad value nan"),
+        ("nic_gbps: 5", "nic_gbps: .nan", r"nodes\[1\]\.nic_gbps: bad value nan"),
+        ("num_gpus: 2", "num_gpus: 100000000000000000000000",
+         r"nodes\[1\]\.num_gpus: bad value 100000000000000000000000; must be an integer from 1"),
+        # unknown keys outside nodes[], wrong types, duplicates, unknown regions
+        ("coordinator: {region: r1}", "coordinator: {regoin: r1}",
+         r"coordinator: unknown field 'regoin'; known: region, nic_gbps"),
+        ("name: t\n", "name: t\nnodez: []\n", r"cluster\.yaml: unknown field 'nodez'"),
+        ("  explicit:", "  explicitt:", r"links: unknown field 'explicitt'"),
+        ("latency_ms: 1.0}", "latency_ms: 1.0, jitter: 2}",
+         r"links\.default: unknown field 'jitter'"),
+        ("name: t\n", "name: [a]\n", r"cluster\.yaml: name: bad value \['a'\]"),
+        ("{src: c, dst: a, bandwidth_gbps: 0}",
+         "{src: a, dst: c, bandwidth_gbps: 0}", r"links\.explicit\[1\]: a second link a -> c"),
+        ("{a: r1, b: r2,", "{a: r1, b: r3,",
+         r"between_regions\[0\]\.b: no node or coordinator is in region 'r3'; regions: r1, r2"),
     ],
 )
 def test_errors_name_file_field_and_value(tmp_path, old, new, message):
@@ -85,6 +106,20 @@ def test_errors_name_file_field_and_value(tmp_path, old, new, message):
     with pytest.raises(UserError, match=message) as err:
         load_cluster(path)
     assert str(path) in str(err.value)
+
+
+def test_numbers_yaml_reads_as_text_are_numbers(tmp_path):
+    # YAML 1.1 reads 1e3 (no dot) as the string '1e3'; it is still the number 1000
+    c = load_cluster(write(tmp_path, BASE.replace("bandwidth_gbps: 100", "bandwidth_gbps: 1e2")))
+    assert c.link("a", "c") == LinkSpec(100.0, 0.1)
+
+
+def test_not_utf8_names_the_file(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_bytes(b"name: t\xe9\n" + BASE.split("\n", 2)[2].encode())
+    with pytest.raises(UserError, match=r"cluster\.yaml: cannot read cluster file: not UTF-8 "
+                                        r"text \(byte 0xe9 at offset 7\)"):
+        load_cluster(path)
 
 
 def test_bad_yaml_names_the_line(tmp_path):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -67,7 +68,17 @@ def test_shared_profiles_load_every_curve():
         ("model,gpu,num_gpus,phase,batch_tokens,layer_ms\nm,L4,1,train,2,1.0\n",
          "line 2: phase: bad value 'train'"),
         ("model,gpu,num_gpus,phase,batch_tokens,layer_ms\nm,L4,1,decode,two,1.0\n",
-         "line 2: bad number"),
+         "line 2: batch_tokens: bad value 'two'; expected an integer"),
+        ("model,gpu,num_gpus,phase,batch_tokens,layer_ms\nm,L4,1,decode,2,fast\n",
+         "line 2: layer_ms: bad value 'fast'; expected a number"),
+        ("model,gpu,num_gpus,phase,batch_tokens,layer_ms\nm,L4,1,decode,2,0\n",
+         "line 2: layer_ms: bad value '0'; must be a finite number > 0"),
+        ("model,gpu,num_gpus,phase,batch_tokens,layer_ms\nm,L4,1,decode,2,nan\n",
+         "line 2: layer_ms: bad value 'nan'"),
+        ("model,gpu,num_gpus,phase,batch_tokens,layer_ms\nm,L4,1,decode,2,inf\n",
+         "line 2: layer_ms: bad value 'inf'"),
+        ("model,gpu,num_gpus,phase,batch_tokens,layer_ms\nm,L4,0,decode,2,1.0\n",
+         "line 2: num_gpus: bad value 0; must be >= 1"),
     ],
 )
 def test_profile_errors(tmp_path, text, message):
@@ -85,3 +96,22 @@ def test_catalog_ships_every_shared_gpu_and_cpu():
     assert shipped.get("T4").dense_tflops == 65  # no bf16: fp16 rate
     with pytest.raises(UserError, match="unknown GPU 'B300'; known: A10, A100-40GB"):
         shipped.get("B300")
+
+
+@pytest.mark.parametrize(("column", "value", "message"), [
+    ("memory_bandwidth_gbytes_per_s", "0", "must be a finite number > 0"),
+    ("memory_gb", "nan", "must be a finite number > 0"),
+    ("fp16_dense_tflops", "-1", "must be a finite number > 0"),
+    ("bf16_dense_tflops", "inf", "must be a finite number >= 0"),
+])
+def test_catalog_numbers_must_be_finite_and_positive(tmp_path, column, value, message):
+    rows = list(csv.DictReader((SHARED / "gpus.csv").read_text().splitlines()))
+    rows[0][column] = value
+    p = tmp_path / "gpus.csv"
+    with p.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    with pytest.raises(UserError, match=f"gpus.csv: line 2: {column}: bad value '{value}'; "
+                                        f"{message}"):
+        load_gpu_catalog(p)
