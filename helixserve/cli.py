@@ -13,6 +13,7 @@ import importlib
 import sys
 
 from helixserve import __version__
+from helixserve.commands.args import ArgumentParser
 from helixserve.errors import UserError
 
 # Order is the order shown in --help.
@@ -31,12 +32,14 @@ COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # every parser one line on a usage error (commands.args); subparsers of subparsers
+    # (deploy k8s) take their parent's class
+    parser = ArgumentParser(
         prog="helixserve",
         description="Serve one LLM from a cluster of mixed GPUs (Helix max-flow placement).",
     )
     parser.add_argument("--version", action="version", version=f"helixserve {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(f"helixserve.commands.{name}")

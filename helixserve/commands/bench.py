@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
+
+from helixserve.commands.args import finite_float
 
 
 def _rate(text: str) -> float:
@@ -15,7 +18,7 @@ def _rate(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'inf', got {text!r}") from None
-    if value <= 0:
+    if math.isnan(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 (or 'inf'), got {text!r}")
     return value
 
@@ -38,14 +41,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--random-range-ratio", type=finite_float, default=0.0)
     p.add_argument(
         "--max-input-len", type=int, default=None, help="azure-conv: scale prompts to fit"
     )
     p.add_argument(
         "--max-output-len", type=int, default=None, help="azure-conv: scale outputs to fit"
     )
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=finite_float, default=0.0)
     p.add_argument(
         "--max-tokens",
         type=int,
@@ -54,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "request's dataset output length with max_tokens + ignore_eos)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--timeout-s", type=finite_float, default=600.0)
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write results here")
     p.set_defaults(func=run)
 
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.bench.client import ClientConfig, probe, run_requests
     from helixserve.bench.datasets import default_trace_path, load_azure_conv, make_random
     from helixserve.bench.report import format_table, summarize
+    from helixserve.commands.args import Output, check_output, write_outputs
     from helixserve.errors import UserError
 
     if args.num_prompts < 1:
@@ -89,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-tokens: must be >= 1, got {args.max_tokens}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise UserError(f"--max-concurrency: must be >= 1, got {args.max_concurrency}")
+    # before the run: a path that cannot be written fails now (missing directories are made)
+    if args.json is not None:
+        check_output("--json", args.json, make_parents=True)
     if args.dataset == "azure-conv":
         requests = load_azure_conv(
             args.dataset_path or default_trace_path(),
@@ -146,6 +153,6 @@ def run(args: argparse.Namespace) -> int:
             },
             **report.to_dict(),
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        text = json.dumps(out, indent=2) + "\n"
+        write_outputs([Output("--json", args.json, lambda path: path.write_text(text))])
     return 0 if report.failed == 0 else 1

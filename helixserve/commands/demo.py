@@ -12,6 +12,7 @@ import argparse
 import os
 from pathlib import Path
 
+from helixserve.commands.args import finite_float
 from helixserve.commands.serve import add_kv_arguments, check_kv_arguments
 
 
@@ -36,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--worker-link-fraction",
-        type=float,
+        type=finite_float,
         default=None,
         help="model worker-to-worker links as carrying this fraction of the fast-network "
         "plan's throughput (default 0.5: the max flow then uses more than one route); "
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         run_stack,
         usage_examples,
     )
+    from helixserve.commands.args import check_output
     from helixserve.errors import UserError
 
     if not 0 < args.port < 65536:
@@ -95,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--worker-kv-cache-mb and --worker-threads: must be >= 1")
     check_kv_arguments(args)
     memory_gb = _memory(args.memory_gb)
+    if args.workdir is not None:
+        check_output("--workdir", args.workdir, directory=True)
 
     def log(msg: str) -> None:
         print(msg, flush=True)

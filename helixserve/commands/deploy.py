@@ -63,6 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from helixserve.commands.args import check_output
     from helixserve.deploy import (
         RenderOptions,
         parse_gpu_product_overrides,
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from helixserve.deploy.k8s import worker_address
 
+    check_output("--out", args.out, directory=True)  # before rendering: fails at once
     opts = RenderOptions(
         image=args.image,
         model_path=args.model_path,

@@ -24,10 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from helixserve.commands.args import Output, check_image, write_outputs
     from helixserve.commands.plan import load_inputs
     from helixserve.planner import evaluate, load_placement
     from helixserve.planner.report import format_table, node_rows, plot_placement
 
+    plot_path = check_image("--plot", args.plot) if args.plot else None
     cluster, model, cost = load_inputs(args)
     placement = load_placement(args.placement)
     result = evaluate(cluster, model, cost, placement,
@@ -46,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(node_rows(cluster, cost, placement, result.flows), unused))
         covered = "" if placement.covers_all_layers() else " (layers not all covered!)"
         print(f"throughput {result.throughput_tokens_per_s:,.1f} tokens/s{covered}")
-    if args.plot:
-        plot_placement(cluster, placement, result.flows, args.plot)
+    if plot_path is not None:
+        write_outputs([Output("--plot", plot_path, lambda path: plot_placement(
+            cluster, placement, result.flows, path))])
     return 0

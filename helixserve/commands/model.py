@@ -22,8 +22,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from helixserve.engine.demo import prepare_demo_model
+    from helixserve.commands.args import check_output
+    from helixserve.engine.demo import is_prepared, prepare_demo_model
+    from helixserve.errors import UserError
 
+    if args.out is not None:
+        target = check_output("--out", args.out, directory=True)
+        # preparing replaces the directory: never one that holds something else
+        if target.is_dir() and any(target.iterdir()) and not is_prepared(target):
+            raise UserError(f"--out {args.out}: directory is not empty and holds no prepared "
+                            "demo model; not replacing it")
     out = prepare_demo_model(args.out)
     print(out)
     return 0

@@ -8,12 +8,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from helixserve.commands.args import finite_float
+
 EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "example"
 
 
 def add_reserve_arg(p: argparse.ArgumentParser) -> None:
     """--gpu-reserve-gb, shared with `simulate`."""
-    p.add_argument("--gpu-reserve-gb", type=float, default=None, metavar="GB",
+    p.add_argument("--gpu-reserve-gb", type=finite_float, default=None, metavar="GB",
                    help="memory per GPU the serving engine keeps outside weights and KV "
                    "(CUDA context, activations, graphs); more means less KV on every node. "
                    "Default 1.07 (1 GiB); simulate --engine vllm: 4.5, fitted to the KV "
@@ -87,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_input_args(p, example=True)
     p.add_argument("--planner", default="milp",
                    help="milp (default), petals, swarm, separate or uniform")
-    p.add_argument("--time-limit", type=float, default=60.0, metavar="SECONDS",
+    p.add_argument("--time-limit", type=finite_float, default=60.0, metavar="SECONDS",
                    help="wall-clock budget of the milp planner (default 60)")
     p.add_argument("--seed", type=int, default=0, help="seed of the local search")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
@@ -102,7 +104,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "30%% of the time), and keep it unless the full re-plan is more than "
                    "--max-loss better; prints which machines change range (each one restarts and "
                    "reloads its layers)")
-    p.add_argument("--max-loss", type=float, default=0.05, metavar="FRACTION",
+    p.add_argument("--max-loss", type=finite_float, default=0.05, metavar="FRACTION",
                    help="with --from: throughput the incremental placement may lose against "
                    "the full re-plan and still be kept (default 0.05; 0: only if as good)")
     p.add_argument("--out", help="write the placement JSON here")
@@ -122,13 +124,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "chunked prefill of 512 tokens; see `helixserve simulate --engine`). "
                    "Its memory is the plan's: pass --gpu-reserve-gb 4.5 to plan and select "
                    "with vLLM's")
-    p.add_argument("--serve-duration", type=float, default=1200.0, metavar="SECONDS",
+    p.add_argument("--serve-duration", type=finite_float, default=1200.0, metavar="SECONDS",
                    help="simulated seconds per candidate, the first quarter (at most 300 s) "
                    "not counted (default 1200)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from helixserve.commands.args import Output, check_image, check_output, write_outputs
     from helixserve.errors import UserError
     from helixserve.planner import evaluate, load_placement, plan
     from helixserve.planner.report import format_table, node_rows, plot_placement
@@ -137,6 +140,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--time-limit: bad value {args.time_limit!r}; must be > 0")
     if args.serve_duration <= 0:
         raise UserError(f"--serve-duration: bad value {args.serve_duration!r}; must be > 0")
+    if not 0.0 <= args.max_loss <= 1.0:
+        raise UserError(f"--max-loss: bad value {args.max_loss}; must be a fraction in [0, 1]")
+    # before the work: a path that cannot be written fails now, not after the solve
+    out_path = check_output("--out", args.out) if args.out else None
+    plot_path = check_image("--plot", args.plot) if args.plot else None
     requests = _serve_requests(args.serve_trace) if args.serve_trace else None
     cluster, model, cost = load_inputs(args)
     started = time.perf_counter()
@@ -172,12 +180,14 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"changes against {args.from_placement}: "
               f"{changes(current, placement).summary()}")
-    if args.out:
-        placement.save(args.out)
-        print(f"wrote {args.out}")
-    if args.plot:
-        plot_placement(cluster, placement, result.flows, args.plot)
-        print(f"wrote {args.plot}")
+    outputs = []
+    if out_path is not None:
+        outputs.append(Output("--out", out_path, placement.save))
+    if plot_path is not None:
+        outputs.append(Output("--plot", plot_path, lambda path: plot_placement(
+            cluster, placement, result.flows, path)))
+    for path in write_outputs(outputs):
+        print(f"wrote {path}")
     return 0
 
 

@@ -57,8 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from helixserve.engine.profiler import ProfileSettings, profile_model, write_profiles_csv
+    from helixserve.commands.args import Output, check_output, write_outputs
     from helixserve.errors import UserError
+
+    out = check_output("--out", args.out)  # before torch and profiling: fails at once
+    from helixserve.engine.profiler import ProfileSettings, profile_model, write_profiles_csv
 
     if args.threads > 0:
         import torch
@@ -74,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
     )
     rows = profile_model(Path(args.model), args.device, args.dtype, args.model_name, settings)
-    write_profiles_csv(rows, Path(args.out))
+    write_outputs([Output("--out", out, lambda path: write_profiles_csv(rows, path))])
     print(f"{'phase':<7} {'batch_tokens':>12} {'layer_ms':>9}")
     for r in rows:
         print(f"{r.phase:<7} {r.batch_tokens:>12} {r.layer_ms:>9.3f}")

@@ -12,6 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
+from helixserve.commands.args import finite_float
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -54,7 +56,7 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-watermark",
-        type=float,
+        type=finite_float,
         default=0.01,
         help="on-demand: fraction of each worker's KV kept free at admission (default 0.01)",
     )

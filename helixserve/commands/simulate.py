@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from helixserve.commands.args import finite_float
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from helixserve.commands.plan import add_reserve_arg
@@ -36,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--plan-time-limit",
-        type=float,
+        type=finite_float,
         default=60.0,
         metavar="S",
         help="time limit of the planner when --placement names one (default 60)",
@@ -49,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument(
         "--rate",
-        type=float,
+        type=finite_float,
         default=None,
         metavar="R",
         help="online: rescale arrivals to R requests/s (default: as recorded)",
@@ -78,11 +80,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="output length of synthetic requests without a trace",
     )
     p.add_argument(
-        "--duration", type=float, default=600.0, metavar="S", help="simulated seconds (default 600)"
+        "--duration",
+        type=finite_float,
+        default=600.0,
+        metavar="S",
+        help="simulated seconds (default 600)",
     )
     p.add_argument(
         "--warmup",
-        type=float,
+        type=finite_float,
         default=0.0,
         metavar="S",
         help="do not count tokens and latencies before this time (default 0)",
@@ -144,7 +150,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     engine.add_argument(
         "--kv-watermark",
-        type=float,
+        type=finite_float,
         default=None,
         metavar="FRACTION",
         help="fraction of each node's KV cache kept free at admission for running requests "
@@ -153,7 +159,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--sample",
-        type=float,
+        type=finite_float,
         default=None,
         metavar="FRACTION",
         help="keep a seeded random fraction of the trace's requests",
@@ -232,6 +238,7 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import json
 
+    from helixserve.commands.args import Output, check_output, write_outputs
     from helixserve.commands.plan import reserve_gb
     from helixserve.costmodel import CostModel
     from helixserve.errors import UserError
@@ -248,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.spec import load_cluster, load_model, load_profiles
 
     engine = _engine_config(args)  # before loading and planning: a bad flag fails at once
+    json_path = check_output("--json", args.json) if args.json not in (None, "-") else None
+    plot_dir = check_output("--plot", args.plot, directory=True) if args.plot else None
     cluster = load_cluster(args.cluster)
     model = load_model(args.model, name=args.model_name)
     profiles = load_profiles(args.profiles) if args.profiles else None
@@ -324,12 +333,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=1))
     else:
         print(format_table(summary))
-        if args.json:
-            Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
-            print(f"wrote {args.json}", file=sys.stderr)
-    if args.plot:
+    outputs = []
+    if json_path is not None:
+        text = json.dumps(summary, indent=1) + "\n"
+        outputs.append(Output("--json", json_path, lambda path: path.write_text(text)))
+    if plot_dir is not None:
         from helixserve.simulator.plots import write_plots
 
-        for path in write_plots(summary, latencies(result), Path(args.plot)):
-            print(f"wrote {path}", file=sys.stderr)
+        outputs.append(Output("--plot", plot_dir, lambda path: write_plots(
+            summary, latencies(result), path), directory=True))
+    for path in write_outputs(outputs):
+        print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from helixserve.commands.args import finite_float
 from helixserve.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -34,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=None, help="weights and activations dtype")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op CPU threads")
-    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+    p.add_argument("--drain-timeout-s", type=finite_float, default=30.0,
                    help="on SIGTERM, serve active requests this long before failing them")
     p.set_defaults(func=run)
 

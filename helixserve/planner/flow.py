@@ -181,11 +181,13 @@ class FlowNetwork:
 
     def ranges_of(self, placement: Placement) -> dict[int, tuple[int, int]]:
         out: dict[int, tuple[int, int]] = {}
-        for r in placement.nodes:
+        for i, r in enumerate(placement.nodes):
             idx = self.index.get(r.name)
             if idx is None:
-                raise UserError(f"placement: node {r.name!r} is not in cluster "
-                                f"{self.cluster.name!r}; known: {', '.join(self.names[:20])}")
+                more = ", ..." if len(self.names) > 20 else ""
+                raise UserError(f"{placement.source}: nodes[{i}].name: node {r.name!r} is not "
+                                f"in cluster {self.cluster.name!r}; known: "
+                                f"{', '.join(self.names[:20])}{more}")
             out[idx] = (r.start_layer, r.end_layer)
         return out
 
@@ -200,16 +202,18 @@ def evaluate(
 ) -> FlowResult:
     """Max-flow throughput of `placement` on `cluster`, with the per-edge flows."""
     if placement.num_layers != model.num_layers:
-        raise UserError(f"placement: num_layers: {placement.num_layers} but model "
+        raise UserError(f"{placement.source}: num_layers: {placement.num_layers} but model "
                         f"{model.name!r} has {model.num_layers}")
     net = network or FlowNetwork(cluster, model, cost)
     ranges = net.ranges_of(placement)
-    for i, (s, e) in ranges.items():
-        if e - s > net.loadable[i]:
+    for k, r in enumerate(placement.nodes):
+        i = net.index[r.name]
+        if r.num_layers > net.loadable[i]:
             raise UserError(
-                f"placement: node {net.names[i]!r} holds {e - s} layers [{s}, {e}) but its "
-                f"memory fits at most {net.loadable[i]} (planners give it at most "
-                f"{net.max_layers[i]}, keeping weights within {cost.weight_fraction:.0%} of it)"
+                f"{placement.source}: nodes[{k}]: node {r.name!r} holds {r.num_layers} layers "
+                f"[{r.start_layer}, {r.end_layer}) but its memory fits at most "
+                f"{net.loadable[i]} (planners give it at most {net.max_layers[i]}, keeping "
+                f"weights within {cost.weight_fraction:.0%} of it)"
             )
     value, flows = net.max_flow(ranges, partial_inference, with_flows=True)
     return FlowResult(value, flows)

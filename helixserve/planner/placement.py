@@ -8,11 +8,12 @@ the Kubernetes renderer. On disk it is the placement JSON of `shared/specs/FORMA
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helixserve.errors import UserError
+from helixserve.errors import UserError, read_user_file
 
 FORMAT = "helixserve.placement/v1"
 COORDINATOR = "coordinator"
@@ -54,15 +55,19 @@ class Placement:
     #: routers keep a request inside its region wherever the flow continues there (a
     #: serving-selection choice for multi-region clusters; see helixserve.scheduler.maxflow)
     route_within_regions: bool = False
+    #: where it came from, the first word of its errors: the file it was read from, else
+    #: "placement"
+    source: str = field(default="placement", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self, source: str = "placement") -> None:
-        """Check ranges are inside the model and names unique; raise UserError naming the field."""
+    def validate(self, source: str | None = None) -> None:
+        """Check ranges are inside the model and names unique; raise UserError naming the field
+        (after `source`, default `self.source`)."""
         seen: set[str] = set()
         for i, n in enumerate(self.nodes):
-            where = f"{source}: nodes[{i}]"
+            where = f"{source or self.source}: nodes[{i}]"
             if n.name in seen:
                 raise UserError(f"{where}.name: duplicate node {n.name!r}")
             seen.add(n.name)
@@ -117,7 +122,9 @@ class Placement:
     def from_dict(cls, data: Any, source: str = "placement") -> Placement:
         if not isinstance(data, dict):
             raise UserError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        fmt = data.get("format", FORMAT)
+        if "format" not in data:  # FORMATS.md: required, so other JSON is not taken for one
+            raise UserError(f"{source}: format: missing; expected {FORMAT!r}")
+        fmt = data["format"]
         if fmt != FORMAT:
             raise UserError(f"{source}: format: unsupported {fmt!r}; expected {FORMAT!r}")
 
@@ -131,6 +138,8 @@ class Placement:
                 raise UserError(
                     f"{source}: {where}{key}: expected {typ.__name__}, got {value!r}"
                 )
+            if isinstance(value, float) and not math.isfinite(value):  # json reads NaN, Infinity
+                raise UserError(f"{source}: {where}{key}: expected a finite number, got {value}")
             return value
 
         nodes_raw = need(data, "nodes", list, "")
@@ -174,17 +183,15 @@ class Placement:
             raise UserError(f"{source}: route_within_regions: expected true or false, "
                             f"got {within!r}")
         placement.route_within_regions = within
-        placement.validate(source)
+        placement.source = source
+        placement.validate()
         return placement
 
 
 def load_placement(path: str | Path) -> Placement:
     """Read a placement JSON file; errors name the file and the field."""
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise UserError(f"{p}: cannot read placement: {exc.strerror}") from None
+    text = read_user_file(p, "placement")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

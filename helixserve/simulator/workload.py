@@ -9,13 +9,14 @@ here (`LengthFilter`), `clip` caps the lengths instead.
 from __future__ import annotations
 
 import csv
+import io
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
-from helixserve.errors import UserError
+from helixserve.errors import UserError, read_user_file
 
 
 @dataclass(frozen=True)
@@ -62,27 +63,24 @@ class LengthFilter:
 def load_azure_trace(path: str | Path) -> list[TraceRequest]:
     """All requests of an Azure LLM trace CSV, arrivals relative to the first one."""
     p = Path(path)
-    try:
-        f = p.open(newline="")
-    except OSError as exc:
-        raise UserError(f"{p}: cannot read trace: {exc.strerror}") from None
-    with f:
-        reader = csv.DictReader(f)
-        need = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-        missing = [c for c in need if c not in (reader.fieldnames or [])]
-        if missing:
-            raise UserError(
-                f"{p}: header: missing column(s) {', '.join(missing)}; expected {', '.join(need)}"
-            )
-        stamps: list[float] = []
-        lengths: list[tuple[int, int]] = []
-        for i, row in enumerate(reader, start=2):
-            try:
-                # Seven fractional digits ("46.6805900"); datetime takes at most six.
-                stamps.append(datetime.fromisoformat(row["TIMESTAMP"].strip()[:26]).timestamp())
-                lengths.append((int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-            except ValueError:
-                raise UserError(f"{p}: line {i}: bad row {row!r}") from None
+    # whole, as UTF-8: a binary or Latin-1 file is one UserError, not a decode traceback
+    text = read_user_file(p, "trace").removeprefix("\ufeff")
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    need = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+    missing = [c for c in need if c not in (reader.fieldnames or [])]
+    if missing:
+        raise UserError(
+            f"{p}: header: missing column(s) {', '.join(missing)}; expected {', '.join(need)}"
+        )
+    stamps: list[float] = []
+    lengths: list[tuple[int, int]] = []
+    for row in reader:
+        try:
+            # Seven fractional digits ("46.6805900"); datetime takes at most six.
+            stamps.append(datetime.fromisoformat(row["TIMESTAMP"].strip()[:26]).timestamp())
+            lengths.append((int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+        except (ValueError, TypeError, AttributeError):  # a short row has None fields
+            raise UserError(f"{p}: line {reader.line_num}: bad row {row!r}") from None
     if not stamps:
         raise UserError(f"{p}: no requests")
     t0 = min(stamps)

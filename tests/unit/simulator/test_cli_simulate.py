@@ -74,6 +74,7 @@ def test_simulate_reads_a_placement_file_without_flows(
         ("n1", 76, 80),
     ]
     placement = {
+        "format": "helixserve.placement/v1",
         "model": "llama-2-70b",
         "cluster": "helix-single-24",
         "num_layers": 80,
