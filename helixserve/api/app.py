@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app: `create_app(coordinator, served_model_name, api_key)`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
-GET /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version.
+GET /v1/models/{id}, GET and HEAD /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version.
 
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would buffer and
 break client-disconnect cancellation of streams) does two things for every request: takes
@@ -407,21 +407,24 @@ def create_app(
 
     # ---- the rest -------------------------------------------------------------------------
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "helixserve",
+            "root": coordinator.model_name,
+            "max_model_len": coordinator.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "helixserve",
-                    "root": coordinator.model_name,
-                    "max_model_len": coordinator.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        serving.check_model(model_id)
+        return model_card()
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -441,7 +444,7 @@ def create_app(
             raise APIError(400, f"tokens: id {bad[0]} out of range [0, {vocab})", param="tokens")
         return {"prompt": serving.tokenizer.decode(body.tokens)}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         # 503 while the live workers leave a layer uncovered: a readiness probe then takes
         # this replica out of rotation instead of sending it requests it must refuse

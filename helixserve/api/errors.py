@@ -9,6 +9,7 @@ the model or the queue is full.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from helixserve.api.protocol import ParamError
 from helixserve.errors import UserError
 
 _TYPE_BY_STATUS = {
@@ -61,20 +63,53 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+def _is_union_tag(part: Any) -> bool:
+    # pydantic puts the union member it tried into loc: "str", "list[int]", "function-after[...]"
+    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _param_of(err: Mapping[str, Any]) -> str | None:
+    loc = [str(part) for part in err.get("loc", ()) if part != "body" and not _is_union_tag(part)]
+    return ".".join(loc) or None
+
+
 def _validation_to_api_error(exc: RequestValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the parameter (loc without 'body')."""
-    errors = exc.errors()
+    """A 400 naming the parameter (loc without 'body' and without union member tags).
+
+    Of several errors (a union reports one per member), the first that is not a plain type
+    mismatch wins: `"prompt": [1, -5]` is a token id below 0, not "not a string"; when all
+    are type mismatches of one parameter their messages are joined."""
+    errors = list(exc.errors())
     if not errors:
         return APIError(400, "invalid request", code="invalid_request")
-    err = errors[0]
-    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    if err.get("type") == "json_invalid":
+    err = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+    kind = err.get("type")
+    if kind == "json_invalid":
         return APIError(400, "request body is not valid JSON", code="invalid_json")
+    param = _param_of(err)
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, ParamError):  # a check across fields names its own parameter
+        return APIError(400, f"{cause.param}: {cause}", param=cause.param,
+                        code="invalid_parameter")
+    if param is None:
+        if kind == "missing":
+            return APIError(400, "request body is missing: send a JSON object",
+                            code="missing_body")
+        return APIError(400, "request body must be a JSON object (Content-Type: "
+                        "application/json)", code="invalid_body")
     msg = str(err.get("msg", "invalid value"))
-    if "input" in err and err.get("type") != "missing":
-        msg += f" (got {err['input']!r})"[:300]
-    return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_parameter")
+    if kind.endswith("_type"):
+        msgs = [str(e.get("msg")) for e in errors if _param_of(e) == param]
+        msg = ", or ".join(dict.fromkeys(msgs))
+    if kind == "value_error":
+        msg = msg.removeprefix("Value error, ")
+    if "input" in err and kind != "missing":
+        got = repr(err["input"])
+        msg += f" (got {got[:120]}{'...' if len(got) > 120 else ''})"
+    return APIError(400, f"{param}: {msg}", param=param, code="invalid_parameter")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -92,7 +127,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else None
+        if exc.status_code == 400:  # FastAPI could not read the body (e.g. not UTF-8)
+            return APIError(400, f"request body is not valid JSON: {exc.detail}",
+                            code="invalid_json").response()
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return APIError(exc.status_code, str(exc.detail), code=code).response()
 
     @app.exception_handler(Exception)

@@ -4,16 +4,22 @@ Bounds live on the fields, so a bad value is rejected before any work with a 400
 parameter (the app maps pydantic's errors to the OpenAI error JSON, not FastAPI's 422).
 Unknown fields are ignored, as OpenAI's and vLLM's servers do, except the ones that would
 change what comes back if we honoured them (tools, structured output, best_of): those are
-rejected with a 400 naming the field, never silently dropped. Field names and meanings are
+rejected with a 400 naming the field, never silently dropped. Types are strict, as OpenAI's
+are: `"n": "2"` or `"max_tokens": true` is a 400, not 2 or 1. Text must be valid UTF-8 (JSON
+can spell a lone surrogate, `"\\ud800"`, which no tokenizer takes), token ids fit the
+int32 the workers' protocol carries, seeds an int64. A check across fields raises
+`ParamError`, which names the parameter it is about. Field names and meanings are
 OpenAI's; `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens` and
 `stop_token_ids` are vLLM's extensions with vLLM's meanings.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -28,33 +34,67 @@ MAX_LOGPROBS = 20
 #: vLLM's structured-output extensions: not supported, so rejected rather than ignored
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "structured_outputs")
+#: most stop strings per request (OpenAI allows 4, vLLM any number; each costs a check per token)
+MAX_STOP = 16
+#: token ids and top_k travel as int32 to the workers, seeds as int64
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+_TOKEN_ID_KEY = re.compile(r"\s*[0-9]+\s*")
+
+
+class ParamError(ValueError):
+    """A bad value found by a check across fields: `param` is the field the client must fix."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise ValueError(
+            f"not valid UTF-8 text: lone surrogate U+{ord(bad):04X} at character {exc.start}"
+        ) from None
+    return text
+
+
+#: a string that can be encoded (and so tokenized)
+Text = Annotated[str, AfterValidator(_utf8)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 def _reject(what: str, hint: str) -> ValueError:
     return ValueError(f"{what} is not supported by this server; {hint}")
 
 
+_CONFIG = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     #: -1 or 0 disables top-k (vLLM's convention)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = None
+    #: choice k of n draws with seed + k (mod 2**63)
+    seed: int | None = Field(default=None, ge=0, le=INT64_MAX)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
@@ -62,7 +102,7 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     #: token id (a string key in JSON) -> value added to its logit before sampling
     logit_bias: dict[str, float] | None = None
     guided_json: Any = None
@@ -75,7 +115,7 @@ class SamplingFields(BaseModel):
     @classmethod
     def _bias_keys_are_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (v or {}).items():
-            if not key.strip().isdigit():
+            if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
                 raise ValueError(f"key {key!r} is not a token id")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"bias {value} for token {key} is outside -100..100")
@@ -99,7 +139,7 @@ class SamplingFields(BaseModel):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise ParamError("stream_options", "only allowed when stream is true")
         return self
 
     def stop_list(self) -> list[str]:
@@ -116,11 +156,11 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     #: text, token ids, or a batch of either (each prompt gets n choices)
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
     #: number of top logprobs per token (0 = only the sampled token's)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = Field(default=None, ge=1)
 
     @field_validator("best_of")
@@ -148,11 +188,11 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool"]
     #: a string, or OpenAI content parts (only `text` parts are supported)
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    content: Text | Annotated[list[dict[str, Any]], Field(min_length=1)] | None = None
+    name: Text | None = None
 
     @field_validator("content")
     @classmethod
@@ -160,6 +200,7 @@ class ChatMessage(BaseModel):
         for part in v if isinstance(v, list) else []:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(f"unsupported content part type {part.get('type')!r}; known: text")
+            _utf8(part["text"])
         return v
 
     def text(self) -> str:
@@ -168,6 +209,18 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part["text"] for part in self.content)
+
+
+class ResponseFormat(BaseModel):
+    model_config = _CONFIG
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_format_only(cls, v: str) -> str:
+        if v != "text":
+            raise _reject(f"response_format {v!r}", 'use {"type": "text"}')
+        return v
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -182,7 +235,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("tools")
     @classmethod
@@ -191,6 +244,12 @@ class ChatCompletionRequest(SamplingFields):
             raise _reject("tool calling", 'leave tools out or set tool_choice to "none"')
         return v
 
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ParamError("tool_choice", "only allowed when tools are given")
+        return self
+
     @field_validator("functions")
     @classmethod
     def _no_functions(cls, v: list[Any] | None) -> list[Any] | None:
@@ -198,17 +257,10 @@ class ChatCompletionRequest(SamplingFields):
             raise _reject("function calling", "leave functions out")
         return v
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type", "text") != "text":
-            raise _reject(f"response_format {v.get('type')!r}", 'use {"type": "text"}')
-        return v
-
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise ParamError("top_logprobs", "requires logprobs to be true")
         return self
 
     def effective_max_tokens(self) -> int | None:
@@ -230,9 +282,9 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    prompt: str | None = None
+    model_config = _CONFIG
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
@@ -243,11 +295,11 @@ class TokenizeRequest(BaseModel):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise ParamError("prompt", "give exactly one of prompt or messages")
         return self
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    tokens: list[int]
+    model_config = _CONFIG
+    model: Text | None = None
+    tokens: list[TokenId]

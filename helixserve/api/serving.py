@@ -281,14 +281,8 @@ class Serving:
         prompt_logprobs: int | None = None,
     ) -> Batch:
         """`prompt_logprobs`: also score each prompt with this many top logprobs (echo)."""
-        vocab = len(self.tokenizer)
         choices: list[Choice] = []
         for p_index, (ids, text) in enumerate(prompts):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise APIError(
-                    400, f"{param}: token id {bad[0]} out of range [0, {vocab})", param=param
-                )
             budget = self._max_tokens(len(ids), max_tokens, param)
             if body.min_tokens > budget:
                 raise APIError(
@@ -299,7 +293,7 @@ class Serving:
             for k in range(body.n):
                 index = p_index * body.n + k
                 # the same seed for every choice would give n identical choices
-                seed = None if body.seed is None else body.seed + k
+                seed = None if body.seed is None else (body.seed + k) % 2**63
                 req = GenerationRequest(
                     request_id=self._next_internal_id(request_id, index),
                     prompt_token_ids=list(ids),
@@ -322,12 +316,18 @@ class Serving:
             items = [list(raw)]  # type: ignore[arg-type]
         else:
             items = list(raw)  # type: ignore[arg-type]
+        vocab = len(self.tokenizer)
         out = []
         for item in items:
             if isinstance(item, str):
                 out.append((self.encode_text(item), item))
-            else:
-                out.append((list(item), self.tokenizer.decode(item)))
+                continue
+            bad = [t for t in item if not 0 <= t < vocab]
+            if bad:
+                raise APIError(
+                    400, f"prompt: token id {bad[0]} out of range [0, {vocab})", param="prompt"
+                )
+            out.append((list(item), self.tokenizer.decode(item)))
         return out
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[tuple[list[int], str]]:
