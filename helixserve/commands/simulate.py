@@ -278,6 +278,11 @@ def run(args: argparse.Namespace) -> int:
             f"known planners: {', '.join(PLANNERS)}"
         )
 
+    if not placement.flows:  # evaluated above: nothing reaches the coordinator back
+        raise UserError(
+            f"{placement.source}: serves 0 tokens/s on cluster {cluster.name!r} (no chain of "
+            f"linked nodes from the coordinator back to it holds every layer): nothing to "
+            f"simulate")
     if args.route_within_regions:
         placement.route_within_regions = True
 

@@ -265,19 +265,35 @@ class CostModel:
         k = int(self.memory_bytes(node) * MEMORY_UTILIZATION // per_layer)
         return max(self.max_layers(node), min(k, m.num_layers))
 
+    def servable_layers(self, node: NodeSpec) -> int:
+        """Most layers, within the weight cap, the node holds with T(k) > 0: with KV left for
+        a batch (a large --gpu-reserve-gb leaves some nodes KV for fewer layers than the
+        cap; T(k) only falls as k grows, so the first k from the cap down is the one)."""
+        k = self.max_layers(node)
+        while k > 0 and self.node_throughput_tokens_per_s(node, k) <= 0:
+            k -= 1
+        return k
+
     def _check_kv_left(self, cluster: ClusterSpec) -> None:
-        """Raise UserError when the per-GPU reserve leaves too few nodes any KV cache to
-        serve every layer (their T(k) would be 0: a plan of throughput 0)."""
-        serving = [n for n in cluster.nodes if self.kv_capacity_tokens(n, 1) > 0]
-        layers = sum(self.max_layers(n) for n in serving)
+        """Raise UserError when the per-GPU reserve leaves the nodes KV cache for too few
+        layers to serve every layer (their T(k) would be 0: a plan of throughput 0)."""
+        servable = {n.name: self.servable_layers(n) for n in cluster.nodes}
+        layers = sum(servable.values())
         if layers >= self.model.num_layers:
             return
-        idle = [n.name for n in cluster.nodes if n not in serving]
+        where = (f"{cluster.source}: with {self.reserved_bytes_per_gpu / 1e9:g} GB kept per GPU "
+                 f"(--gpu-reserve-gb), ")
+        idle = [n.name for n in cluster.nodes if servable[n.name] == 0]
+        if idle:
+            raise UserError(
+                f"{where}{len(idle)} of {len(cluster.nodes)} nodes have no memory left for KV "
+                f"cache (first: {idle[0]}); the others hold at most {layers} of the "
+                f"{self.model.num_layers} layers")
+        short = next(n for n in cluster.nodes if servable[n.name] < self.max_layers(n))
         raise UserError(
-            f"{cluster.source}: with {self.reserved_bytes_per_gpu / 1e9:g} GB kept per GPU "
-            f"(--gpu-reserve-gb), {len(idle)} of {len(cluster.nodes)} nodes have no memory left "
-            f"for KV cache (first: {idle[0]}); the others hold at most {layers} of the "
-            f"{self.model.num_layers} layers")
+            f"{where}the nodes have memory left for KV cache on at most {layers} of the "
+            f"{self.model.num_layers} layers (first short: {short.name}, {servable[short.name]} "
+            f"of its {self.max_layers(short)})")
 
     def kv_capacity_tokens(self, node: NodeSpec, num_layers: int) -> int:
         """Tokens of KV cache per layer held, with `num_layers` layers loaded."""

@@ -160,7 +160,8 @@ def _solve_coverage(net: FlowNetwork, time_limit_s: float, hint: Ranges | None,
             for key, v in slots.items():
                 v.setInitialValue(counts.get(key, 0))
             cov = [sum(T * (v.varValue or 0) for v, T in cover[layer]) for layer in range(L)]
-            F.setInitialValue(min(cov))
+            # the hint's cover can be above the cap where links, not layers, bind its flow
+            F.setInitialValue(min(cov) if cap is None else min(min(cov), cap))
             warm = True
     info = solve(prob, time_limit_s, warm_start=warm)
     ranges: Ranges = {}

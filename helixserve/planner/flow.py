@@ -141,6 +141,43 @@ class FlowNetwork:
         flows.sort(key=lambda fl: (fl.src != COORDINATOR, fl.src, fl.dst))
         return value, flows
 
+    def check_servable(self) -> None:
+        """Raise UserError when no placement can serve: no node linked from the coordinator
+        or to it, or no chain of linked nodes from the coordinator back to it that can hold
+        every layer. A relaxation (a chain may pass a node twice): when it passes, a plan of
+        0 tokens/s is still possible, but not a plan of 0 tokens/s the links alone decide."""
+        where = f"{self.cluster.source}: links"
+        L = self.model.num_layers
+        # most layers node i can serve (beyond the weight cap too, as separate's baseline
+        # may): T_i(k) falls off as k grows
+        cap = np.zeros(len(self.names), dtype=int)
+        for i in range(len(cap)):
+            k = int(self.loadable[i])
+            while k > 0 and self.node_cap(i, k) <= 0:
+                k -= 1
+            cap[i] = k
+        if not np.any((self.source_cap > 0) & (cap > 0)):
+            raise UserError(f"{where}: no node that can hold layers has a link from the "
+                            f"coordinator (bandwidth 0): no placement can serve")
+        if not np.any((self.sink_cap > 0) & (cap > 0)):
+            raise UserError(f"{where}: no node that can hold layers has a link to the "
+                            f"coordinator (bandwidth 0): no placement can serve")
+        # reach[i]: most layers [0, reach) held by a chain from the coordinator ending at i
+        reach = np.where((self.source_cap > 0) & (cap > 0), cap, -1)
+        linked = (self.link_cap > 0) & (cap[None, :] > 0)
+        for _ in range(len(cap) + L + 1):
+            via = np.where(linked & (reach[:, None] >= 0), reach[:, None] + cap[None, :], -1)
+            new = np.minimum(np.maximum(reach, via.max(axis=0, initial=-1)), L)
+            if np.array_equal(new, reach):
+                break
+            reach = new
+        best = int(reach[self.sink_cap > 0].max(initial=0))
+        if best < L:
+            raise UserError(
+                f"{where}: no chain of linked nodes from the coordinator back to it can hold "
+                f"all {L} layers (at most {best}, each node as many as its memory loads): no "
+                f"placement can serve")
+
     def node_caps(self, k: np.ndarray) -> np.ndarray:
         """T_i(k_i) for every node (0 where k_i = 0)."""
         return np.array([self.node_cap(i, int(k[i])) for i in range(len(k))])

@@ -92,6 +92,18 @@ CAPPED_COVER_NODES = 16
 CAP_MARGIN = 0.005
 
 
+def whole_replicas(net: FlowNetwork) -> Ranges:
+    """Every machine that loads the whole model holds all of it, beyond the weight cap or
+    not: what serves when the links chain no machines (none between them, or too slow)."""
+    L = net.model.num_layers
+    return {i: (0, L) for i in range(len(net.names))
+            if net.loadable[i] >= L and net.node_cap(i, L) > 0}
+
+
+#: candidates besides the baselines, compared like them (searched from only within the cap)
+EXTRA_CANDIDATES: dict[str, Callable[[FlowNetwork], Ranges]] = {"replicas": whole_replicas}
+
+
 @dataclass
 class MilpStats:
     """What each stage achieved (for the benchmark and the CLI summary)."""
@@ -382,6 +394,11 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
         r = fn(net)
         within = all(e - s <= net.max_layers[i] for i, (s, e) in r.items())
         (candidates if within else beyond_cap).append((value_of(r), name, r))
+    for name, extra in EXTRA_CANDIDATES.items():
+        r = extra(net)
+        if r:
+            within = all(e - s <= net.max_layers[i] for i, (s, e) in r.items())
+            (candidates if within else beyond_cap).append((value_of(r), name, r))
     base_value, base_name, _ = max(candidates + beyond_cap, key=lambda c: c[0])
     bounds = [layer_work_bound(net)]
     say(f"baselines: best {base_name} {base_value:,.1f} tokens/s; "

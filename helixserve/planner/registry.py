@@ -27,12 +27,13 @@ class PlanOutcome:
 
 class Planner(Protocol):
     def __call__(self, net: FlowNetwork, time_limit_s: float, seed: int,
-                 progress: Progress | None, jobs: int) -> PlanOutcome: ...
+                 progress: Progress | None, jobs: int,
+                 partial_inference: bool) -> PlanOutcome: ...
 
 
 def _baseline(fn: Callable[[FlowNetwork], Ranges]) -> Planner:
     def run(net: FlowNetwork, time_limit_s: float, seed: int,
-            progress: Progress | None, jobs: int) -> PlanOutcome:
+            progress: Progress | None, jobs: int, partial_inference: bool) -> PlanOutcome:
         return PlanOutcome(fn(net))
 
     run.__name__ = fn.__name__
@@ -40,10 +41,12 @@ def _baseline(fn: Callable[[FlowNetwork], Ranges]) -> Planner:
 
 
 def _milp(net: FlowNetwork, time_limit_s: float, seed: int,
-          progress: Progress | None, jobs: int) -> PlanOutcome:
+          progress: Progress | None, jobs: int, partial_inference: bool) -> PlanOutcome:
     from helixserve.planner.milp import solve_milp
 
-    return solve_milp(net, time_limit_s=time_limit_s, seed=seed, progress=progress, jobs=jobs)
+    # the searches and the MILP's edges follow the graph the placement is evaluated on
+    return solve_milp(net, time_limit_s=time_limit_s, seed=seed, progress=progress,
+                      partial_inference=partial_inference, jobs=jobs)
 
 
 PLANNERS: dict[str, Planner] = {"milp": _milp} | {
@@ -71,9 +74,10 @@ def plan(
     cost.check_fits(cluster)
     started = time.perf_counter()
     net = FlowNetwork(cluster, model, cost)
+    net.check_servable()  # an error naming the links, not a plan of 0 tokens/s
     # the time limit covers building the flow network too (about 1 s on 100 machines)
     outcome = planner(net, max(0.5, time_limit_s - (time.perf_counter() - started)), seed,
-                      progress, check_jobs(jobs))
+                      progress, check_jobs(jobs), partial_inference)
     nodes = [NodeRange(net.names[i], s, e) for i, (s, e) in sorted(outcome.ranges.items())]
     value, flows = net.max_flow(outcome.ranges, partial_inference, with_flows=True)
     bound = outcome.upper_bound_tokens_per_s

@@ -318,16 +318,22 @@ def select_placement(
     # on a multi-region cluster each again with the router keeping requests inside their
     # region where it can; a variant the router would route just the same scores the same
     # without a run of its own
+    # a candidate whose max flow is 0 (the links chain none of its stages) serves nothing:
+    # the router needs flows to route over, so it scores 0 without a simulation
+    serving = [c for c in cands if c.placement.flows]
+    for c in cands:
+        if not c.placement.flows:
+            c.simulated_tokens_per_s = 0.0
     variants: list[tuple[Candidate, Candidate, bool]] = []
     if len({n.region for n in cluster.nodes}) > 1:
-        for c in cands:
+        for c in serving:
             within = Candidate(replace(c.placement, route_within_regions=True),
                                f"{c.source} +within-regions",
                                estimate_tokens_per_s=c.estimate_tokens_per_s)
             differs = _routing_differs(cluster, model, cost, c.placement, within.placement,
                                        config.scheduler)
             variants.append((within, c, differs))
-    runs = cands + [w for w, _, differs in variants if differs]
+    runs = serving + [w for w, _, differs in variants if differs]
     scores = map_in_workers(simulate_candidate,
                             [(cluster, model, cost, c.placement, requests, config)
                              for c in runs], check_jobs(jobs))

@@ -73,7 +73,7 @@ class MaxFlowRouter(GraphRouter):
         region does not also send requests to other regions (module doc)."""
         if not placement.flows:
             raise UserError(
-                "placement: flows: empty; the maxflow router routes over the max-flow "
+                f"{placement.source}: flows: empty; the maxflow router routes over the max-flow "
                 "solution (run `helixserve evaluate` to fill the flows)"
             )
         vertices = {COORDINATOR} | {n.name for n in placement.nodes}
@@ -81,7 +81,7 @@ class MaxFlowRouter(GraphRouter):
         for edge in placement.flows:
             if edge.src not in vertices or edge.dst not in vertices:
                 raise UserError(
-                    f"placement: flows: edge {edge.src!r} -> {edge.dst!r} names a node that "
+                    f"{placement.source}: flows: edge {edge.src!r} -> {edge.dst!r} names a node that "
                     f"holds no layers; known: {sorted(vertices)}"
                 )
             if edge.tokens_per_s > 0:

@@ -193,7 +193,7 @@ class Simulation:
             )
         if placement.num_layers != model.num_layers:
             raise UserError(
-                f"placement: num_layers: {placement.num_layers} but model {model.name!r} "
+                f"{placement.source}: num_layers: {placement.num_layers} but model {model.name!r} "
                 f"has {model.num_layers}"
             )
         self.cluster, self.model, self.cost, self.cfg = cluster, model, cost, config

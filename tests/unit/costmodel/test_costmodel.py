@@ -122,10 +122,11 @@ def test_a_reserve_that_leaves_no_kv_is_an_error(profiles):
                                                                    NodeSpec("t1", "T4")]
     cluster = ClusterSpec("c", nodes, source="c.yaml")
     CostModel(model, profiles, reserved_gb_per_gpu=4.5).check_fits(cluster)
-    # 30 GB kept of a T4's 16 GB and an A100's 40 GB: the T4s have no KV, the A100s still do
+    # 30 GB kept of a T4's 16 GB and an A100's 40 GB: the T4s have no KV, the A100s still do,
+    # but only with 6 of their 12 layers (with 12 the weights leave no KV for a sequence)
     with pytest.raises(UserError, match=r"c\.yaml: with 30 GB kept per GPU \(--gpu-reserve-gb\), "
                                         r"2 of 8 nodes have no memory left for KV cache "
-                                        r"\(first: t0\); the others hold at most 72 of the 80"):
+                                        r"\(first: t0\); the others hold at most 36 of the 80"):
         CostModel(model, profiles, reserved_gb_per_gpu=30).check_fits(cluster)
 
 

@@ -68,11 +68,13 @@ def test_milp_equals_brute_force(partial, monkeypatch):
     assert placement.throughput_tokens_per_s == pytest.approx(
         separate.throughput_tokens_per_s, rel=1e-9)
     assert placement.upper_bound_tokens_per_s is None
-    # without that baseline the planner's answer is the optimum within the cap, bounded
+    # without that baseline (and the whole-model replicas, the same placement here) the
+    # planner's answer is the optimum within the cap, bounded
     import helixserve.planner.milp as milp_module
 
     monkeypatch.setattr(milp_module, "BASELINES",
                         {k: v for k, v in BASELINES.items() if k != "separate"})
+    monkeypatch.setattr(milp_module, "EXTRA_CANDIDATES", {})
     placement = plan("milp", net.cluster, model, net.cost, time_limit_s=10,
                      partial_inference=partial)
     assert placement.throughput_tokens_per_s == pytest.approx(optimum, rel=1e-3)
