@@ -11,6 +11,7 @@ Pipeline within the time limit T (docs/planner.md has the full write-up):
      (skipped on clusters of at most SMALL_NODES machines, where the MILP is small); with
      two or more regions (and at most DENSE_NODES machines) the region relaxation too
      (regions.py, ~10% of T): coverage per region plus the inter-region hops and links;
+     either is skipped when its size says it cannot be built within its share;
   4. stage-structured annealing (stages.py; 10% of T, 25% above DENSE_NODES machines):
      re-cuts pipeline stages with all their replicas at once, from the stage-shaped
      candidates (the baselines);
@@ -57,11 +58,16 @@ import numpy as np
 import pulp
 
 from helixserve.planner.baselines import BASELINES, Ranges
-from helixserve.planner.coverage import solve_coverage
+from helixserve.planner.coverage import (
+    SECONDS_PER_NONZERO,
+    machine_types,
+    slot_nonzeros,
+    solve_coverage,
+)
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.parallel import run_seeds, warm_up
 from helixserve.planner.pinned import pinned_search
-from helixserve.planner.regions import num_regions, solve_regions
+from helixserve.planner.regions import num_regions, region_types, solve_regions
 from helixserve.planner.registry import PlanOutcome, Progress
 from helixserve.planner.search import local_search
 from helixserve.planner.solver import HighsModel, SolveInfo, quiet_pulp, solve
@@ -419,8 +425,23 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
             candidates.append((regional[1], "tiling-regions", regional[0]))
             say(f"tiling per region: {regional[1]:,.1f} tokens/s")
 
-    if len(net.names) > SMALL_NODES and not closed():
-        cov = solve_coverage(net, 0.1 * time_limit_s,
+    L = net.model.num_layers
+    relax_s = 0.1 * time_limit_s
+
+    def buildable(what: str, curves: list[tuple[float, ...]]) -> bool:
+        # the solver's limit does not bound building the model, nor HiGHS's presolve
+        nonzeros = slot_nonzeros(curves, L)
+        if nonzeros * SECONDS_PER_NONZERO <= relax_s:
+            return True
+        say(f"{what} skipped: {nonzeros:,} nonzeros would take about "
+            f"{nonzeros * SECONDS_PER_NONZERO:.0f}s of its {relax_s:.1f}s")
+        return False
+
+    wants_cover = len(net.names) > SMALL_NODES or len(net.names) <= CAPPED_COVER_NODES
+    cover_ok = (wants_cover and not closed()
+                and buildable("coverage relaxation", list(machine_types(net))))
+    if len(net.names) > SMALL_NODES and cover_ok:
+        cov = solve_coverage(net, relax_s,
                              hint=max(candidates, key=lambda c: c[0])[2])
         if cov.info.bound is not None:
             bounds.append(cov.info.bound)
@@ -429,10 +450,12 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
         say(f"coverage relaxation [{cov.info.status}]: placement {candidates[-1][0]:,.1f}, "
             f"bound {min(bounds):,.1f} tokens/s")
 
-    if len(net.names) <= CAPPED_COVER_NODES and not closed():
+    # (a cap of 0, when nothing found serves yet, would prove nothing)
+    if (len(net.names) <= CAPPED_COVER_NODES and cover_ok and not closed()
+            and max(c[0] for c in candidates) > 0):
         best_so_far_value, _, hint = max(candidates, key=lambda c: c[0])
         cap = best_so_far_value * (1 + CAP_MARGIN)
-        capped = solve_coverage(net, 0.1 * time_limit_s, hint=hint, cap=cap)
+        capped = solve_coverage(net, relax_s, hint=hint, cap=cap)
         if capped.info.bound is not None and capped.info.bound < cap * (1 - 1e-9):
             bounds.append(capped.info.bound)  # valid: see coverage.py, "Capped"
         if capped.ranges:
@@ -440,8 +463,9 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
         say(f"coverage capped at {cap:,.1f} [{capped.info.status}]: "
             f"bound {min(bounds):,.1f} tokens/s")
 
-    if num_regions(net) >= 2 and len(net.names) <= DENSE_NODES and not closed():
-        reg = solve_regions(net, 0.1 * time_limit_s)
+    if (num_regions(net) >= 2 and len(net.names) <= DENSE_NODES and not closed()
+            and buildable("region relaxation", [c for _, c in region_types(net)])):
+        reg = solve_regions(net, relax_s)
         if reg.info.bound is not None:
             bounds.append(reg.info.bound)
         if reg.ranges:

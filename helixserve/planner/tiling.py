@@ -21,6 +21,7 @@ taken from one region where possible, so only segment boundaries cross slow link
 from __future__ import annotations
 
 import itertools
+import math
 import time
 
 import numpy as np
@@ -34,11 +35,17 @@ from helixserve.planner.solver import quiet_pulp, solve
 MAX_ROWS = 3
 #: most configurations kept per target (the smallest machine use per layer first)
 MAX_CONFIGS = 1500
+#: above this many combinations of MAX_ROWS rows the enumeration may not finish in time
+MANY_COMBOS = 200_000
 
 Row = tuple[int, int]  # (machine type, layers per machine)
 
 
-def _configs(curves: list[list[float]], target: float) -> list[tuple[Row, ...]]:
+def _configs(curves: list[list[float]], target: float,
+             deadline_s: float = float("inf")) -> list[tuple[Row, ...]]:
+    """The configurations for `target`. With hundreds of rows (many layers, machines that
+    hold many of them) the triples run to millions: the enumeration stops at `deadline_s`,
+    and then goes longest ranges first, since those use the fewest machines per layer."""
     rows: list[tuple[Row, float]] = [((t, k), thr) for t, c in enumerate(curves)
                                      for k, thr in enumerate(c, start=1) if thr > 0]
     # a lone row: only the longest range still reaching the target is worth having
@@ -48,8 +55,13 @@ def _configs(curves: list[list[float]], target: float) -> list[tuple[Row, ...]]:
         if ks:
             out.append(((t, max(ks)),))
     small = [(r, thr) for r, thr in rows if thr < target]
+    if math.comb(len(small) + MAX_ROWS - 1, MAX_ROWS) > MANY_COMBOS:
+        small.sort(key=lambda x: -x[0][1])  # may not finish: longest ranges first
     for size in range(2, MAX_ROWS + 1):
-        for combo in itertools.combinations_with_replacement(small, size):
+        combos = itertools.combinations_with_replacement(small, size)
+        for n, combo in enumerate(combos):
+            if n % 4096 == 0 and time.perf_counter() > deadline_s:
+                break
             total = sum(thr for _, thr in combo)
             if total >= target and total - min(thr for _, thr in combo) < target:
                 out.append(tuple(r for r, _ in combo))
@@ -60,7 +72,8 @@ def _configs(curves: list[list[float]], target: float) -> list[tuple[Row, ...]]:
 
 def _feasible(curves: list[list[float]], counts: list[int], L: int, target: float,
               time_limit_s: float) -> list[tuple[tuple[Row, ...], int, list[int]]] | None:
-    configs = _configs(curves, target)
+    # half the time to enumerate, the rest to build and solve
+    configs = _configs(curves, target, time.perf_counter() + time_limit_s / 2)
     if not configs:
         return None
     with quiet_pulp():

@@ -254,3 +254,44 @@ def test_capped_coverage_takes_a_hint_covered_above_the_cap(tmp_path) -> None:
     bound = capped.info.bound
     if bound is not None and bound < cap * (1 - 1e-9):  # a proven bound is still a bound
         assert bound >= flow * (1 - 1e-6)
+
+
+# --- many layers on machines that hold many: relaxations too big for the time limit -------
+
+def test_relaxations_too_big_to_build_in_their_share_are_skipped(tmp_path, capsys) -> None:
+    """A 120-layer model on 8-GPU nodes that hold it whole: the coverage and region models
+    have ~10^6 nonzeros, which PuLP and HiGHS's presolve took 5-12 s each to build and read,
+    whatever the solver's time limit (plan --time-limit 2 ran 16-26 s). They are skipped,
+    saying why, and milp still returns a placement at least as good as every baseline."""
+    nodes = ["{name: a, gpu: A100-80GB, num_gpus: 8, region: r1}",
+             "{name: b, gpu: A10, num_gpus: 8, region: r1}",
+             "{name: c, gpu: T4, num_gpus: 8, region: r2}",
+             "{name: d, gpu: H100-80GB, num_gpus: 1, region: r2}",
+             "{name: e, gpu: L4, num_gpus: 2, region: r2}",
+             "{name: f, gpu: T4, num_gpus: 1, region: r2}",
+             "{name: g, gpu: V100-32GB, num_gpus: 2, region: r1}"]
+    links = ("links:\n  default: {bandwidth_gbps: 1, latency_ms: 1}\n  between_regions:\n"
+             "    - {a: r1, b: r2, bandwidth_gbps: 0.5}\n")
+    argv = ["--cluster", write_cluster(tmp_path, nodes, links),
+            "--model", model_with_layers(tmp_path, 120), "--time-limit", "2"]
+    out = tmp_path / "p.json"
+    assert main(["plan", *argv, "--planner", "milp", "--jobs", "1", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "coverage relaxation skipped" in err and "region relaxation skipped" in err, err
+    milp = plan_value(tmp_path, argv, "milp", capsys)
+    assert milp > 0
+    for name in BASELINES:
+        assert milp >= plan_value(tmp_path, argv, name, capsys) * (1 - 1e-9), name
+
+
+def test_tiling_configurations_stop_at_their_deadline() -> None:
+    """Hundreds of rows give millions of triples; past the deadline only the lone rows and
+    the pairs and triples enumerated so far are returned, longest ranges first."""
+    from helixserve.planner.tiling import _configs
+
+    curves = [[1000.0 / k for k in range(1, 121)] for _ in range(6)]
+    full_pairs = [c for c in _configs(curves[:1], 30.0) if len(c) <= 2]
+    assert full_pairs  # a small case still enumerates everything
+    cut = _configs(curves, 30.0, deadline_s=0.0)
+    assert all(len(c) == 1 for c in cut)
+    assert len(cut) == len(curves)  # one lone row per type: the longest reaching 30/s
