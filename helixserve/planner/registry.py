@@ -81,6 +81,13 @@ def plan(
     nodes = [NodeRange(net.names[i], s, e) for i, (s, e) in sorted(outcome.ranges.items())]
     value, flows = net.max_flow(outcome.ranges, partial_inference, with_flows=True)
     bound = outcome.upper_bound_tokens_per_s
+    if value <= 0 and bound is not None and bound < 1e-6:
+        # check_servable is a relaxation; a proven bound of 0 (to the solver's tolerance)
+        # is the exact answer
+        raise UserError(
+            f"{cluster.source}: links: no placement can serve: the {name} planner proved "
+            f"that no route through linked nodes, each node used once and holding at most its "
+            f"weight cap of layers, covers all {model.num_layers} layers")
     return Placement(
         model=model.name,
         cluster=cluster.name,

@@ -295,3 +295,19 @@ def test_tiling_configurations_stop_at_their_deadline() -> None:
     cut = _configs(curves, 30.0, deadline_s=0.0)
     assert all(len(c) == 1 for c in cut)
     assert len(cut) == len(curves)  # one lone row per type: the longest reaching 30/s
+
+
+def test_links_that_let_no_route_cover_the_model_are_an_error(tmp_path, capsys) -> None:
+    """Two small machines linked both ways pass the cheap link check (its chains may go
+    round a cycle), while the one machine that holds the model is cut off: milp proves
+    0 tokens/s, and that is an error naming the links, not a plan that serves nothing."""
+    nodes = ["{name: a, gpu: L4, region: r1}", "{name: b, gpu: T4, region: r1}",
+             "{name: c, gpu: A100-80GB, num_gpus: 8, region: r2}"]
+    links = ("links:\n  default: {bandwidth_gbps: 10}\n  between_regions:\n"
+             "    - {a: r1, b: r2, bandwidth_gbps: 0}\ncoordinator: {region: r1}\n")
+    cluster = write_cluster(tmp_path, nodes, links)
+    line = one_line_error(["plan", "--cluster", cluster, "--model", str(LLAMA30),
+                           "--planner", "milp", "--time-limit", "5", "--jobs", "1", "--quiet",
+                           "--out", str(tmp_path / "p.json")], capsys)
+    assert "odd.yaml: links: no placement can serve" in line
+    assert not (tmp_path / "p.json").exists()
