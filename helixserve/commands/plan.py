@@ -164,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
                          jobs=args.jobs)
     if requests is not None:
         placement = _select_by_serving(args, cluster, model, cost, placement, requests, progress)
+        # the chosen candidate came out of the planning and the selection together
+        placement.solve_time_s = time.perf_counter() - started
     result = evaluate(cluster, model, cost, placement, partial_inference=partial)
     held = {r.name for r in placement.nodes}
     unused = [n.name for n in cluster.nodes if n.name not in held]

@@ -80,6 +80,8 @@ def test_plan_picks_the_placement_that_serves_best(tmp_path, capsys):
     planned = json.loads(out.read_text())
     assert planned["planner"] == "milp-serving" and planned["num_layers"] == 80
     assert "planner milp-serving" in text
+    # the time of the planning and the selection, not the chosen candidate's missing one
+    assert planned["solve_time_s"] > 0 and "solved in 0.0s" not in text
 
 
 def test_plan_serve_flags_are_checked(tmp_path, capsys):
