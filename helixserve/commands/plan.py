@@ -14,13 +14,31 @@ EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "example"
 
 
 def add_reserve_arg(p: argparse.ArgumentParser) -> None:
-    """--gpu-reserve-gb, shared with `simulate`."""
+    """--gpu-reserve-gb and --weight-fraction, shared with `evaluate` and `simulate`."""
     p.add_argument("--gpu-reserve-gb", type=finite_float, default=None, metavar="GB",
                    help="memory per GPU the serving engine keeps outside weights and KV "
                    "(CUDA context, activations, graphs); more means less KV on every node. "
                    "Default 1.07 (1 GiB); simulate --engine vllm: 4.5, fitted to the KV "
                    "vLLM 0.4.0 allocated in Helix's measurements. The weight cap per node "
                    "does not change")
+    p.add_argument("--weight-fraction", type=finite_float, default=None, metavar="F",
+                   help="most of a node's memory its weights may take (the weight cap; "
+                   "default 0.5, Helix's rule). Higher lets fewer or smaller machines hold "
+                   "the model, with less KV cache each, so lower throughput per node")
+
+
+def weight_fraction(args: argparse.Namespace) -> float:
+    """The --weight-fraction value, checked (UserError naming the flag)."""
+    from helixserve.costmodel.model import MAX_WEIGHT_FRACTION, WEIGHT_FRACTION
+    from helixserve.errors import UserError
+
+    value = getattr(args, "weight_fraction", None)
+    if value is None:
+        return WEIGHT_FRACTION
+    if not 0.0 < value <= MAX_WEIGHT_FRACTION:
+        raise UserError(f"--weight-fraction: bad value {value}; must be in "
+                        f"(0, {MAX_WEIGHT_FRACTION}] (a share of the node's memory)")
+    return value
 
 
 def reserve_gb(args: argparse.Namespace) -> float | None:
@@ -75,7 +93,8 @@ def load_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     model = load_model(args.model, name=args.model_name)
     profiles = load_profiles(args.profiles) if args.profiles else ProfileTable.empty()
     return cluster, model, CostModel(model, profiles, catalog,
-                                     reserved_gb_per_gpu=reserve_gb(args))
+                                     reserved_gb_per_gpu=reserve_gb(args),
+                                     weight_fraction=weight_fraction(args))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from helixserve.commands.args import Output, check_output, write_outputs
-    from helixserve.commands.plan import reserve_gb
+    from helixserve.commands.plan import reserve_gb, weight_fraction
     from helixserve.costmodel import CostModel
     from helixserve.errors import UserError
     from helixserve.planner import PLANNERS, evaluate, load_placement, plan
@@ -261,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, name=args.model_name)
     profiles = load_profiles(args.profiles) if args.profiles else None
     cost = CostModel(model, profiles,
-                     reserved_gb_per_gpu=engine_gpu_reserve_gb(args.engine, reserve_gb(args)))
+                     reserved_gb_per_gpu=engine_gpu_reserve_gb(args.engine, reserve_gb(args)),
+                     weight_fraction=weight_fraction(args))
 
     if args.placement in PLANNERS:
         print(f"planning with {args.placement} ...", file=sys.stderr)

@@ -40,6 +40,8 @@ from helixserve.spec.gpus import load_gpu_catalog
 GIB = 2**30
 #: weights may use at most this fraction of a machine's memory (Helix's cap); the rest is KV
 WEIGHT_FRACTION = 0.5
+#: above this the engine's MEMORY_UTILIZATION leaves no KV at the cap
+MAX_WEIGHT_FRACTION = 0.9
 #: per-GPU memory held by the CUDA context, activations and the allocator, never usable
 RESERVED_BYTES_PER_GPU = 1 * GIB
 #: the same for vLLM, fitted to the KV blocks vLLM 0.4.0 allocated with k layers of
@@ -364,4 +366,20 @@ class CostModel:
             f"{m.layer_weight_bytes / 1e9:.3f} GB) does not fit in the cluster: its nodes hold at "
             f"most {total} layers ({have_gb:.1f} GB usable, weights at most "
             f"{self.weight_fraction:.0%} of it); short by {math.ceil(short * 100) / 100:.2f} GB"
+            + self._fraction_hint(cluster)
         )
+
+    def _fraction_hint(self, cluster: ClusterSpec) -> str:
+        """'; --weight-fraction F would let it fit' with the smallest such F in steps of 0.05,
+        or '' when even MAX_WEIGHT_FRACTION would not (or the cap is not the reason)."""
+        steps = range(int(round(self.weight_fraction * 20)) + 1,
+                      int(round(MAX_WEIGHT_FRACTION * 20)) + 1)
+        for step in steps:
+            f = step / 20
+            held = sum(min(int(self.memory_bytes(n, RESERVED_BYTES_PER_GPU) * f
+                               // self.model.layer_weight_bytes), self.model.num_layers)
+                       for n in cluster.nodes)
+            if held >= self.model.num_layers:
+                return (f"; with --weight-fraction {f:g} it loads, with less KV cache per node "
+                        f"(lower throughput)")
+        return ""

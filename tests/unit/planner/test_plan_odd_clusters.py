@@ -311,3 +311,59 @@ def test_links_that_let_no_route_cover_the_model_are_an_error(tmp_path, capsys) 
                            "--out", str(tmp_path / "p.json")], capsys)
     assert "odd.yaml: links: no placement can serve" in line
     assert not (tmp_path / "p.json").exists()
+
+
+# --- --weight-fraction: one big machine holds the whole model beyond Helix's 50% ----------
+
+def test_weight_fraction_lets_one_machine_hold_the_model(tmp_path, capsys) -> None:
+    """LLaMA-30B (65 GB) on one A100-80GB is beyond the 50% weight cap: the error says
+    which --weight-fraction loads it, and with that flag plan, evaluate and simulate run."""
+    cluster = write_cluster(tmp_path, ["{name: a, gpu: A100-80GB}"])
+    base = ["--cluster", cluster, "--model", str(LLAMA30)]
+    out = tmp_path / "p.json"
+    line = one_line_error(["plan", *base, "--time-limit", "2", "--out", str(out)], capsys)
+    assert "does not fit" in line and "with --weight-fraction 0.8 it loads" in line
+    assert main(["plan", *base, "--time-limit", "2", "--quiet", "--jobs", "1",
+                 "--weight-fraction", "0.8", "--out", str(out)]) == 0
+    capsys.readouterr()
+    placement = json.loads(out.read_text())
+    assert placement["nodes"] == [{"name": "a", "start_layer": 0, "end_layer": 60}]
+    assert placement["throughput_tokens_per_s"] > 0
+    # a higher cap means less KV: the same placement no faster than at 0.8 (evaluate reads
+    # the placement's ranges, the flag only moves the cap, not the memory model)
+    assert main(["evaluate", *base, "--placement", str(out), "--json",
+                 "--weight-fraction", "0.8"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)["throughput_tokens_per_s"]
+    assert evaluated == pytest.approx(placement["throughput_tokens_per_s"], rel=1e-6)
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "0.95", "1.5"])
+def test_weight_fraction_out_of_range_is_one_line(tmp_path, capsys, value) -> None:
+    line = one_line_error(["plan", "--example", "--weight-fraction", value,
+                           "--out", str(tmp_path / "p.json")], capsys)
+    assert "--weight-fraction" in line and value.lstrip("-") in line
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_output_into_a_closed_pipe_stops_quietly(tmp_path) -> None:
+    """`helixserve evaluate --json | head -c 10`: no BrokenPipeError traceback, exit 141
+    (128 + SIGPIPE, what a shell reports for a command killed by a closed pipe)."""
+    import subprocess
+    import sys
+
+    cluster = write_cluster(tmp_path, ["{name: a, gpu: A100-80GB, num_gpus: 2}"])
+    placement = tmp_path / "p.json"
+    placement.write_text(json.dumps({
+        "format": "helixserve.placement/v1", "model": "llama-30b", "cluster": "odd",
+        "num_layers": 60, "planner": "hand",
+        "nodes": [{"name": "a", "start_layer": 0, "end_layer": 60}]}))
+    # the reader is gone before the command writes (it first loads and evaluates)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "helixserve", "evaluate", "--cluster", cluster, "--model",
+         str(LLAMA30), "--placement", str(placement), "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
