@@ -43,12 +43,24 @@ _CLIENT_CLOSED = 499
 Events = AsyncGenerator[tuple[Choice, TokenEvent], None]
 
 
-class RequestContextMiddleware:
-    """X-Request-Id in and out, and Bearer API-key auth, as plain ASGI."""
+#: largest request body read (a 128k-token prompt is well under 1 MiB of text)
+MAX_BODY_BYTES = 32 * 2**20
 
-    def __init__(self, app: Any, api_key: str | None) -> None:
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body is larger than {limit:,} bytes",
+                    code="request_too_large")
+
+
+class RequestContextMiddleware:
+    """X-Request-Id in and out, Bearer API-key auth, and a cap on the body size (413 past
+    `max_body_bytes`, by Content-Length or while reading a chunked body), as plain ASGI."""
+
+    def __init__(self, app: Any, api_key: str | None,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.app = app
         self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -79,6 +91,33 @@ class RequestContextMiddleware:
                 )
                 await err.response()(scope, receive, send_with_id)
                 return
+        limit = self.max_body_bytes
+        length = headers.get(b"content-length", b"").decode("latin-1").strip()
+        if length.isdigit() and int(length) > limit:
+            await _too_large(limit).response()(scope, receive, send_with_id)
+            return
+        if scope["method"] in ("POST", "PUT", "PATCH") and not length.isdigit():
+            # chunked: read it here, counting, and hand the app the same messages
+            messages = []
+            received = 0
+            while True:
+                message = await receive()
+                messages.append(message)
+                if message["type"] != "http.request":
+                    break
+                received += len(message.get("body", b""))
+                if received > limit:
+                    await _too_large(limit).response()(scope, receive, send_with_id)
+                    return
+                if not message.get("more_body", False):
+                    break
+            replay = iter(messages)
+
+            async def replaying_receive() -> Any:
+                return next(replay, None) or await receive()
+
+            await self.app(scope, replaying_receive, send_with_id)
+            return
         await self.app(scope, receive, send_with_id)
 
 
@@ -160,7 +199,10 @@ def _usage_chunk(batch: Any, model: str, obj: str) -> str:
 
 
 def create_app(
-    coordinator: CoordinatorLike, served_model_name: str | None = None, api_key: str | None = None
+    coordinator: CoordinatorLike,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
     """The API over a running coordinator. `api_key` None = no auth."""
     name = served_model_name or coordinator.model_name
@@ -170,7 +212,8 @@ def create_app(
     app.state.serving = serving
     app.state.metrics = metrics
     install_error_handlers(app)
-    app.add_middleware(RequestContextMiddleware, api_key=api_key)
+    app.add_middleware(RequestContextMiddleware, api_key=api_key,
+                       max_body_bytes=max_body_bytes)
 
     def response_id(request: Request, prefix: str) -> str:
         rid = str(request.state.request_id)

@@ -142,6 +142,7 @@ class Serving:
         self._token_text: dict[int, str] = {}
         self._token_bytes: dict[int, list[int]] = {}
         self._seq = 0
+        self._max_token_chars: int | None = None
         #: set when the server starts shutting down: running requests end at their next token
         self.draining = False
 
@@ -172,7 +173,31 @@ class Serving:
             self._token_bytes[token_id] = raw
         return raw
 
-    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    @property
+    def max_token_chars(self) -> int:
+        """Most characters one token can stand for (the longest vocabulary entry; byte-level
+        entries hold one character per byte). A text of C characters is at least
+        C / max_token_chars tokens, which bounds its length before tokenizing it."""
+        if self._max_token_chars is None:
+            vocab: dict[str, int] = getattr(self.tokenizer, "get_vocab", dict)()
+            self._max_token_chars = max((len(t) for t in vocab), default=0) or 64
+        return self._max_token_chars
+
+    def encode_text(self, text: str, add_special_tokens: bool = True,
+                    param: str = "prompt") -> list[int]:
+        # Tokenizing runs on the event loop: a megabyte of text would stall every stream
+        # for seconds, so a text that cannot fit the context is refused before it is read.
+        limit = self.coord.max_model_len
+        if len(text) > limit * self.max_token_chars:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"{param} has {len(text):,} characters, more than {limit} tokens of at most "
+                f"{self.max_token_chars} characters each can hold. Please reduce the length "
+                "of the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
@@ -192,7 +217,7 @@ class Serving:
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         # the rendered template already holds the special tokens (BOS, role markers)
         text = self.render_chat(messages, add_generation_prompt)
-        return self.encode_text(text, add_special_tokens=False)
+        return self.encode_text(text, add_special_tokens=False, param="messages")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -333,7 +358,7 @@ class Serving:
     def chat_prompt(self, body: ChatCompletionRequest) -> list[tuple[list[int], str]]:
         messages = body.template_messages()
         text = self.render_chat(messages, body.add_generation_prompt)
-        return [(self.encode_text(text, add_special_tokens=False), text)]
+        return [(self.encode_text(text, add_special_tokens=False, param="messages"), text)]
 
     # ---- running --------------------------------------------------------------------------
 

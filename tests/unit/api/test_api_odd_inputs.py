@@ -164,3 +164,63 @@ def test_error_message_is_json_safe_and_short(server):
     err = check_error(resp, 400, "stop")
     assert len(err["message"]) < 400
     json.dumps(err)
+
+
+# --- sizes: a body or a prompt too large is refused before it is read or tokenized --------
+
+@pytest.fixture(scope="module")
+def small_server(fake):
+    from api_testlib import ServerThread
+
+    from helixserve.api.app import create_app
+
+    with ServerThread(create_app(fake, None, api_key=API_KEY, max_body_bytes=2000)) as s:
+        yield s
+
+
+def test_body_over_the_limit_is_413(small_server):
+    body = {**COMPLETION, "prompt": "x" * 3000}
+    resp = httpx.post(small_server.url + "/v1/completions", json=body, headers=AUTH)
+    assert check_error(resp, 413)["code"] == "request_too_large"
+    # chunked (no Content-Length): counted while read
+    chunks = (json.dumps(body).encode()[i:i + 500] for i in range(0, 4000, 500))
+    resp = httpx.post(small_server.url + "/v1/completions", content=chunks,
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert check_error(resp, 413)["code"] == "request_too_large"
+
+
+def test_chunked_body_under_the_limit_is_served(small_server):
+    raw = json.dumps(COMPLETION).encode()
+    chunks = (raw[i:i + 10] for i in range(0, len(raw), 10))
+    resp = httpx.post(small_server.url + "/v1/completions", content=chunks,
+                      headers={**AUTH, "Content-Type": "application/json"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"]
+
+
+def test_prompt_too_long_for_any_tokenization_is_refused_untokenized(server, fake):
+    serving = server.server.config.app.state.serving
+    limit = fake.max_model_len
+    longest = max(len(t) for t in fake.tokenizer.get_vocab())
+    text = "a" * (limit * longest + 1)
+    calls = []
+    original = fake.tokenizer.encode
+
+    def counting_encode(*args, **kwargs):
+        calls.append(len(args[0]) if args else 0)
+        return original(*args, **kwargs)
+
+    fake.tokenizer.encode = counting_encode
+    try:
+        resp = httpx.post(server.url + "/v1/completions",
+                          json={**COMPLETION, "prompt": text}, headers=AUTH)
+        chat = httpx.post(server.url + "/v1/chat/completions",
+                          json={**CHAT, "messages": [{"role": "user", "content": text}]},
+                          headers=AUTH)
+    finally:
+        fake.tokenizer.encode = original
+    err = check_error(resp, 400, "prompt")
+    assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
+    assert check_error(chat, 400, "messages")["code"] == "context_length_exceeded"
+    assert not [n for n in calls if n > limit * longest], "the long text was tokenized"
+    assert serving.max_token_chars == longest
