@@ -73,12 +73,26 @@ def _reject(what: str, hint: str) -> ValueError:
 _CONFIG = ConfigDict(extra="ignore", strict=True)
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A request object: JSON null for any field means "not given", as OpenAI takes it
+    (`"n": null` is n = 1, `"stream": null` is no streaming)."""
+
+    model_config = _CONFIG
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Body):
     model_config = _CONFIG
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(_Body):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
     model_config = _CONFIG
@@ -211,7 +225,7 @@ class ChatMessage(BaseModel):
         return "".join(part["text"] for part in self.content)
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Body):
     model_config = _CONFIG
     type: str
 
@@ -281,7 +295,7 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     ]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     model_config = _CONFIG
     model: Text | None = None
     prompt: Text | None = None
@@ -299,7 +313,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     model_config = _CONFIG
     model: Text | None = None
     tokens: list[TokenId]

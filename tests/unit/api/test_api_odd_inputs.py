@@ -111,6 +111,24 @@ def test_values_at_the_edges_are_served(server):
         assert resp.status_code == 200, (patch, resp.text)
 
 
+def test_null_means_not_given(server):
+    """OpenAI's parameters are nullable: null is the default, not a type error."""
+    nulls = dict.fromkeys(("n", "stream", "stream_options", "temperature", "top_p", "stop",
+                           "seed", "min_tokens", "ignore_eos", "logit_bias", "user"))
+    resp = httpx.post(server.url + "/v1/completions",
+                      json={**COMPLETION, **nulls, "echo": None, "logprobs": None},
+                      headers=AUTH)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"]) == 1 and resp.json()["choices"][0]["logprobs"] is None
+    resp = httpx.post(server.url + "/v1/chat/completions",
+                      json={**CHAT, **nulls, "logprobs": None, "top_logprobs": None,
+                            "tools": None, "tool_choice": None, "response_format": None,
+                            "add_generation_prompt": None}, headers=AUTH)
+    assert resp.status_code == 200, resp.text
+    check_error(httpx.post(server.url + "/v1/completions", json={**COMPLETION, "prompt": None},
+                           headers=AUTH), 400, "prompt")
+
+
 @pytest.mark.parametrize(
     ("content", "content_type", "code"),
     [
