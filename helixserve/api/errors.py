@@ -64,12 +64,12 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
 def _is_union_tag(part: Any) -> bool:
     # pydantic puts the union member it tried into loc: "str", "list[int]", "function-after[...]"
     return isinstance(part, str) and ("[" in part or part in _UNION_TAGS)
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
 
 def _param_of(err: Mapping[str, Any]) -> str | None:

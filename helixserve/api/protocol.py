@@ -88,14 +88,11 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    model_config = _CONFIG
     include_usage: bool = False
 
 
 class SamplingFields(_Body):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
-
-    model_config = _CONFIG
 
     model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -226,7 +223,6 @@ class ChatMessage(BaseModel):
 
 
 class ResponseFormat(_Body):
-    model_config = _CONFIG
     type: str
 
     @field_validator("type")
@@ -296,7 +292,6 @@ def _template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 
 class TokenizeRequest(_Body):
-    model_config = _CONFIG
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
@@ -314,6 +309,5 @@ class TokenizeRequest(_Body):
 
 
 class DetokenizeRequest(_Body):
-    model_config = _CONFIG
     model: Text | None = None
     tokens: list[TokenId]

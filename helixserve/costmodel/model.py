@@ -248,12 +248,14 @@ class CostModel:
         reserve = self.reserved_bytes_per_gpu if reserved_per_gpu is None else reserved_per_gpu
         return node.num_gpus * max(0.0, spec.memory_gb * GIB - reserve)
 
-    def max_layers(self, node: NodeSpec) -> int:
-        """Most layers the node can hold: weights within WEIGHT_FRACTION of its memory. The
-        cap is Helix's rule of thumb for the machine, so it is taken with the default
-        reserve whatever `reserved_gb_per_gpu` says (that one changes the KV, not the cap)."""
+    def max_layers(self, node: NodeSpec, weight_fraction: float | None = None) -> int:
+        """Most layers the node can hold: weights within `weight_fraction` (default: this
+        model's) of its memory. The cap is Helix's rule of thumb for the machine, so it is
+        taken with the default reserve whatever `reserved_gb_per_gpu` says (that one changes
+        the KV, not the cap)."""
+        fraction = self.weight_fraction if weight_fraction is None else weight_fraction
         memory = self.memory_bytes(node, RESERVED_BYTES_PER_GPU)
-        k = int(memory * self.weight_fraction // self.model.layer_weight_bytes)
+        k = int(memory * fraction // self.model.layer_weight_bytes)
         return min(k, self.model.num_layers)
 
     def loadable_layers(self, node: NodeSpec) -> int:
@@ -376,10 +378,7 @@ class CostModel:
                       int(round(MAX_WEIGHT_FRACTION * 20)) + 1)
         for step in steps:
             f = step / 20
-            held = sum(min(int(self.memory_bytes(n, RESERVED_BYTES_PER_GPU) * f
-                               // self.model.layer_weight_bytes), self.model.num_layers)
-                       for n in cluster.nodes)
-            if held >= self.model.num_layers:
+            if sum(self.max_layers(n, f) for n in cluster.nodes) >= self.model.num_layers:
                 return (f"; with --weight-fraction {f:g} it loads, with less KV cache per node "
                         f"(lower throughput)")
         return ""

@@ -396,15 +396,12 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
     #: baselines beyond the weight cap (separate's pipeline of a type that fits no other
     #: way): compared at the end, never searched from
     beyond_cap: list[tuple[float, str, Ranges]] = []
-    for name, fn in BASELINES.items():
+    for name, fn in {**BASELINES, **EXTRA_CANDIDATES}.items():
         r = fn(net)
+        if not r and name in EXTRA_CANDIDATES:
+            continue  # e.g. no machine loads the whole model
         within = all(e - s <= net.max_layers[i] for i, (s, e) in r.items())
         (candidates if within else beyond_cap).append((value_of(r), name, r))
-    for name, extra in EXTRA_CANDIDATES.items():
-        r = extra(net)
-        if r:
-            within = all(e - s <= net.max_layers[i] for i, (s, e) in r.items())
-            (candidates if within else beyond_cap).append((value_of(r), name, r))
     base_value, base_name, _ = max(candidates + beyond_cap, key=lambda c: c[0])
     bounds = [layer_work_bound(net)]
     say(f"baselines: best {base_name} {base_value:,.1f} tokens/s; "
@@ -437,9 +434,7 @@ def solve_milp(net: FlowNetwork, time_limit_s: float, seed: int,
             f"{nonzeros * SECONDS_PER_NONZERO:.0f}s of its {relax_s:.1f}s")
         return False
 
-    wants_cover = len(net.names) > SMALL_NODES or len(net.names) <= CAPPED_COVER_NODES
-    cover_ok = (wants_cover and not closed()
-                and buildable("coverage relaxation", list(machine_types(net))))
+    cover_ok = not closed() and buildable("coverage relaxation", list(machine_types(net)))
     if len(net.names) > SMALL_NODES and cover_ok:
         cov = solve_coverage(net, relax_s,
                              hint=max(candidates, key=lambda c: c[0])[2])
