@@ -85,13 +85,15 @@ def write_local_cluster(
 
 
 def profile_cpu(model_dir: Path, out: Path, log: Callable[[str], None]) -> Path | None:
-    """Short CPU profile via `helixserve profile` (few points, 2 layers, 2 repeats: seconds,
-    not a minute); None (analytic cost model) if it fails."""
+    """Short CPU profile via `helixserve profile` (few points, 2 layers, 5 repeats: seconds,
+    not a minute; the median of 5 survives two noisy steps, where the median of 2, a mean,
+    once made batch 8 cost 5x batch 1 and the plan one chain); None (analytic cost model)
+    if it fails."""
     cmd = [
         sys.executable, "-m", "helixserve", "profile",
         "--model", str(model_dir), "--device", "cpu", "--out", str(out),
         "--prompt-tokens", "64,256", "--decode-batches", "1,8,32",
-        "--layers", "2", "--repeats", "2",
+        "--layers", "2", "--repeats", "5",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
