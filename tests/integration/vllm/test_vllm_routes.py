@@ -11,23 +11,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from vllm_procs import (
     Worker,
     chain_placement,
+    infos,
     make_cluster,
     start_worker,
     stop_workers,
     vllm_reference,
+    wait_all_free,
     wait_ready,
 )
 
 from helixserve.engine import SamplingParams
 from helixserve.runtime import Coordinator, GenerationRequest
-from helixserve.runtime import transport as tp
-from helixserve.runtime.proto import helix_pb2 as pb
-from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.timeout(1500)]
 
@@ -99,26 +97,6 @@ def serve(route: list[Worker], demo_model: Path, prompts: list[list[int]],
             await coord.close()
 
     return asyncio.run(main())
-
-
-async def infos(workers: list[Worker]) -> dict[str, tp.WorkerInfo]:
-    out = {}
-    for w in workers:
-        async with grpc.aio.insecure_channel(w.address) as ch:
-            out[w.name] = tp.info_from_pb(await pb_grpc.HelixWorkerStub(ch).Info(pb.InfoRequest()))
-    return out
-
-
-async def wait_all_free(workers: list[Worker], timeout_s: float = 20.0) -> dict[str, int]:
-    """Free KV blocks per worker once every block is free (or what is free at the timeout)."""
-    free: dict[str, int] = {}
-    for _ in range(int(timeout_s / 0.1)):
-        got = await infos(workers)
-        free = {n: i.kv_total_blocks - i.kv_used_blocks for n, i in got.items()}
-        if all(free[n] == got[n].kv_total_blocks for n in got):
-            break
-        await asyncio.sleep(0.1)
-    return free
 
 
 def test_vllm_route_matches_one_vllm_process(workers, demo_model, prompts, reference):

@@ -3,6 +3,7 @@ engine on 127.0.0.1, placements over them, the reference outputs of one plain vL
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from helixserve.planner.placement import Flow, NodeRange, Placement
 
@@ -117,3 +119,30 @@ def vllm_reference(model: Path, prompts: list[list[int]], max_tokens: int, tmp: 
         raise RuntimeError(f"vLLM reference failed ({res.returncode}):\n{res.stdout[-3000:]}\n"
                            f"{res.stderr[-3000:]}")
     return [list(map(int, t)) for t in json.loads(out.read_text())]
+
+
+async def infos(workers: list[Worker]) -> dict[str, Any]:
+    """Each worker's Info reply (transport.WorkerInfo)."""
+    import grpc
+
+    from helixserve.runtime import transport as tp
+    from helixserve.runtime.proto import helix_pb2 as pb
+    from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
+
+    out = {}
+    for w in workers:
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            out[w.name] = tp.info_from_pb(await pb_grpc.HelixWorkerStub(ch).Info(pb.InfoRequest()))
+    return out
+
+
+async def wait_all_free(workers: list[Worker], timeout_s: float = 20.0) -> dict[str, int]:
+    """Free KV blocks per worker once every block is free (or what is free at the timeout)."""
+    free: dict[str, int] = {}
+    for _ in range(int(timeout_s / 0.1)):
+        got = await infos(workers)
+        free = {n: i.kv_total_blocks - i.kv_used_blocks for n, i in got.items()}
+        if all(free[n] == got[n].kv_total_blocks for n in got):
+            break
+        await asyncio.sleep(0.1)
+    return free

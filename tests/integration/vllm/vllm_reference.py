@@ -17,7 +17,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    spec = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, seed=0,
               skip_tokenizer_init=True, enable_prefix_caching=False, max_model_len=2048,
               kv_cache_memory_bytes=256 << 20)
