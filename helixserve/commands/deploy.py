@@ -59,6 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     k.add_argument("--cluster-domain", default="cluster.local")
     k.add_argument("--kv-allocation", choices=KV_ALLOCATION_CHOICES, default="on-demand",
                    help="the coordinator's KV accounting (helixserve serve --kv-allocation)")
+    k.add_argument("--engine", choices=("torch", "vllm", "auto"), default="auto",
+                   help="every worker's engine (helixserve worker --engine); vllm needs an "
+                   "image built with the vllm extra (docs/vllm.md); default auto")
     k.set_defaults(func=run)
 
 
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         coordinator_image=args.coordinator_image,
         api_key_secret=args.api_key_secret,
         kv_allocation=args.kv_allocation,
+        engine=args.engine,
     )
     rendering = render_k8s(args.cluster, args.placement, opts)
     written, removed = write_manifests(rendering, args.out)

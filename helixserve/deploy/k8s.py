@@ -74,6 +74,10 @@ class RenderOptions:
     api_key_secret: str | None = None
     #: the coordinator's `--kv-allocation` (reserve | on-demand; docs/runtime.md)
     kv_allocation: str = "on-demand"
+    #: every worker's `--engine` (torch | vllm | auto); "auto" renders no flag (the worker's
+    #: default: vllm where the image has it and the pod a GPU). vllm needs an image built
+    #: with the vllm extra (docs/vllm.md)
+    engine: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -281,6 +285,8 @@ def worker_statefulset(opts: RenderOptions, w: WorkerSpec) -> Obj:
     ]  # fmt: skip
     if w.dtype is not None:
         command += ["--dtype", w.dtype]
+    if opts.engine != "auto":
+        command += ["--engine", opts.engine]
     container: Obj = {
         "name": "worker",
         "image": opts.image,
