@@ -121,8 +121,6 @@ class SimConfig:
     #: costs a real engine pays that a per-layer profile leaves out (e.g. Helix's prototype
     #: schedules each layer in Python, in eager mode; docs/calibration.md fits it)
     layer_overhead_s: float = 0.0
-    #: factor on the profile's prompt (prefill) time
-    prompt_time_scale: float = 1.0
 
 
 class SimRequest:
@@ -651,9 +649,6 @@ class Simulation:
         t = self._batch_time.get(key)
         if t is None:
             t = self.cost.batch_time_s(node.spec, layers, prompt_tokens, decode)
-            if prompt_tokens and self.cfg.prompt_time_scale != 1.0:
-                t += (self.cfg.prompt_time_scale - 1.0) * self.cost.batch_time_s(
-                    node.spec, layers, prompt_tokens, 0)
             t += self.cfg.layer_overhead_s * layers
             self._batch_time[key] = t
         return t
