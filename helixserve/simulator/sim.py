@@ -276,14 +276,12 @@ class Simulation:
                             f"{', '.join(OFFLINE_FEEDS)}")
         self.feeder = config.offline and config.offline_feed != "saturate"
         self.kv_feeder = config.offline and config.offline_feed == "kv-feeder"
-        if self.feeder:
-            if config.feed_initial_requests < 1 or config.feed_interval_s < 0:
-                raise UserError(f"feeder: feed_initial_requests must be >= 1 and "
-                                f"feed_interval_s >= 0, got {config.feed_initial_requests}, "
-                                f"{config.feed_interval_s}")
-            if not 0 < config.feed_kv_fraction <= 1:
-                raise UserError(f"feed_kv_fraction: must be in (0, 1], got "
-                                f"{config.feed_kv_fraction}")
+        # checked whatever the mode, so a bad value fails at once
+        if config.feed_initial_requests < 1 or config.feed_interval_s < 0:
+            raise UserError(f"feeder: feed_initial_requests must be >= 1 and feed_interval_s "
+                            f">= 0, got {config.feed_initial_requests}, {config.feed_interval_s}")
+        if not 0 < config.feed_kv_fraction <= 1:
+            raise UserError(f"feed_kv_fraction: must be in (0, 1], got {config.feed_kv_fraction}")
         #: the distinct sets of nodes that hold a layer, with their KV summed (the feeder's
         #: per-layer usage, as Helix's KVExpectation.bottleneck_usage computes it)
         groups = {
