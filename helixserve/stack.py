@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helixserve.api.launch import WorkerProcesses, WorkerSpec, free_port, serve_app
 from helixserve.errors import UserError
+from helixserve.launch import WorkerProcesses, WorkerSpec, free_port, serve_app
 
 #: memory budgets of the demo's 3 nodes (GB). The planner lets weights use half a node's
 #: memory; SmolLM2-135M's 30 layers are ~7 MB each in bf16, so these hold at most about 10,

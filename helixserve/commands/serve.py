@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     check_kv_arguments(args)
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
-    from helixserve.api.stack import describe_placement, run_stack
+    from helixserve.stack import describe_placement, run_stack
 
     def started(cluster: object, placement: object) -> None:
         print(describe_placement(placement, cluster))
