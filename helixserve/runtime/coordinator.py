@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from helixserve.errors import UserError
+from helixserve.request import GenerationRequest, SamplingParams, TokenEvent
 from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
 from helixserve.runtime.transport import WireHop, WireItem, WireResult
@@ -59,36 +60,6 @@ class QueueFullError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """A worker reported an error for the request that re-routing cannot fix."""
-
-
-@dataclass
-class GenerationRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: Any  # helixserve.engine.SamplingParams
-    max_tokens: int
-    min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-
-@dataclass
-class TokenEvent:
-    token_id: int
-    #: incremental detokenized text (stop strings applied and removed); may be "" while held back
-    text: str
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]]
-    finish_reason: str | None  # None | "stop" | "length"
-    #: engine time spent on this token's step, summed over the route's hops (the rest of the
-    #: token's latency is coordinator + gRPC + queueing overhead)
-    compute_s: float = 0.0
-    #: hops of the request's route when this token was produced
-    num_hops: int = 0
-    #: first token of a request whose sampling asked for prompt_logprobs: prompt tokens 1..
-    #: given the tokens before each (helixserve.engine.sampling.PromptLogprob)
-    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass
@@ -419,8 +390,6 @@ class Coordinator:
         if n >= self.max_model_len:
             raise UserError(f"prompt: {n} tokens; the model's context is {self.max_model_len}")
         if req.sampling is None:
-            from helixserve.engine import SamplingParams
-
             req.sampling = SamplingParams()
         validate = getattr(req.sampling, "validate", None)
         if validate is not None:
@@ -618,9 +587,9 @@ def _config_max_len(model_dir: Path) -> int | None:
 
 
 def _chunk_tokens(info: Any, max_tokens: int) -> int:
-    from helixserve.runtime.transport import dtype_from_name, prefill_chunk_tokens
+    from helixserve.runtime.transport import prefill_chunk_tokens
 
-    return prefill_chunk_tokens(info.hidden_size, dtype_from_name(info.dtype), max_tokens)
+    return prefill_chunk_tokens(info.hidden_size, info.dtype, max_tokens)
 
 
 __all__ = [

@@ -143,7 +143,8 @@ def _engine_prompt_logprobs(prompt_ids: list[int], top_n: int) -> list:
     """The same prompt scored by one in-process engine holding every layer."""
     import torch
 
-    from helixserve.engine import SamplingParams, ShardEngine, WorkItem, prepare_demo_model
+    from helixserve.engine import ShardEngine, WorkItem, prepare_demo_model
+    from helixserve.request import SamplingParams
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the workers run beside us

@@ -31,7 +31,8 @@ from runtime_procs import (
     wait_ready,
 )
 
-from helixserve.engine import SamplingParams, ShardEngine, WorkItem
+from helixserve.engine import ShardEngine, WorkItem
+from helixserve.request import SamplingParams
 from helixserve.runtime import Coordinator, GenerationRequest, NoRouteError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

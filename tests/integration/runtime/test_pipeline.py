@@ -24,7 +24,8 @@ from runtime_procs import (
     uneven_placement,
 )
 
-from helixserve.engine import SamplingParams, ShardEngine, WorkItem
+from helixserve.engine import ShardEngine, WorkItem
+from helixserve.request import SamplingParams
 from helixserve.runtime import Coordinator, GenerationRequest, NoRouteError
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb

@@ -26,7 +26,7 @@ from runtime_procs import (
     wait_ready,
 )
 
-from helixserve.engine import SamplingParams
+from helixserve.request import SamplingParams
 from helixserve.runtime import Coordinator, GenerationRequest
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
