@@ -115,7 +115,8 @@ class SimConfig:
     feed_interval_s: float = 0.1
     feed_kv_fraction: float = 0.8
     #: maxflow router: route over the max-entropy spread of the flow (True) or the solver's
-    #: flow as given (False, as Helix's IWRR does); see helixserve/scheduler/maxflow.py
+    #: flow as given (False, as Helix's IWRR does); see helixserve/scheduler/maxflow.py.
+    #: The other routing policies have no flow to spread and ignore it
     router_spread: bool = True
     #: seconds added to every layer an iteration runs, on top of the profile's time: per-layer
     #: costs a real engine pays that a per-layer profile leaves out (e.g. Helix's prototype
@@ -291,11 +292,13 @@ class Simulation:
         self.layer_groups = [(g, sum(n.kv_cap for n in g)) for g in groups if g]
         self.feed_dropped = 0
         names = [COORDINATOR, *self.nodes]
+        # the spread is the maxflow policy's knob; the other policies route without a flow
+        knobs = {"spread": config.router_spread} if config.scheduler == "maxflow" else {}
         self.router = make_router(
             config.scheduler,
             placement,
             seed=config.seed,
-            spread=config.router_spread,
+            **knobs,
             **router_options(cluster, model, placement, cost),
         )
         self.states = {n.name: n.state for n in self.nodes.values()}

@@ -150,10 +150,13 @@ def test_kv_feeder_drops_a_request_no_route_takes() -> None:
     assert sim.arrived + out["feed_dropped"] > out["requests_finished"] + sim.in_flight
 
 
-def test_closed_feeder_keeps_a_fixed_number_in_flight() -> None:
+@pytest.mark.parametrize("scheduler", ["maxflow", "swarm"])
+def test_closed_feeder_keeps_a_fixed_number_in_flight(scheduler: str) -> None:
     s = one_node()
+    # router_spread is maxflow's knob: another policy (Helix's swarm host) ignores it
     sim, out = simulate(s, fixed_requests(1, prompt=100, output=50), offline=True,
-                        duration_s=60.0, offline_feed="closed", feed_initial_requests=5)
+                        duration_s=60.0, offline_feed="closed", feed_initial_requests=5,
+                        scheduler=scheduler, router_spread=False)
     assert out["requests_finished"] > 20
     assert sim.in_flight + len(sim.waiting) == 5
     assert sim.arrived == out["requests_finished"] + 5
