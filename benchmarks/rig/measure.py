@@ -24,9 +24,11 @@ from benchmarks.rig.stack import child_env
 #: `helixserve profile` points: prompt batches up to what a worker step batches in a burst
 PROFILE_PROMPT_TOKENS = "64,256,512,1024,2048"
 PROFILE_DECODE_BATCHES = "1,4,8,16,32"
-#: the simulator's engine model (helixserve/simulator/engines.py) closest to the runtime's
-#: defaults: on-demand KV with a 1% watermark, prompts in chunks of 512 tokens
-SIM_ENGINE = "vllm"
+#: the simulator's engine models the rig compares (helixserve/simulator/engines.py presets,
+#: plus `runtime`: see runtime_engine); the first is the row's "simulated"
+SIM_ENGINES = ("runtime", "vllm", "reserve")
+#: the coordinator's prompt chunk (Coordinator.create's prefill_chunk_tokens default)
+RUNTIME_CHUNK_TOKENS = 512
 METRIC_KEYS = ("decode_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s")
 
 
@@ -157,16 +159,30 @@ def measure(api_url: str, model_name: str, workload: Workload,
 # ---- simulated -----------------------------------------------------------------------------
 
 
+def runtime_engine(num_requests: int) -> dict[str, Any]:
+    """SimConfig engine fields closest to what the runtime does today: on-demand KV with
+    the coordinator's 1% watermark; a worker step takes one item per request from
+    everything queued (runtime/worker.py), prompts travel in chunks of 512 tokens, and no
+    per-step token budget exists, so a burst of n prefilling requests runs steps of up to
+    n x 512 prompt tokens, pipelined chunk by chunk along the route; no admission cap."""
+    from helixserve.simulator.engines import engine_config
+
+    return engine_config("vllm", chunked_prefill=True,
+                         max_prompt_tokens=RUNTIME_CHUNK_TOKENS * max(1, num_requests),
+                         max_prefilling=10**9)
+
+
 def simulate(cluster_spec: Any, model: Any, cost: Any, placement: Any,
-             lengths: list[tuple[int, int]], engine: str = SIM_ENGINE) -> dict[str, float]:
-    """`helixserve simulate`'s code path (Simulation, maxflow routing, the engine preset)
+             lengths: list[tuple[int, int]], engine: str = SIM_ENGINES[0]) -> dict[str, float]:
+    """`helixserve simulate`'s code path (Simulation, maxflow routing, an engine model)
     on the same requests, all arriving at t = 0."""
     from helixserve.simulator.engines import engine_config
     from helixserve.simulator.sim import SimConfig, Simulation
     from helixserve.simulator.workload import TraceRequest
 
     requests = [TraceRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(lengths)]
-    config = SimConfig(duration_s=7200.0, scheduler="maxflow", **engine_config(engine))
+    fields = runtime_engine(len(requests)) if engine == "runtime" else engine_config(engine)
+    config = SimConfig(duration_s=7200.0, scheduler="maxflow", **fields)
     result = Simulation(cluster_spec, model, cost, placement, requests, config).run()
     times = [RequestTimes(r.prompt, r.output, r.arrival_s, r.first_s, r.finish_s)
              for r in result.finished]

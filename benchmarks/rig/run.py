@@ -16,7 +16,7 @@ from typing import Any
 
 from benchmarks.rig.clusters import CLUSTERS, RigCluster
 from benchmarks.rig.measure import (
-    SIM_ENGINE,
+    SIM_ENGINES,
     Workload,
     cluster_profiles,
     conversation,
@@ -46,7 +46,7 @@ class RigOptions:
     #: every process the rig starts stops by itself after this long
     max_seconds: float = 3600.0
     log: Callable[[str], None] = print
-    sim_engines: tuple[str, ...] = (SIM_ENGINE, "reserve")
+    sim_engines: tuple[str, ...] = SIM_ENGINES
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -122,7 +122,7 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
                 rows.append(row)
                 opts.log(f"    {wl.name}: measured {measured['decode_tokens_per_s']:.1f} tok/s, "
                          f"simulated {row['simulated']['decode_tokens_per_s']:.1f} tok/s "
-                         f"({row['wall_s']} s{', %d failed' % len(errors) if errors else ''})")
+                         f"({row['wall_s']} s{f', {len(errors)} failed' if errors else ''})")
         rows[-1]["proxy_links"] = stack.proxy_stats
     return rows
 

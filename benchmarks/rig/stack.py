@@ -220,10 +220,10 @@ class RigStack:
                 if proc.poll() is not None:
                     raise RuntimeError(f"rig: {name} exited with code {proc.returncode}; log "
                                        f"{self.workdir / (name + '.log')}:\n{self.log_tail(name)}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(self.api_url + "/v1/models", timeout=2.0) as resp:
-                    if resp.status == 200:
-                        return
+            with contextlib.suppress(OSError), urllib.request.urlopen(
+                    self.api_url + "/v1/models", timeout=2.0) as resp:
+                if resp.status == 200:
+                    return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rig: API not ready after {timeout_s:.0f} s; server log:\n"
                                    f"{self.log_tail('server')}")
