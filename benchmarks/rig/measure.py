@@ -104,6 +104,25 @@ def cluster_profiles(cluster: RigCluster, model_dir: Path, cache: Path, speed: S
     return out
 
 
+def probe_ms(model_dir: Path) -> float:
+    """A host-load probe: `helixserve profile`'s decode step of batch 8 on 2 layers, 1 thread,
+    no slowdown (ms per layer). Its ratio to the same probe taken at profiling time says how
+    much slower the host was while a row was measured (other load on shared cores)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "probe.csv"
+        cmd = [sys.executable, "-m", "helixserve", "profile", "--model", str(model_dir),
+               "--out", str(out), "--threads", "1", "--layers", "2", "--repeats", "5",
+               "--prompt-tokens", "256", "--decode-batches", "8"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=300)
+        if proc.returncode != 0:
+            return float("nan")
+        with out.open(newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r["phase"] == "decode"]
+        return float(rows[0]["layer_ms"])
+
+
 # ---- metrics -------------------------------------------------------------------------------
 
 

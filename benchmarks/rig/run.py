@@ -8,6 +8,7 @@ and run each workload's burst on it, and simulate the same burst on the same pla
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from benchmarks.rig.measure import (
     conversation,
     measure,
     prefill_heavy,
+    probe_ms,
     simulate,
 )
 from benchmarks.rig.speed import SpeedControl
@@ -51,11 +53,13 @@ class RigOptions:
 
 
 def quick_workloads() -> tuple[Workload, ...]:
-    return (conversation(8, 512, 48), prefill_heavy(4, 2000, 30))
+    """Small bursts: the whole --quick run (24 rows) fits 15 minutes on a quiet 2-core host.
+    The prefill-heavy prompts are half the issue's ~2000 tokens, with outputs cut alike."""
+    return (conversation(6, 256, 24), prefill_heavy(3, 1000, 16))
 
 
 def full_workloads() -> tuple[Workload, ...]:
-    return (conversation(24, 1024, 128), prefill_heavy(12, 2000, 30))
+    return (conversation(16, 512, 64), prefill_heavy(8, 2000, 30))
 
 
 def kv_cache_bytes(cluster_spec: Any, model: Any, cost: Any, placement: Any) -> dict[str, int]:
@@ -82,6 +86,7 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
     ends = Endpoints.allocate(cluster)
     cluster_path, gpus_path = write_cluster_files(cluster, work, ends)
     opts.log(f"{name}: {cluster.description}")
+    probe_at_profile = probe_ms(model_dir)
     profiles_path = cluster_profiles(cluster, model_dir, opts.workdir / "profiles", speed,
                                      opts.profile_repeats, opts.reprofile, opts.log)
     catalog = load_gpu_catalog(gpus_path)
@@ -98,13 +103,16 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
         stack = RigStack(cluster, cluster_path, gpus_path, placement_path, model_dir, ends,
                          kv_cache_bytes(spec, model, cost, placement), speed,
                          work / f"logs-{pname}", opts.max_seconds)
+        probe = probe_ms(model_dir)
         t0 = time.monotonic()
         with stack:
             opts.log(f"    stack up in {time.monotonic() - t0:.1f} s")
             for wl in opts.workloads:
                 t1 = time.monotonic()
+                load_before = os.getloadavg()[0]
                 measured, times, errors = measure(stack.api_url, model_dir.name, wl,
                                                   opts.request_timeout_s)
+                load_after = os.getloadavg()[0]
                 lengths = [(t.prompt_tokens, t.output_tokens) for t in times] or list(wl.requests)
                 simulated = {eng: simulate(spec, model, cost, placement, lengths, eng)
                              for eng in opts.sim_engines}
@@ -118,6 +126,10 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
                     "measured": measured,
                     "errors": errors[:5], "failed": len(errors),
                     "wall_s": round(time.monotonic() - t1, 1),
+                    # other load on the shared host: 1-minute load average around the
+                    # burst, and the probe's step time before the stack vs at profiling
+                    "host": {"loadavg_before": load_before, "loadavg_after": load_after,
+                             "probe_ratio": round(probe / probe_at_profile, 3)},
                 }
                 rows.append(row)
                 opts.log(f"    {wl.name}: measured {measured['decode_tokens_per_s']:.1f} tok/s, "
