@@ -123,6 +123,19 @@ def probe_ms(model_dir: Path) -> float:
         return float(rows[0]["layer_ms"])
 
 
+def scaled_profiles(path: Path, factor: float, out: Path) -> Path:
+    """The profiles CSV with every layer_ms x factor (the host's speed at another time)."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["layer_ms"] = f"{float(r['layer_ms']) * factor:.4f}"
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return out
+
+
 # ---- metrics -------------------------------------------------------------------------------
 
 

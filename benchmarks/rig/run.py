@@ -24,6 +24,7 @@ from benchmarks.rig.measure import (
     measure,
     prefill_heavy,
     probe_ms,
+    scaled_profiles,
     simulate,
 )
 from benchmarks.rig.speed import SpeedControl
@@ -104,6 +105,9 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
                          kv_cache_bytes(spec, model, cost, placement), speed,
                          work / f"logs-{pname}", opts.max_seconds)
         probe = probe_ms(model_dir)
+        host_ratio = probe / probe_at_profile if probe == probe and probe_at_profile else 1.0
+        cost_now = CostModel(model, load_profiles(scaled_profiles(
+            profiles_path, host_ratio, work / f"profiles-now-{pname}.csv")), catalog)
         t0 = time.monotonic()
         with stack:
             opts.log(f"    stack up in {time.monotonic() - t0:.1f} s")
@@ -116,6 +120,9 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
                 lengths = [(t.prompt_tokens, t.output_tokens) for t in times] or list(wl.requests)
                 simulated = {eng: simulate(spec, model, cost, placement, lengths, eng)
                              for eng in opts.sim_engines}
+                # the same, with the profile re-timed by the host-load probe: how much of
+                # the error is other load on the shared host
+                sim_now = simulate(spec, model, cost_now, placement, lengths, opts.sim_engines[0])
                 row = {
                     "cluster": name, "workload": wl.name, "placement": pname,
                     "requests": len(wl.requests),
@@ -123,13 +130,14 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
                     "layers": {r.name: [r.start_layer, r.end_layer] for r in placement.nodes},
                     "simulated": simulated[opts.sim_engines[0]],
                     "simulated_by_engine": simulated,
+                    "simulated_host_scaled": sim_now,
                     "measured": measured,
                     "errors": errors[:5], "failed": len(errors),
                     "wall_s": round(time.monotonic() - t1, 1),
                     # other load on the shared host: 1-minute load average around the
                     # burst, and the probe's step time before the stack vs at profiling
                     "host": {"loadavg_before": load_before, "loadavg_after": load_after,
-                             "probe_ratio": round(probe / probe_at_profile, 3)},
+                             "probe_ratio": round(host_ratio, 3)},
                 }
                 rows.append(row)
                 opts.log(f"    {wl.name}: measured {measured['decode_tokens_per_s']:.1f} tok/s, "

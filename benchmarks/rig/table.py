@@ -18,10 +18,11 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"{'tok/s real':>11}{'sim':>8}{'err':>7}"
             f"{'TTFT50 real':>12}{'sim':>7}{'err':>7}"
             f"{'TPOT50 real':>12}{'sim':>7}{'err':>7}"
-            f"{'TTFT95 err':>11}{'TPOT95 err':>11}")
+            f"{'TTFT95 err':>11}{'TPOT95 err':>11}{'load':>6}{'probe':>7}{'scaled err':>11}")
     lines = [head, "-" * len(head)]
     for r in results:
-        m, s = r["measured"], r["simulated"]
+        m, s, host = r["measured"], r["simulated"], r.get("host", {})
+        scaled = r.get("simulated_host_scaled", {})
         lines.append(
             f"{r['cluster']:<14}{r['workload']:<15}{r['placement']:<10}"
             f"{m['decode_tokens_per_s']:>11.1f}{s['decode_tokens_per_s']:>8.1f}"
@@ -31,7 +32,10 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"{m['tpot_p50_s']:>12.3f}{s['tpot_p50_s']:>7.3f}"
             f"{rel_error(s['tpot_p50_s'], m['tpot_p50_s']):>+7.0%}"
             f"{rel_error(s['ttft_p95_s'], m['ttft_p95_s']):>+11.0%}"
-            f"{rel_error(s['tpot_p95_s'], m['tpot_p95_s']):>+11.0%}")
+            f"{rel_error(s['tpot_p95_s'], m['tpot_p95_s']):>+11.0%}"
+            f"{host.get('loadavg_before', float('nan')):>6.1f}"
+            f"{host.get('probe_ratio', float('nan')):>7.2f}"
+            f"{rel_error(scaled.get('decode_tokens_per_s', 0.0), m['decode_tokens_per_s']):>+11.0%}")
     return "\n".join(lines)
 
 
