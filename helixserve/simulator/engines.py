@@ -24,7 +24,6 @@ from typing import Any
 
 from helixserve.costmodel.model import VLLM_RESERVED_GB_PER_GPU
 from helixserve.errors import UserError
-from helixserve.scheduler.types import KV_ALLOCATIONS as _KV_ALLOCATIONS
 
 #: SimConfig fields of each engine model, by name
 ENGINES: dict[str, dict[str, Any]] = {
@@ -54,10 +53,6 @@ def engine_gpu_reserve_gb(name: str, override: float | None = None) -> float | N
     """GB per GPU a cost model for engine `name` keeps: `override` (--gpu-reserve-gb) when
     given, else the engine's (None: the cost model's default)."""
     return override if override is not None else ENGINE_GPU_RESERVE_GB[name]
-
-
-#: values `SimConfig.kv_allocation` accepts (the runtime's coordinator takes the same)
-KV_ALLOCATIONS = _KV_ALLOCATIONS
 
 
 def engine_config(name: str, **overrides: Any) -> dict[str, Any]:

@@ -44,9 +44,9 @@ from typing import Any
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
 from helixserve.planner.placement import COORDINATOR, Placement
+from helixserve.request import KV_ALLOCATIONS
 from helixserve.scheduler import NodeState, RequestInfo, make_router
 from helixserve.scheduler.options import router_options
-from helixserve.simulator.engines import KV_ALLOCATIONS
 from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.workload import TraceRequest, offline_stream
 from helixserve.spec import ClusterSpec, ModelSpec, NodeSpec
