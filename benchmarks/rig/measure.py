@@ -27,8 +27,6 @@ PROFILE_DECODE_BATCHES = "1,4,8,16,32"
 #: the simulator's engine models the rig compares (helixserve/simulator/engines.py presets,
 #: plus `runtime`: see runtime_engine); the first is the row's "simulated"
 SIM_ENGINES = ("runtime", "vllm", "reserve")
-#: the coordinator's prompt chunk (Coordinator.create's prefill_chunk_tokens default)
-RUNTIME_CHUNK_TOKENS = 512
 METRIC_KEYS = ("decode_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s")
 
 
@@ -197,10 +195,13 @@ def runtime_engine(num_requests: int) -> dict[str, Any]:
     everything queued (runtime/worker.py), prompts travel in chunks of 512 tokens, and no
     per-step token budget exists, so a burst of n prefilling requests runs steps of up to
     n x 512 prompt tokens, pipelined chunk by chunk along the route; no admission cap."""
+    from helixserve.runtime.config import CoordinatorConfig
     from helixserve.simulator.engines import engine_config
 
-    return engine_config("vllm", chunked_prefill=True,
-                         max_prompt_tokens=RUNTIME_CHUNK_TOKENS * max(1, num_requests),
+    runtime = CoordinatorConfig()
+    return engine_config("vllm", chunked_prefill=True, kv_allocation=runtime.kv_allocation,
+                         kv_watermark=runtime.kv_watermark,
+                         max_prompt_tokens=runtime.prefill_chunk_tokens * max(1, num_requests),
                          max_prefilling=10**9)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 async def serve(args: argparse.Namespace) -> None:
     from helixserve.api.app import create_app
-    from helixserve.api.launch import serve_app
+    from helixserve.launch import serve_app
     from helixserve.planner import load_placement
     from helixserve.runtime import Coordinator
     from helixserve.spec import load_cluster
@@ -27,8 +27,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     cluster = load_cluster(args.cluster, catalog=load_gpu_catalog(args.gpus))
     placement = load_placement(args.placement)
-    coord = await Coordinator.create(cluster, placement, Path(args.model),
-                                     kv_allocation=args.kv_allocation)
+    # the runtime's defaults (CoordinatorConfig): what the rig measures
+    coord = await Coordinator.create(cluster, placement, Path(args.model))
     try:
         app = create_app(coord)
         loop = asyncio.get_running_loop()
@@ -47,7 +47,6 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--kv-allocation", default="on-demand")
     p.add_argument("--max-seconds", type=float, default=3600.0)
     args = p.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
