@@ -133,6 +133,8 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
                     "simulated_host_scaled": sim_now,
                     "measured": measured,
                     "errors": errors[:5], "failed": len(errors),
+                    # (prompt, output) tokens of each request as served: the simulated burst
+                    "lengths": lengths,
                     "wall_s": round(time.monotonic() - t1, 1),
                     # other load on the shared host: 1-minute load average around the
                     # burst, and the probe's step time before the stack vs at profiling
