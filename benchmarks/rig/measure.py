@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import math
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ def profile_class(model_dir: Path, slowdown: float, out: Path, speed: SpeedContr
     raw = out.with_suffix(".raw.csv")
     cmd = [
         sys.executable, "-m", "helixserve", "profile", "--model", str(model_dir),
-        "--out", str(raw), "--threads", "1", "--layers", "2", "--repeats", str(repeats),
+        "--out", str(raw), "--threads", "1", "--layers", "1", "--repeats", str(repeats),
         "--prompt-tokens", PROFILE_PROMPT_TOKENS, "--decode-batches", PROFILE_DECODE_BATCHES,
         *speed.worker_args(slowdown),
     ]  # fmt: skip
@@ -87,11 +88,12 @@ def profile_class(model_dir: Path, slowdown: float, out: Path, speed: SpeedContr
 
 def cluster_profiles(cluster: RigCluster, model_dir: Path, cache: Path, speed: SpeedControl,
                      repeats: int, reprofile: bool, log: Any) -> Path:
-    """One profiles CSV for the cluster's classes (each class measured once per cache dir)."""
+    """One profiles CSV for the cluster's classes, measured just before the cluster runs
+    (the host's other load drifts; a profile from another time mispredicts every row)."""
     cache.mkdir(parents=True, exist_ok=True)
     parts = []
     for s in cluster.classes():
-        path = cache / f"{gpu_class(s)}-{speed.mode}.csv"
+        path = cache / f"{cluster.name}-{gpu_class(s)}-{speed.mode}.csv"
         if reprofile or not path.is_file():
             log(f"  profiling {gpu_class(s)} ({speed.mode})")
             profile_class(model_dir, s, path, speed, repeats)
@@ -103,22 +105,23 @@ def cluster_profiles(cluster: RigCluster, model_dir: Path, cache: Path, speed: S
 
 
 def probe_ms(model_dir: Path) -> float:
-    """A host-load probe: `helixserve profile`'s decode step of batch 8 on 2 layers, 1 thread,
-    no slowdown (ms per layer). Its ratio to the same probe taken at profiling time says how
-    much slower the host was while a row was measured (other load on shared cores)."""
+    """A host-load probe: `helixserve profile`'s prompt step of 512 tokens and decode step
+    of batch 8 on 2 layers, 1 thread, no slowdown; the geometric mean of the two (ms per
+    layer). Its ratio to the same probe taken at profiling time says how much slower the
+    host was when a row was measured (other load on the shared cores)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "probe.csv"
         cmd = [sys.executable, "-m", "helixserve", "profile", "--model", str(model_dir),
                "--out", str(out), "--threads", "1", "--layers", "2", "--repeats", "5",
-               "--prompt-tokens", "256", "--decode-batches", "8"]
+               "--prompt-tokens", "512", "--decode-batches", "8"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=300)
         if proc.returncode != 0:
             return float("nan")
         with out.open(newline="") as f:
-            rows = [r for r in csv.DictReader(f) if r["phase"] == "decode"]
-        return float(rows[0]["layer_ms"])
+            times = [float(r["layer_ms"]) for r in csv.DictReader(f)]
+        return math.prod(times) ** (1 / len(times))
 
 
 def scaled_profiles(path: Path, factor: float, out: Path) -> Path:
