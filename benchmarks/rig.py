@@ -29,7 +29,7 @@ from benchmarks.rig.run import (  # noqa: E402
     save,
 )
 from benchmarks.rig.speed import SPEED_MODES  # noqa: E402
-from benchmarks.rig.table import format_summary, format_table  # noqa: E402
+from benchmarks.rig.table import format_markdown, format_summary, format_table  # noqa: E402
 
 
 def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
@@ -45,6 +45,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small bursts (under 15 min on 2 cores)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write results here")
+    p.add_argument("--markdown", type=Path, default=None, metavar="OUT",
+                   help="also write the table as markdown (for docs/benchmarks.md)")
     p.add_argument("--clusters", default=",".join(CLUSTERS), help="comma list")
     p.add_argument("--placements", default=",".join(PLACEMENTS), help="comma list")
     p.add_argument("--workloads", default="conversation,prefill-heavy", help="comma list")
@@ -85,6 +87,10 @@ def main() -> int:
     if args.json is not None:
         save(report, args.json)
         print(f"wrote {args.json}")
+    if args.markdown is not None:
+        args.markdown.write_text(format_markdown(report["results"]) + "\n\n"
+                                 + format_summary(report["results"]) + "\n")
+        print(f"wrote {args.markdown}")
     return 0
 
 

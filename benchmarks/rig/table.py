@@ -85,3 +85,27 @@ def format_summary(results: list[dict[str, Any]]) -> str:
             f"{' (same)' if g['same_order'] else ''}; milp/best measured "
             f"{ratio:.2f}" if ratio is not None else "")
     return "\n".join(lines)
+
+
+def format_markdown(results: list[dict[str, Any]]) -> str:
+    """The table as markdown, for docs/benchmarks.md."""
+    lines = [
+        "| cluster | workload | placement | decode tok/s real / sim (err) | TTFT p50 s real / sim "
+        "(err) | TPOT p50 s real / sim (err) | TTFT p95 err | TPOT p95 err | load | probe |",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        m, s, host = r["measured"], r["simulated"], r.get("host", {})
+
+        def cell(key: str, fmt: str, m: dict[str, Any] = m, s: dict[str, Any] = s) -> str:
+            return (f"{m[key]:{fmt}} / {s[key]:{fmt}} ({rel_error(s[key], m[key]):+.0%})")
+
+        lines.append(
+            f"| {r['cluster']} | {r['workload']} | {r['placement']} "
+            f"| {cell('decode_tokens_per_s', '.2f')} | {cell('ttft_p50_s', '.1f')} "
+            f"| {cell('tpot_p50_s', '.2f')} "
+            f"| {rel_error(s['ttft_p95_s'], m['ttft_p95_s']):+.0%} "
+            f"| {rel_error(s['tpot_p95_s'], m['tpot_p95_s']):+.0%} "
+            f"| {host.get('loadavg_before', float('nan')):.1f} "
+            f"| {host.get('probe_ratio', float('nan')):.2f} |")
+    return "\n".join(lines)
