@@ -43,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-block-size", type=int, default=None,
                    help="tokens per KV block (default: torch 16; vllm the platform's, 128 on CPU)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op CPU threads")
+    p.add_argument("--slowdown", type=finite_float, default=1.0, metavar="F",
+                   help="emulate a slower device: stretch each engine step to F x its compute "
+                   "time by sleeping (benchmarks/rig; default 1, off)")
     p.add_argument("--drain-timeout-s", type=finite_float, default=30.0,
                    help="on SIGTERM, serve active requests this long before failing them")
     p.set_defaults(func=run)
@@ -82,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--model: {args.model} is not a directory")
     if not 0 < args.port < 65536 and args.port != 0:
         raise UserError(f"--port: bad value {args.port}")
+    if args.slowdown < 1.0:
+        raise UserError(f"--slowdown: bad value {args.slowdown}; need >= 1")
     if args.kv_block_size is not None and args.kv_block_size < 1:
         raise UserError(f"--kv-block-size: bad value {args.kv_block_size}; need >= 1")
     from helixserve.engine.registry import default_device, engine_version, resolve_engine
@@ -98,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from helixserve.engine import load_engine
+    from helixserve.engine.slowdown import slowed
     from helixserve.runtime.worker import Worker, serve
 
     if args.num_threads:
@@ -109,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"--layers: range [{start}, {end}) is outside the model's {engine.num_model_layers} layers"
         )
-    worker = Worker(engine, node=node, model=args.model.name, backend=engine_name, device=device)
+    worker = Worker(slowed(engine, args.slowdown), node=node, model=args.model.name,
+                    backend=engine_name, device=device)
     version = engine_version(engine_name)
     if version:
         print(f"helixserve worker {node}: engine {engine_name} {version}", flush=True)

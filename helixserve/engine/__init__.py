@@ -3,6 +3,7 @@
 Two engines behind one interface (`registry`): `torch`, our Llama-family model code, paged KV
 cache, batched forward, sampling and weight loading (safetensors, GGUF); and `vllm`
 (`vllm_stage`), vLLM's model runner and paged KV for a layer range, an optional extra.
+Requests arrive as the torch-free types of `helixserve.request`.
 Knows nothing about networks or clusters; `runtime/` wraps it.
 """
 
@@ -10,7 +11,6 @@ from helixserve.engine.config import ModelArgs
 from helixserve.engine.demo import demo_model_dir, prepare_demo_model
 from helixserve.engine.kv_cache import KVCacheFullError
 from helixserve.engine.registry import ENGINE_CHOICES, ENGINES, load_engine, resolve_engine
-from helixserve.engine.sampling import SamplingParams
 from helixserve.engine.shard import ItemOutput, ShardEngine, WorkItem
 
 __all__ = [
@@ -19,7 +19,6 @@ __all__ = [
     "ItemOutput",
     "KVCacheFullError",
     "ModelArgs",
-    "SamplingParams",
     "ShardEngine",
     "WorkItem",
     "demo_model_dir",

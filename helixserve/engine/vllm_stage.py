@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from helixserve.engine.kv_cache import KVCacheFullError
-from helixserve.engine.sampling import RequestHistory, SamplingParams, sample_rows
+from helixserve.engine.sampling import RequestHistory, sample_rows
 from helixserve.engine.shard import (
     ItemOutput,
     ShardEngine,
@@ -46,6 +46,7 @@ from helixserve.engine.shard import (
 )
 from helixserve.engine.vllm_batch import BatchEntry, RunnerRequest, plan_batches, scheduler_output
 from helixserve.engine.vllm_head import score_prompt_rows
+from helixserve.request import SamplingParams
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DEFAULT_MAX_BATCH_TOKENS = 2048

@@ -25,7 +25,7 @@ from vllm_procs import (
     wait_ready,
 )
 
-from helixserve.engine import SamplingParams
+from helixserve.request import SamplingParams
 from helixserve.runtime import Coordinator, GenerationRequest
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(1500)]
