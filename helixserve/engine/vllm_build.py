@@ -193,6 +193,7 @@ def build_stage(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     max_model_len: int,
+    gpu_memory_utilization: float | None = None,
 ) -> BuiltStage:
     """Build, load and allocate one stage; see the module doc."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -228,6 +229,8 @@ def build_stage(
         async_scheduling=False,
         kv_cache_memory_bytes=kv_cache_bytes,
         seed=0,
+        **({} if gpu_memory_utilization is None
+           else {"gpu_memory_utilization": gpu_memory_utilization}),
     )
     try:
         vllm_config = engine_args.create_engine_config()

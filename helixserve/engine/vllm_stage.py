@@ -149,7 +149,18 @@ class VllmStageEngine:
         if not 0 <= start_layer < end_layer <= layers:
             raise UserError(f"--layers: range [{start_layer}, {end_layer}) is outside the "
                             f"model's {layers} layers")
-        budget = default_kv_budget_bytes(dev) if kv_cache_bytes is None else kv_cache_bytes
+        utilization = None
+        if dev.type == "cuda":
+            # vLLM's GPU worker refuses to start unless `utilization x total` memory is free;
+            # stages share GPUs with other stages, so ask for what is free now. Its KV is
+            # --kv-cache-bytes, or by default half the free memory (the range's weights and
+            # activations take the rest).
+            free, total = torch.cuda.mem_get_info(dev)
+            utilization = 0.95 * free / total
+            default_budget = free // 2
+        else:
+            default_budget = default_kv_budget_bytes(dev)
+        budget = default_budget if kv_cache_bytes is None else kv_cache_bytes
         max_len = max_model_len or min(int(config.get("max_position_embeddings") or
                                            DEFAULT_MAX_MODEL_LEN), DEFAULT_MAX_MODEL_LEN)
         built = build_stage(
@@ -161,6 +172,7 @@ class VllmStageEngine:
             max_num_batched_tokens=max(max_batch_tokens, max_len),
             max_num_seqs=max_batch_requests,
             max_model_len=max_len,
+            gpu_memory_utilization=utilization,
         )
         return cls(built, path, start_layer, end_layer, config, dev, dt)
 
