@@ -54,7 +54,7 @@ def start_setup(setup: str, model_dir: Path, port: int, workdir: Path) -> subpro
                # the demo workers' KV (128 MiB each); without a budget vLLM-CPU reserves 92%
                # of the machine's memory and refuses to start beside other processes
                "--kv-cache-memory-bytes", str(3 * 128 << 20),
-               "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"]
+               "--host", "127.0.0.1", "--port", str(port)]
     else:
         engine = setup.split("-", 1)[1]
         cmd = [sys.executable, "-m", "helixserve", "demo", "--engine", engine,
