@@ -51,8 +51,11 @@ def start_worker(model: Path, name: str, start: int, end: int, tmp: Path,
     port = port or free_port()
     log_path = tmp / f"{log_name or name}.log"
     where = ["--placement", str(placement)] if placement else ["--layers", f"{start}:{end}"]
+    # Plaintext, and forwarding to any loopback port (the tests route through proxies whose
+    # ports appear later): the runtime tests exercise routing and faults; TLS and the peer
+    # allowlist are tested in test_security.py and through the local stacks (launch.py).
     cmd = [sys.executable, "-m", "helixserve", "worker", "--model", str(model),
-           *where, "--node", name, "--port", str(port),
+           *where, "--node", name, "--port", str(port), "--peers", "127.0.0.1:*",
            "--kv-cache-bytes", str(KV_CACHE_BYTES), "--num-threads", "1", *(extra or [])]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = log_path.open("w")
