@@ -11,7 +11,8 @@ also the host of every node's address). Then:
     helixserve serve  ... --tls-cert certs/coordinator.crt --tls-key certs/coordinator.key \\
                           --tls-ca certs/ca.crt
 
-Also `add_tls_arguments`/`tls_from_args`: the --tls-* flags of worker, serve and demo.
+`helixserve certs check --address HOST:PORT --tls-...` health-checks a worker over mutual TLS
+(the Kubernetes probe of TLS workers). Also `add_tls_arguments`/`tls_from_args`: the --tls-* flags of worker, serve and demo.
 """
 
 from __future__ import annotations
@@ -63,6 +64,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="comma-separated extra DNS names / IPs in every certificate")
     c.add_argument("--force", action="store_true", help="overwrite existing files in --out")
     c.set_defaults(func=run_create)
+    k = sub.add_parser("check", help="health-check a worker over mutual TLS (exit 0 = SERVING)",
+                       description="Call grpc.health.v1 Check on a worker with these "
+                       "credentials: the Kubernetes probe of TLS workers, and a test that a "
+                       "certificate is accepted.")
+    k.add_argument("--address", required=True, help="worker HOST:PORT")
+    k.add_argument("--timeout-s", type=float, default=4.0)
+    add_tls_arguments(k)
+    k.set_defaults(func=run_check)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from helixserve.runtime.security import sync_channel
+
+    tls = tls_from_args(args)
+    with sync_channel(args.address, tls) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=args.timeout_s)
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}: {exc.details()}")
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def _split(text: str | None) -> list[str]:
