@@ -128,7 +128,7 @@ def main() -> int:
     proc = None
     url = args.url
     if url is None:
-        from helixserve.api.launch import free_port
+        from helixserve.launch import free_port
 
         port = free_port()
         url = f"http://127.0.0.1:{port}"

@@ -72,7 +72,7 @@ def start_worker(model: Path, name: str, start: int, end: int, threads: int, log
     port = free_port()
     cmd = [sys.executable, "-m", "helixserve", "worker", "--model", str(model), "--layers",
            f"{start}:{end}", "--node", name, "--port", str(port), "--num-threads", str(threads),
-           "--kv-cache-bytes", str(256 * 1024 * 1024)]
+           "--kv-cache-bytes", str(256 * 1024 * 1024), "--peers", "127.0.0.1:*"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     return Worker(name, start, end, port, proc)
@@ -173,7 +173,7 @@ def encode(coord: Any, question: str) -> list[int]:
 
 async def one_stream(coord: Any, rid: str, prompt: list[int], max_tokens: int) -> list[tuple[float, float, int]]:
     """(inter-token latency s, engine compute s, hops) per decoded token after the first."""
-    from helixserve.engine import SamplingParams
+    from helixserve.request import SamplingParams
     from helixserve.runtime import GenerationRequest
 
     req = GenerationRequest(rid, prompt, SamplingParams(temperature=0.0), max_tokens=max_tokens,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from helixserve.commands.args import finite_float
 from helixserve.commands.certs import add_tls_arguments, tls_from_args
+from helixserve.request import KV_ALLOCATIONS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -77,16 +78,11 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) 
             "reaches the port can use the model")
 
 
-#: `helixserve.scheduler.types.KV_ALLOCATIONS`, spelled out: importing the scheduler loads
-#: the planner, which no CLI call should pay for at start-up
-KV_ALLOCATION_CHOICES = ("reserve", "on-demand")
-
-
 def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     """The coordinator's KV accounting flags (serve and demo); see `check_kv_arguments`."""
     p.add_argument(
         "--kv-allocation",
-        choices=KV_ALLOCATION_CHOICES,
+        choices=KV_ALLOCATIONS,
         default="on-demand",
         help="on-demand (default): admit a request when its prompt fits, let requests grow "
         "into free KV and preempt (recompute) when a worker runs out, as vLLM does; "
@@ -125,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if tls is None:
         print("WARNING: worker traffic is plaintext and unauthenticated (no --tls-cert/--tls-key/"
               "--tls-ca); see docs/security.md", file=sys.stderr, flush=True)
-    from helixserve.api.stack import describe_placement, run_stack
+    from helixserve.stack import describe_placement, run_stack
 
     def started(cluster: object, placement: object) -> None:
         print(describe_placement(placement, cluster))

@@ -94,7 +94,7 @@ def _idle_route(demo_model: Path, tmp: Path, keepalive_s: float, idle_s: float) 
         coord = await Coordinator.create(make_cluster(procs), placement, demo_model)
         outs = []
         try:
-            from helixserve.engine import SamplingParams
+            from helixserve.request import SamplingParams
 
             for i in range(2):
                 req = GenerationRequest(f"k{i}", [1, 2, 3, 4], SamplingParams(temperature=0.0),

@@ -24,7 +24,7 @@ import pytest
 import torch
 from runtime_procs import free_port, make_placement, start_worker, stop_workers, wait_ready
 
-from helixserve.engine import SamplingParams
+from helixserve.request import SamplingParams
 from helixserve.runtime import Coordinator, GenerationRequest, security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb

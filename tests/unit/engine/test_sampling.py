@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_testlib import GREEDY
 
-from helixserve.engine import SamplingParams, ShardEngine, WorkItem
+from helixserve.engine import ShardEngine, WorkItem
 from helixserve.engine.sampling import (
     RequestHistory,
     apply_penalties,
@@ -17,6 +17,7 @@ from helixserve.engine.sampling import (
     sample_rows,
 )
 from helixserve.errors import UserError
+from helixserve.request import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helixserve.api.launch import WorkerProcesses, WorkerSpec, free_port, serve_app
 from helixserve.errors import UserError
+from helixserve.launch import WorkerProcesses, WorkerSpec, free_port, serve_app
 
 #: memory budgets of the demo's 3 nodes (GB). The planner lets weights use half a node's
 #: memory; SmolLM2-135M's 30 layers are ~7 MB each in bf16, so these hold at most about 10,
@@ -252,7 +252,7 @@ async def run_stack(
     with `workers` and no `tls`, theirs (dev credentials unless they run insecure)."""
     from helixserve.api.app import create_app
     from helixserve.planner import load_placement
-    from helixserve.runtime import Coordinator
+    from helixserve.runtime import Coordinator, CoordinatorConfig
     from helixserve.spec import load_cluster
 
     cluster = load_cluster(cluster_path)
@@ -269,9 +269,9 @@ async def run_stack(
             workers.wait_ready()
             if tls is None:
                 tls = workers.coordinator_tls
-        coord = await Coordinator.create(cluster, placement, model_dir, scheduler=scheduler,
-                                         kv_allocation=kv_allocation, kv_watermark=kv_watermark,
-                                         tls=tls)
+        coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(
+            scheduler=scheduler, kv_allocation=kv_allocation, kv_watermark=kv_watermark),
+            tls=tls)
         try:
             app = create_app(coord, served_model_name, api_key)
             await serve_app(
