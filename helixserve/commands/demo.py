@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from helixserve.commands.args import finite_float
+from helixserve.commands.certs import add_tls_arguments, tls_from_args
 from helixserve.commands.serve import add_kv_arguments, check_kv_arguments
 
 
@@ -54,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="KV cache budget per worker in MiB (default 128: thousands of tokens)",
     )
     add_kv_arguments(p)
+    add_tls_arguments(p, local_default=True)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
 
@@ -83,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.commands.args import check_output
     from helixserve.errors import UserError
     from helixserve.launch import WorkerProcesses
+    from helixserve.runtime.security import DevCredentials
     from helixserve.stack import (
         default_workdir,
         describe_placement,
@@ -96,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     if args.worker_kv_cache_mb < 1 or args.worker_threads < 1:
         raise UserError("--worker-kv-cache-mb and --worker-threads: must be >= 1")
     check_kv_arguments(args)
+    tls = tls_from_args(args)
     memory_gb = _memory(args.memory_gb)
     if args.workdir is not None:
         check_output("--workdir", args.workdir, directory=True)
@@ -124,7 +128,13 @@ def run(args: argparse.Namespace) -> int:
         workdir / "logs",
         num_threads=args.worker_threads,
         extra_args=["--kv-cache-bytes", str(args.worker_kv_cache_mb * 2**20)],
+        # given certificates serve every worker and the coordinator; else dev ones in workdir
+        credentials=None if tls is None else DevCredentials(
+            tls.ca_path.parent, tls.ca_path, tls, {w.node: tls for w in files.workers}),
+        insecure=args.insecure,
     )
+    if args.insecure:
+        log("demo: --insecure: worker ports are plaintext and take anyone's requests")
     api_key = args.api_key or None
 
     def started(cluster: object, placement: object) -> None:

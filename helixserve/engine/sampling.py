@@ -133,9 +133,11 @@ def filter_support(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens strictly more likely already reach top_p; the top one
-        # always stays.
+        # Drop a token when the tokens strictly more likely already reach top_p. The top one
+        # always stays, set explicitly: for it the sum is 0, and a top_p that underflows to
+        # 0 (5e-324 is 0 as the wire's float32) dropped it too, leaving softmax all NaN.
         drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, neg_inf)
     if params.min_p > 0.0:

@@ -10,7 +10,12 @@ import torch
 from engine_testlib import GREEDY
 
 from helixserve.engine import ShardEngine, WorkItem
-from helixserve.engine.sampling import RequestHistory, apply_penalties, sample_rows
+from helixserve.engine.sampling import (
+    RequestHistory,
+    apply_penalties,
+    filter_support,
+    sample_rows,
+)
 from helixserve.errors import UserError
 from helixserve.request import SamplingParams
 
@@ -68,6 +73,16 @@ def test_filters_restrict_support(params, support):
     assert set(seen) == support
     if len(support) > 1:  # the draw follows the distribution: the top token most often
         assert seen.most_common(1)[0][0] == 0
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 0.0])
+def test_tiny_top_p_keeps_the_top_token(top_p):
+    """top_p 5e-324 (the API's smallest float > 0) is 0 once it crossed the wire as float32;
+    the top token must stay, not leave softmax all NaN (the API answered 500)."""
+    params = SamplingParams(seed=3, temperature=1.0, top_p=top_p)
+    assert set(_support(params, draws=50)) == {0}
+    row = filter_support(LOGITS.clone(), params)
+    assert torch.isfinite(row[0]) and torch.isinf(row[1:]).all()
 
 
 def test_temperature_sharpens():
