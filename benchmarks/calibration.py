@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helixserve.costmodel import CostModel
+from helixserve.costmodel import CostModel, ServingLoad
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement
 from helixserve.simulator.engines import ENGINES, HELIX_PROTOTYPE_LAYER_OVERHEAD_S
 from helixserve.simulator.metrics import summarize
@@ -201,6 +201,16 @@ def ratios(b: Bench) -> list[dict[str, Any]]:
                    for n in case["placement"]],
             planner="milp", source="benchmarks/results/helix_compare.json"))
         row: dict[str, Any] = {"cluster": name, **REPORTED_RATIOS[name]}
+        # our evaluator (max flow) with the 4.5 GB of vLLM's memory, decode-only T(k) and the
+        # serving-aware T(k) (docs/planner.md) at a 16-stage pipeline, Helix's route depth
+        serving = CostModel(b.model, b.cost.profiles, reserved_gb_per_gpu=4.5,
+                            serving=ServingLoad.from_lengths(
+                                [r.prompt_tokens for r in b.trace],
+                                [r.output_tokens for r in b.trace], pipeline_depth=16))
+        for label, cost in (("evaluator_4.5gb", b.cost), ("evaluator_serving_depth16", serving)):
+            flow = [evaluate(cluster, b.model, cost, p).throughput_tokens_per_s
+                    for p in (milp, helix)]
+            row[label] = round(flow[0] / flow[1], 3)
         for label, fields in (("vllm", vllm_fields()), ("helix_prototype", prototype_fields())):
             m = b.simulate(name, milp, fields)["decode_tokens_per_s"]
             h = b.simulate(name, helix, fields)["decode_tokens_per_s"]
@@ -237,11 +247,12 @@ def print_report(report: dict[str, Any]) -> None:
                   f"{r['measured']:>6.1f} measured ({r['error']:+.0%})")
     if report.get("ratios"):
         print("\nmilp / Helix placement")
-        print(f"  {'cluster':<16} {'evaluator':>9} {'Helix sim':>9} {'vllm':>16} "
-              f"{'helix-prototype':>18}")
+        print(f"  {'cluster':<16} {'evaluator':>9} {'eval 4.5':>8} {'eval srv':>8} "
+              f"{'Helix sim':>9} {'vllm':>16} {'helix-prototype':>18}")
         for r in report["ratios"]:
             v, p = r["vllm"], r["helix_prototype"]
-            print(f"  {r['cluster']:<16} {r['evaluator']:>9.2f} {r['helix_simulator']:>9.2f} "
+            print(f"  {r['cluster']:<16} {r['evaluator']:>9.2f} {r['evaluator_4.5gb']:>8.2f} "
+                  f"{r['evaluator_serving_depth16']:>8.2f} {r['helix_simulator']:>9.2f} "
                   f"{v['ratio']:>6.2f} ({v['milp']:.0f}/{v['helix']:.0f}) "
                   f"{p['ratio']:>6.2f} ({p['milp']:.0f}/{p['helix']:.0f})")
 
