@@ -2,8 +2,9 @@
 
 Starts `helixserve demo` (3 TLS workers, SmolLM2-135M on CPU; or use --url for a running
 server), fetches its /openapi.json, bounds the generated `max_tokens` / `max_completion_tokens`
-(and `n`) in the copy of the schema given to the fuzzer (any generated max_tokens is served in
-full, so an unbounded run never finishes; the API itself keeps its limits), and runs
+(and `n`) in the copy of the schema given to the fuzzer, and gives requests without one
+max_tokens = 8 (benchmarks/api_fuzz_hooks.py): any max_tokens is served in full, so an
+unbounded run never finishes; the API itself keeps its limits and defaults. Then runs
 `st run --checks not_a_server_error` over the chosen phases. Prints a table and writes JSON.
 
     pip install schemathesis
@@ -147,7 +148,9 @@ def main() -> int:
         if args.max_time:
             cmd += ["--max-time", str(args.max_time)]
         t0 = time.monotonic()
-        run = subprocess.run(cmd, capture_output=True, text=True)
+        hooks_env = dict(os.environ, SCHEMATHESIS_HOOKS="api_fuzz_hooks", PYTHONPATH=os.pathsep.join(
+            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+        run = subprocess.run(cmd, capture_output=True, text=True, env=hooks_env)
         wall_s = time.monotonic() - t0
         print(run.stdout[-3000:])
         result = summarize(work / "events.ndjson")

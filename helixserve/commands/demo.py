@@ -135,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.insecure:
         log("demo: --insecure: worker ports are plaintext and take anyone's requests")
+    elif tls is None:
+        log(f"demo: worker traffic is mutual TLS with dev credentials made in "
+            f"{workdir / 'logs' / 'tls'} (--insecure turns it off)")
     api_key = args.api_key or None
 
     def started(cluster: object, placement: object) -> None:

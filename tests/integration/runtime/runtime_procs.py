@@ -55,7 +55,7 @@ def start_worker(model: Path, name: str, start: int, end: int, tmp: Path,
     where = ["--placement", str(placement)] if placement else ["--layers", f"{start}:{end}"]
     # Plaintext, and forwarding to any loopback port (the tests route through proxies whose
     # ports appear later): the runtime tests exercise routing and faults; TLS and the peer
-    # allowlist are tested in test_security.py and through the local stacks (launch.py).
+    # allowlist are tested in test_abuse.py and through the local stacks (launch.py).
     cmd = [sys.executable, "-m", "helixserve", "worker", "--model", str(model),
            *where, "--node", name, "--port", str(port),
            *(["--peers", peers] if peers else []),

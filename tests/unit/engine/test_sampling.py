@@ -85,6 +85,25 @@ def test_tiny_top_p_keeps_the_top_token(top_p):
     assert torch.isfinite(row[0]) and torch.isinf(row[1:]).all()
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(seed=3, repetition_penalty=0.0),  # 5e-324 after the float32 wire
+        SamplingParams(seed=3, repetition_penalty=1e-45),
+        SamplingParams(seed=3, temperature=1e-45),
+        SamplingParams(seed=3, repetition_penalty=0.0, top_p=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=0.0),
+    ],
+)
+def test_underflowed_parameters_still_sample(params):
+    """Values the API takes as > 0 that arrive as 0 or denormal make the logits +inf or NaN;
+    the sampler must still draw a token (the top one here), not raise (the API said 500)."""
+    hist = RequestHistory(prompt_ids={0, 1})
+    rows = (LOGITS + 10)[None].repeat(20, 1)  # positive logits: the penalty divides them
+    results = sample_rows(rows, [params] * 20, [hist] * 20)
+    assert {r.token_id for r in results} <= {0, 1}
+
+
 def test_temperature_sharpens():
     cold = _support(SamplingParams(seed=3, temperature=0.3))
     hot = _support(SamplingParams(seed=3, temperature=2.0))
