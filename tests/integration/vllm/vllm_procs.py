@@ -69,6 +69,9 @@ def start_worker(model: Path, name: str, engine: str, start: int, end: int, tmp:
     cmd = [sys.executable, "-m", "helixserve", "worker", "--engine", engine,
            "--model", str(model), "--layers", f"{start}:{end}", "--node", name,
            "--port", str(port), "--kv-cache-bytes", str(KV_CACHE_BYTES), "--num-threads", "1",
+           # plaintext, forwarding to any loopback port (TLS and the peer allowlist are
+           # tested with the torch engine; the wire is the same)
+           "--peers", "127.0.0.1:*",
            *(extra or [])]
     out = log_path.open("w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
