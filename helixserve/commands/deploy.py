@@ -66,6 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     k.add_argument("--cluster-domain", default="cluster.local")
     k.add_argument("--kv-allocation", choices=KV_ALLOCATIONS, default="on-demand",
                    help="the coordinator's KV accounting (helixserve serve --kv-allocation)")
+    k.add_argument("--engine", choices=("torch", "vllm", "auto"), default="auto",
+                   help="every worker's engine (helixserve worker --engine); vllm needs an "
+                   "image built with the vllm extra (docs/vllm.md); default auto")
     k.set_defaults(func=run)
 
 
@@ -98,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         kv_allocation=args.kv_allocation,
         tls_secret=None if args.no_tls else args.tls_secret,
         network_policy=not args.no_network_policy,
+        engine=args.engine,
     )
     rendering = render_k8s(args.cluster, args.placement, opts)
     written, removed = write_manifests(rendering, args.out)

@@ -88,6 +88,10 @@ class RenderOptions:
     tls_secret: str | None = "helixserve-tls"
     #: render a NetworkPolicy that admits only the coordinator and workers to worker ports
     network_policy: bool = True
+    #: every worker's `--engine` (torch | vllm | auto); "auto" renders no flag (the worker's
+    #: default: vllm where the image has it and the pod a GPU). vllm needs an image built
+    #: with the vllm extra (docs/vllm.md)
+    engine: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -323,6 +327,8 @@ def worker_statefulset(opts: RenderOptions, w: WorkerSpec) -> Obj:
         probe = {"exec": {"command": ["helixserve", "certs", "check",
                                       "--address", f"127.0.0.1:{WORKER_PORT}",
                                       *_tls_flags(opts)]}}
+    if opts.engine != "auto":
+        command += ["--engine", opts.engine]
     container: Obj = {
         "name": "worker",
         "image": opts.image,

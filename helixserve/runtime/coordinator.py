@@ -167,6 +167,11 @@ class Coordinator:
                 await asyncio.gather(*(n.close() for n in self.nodes.values()),
                                      return_exceptions=True)
                 raise res
+        try:
+            check_vllm_versions({n.name: n.info for n in self.nodes.values() if n.info})
+        except UserError:
+            await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
+            raise
         if not self._covered():
             await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
             raise ConnectionError("no route covers the model over the reachable workers; "
@@ -217,6 +222,13 @@ class Coordinator:
 
     async def _try_revive(self, node: NodeClient) -> None:
         if await node.revive(self.placement.num_layers):
+            try:
+                check_vllm_versions({n.name: n.info for n in self.nodes.values()
+                                     if n.info and (n.alive or n is node)})
+            except UserError as exc:
+                log.error("not taking node %s back: %s", node.name, exc)
+                await node.close()
+                return
             self.router.node_up(node.name)
             log.info("node %s is back", node.name)
             async with self._admit:
@@ -578,6 +590,19 @@ def _config_max_len(model_dir: Path) -> int | None:
         return None
     value = cfg.get("max_position_embeddings")
     return int(value) if value else None
+
+
+def check_vllm_versions(infos: dict[str, Any]) -> None:
+    """Refuse workers of the vllm engine at different vLLM versions: a route through them would
+    mix two versions' kernels and numerics (greedy outputs would depend on the route)."""
+    versions: dict[str, list[str]] = {}
+    for name, info in infos.items():
+        if getattr(info, "engine", "") == "vllm":
+            versions.setdefault(info.vllm_version or "unknown", []).append(name)
+    if len(versions) > 1:
+        found = "; ".join(f"{v} on {', '.join(sorted(n))}" for v, n in sorted(versions.items()))
+        raise UserError(f"workers run different vLLM versions ({found}); the stages of a "
+                        "route must run the same vLLM version: install one version everywhere")
 
 
 def _chunk_tokens(info: Any, max_tokens: int) -> int:

@@ -491,6 +491,8 @@ class WorkerInfo:
     active_requests: int
     draining: bool
     eos_token_ids: tuple[int, ...]
+    engine: str = "torch"
+    vllm_version: str = ""
 
     @property
     def kv_free_tokens(self) -> int:

@@ -539,6 +539,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
             active_requests=len(self.active),
             draining=self.draining,
             eos_token_ids=tuple(int(t) for t in (self.engine.eos_token_ids or ())),
+            engine=getattr(self.engine, "engine_name", "torch"),
+            vllm_version=getattr(self.engine, "vllm_version", ""),
         )
 
 
