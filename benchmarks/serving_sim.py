@@ -45,13 +45,13 @@ from typing import Any
 
 from helixserve.costmodel import CostModel
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement, plan
-from helixserve.planner.placement import COORDINATOR
 from helixserve.planner.serving import SelectionConfig, select_placement
 from helixserve.simulator.engines import ENGINES, engine_gpu_reserve_gb
 from helixserve.simulator.metrics import summarize
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace
 from helixserve.spec import ClusterSpec, ModelSpec, load_cluster, load_model, load_profiles
+from helixserve.spec.cluster import COORDINATOR
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"

@@ -191,11 +191,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"cluster {cluster.name}: {len(cluster.nodes)} nodes; model {model.name}: "
           f"{model.num_layers} layers; planner {placement.planner}")
     print(format_table(node_rows(cluster, cost, placement, result.flows), unused))
-    line = f"throughput {result.throughput_tokens_per_s:,.1f} tokens/s"
-    if placement.upper_bound_tokens_per_s:
-        gap = 1 - result.throughput_tokens_per_s / placement.upper_bound_tokens_per_s
-        line += f"; upper bound {placement.upper_bound_tokens_per_s:,.1f} (gap {gap:.1%})"
-    print(line + f"; solved in {placement.solve_time_s or 0:.1f}s")
+    print(summary_line(result.throughput_tokens_per_s, placement.upper_bound_tokens_per_s,
+                       placement.solve_time_s))
     if current is not None:
         from helixserve.planner.incremental import changes
 
@@ -210,6 +207,19 @@ def run(args: argparse.Namespace) -> int:
     for path in write_outputs(outputs):
         print(f"wrote {path}")
     return 0
+
+
+def summary_line(throughput: float, bound: float | None, solve_time_s: float | None) -> str:
+    """Throughput, the proven upper bound and the gap between them. The gap says how far the
+    optimum can be above this placement, at most; a large gap may be a weak bound as much as
+    a weak placement (docs/planner.md, "Bounds and gaps")."""
+    line = f"throughput {throughput:,.1f} tokens/s"
+    if bound:
+        gap = 1 - throughput / bound
+        line += f"; proven upper bound {bound:,.1f} (gap {gap:.1%})"
+    else:
+        line += "; no proven upper bound for this placement"
+    return line + f"; solved in {solve_time_s or 0:.1f}s"
 
 
 def _replan(args: argparse.Namespace, cluster: Any, model: Any, cost: Any, current: Any,

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from helixserve.commands.args import finite_float
 from helixserve.errors import UserError
+from helixserve.spec.model import DTYPE_BYTES
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = tuple(DTYPE_BYTES)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

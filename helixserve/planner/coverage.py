@@ -36,6 +36,7 @@ import pulp
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.solver import SolveInfo, quiet_pulp, solve
+from helixserve.spec import group_machines
 
 
 @dataclass
@@ -46,14 +47,8 @@ class CoverageResult:
 
 def machine_types(net: FlowNetwork) -> dict[tuple[float, ...], list[int]]:
     """Usable nodes grouped by their T(k) curve (exactly equal floats)."""
-    groups: dict[tuple[float, ...], list[int]] = {}
-    for i in range(len(net.names)):
-        K = int(net.max_layers[i])
-        if K <= 0:
-            continue
-        key = tuple(net.node_cap(i, k) for k in range(1, K + 1))
-        groups.setdefault(key, []).append(i)
-    return groups
+    return group_machines(net.cluster.nodes, net.curve,
+                          [i for i in range(len(net.names)) if int(net.max_layers[i]) > 0])
 
 
 #: seconds per constraint nonzero to build a relaxation in PuLP, hand it to HiGHS and presolve

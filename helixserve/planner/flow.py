@@ -21,11 +21,11 @@ from scipy.sparse.csgraph import maximum_flow
 
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
-from helixserve.planner.placement import COORDINATOR, Flow, Placement
-from helixserve.spec import ClusterSpec, ModelSpec
+from helixserve.planner.placement import Flow, Placement
+from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec
+from helixserve.spec.cluster import COORDINATOR
 
 #: bytes per token on a coordinator link: one int32 token id (plus framing, ignored)
-TOKEN_ID_BYTES = 4
 
 
 @dataclass
@@ -66,6 +66,11 @@ class FlowNetwork:
             [0.0] + [cost.node_throughput_tokens_per_s(nd, k) for k in range(1, K + 1)]
             for nd, K in zip(cluster.nodes, self.max_layers, strict=True)
         ]
+
+    def curve(self, i: int) -> tuple[float, ...]:
+        """Node i's T(k) for k = 1..max_layers: machines with equal curves are one type to
+        the relaxations and the tiling."""
+        return tuple(self.node_cap(i, k) for k in range(1, int(self.max_layers[i]) + 1))
 
     def node_cap(self, i: int, k: int) -> float:
         if k <= 0 or k > self.loadable[i]:

@@ -38,8 +38,9 @@ from helixserve.errors import UserError
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.pinned import fill_gaps
+from helixserve.planner.pipeline import Progress
 from helixserve.planner.placement import NodeRange, Placement
-from helixserve.planner.registry import Progress, plan
+from helixserve.planner.registry import plan
 from helixserve.planner.search import local_search
 from helixserve.spec import ClusterSpec, ModelSpec
 

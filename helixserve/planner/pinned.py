@@ -36,6 +36,7 @@ import numpy as np
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.search import local_search
+from helixserve.spec import group_machines, machine_type
 
 #: size changes tried for the group, in this order
 DELTAS = (-1, 1)
@@ -48,10 +49,8 @@ STALL = 200
 
 def strongest_group(net: FlowNetwork, ranges: Ranges) -> list[int]:
     """Held machines of the `T(k)` class with the most total layer work, by start layer."""
-    classes: dict[tuple[object, ...], list[int]] = {}
-    for i in ranges:
-        nd = net.cluster.nodes[i]
-        classes.setdefault((nd.gpu, nd.num_gpus, nd.memory_gb), []).append(i)
+    nodes = net.cluster.nodes
+    classes = group_machines(nodes, lambda i: machine_type(nodes[i]), ranges)
     if not classes:
         return []
 

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from helixserve.costmodel import CostModel
-from helixserve.planner.placement import COORDINATOR, Flow, Placement
+from helixserve.planner.placement import Flow, Placement
 from helixserve.spec import ClusterSpec
+from helixserve.spec.cluster import COORDINATOR
 
 
 @dataclass(frozen=True)

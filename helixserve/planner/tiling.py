@@ -28,9 +28,11 @@ import numpy as np
 import pulp
 
 from helixserve.planner.baselines import Ranges
+from helixserve.planner.bounds import layer_work_bound
 from helixserve.planner.coverage import machine_types
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.solver import quiet_pulp, solve
+from helixserve.spec import group_machines
 
 MAX_ROWS = 3
 #: most configurations kept per target (the smallest machine use per layer first)
@@ -184,14 +186,12 @@ def regional_tiling(net: FlowNetwork, deadline_s: float,
     """Tile every region that can hold the whole model on its own, each as a separate
     cluster, and run them side by side: slow links between regions then carry nothing
     but token ids from and to the coordinator. None when no region holds the model."""
-    from helixserve.planner.milp import layer_work_bound  # milp imports this module
     from helixserve.spec import ClusterSpec
 
     L = net.model.num_layers
-    regions: dict[str, list[int]] = {}
-    for i, node in enumerate(net.cluster.nodes):
-        if net.max_layers[i] > 0:
-            regions.setdefault(node.region, []).append(i)
+    nodes = net.cluster.nodes
+    regions = group_machines(nodes, lambda i: nodes[i].region,
+                             [i for i in range(len(nodes)) if net.max_layers[i] > 0])
     able = [members for members in regions.values()
             if sum(int(net.max_layers[i]) for i in members) >= L]
     if len(able) < 2:

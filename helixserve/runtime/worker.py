@@ -350,12 +350,12 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 )
                 self.deliver(tp.result_to_pb(result), item.coordinator_id, job.origin)
             else:
-                nxt = item.route[item.hop_index + 1]
+                nxt = item.addresses[item.hop_index + 1]
                 # hidden: [num_tokens, hidden_size] leaves for the next hop
                 msg = tp.forward_item_pb(job.msg, out.hidden, compute_s)
-                peer = self.peers.get(nxt.address)
+                peer = self.peers.get(nxt)
                 if peer is None or peer.task.done():
-                    peer = self.peers[nxt.address] = _Peer(self, nxt.address)
+                    peer = self.peers[nxt] = _Peer(self, nxt)
                 peer.queue.put_nowait(msg)
 
     def deliver(self, result: pb.WorkResult, coordinator_id: str, origin: _Stream | None) -> None:

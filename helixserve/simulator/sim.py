@@ -43,16 +43,16 @@ from typing import Any
 
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
-from helixserve.planner.placement import COORDINATOR, Placement
+from helixserve.planner.placement import Placement
 from helixserve.request import KV_ALLOCATIONS
 from helixserve.scheduler import NodeState, RequestInfo, make_router
 from helixserve.scheduler.options import router_options
 from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.workload import TraceRequest, offline_stream
-from helixserve.spec import ClusterSpec, ModelSpec, NodeSpec
+from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec, NodeSpec
+from helixserve.spec.cluster import COORDINATOR
 
 #: bytes of one token id on a coordinator link (int32), as in the planner's flow graph
-TOKEN_ID_BYTES = 4
 
 _ARRIVE, _DONE, _DELIVER = 0, 1, 2
 
@@ -355,7 +355,7 @@ class Simulation:
                 return
             waiting.popleft()
             self.in_flight += 1
-            r.nodes = tuple(self.nodes[h.node] for h in route.hops)
+            r.nodes = tuple(self.nodes[h.name] for h in route.hops)
             r.starts = tuple(h.start_layer for h in route.hops)
             r.admit_s = now
             self.running[r.rid] = r

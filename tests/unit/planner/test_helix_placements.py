@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helixserve.planner import FlowNetwork, evaluate, load_placement
-from helixserve.planner.milp import layer_work_bound
+from helixserve.planner.bounds import layer_work_bound
 from helixserve.spec import load_cluster
 
 REPO = Path(__file__).resolve().parents[3]

@@ -10,7 +10,8 @@ from planner_factories import make_cluster, tiny_model
 from helixserve.costmodel import CostModel
 from helixserve.planner import PLANNERS, FlowNetwork, plan
 from helixserve.planner.baselines import BASELINES
-from helixserve.planner.milp import _extract, build_milp, layer_work_bound
+from helixserve.planner.bounds import layer_work_bound
+from helixserve.planner.milp import build_milp, extract
 from helixserve.planner.solver import solve
 from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec
 
@@ -54,7 +55,7 @@ def test_milp_equals_brute_force(partial, monkeypatch):
     info = solve(prob, 30.0)
     assert info.status == "optimal"
     assert info.objective == pytest.approx(optimum, rel=1e-4)
-    assert net.max_flow(_extract(net, variables), partial)[0] == pytest.approx(optimum, rel=1e-4)
+    assert net.max_flow(extract(net, variables), partial)[0] == pytest.approx(optimum, rel=1e-4)
     # the whole planner reaches it too, and its bound is a real bound; but here `separate`
     # beats every placement within the weight cap: one machine per type holding all 4
     # layers beyond the cap needs none of the slow links, and the planner never returns
@@ -70,11 +71,11 @@ def test_milp_equals_brute_force(partial, monkeypatch):
     assert placement.upper_bound_tokens_per_s is None
     # without that baseline (and the whole-model replicas, the same placement here) the
     # planner's answer is the optimum within the cap, bounded
-    import helixserve.planner.milp as milp_module
+    import helixserve.planner.pipeline as pipeline
 
-    monkeypatch.setattr(milp_module, "BASELINES",
+    monkeypatch.setattr(pipeline, "BASELINES",
                         {k: v for k, v in BASELINES.items() if k != "separate"})
-    monkeypatch.setattr(milp_module, "EXTRA_CANDIDATES", {})
+    monkeypatch.setattr(pipeline, "EXTRA_CANDIDATES", {})
     placement = plan("milp", net.cluster, model, net.cost, time_limit_s=10,
                      partial_inference=partial)
     assert placement.throughput_tokens_per_s == pytest.approx(optimum, rel=1e-3)
