@@ -21,6 +21,7 @@ from scipy.sparse.csgraph import maximum_flow
 
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
+from helixserve.planner import clock
 from helixserve.planner.placement import Flow, Placement
 from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec
 from helixserve.spec.cluster import COORDINATOR
@@ -86,6 +87,7 @@ class FlowNetwork:
         with_flows: bool = False,
     ) -> tuple[float, list[Flow]]:
         """Max flow for node index -> [start, end); flows only when `with_flows`."""
+        clock.charge_evaluation()
         L = self.model.num_layers
         held = sorted(ranges)
         if not held:
@@ -190,6 +192,7 @@ class FlowNetwork:
     def max_flow_value(self, s: np.ndarray, k: np.ndarray, partial_inference: bool = True,
                        caps: np.ndarray | None = None) -> float:
         """Max flow of starts `s` and sizes `k` (k=0: unused), vectorized for local search."""
+        clock.charge_evaluation()
         L = self.model.num_layers
         held = np.flatnonzero(k > 0)
         m = len(held)

@@ -29,12 +29,12 @@ left out, and their capacity added back to the MILP's bound so it stays an upper
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 
 import numpy as np
 import pulp
 
+from helixserve.planner import clock
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.solver import HighsModel, quiet_pulp
@@ -218,7 +218,7 @@ def lns(net: FlowNetwork, prob: pulp.LpProblem, v: dict[str, dict], ranges: Rang
     nodes = sorted(v["s"])
     L = net.model.num_layers
     order = {var.name: idx for idx, var in enumerate(model.variables)}
-    while time.perf_counter() < deadline_s - 0.3:
+    while clock.now() < deadline_s - 0.3:
         with quiet_pulp():
             warm_start(net, v, ranges, partial_inference)
         start = [float(var.varValue or 0.0) for var in model.variables]
@@ -242,7 +242,7 @@ def lns(net: FlowNetwork, prob: pulp.LpProblem, v: dict[str, dict], ranges: Rang
                 else:
                     held = i in ranges and ranges[i][1] - ranges[i][0] == k
                     model.set_bounds(var, float(held), float(held))
-        obj, cols = model.run(min(2.0, deadline_s - time.perf_counter()), start)
+        obj, cols = model.run(min(2.0, deadline_s - clock.now()), start)
         if obj is None or obj <= best_value * (1 + 1e-6):
             continue
         new: Ranges = {}

@@ -29,10 +29,9 @@ milp.py, so a variant that does not pay off costs only its time.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
+from helixserve.planner import clock
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.search import local_search
@@ -162,7 +161,7 @@ def pinned_search(net: FlowNetwork, best: Ranges, deadline_s: float, seed: int =
         variants = [max(variants, key=lambda v: v[0])]
     found: list[tuple[Ranges, float]] = []
     for n, (weight, start) in enumerate(variants):
-        now = time.perf_counter()
+        now = clock.now()
         share = (deadline_s - now) * weight / sum(w for w, _ in variants[n:])
         if share <= 0.2:
             break

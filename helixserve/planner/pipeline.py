@@ -31,10 +31,10 @@ with no bound, since the bounds are over placements within the cap.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from helixserve.planner import clock
 from helixserve.planner.baselines import BASELINES, Ranges
 from helixserve.planner.bounds import layer_work_bound
 from helixserve.planner.coverage import (
@@ -104,6 +104,8 @@ class Problem:
     """Seed of the first annealing run; workers take seed + parallel.SEED_STRIDE * w."""
     jobs: int = 1
     """Processes for the annealing stages, one seed each."""
+    seeds: int | None = None
+    """On the work clock: seeds per annealing stage, whatever `jobs` (None: WORK_SEEDS)."""
 
     def value(self, ranges: Ranges) -> float:
         """Throughput of `ranges` by the max-flow evaluator (tokens/s); 0 for no ranges."""
@@ -116,24 +118,25 @@ class Problem:
 
 @dataclass
 class Budget:
-    """The time limit and the clock: stage shares are fractions of `time_limit_s`."""
+    """The limit and the clock: stage shares are fractions of `time_limit_s`. On the work
+    clock (`plan --work-limit`, clock.py) the "seconds" here are units of work."""
 
     time_limit_s: float
-    started_s: float = field(default_factory=time.perf_counter)
+    started_s: float = field(default_factory=clock.now)
 
     @property
     def deadline_s(self) -> float:
         return self.started_s + self.time_limit_s
 
     def remaining_s(self) -> float:
-        return max(0.0, self.deadline_s - time.perf_counter())
+        return max(0.0, self.deadline_s - clock.now())
 
     def elapsed_s(self) -> float:
-        return time.perf_counter() - self.started_s
+        return clock.now() - self.started_s
 
     def share(self, fraction: float) -> float:
         """A deadline `fraction` of the limit from now."""
-        return time.perf_counter() + fraction * self.time_limit_s
+        return clock.now() + fraction * self.time_limit_s
 
 
 @dataclass(frozen=True)
@@ -345,7 +348,7 @@ def run_stages(p: Problem, budget: Budget, inc: Incumbent, say: Progress) -> Sta
     share = STAGE_SHARE_DENSE if p.num_nodes > DENSE_NODES else STAGE_SHARE
     results = run_seeds(stage_search, (p.net, [c.ranges for c in inc.candidates]),
                         {"partial_inference": p.partial_inference}, budget.share(share),
-                        p.seed, p.jobs, say)
+                        p.seed, p.jobs, say, seeds=p.seeds)
     staged = max((r for r in results if r is not None), key=lambda r: r[1], default=None)
     value = None
     if staged is not None:
@@ -360,7 +363,8 @@ def run_pinned(p: Problem, budget: Budget, inc: Incumbent, say: Progress) -> Sta
     values: list[float] = []
     for found in run_seeds(pinned_search, (p.net, inc.best().ranges),
                            {"partial_inference": p.partial_inference}, budget.share(share),
-                           p.seed, p.jobs, say, worker_kwargs={"heaviest_only": True}):
+                           p.seed, p.jobs, say, worker_kwargs={"heaviest_only": True},
+                           seeds=p.seeds):
         for r, _ in found:
             values.append(inc.add(p, "pinned", r).value_tokens_per_s)
             say(f"pinned search: {values[-1]:,.1f} tokens/s")
@@ -371,12 +375,12 @@ def run_search(p: Problem, budget: Budget, inc: Incumbent, say: Progress) -> Sta
     def on_improve(v: float) -> None:
         say(f"search: {v:,.1f} tokens/s ({budget.elapsed_s():.0f}s)")
 
-    deadline = time.perf_counter() + min(SEARCH_SHARE * budget.time_limit_s,
+    deadline = clock.now() + min(SEARCH_SHARE * budget.time_limit_s,
                                          budget.remaining_s() * SEARCH_SHARE_OF_LEFT)
     searched = run_seeds(local_search, (p.net, inc.ranked_starts()),
                          {"partial_inference": p.partial_inference, "on_improve": on_improve,
                           "max_stall": 200 * p.num_nodes},
-                         deadline, p.seed, p.jobs, say)
+                         deadline, p.seed, p.jobs, say, seeds=p.seeds)
     ranges = max(searched, key=lambda r: r[1])[0]
     value = inc.add(p, "search", ranges).value_tokens_per_s
     per_seed = [(r, v) for r, v, _ in searched]
@@ -399,7 +403,7 @@ def run_milp(p: Problem, budget: Budget, inc: Incumbent, say: Progress) -> Stage
     if p.num_nodes > SMALL_NODES:
         say(f"lns: re-solving {len(v['s'])}-node MILP neighbourhoods of 3-6 nodes")
         best_ranges, best_value = lns(
-            net, prob, v, best_ranges, time.perf_counter() + 0.5 * budget.remaining_s(),
+            net, prob, v, best_ranges, clock.now() + 0.5 * budget.remaining_s(),
             p.seed, p.partial_inference,
             on_improve=lambda x: say(f"lns: {x:,.1f} tokens/s ({budget.elapsed_s():.0f}s)"))
         inc.add(p, "lns", best_ranges, best_value)
@@ -454,9 +458,10 @@ def run_portfolio(net: FlowNetwork, time_limit_s: float, seed: int = 0,
     say = progress or (lambda msg: None)
     # on a few machines the per-node MILP is solved exactly and the searches stall in
     # moments: extra processes would only cost their start
-    jobs = 1 if len(net.names) <= SMALL_NODES else jobs
+    small = len(net.names) <= SMALL_NODES
+    jobs = 1 if small else jobs
     warm_up(jobs)
-    problem = Problem(net, partial_inference, seed, jobs)
+    problem = Problem(net, partial_inference, seed, jobs, seeds=1 if small else None)
     inc = Incumbent()
     for stage in PORTFOLIO:
         if not stage.always and inc.closed():

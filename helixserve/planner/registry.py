@@ -8,6 +8,7 @@ from typing import Protocol
 
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
+from helixserve.planner import clock
 from helixserve.planner.baselines import BASELINES, Ranges
 from helixserve.planner.bounds import layer_work_bound
 from helixserve.planner.flow import FlowNetwork
@@ -59,11 +60,14 @@ def plan(
     partial_inference: bool = True,
     jobs: int | None = None,
     stages: list[StageReport] | None = None,
+    work_limit: float | None = None,
 ) -> Placement:
     """Run planner `name`; the Placement comes back with flows and throughput filled.
     `jobs`: processes for milp's searches, one seed each (parallel.py); None: the cores
     this process may use (at most 8). `stages`: when given, what each stage of milp's
-    portfolio did (pipeline.StageReport) is appended to it."""
+    portfolio did (pipeline.StageReport) is appended to it. `work_limit`: plan on the work
+    clock (clock.py) with this many units instead of `time_limit_s` seconds: the same
+    inputs then give the same placement on any machine and with any `jobs`."""
     planner = PLANNERS.get(name)
     if planner is None:
         raise UserError(f"--planner: unknown planner {name!r}; known: {', '.join(PLANNERS)}")
@@ -71,9 +75,16 @@ def plan(
     started = time.perf_counter()
     net = FlowNetwork(cluster, model, cost)
     net.check_servable()  # an error naming the links, not a plan of 0 tokens/s
-    # the time limit covers building the flow network too (about 1 s on 100 machines)
-    outcome = planner(net, max(0.5, time_limit_s - (time.perf_counter() - started)), seed,
-                      progress, check_jobs(jobs), partial_inference)
+    if work_limit is not None:
+        if not work_limit > 0:
+            raise UserError(f"--work-limit: bad value {work_limit}; must be > 0 (units of work)")
+        with clock.work_clock():
+            outcome = planner(net, work_limit, seed, progress, check_jobs(jobs),
+                              partial_inference)
+    else:
+        # the time limit covers building the flow network too (about 1 s on 100 machines)
+        outcome = planner(net, max(0.5, time_limit_s - (time.perf_counter() - started)), seed,
+                          progress, check_jobs(jobs), partial_inference)
     if stages is not None:
         stages.extend(outcome.stages)
     nodes = [NodeRange(net.names[i], s, e) for i, (s, e) in sorted(outcome.ranges.items())]

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 import numpy as np
 import pulp
 
+from helixserve.planner import clock
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.bounds import layer_work_bound
 from helixserve.planner.coverage import machine_types
@@ -62,7 +62,7 @@ def _configs(curves: list[list[float]], target: float,
     for size in range(2, MAX_ROWS + 1):
         combos = itertools.combinations_with_replacement(small, size)
         for n, combo in enumerate(combos):
-            if n % 4096 == 0 and time.perf_counter() > deadline_s:
+            if n % 4096 == 0 and clock.now() > deadline_s:
                 break
             total = sum(thr for _, thr in combo)
             if total >= target and total - min(thr for _, thr in combo) < target:
@@ -75,7 +75,7 @@ def _configs(curves: list[list[float]], target: float,
 def _feasible(curves: list[list[float]], counts: list[int], L: int, target: float,
               time_limit_s: float) -> list[tuple[tuple[Row, ...], int, list[int]]] | None:
     # half the time to enumerate, the rest to build and solve
-    configs = _configs(curves, target, time.perf_counter() + time_limit_s / 2)
+    configs = _configs(curves, target, clock.now() + time_limit_s / 2)
     if not configs:
         return None
     with quiet_pulp():
@@ -165,7 +165,7 @@ def tiling_search(net: FlowNetwork, lo: float, hi: float, deadline_s: float,
     L = net.model.num_layers
     best: tuple[Ranges, float] | None = None
     while hi - lo > 0.002 * hi:
-        left_s = deadline_s - time.perf_counter()
+        left_s = deadline_s - clock.now()
         if left_s <= 0.2:
             break
         mid = (lo + hi) / 2
@@ -198,7 +198,7 @@ def regional_tiling(net: FlowNetwork, deadline_s: float,
         return None  # one region (or none) alone: the plain tiling covers it
     out: Ranges = {}
     for rank, members in enumerate(able):
-        left_s = deadline_s - time.perf_counter()
+        left_s = deadline_s - clock.now()
         if left_s <= 0.2:
             break
         cluster = net.cluster
@@ -211,7 +211,7 @@ def regional_tiling(net: FlowNetwork, deadline_s: float,
             explicit=cluster.explicit, source=cluster.source)
         sub_net = FlowNetwork(sub, net.model, net.cost)
         found = tiling_search(sub_net, 0.0, layer_work_bound(sub_net),
-                              time.perf_counter() + left_s / (len(able) - rank),
+                              clock.now() + left_s / (len(able) - rank),
                               partial_inference)
         if found is not None:
             for j, rng in found[0].items():

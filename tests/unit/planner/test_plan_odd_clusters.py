@@ -307,7 +307,7 @@ def test_links_that_let_no_route_cover_the_model_are_an_error(tmp_path, capsys) 
              "    - {a: r1, b: r2, bandwidth_gbps: 0}\ncoordinator: {region: r1}\n")
     cluster = write_cluster(tmp_path, nodes, links)
     line = one_line_error(["plan", "--cluster", cluster, "--model", str(LLAMA30),
-                           "--planner", "milp", "--time-limit", "5", "--jobs", "1", "--quiet",
+                           "--planner", "milp", "--work-limit", "60", "--jobs", "1", "--quiet",
                            "--out", str(tmp_path / "p.json")], capsys)
     assert "odd.yaml: links: no placement can serve" in line
     assert not (tmp_path / "p.json").exists()
