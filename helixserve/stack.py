@@ -245,8 +245,11 @@ async def run_stack(
     log_level: str = "warning",
     kv_allocation: str = "on-demand",
     kv_watermark: float = 0.01,
+    tls: Any = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM. With `workers`, start them first and stop them last."""
+    """Serve until SIGINT/SIGTERM. With `workers`, start them first and stop them last.
+    `tls` (runtime.security.TlsConfig): the coordinator's credentials for worker traffic;
+    with `workers` and no `tls`, theirs (dev credentials unless they run insecure)."""
     from helixserve.api.app import create_app
     from helixserve.planner import load_placement
     from helixserve.runtime import Coordinator, CoordinatorConfig
@@ -264,8 +267,11 @@ async def run_stack(
         if workers is not None:
             workers.start()
             workers.wait_ready()
+            if tls is None:
+                tls = workers.coordinator_tls
         coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(
-            scheduler=scheduler, kv_allocation=kv_allocation, kv_watermark=kv_watermark))
+            scheduler=scheduler, kv_allocation=kv_allocation, kv_watermark=kv_watermark),
+            tls=tls)
         try:
             app = create_app(coord, served_model_name, api_key)
             await serve_app(

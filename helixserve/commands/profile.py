@@ -1,4 +1,4 @@
-"""`helixserve profile --model DIR --device cpu --out profiles.csv`: time one layer.
+"""`helixserve profile --model DIR --device cpu --out profiles.csv [--engine vllm]`: time one layer.
 
 Writes rows `model,gpu,num_gpus,phase,batch_tokens,layer_ms` (FORMATS.md) measured on
 this machine's device, for the planner to use instead of the analytic cost model.
@@ -51,6 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads, as the worker will use them"
     )
+    p.add_argument("--slowdown", type=float, default=1.0, metavar="F",
+                   help="time steps stretched to F x their compute time, as `helixserve worker "
+                   "--slowdown F` runs them (default 1, off)")
+    p.add_argument("--engine", default="auto",
+                   help="engine timed: torch | vllm | auto (as `helixserve worker --engine`; "
+                   "default auto)")
     p.set_defaults(func=run)
 
 
@@ -61,6 +67,13 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.errors import UserError
 
     out = check_output("--out", args.out)  # before torch and profiling: fails at once
+    from helixserve.engine.registry import resolve_engine
+
+    engine = resolve_engine(args.engine)
+    if engine == "vllm":
+        from helixserve.engine.vllm_stage import configure_vllm_process
+
+        configure_vllm_process(args.threads or None)  # before vLLM starts its thread pools
     from helixserve.engine.profiler import ProfileSettings, profile_model, write_profiles_csv
 
     if args.threads > 0:
@@ -69,14 +82,18 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.layers < 1 or args.repeats < 1:
         raise UserError(f"--layers/--repeats: bad value {args.layers}/{args.repeats}; need >= 1")
+    if not args.slowdown >= 1.0 or args.slowdown == float("inf"):
+        raise UserError(f"--slowdown: bad value {args.slowdown}; need a finite number >= 1")
     defaults = ProfileSettings()
     settings = ProfileSettings(
         prompt_batch_tokens=args.prompt_tokens or defaults.prompt_batch_tokens,
         decode_batch_tokens=args.decode_batches or defaults.decode_batch_tokens,
         num_layers=args.layers,
         repeats=args.repeats,
+        slowdown=args.slowdown,
     )
-    rows = profile_model(Path(args.model), args.device, args.dtype, args.model_name, settings)
+    rows = profile_model(Path(args.model), args.device, args.dtype, args.model_name, settings,
+                         engine)
     write_outputs([Output("--out", out, lambda path: write_profiles_csv(rows, path))])
     print(f"{'phase':<7} {'batch_tokens':>12} {'layer_ms':>9}")
     for r in rows:

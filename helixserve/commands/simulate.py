@@ -126,7 +126,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "output KV on its route at admission, a node prefills whole prompts up to its "
         "profile's largest batch; vllm (benchmarks/serving_sim.py's default): on-demand KV "
         "with recompute preemption, chunked prefill of 512 prompt tokens an iteration, at "
-        "most 64 requests prefilling",
+        "most 64 requests prefilling; helix-prototype: what the Helix authors' prototype "
+        "runs, with its offline feeder under --offline (docs/calibration.md)",
     )
     engine.add_argument(
         "--kv-allocation",

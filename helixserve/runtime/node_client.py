@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
@@ -45,12 +46,17 @@ class NodeClient:
         coordinator_id: str,
         on_result: Callable[[tp.WireResult], None],
         on_down: Callable[[str, str], None],
+        coordinator_token: str = "",
+        tls: security.TlsConfig | None = None,
     ) -> None:
         self.name = name
         self.address = address
         self.start_layer = start_layer
         self.end_layer = end_layer
         self.coordinator_id = coordinator_id
+        #: the secret behind coordinator_id (runtime/security.py), sent in hello and Release
+        self.coordinator_token = coordinator_token
+        self.tls = tls
         self.on_result = on_result
         self.on_down = on_down
         self.info: tp.WorkerInfo | None = None
@@ -66,7 +72,7 @@ class NodeClient:
 
     async def connect(self, num_model_layers: int, timeout_s: float) -> None:
         """Wait until the worker is SERVING, check it holds the placement's range, open the stream."""
-        self._channel = grpc.aio.insecure_channel(self.address, options=tp.CHANNEL_OPTIONS)
+        self._channel = security.aio_channel(self.address, self.tls, tp.CHANNEL_OPTIONS)
         self._stub = pb_grpc.HelixWorkerStub(self._channel)
         health = health_pb2_grpc.HealthStub(self._channel)
         deadline = time.monotonic() + timeout_s
@@ -129,7 +135,8 @@ class NodeClient:
     # ---- the Work stream -------------------------------------------------------------------
 
     async def _requests(self) -> AsyncIterator[pb.WorkBatch]:
-        yield tp.work_batch_pb([], coordinator_id=self.coordinator_id, sender="coordinator")
+        yield tp.work_batch_pb([], coordinator_id=self.coordinator_id, sender="coordinator",
+                               coordinator_token=self.coordinator_token)
         while True:
             first = await self._outgoing.get()
             if first is None:
@@ -197,7 +204,9 @@ class NodeClient:
     async def release(self, request_ids: list[str]) -> int:
         assert self._stub is not None
         try:
-            reply = await self._stub.Release(tp.release_pb(request_ids), timeout=10.0)
+            reply = await self._stub.Release(
+                tp.release_pb(request_ids, self.coordinator_id, self.coordinator_token),
+                timeout=10.0)
         except grpc.aio.AioRpcError as exc:
             log.warning("release on %s failed: %s", self.name, exc.code().name)
             return 0
