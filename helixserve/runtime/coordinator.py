@@ -45,10 +45,10 @@ from helixserve.runtime import security
 from helixserve.runtime.config import CoordinatorConfig
 from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
-from helixserve.runtime.transport import WireHop, WireItem, WireResult
+from helixserve.runtime.transport import WireItem, WireResult
 
 if TYPE_CHECKING:
-    from helixserve.planner.placement import Placement
+    from helixserve.planner.placement import NodeRange, Placement
     from helixserve.scheduler import RouterOptions
     from helixserve.spec import ClusterSpec
 
@@ -73,7 +73,9 @@ class _Active:
 
     req: GenerationRequest
     internal_id: str
-    route_hops: tuple[WireHop, ...] = ()
+    route_hops: tuple[NodeRange, ...] = ()
+    #: each hop's worker address (host:port)
+    route_addresses: tuple[str, ...] = ()
     results: asyncio.Queue[WireResult | NodeFailure] = field(default_factory=asyncio.Queue)
     generated: list[int] = field(default_factory=list)
     reroutes: int = 0
@@ -245,7 +247,7 @@ class Coordinator:
         if self.kv_allocation == "on-demand":
             for act in self.active.values():
                 for h in act.route_hops:
-                    grown[h.node] += len(act.generated) - act.admitted_at
+                    grown[h.name] += len(act.generated) - act.admitted_at
         return {
             name: NodeState(
                 name,
@@ -330,7 +332,7 @@ class Coordinator:
         log.warning("node %s down: %s", node, reason)
         self.router.node_down(node)
         for act in self.active.values():
-            if any(h.node == node for h in act.route_hops):
+            if any(h.name == node for h in act.route_hops):
                 act.results.put_nowait(NodeFailure(node, reason))
 
     # ---- one request ----------------------------------------------------------------------
@@ -452,10 +454,8 @@ class Coordinator:
             if preempted:
                 self._preempted_waiting -= 1
         act.admitted_at = len(act.generated)
-        act.route_hops = tuple(
-            WireHop(h.node, self.nodes[h.node].address, h.start_layer, h.end_layer)
-            for h in route.hops
-        )
+        act.route_hops = route.hops
+        act.route_addresses = tuple(self.nodes[h.name].address for h in route.hops)
         key = route.nodes
         self.hop_counts[key] = self.hop_counts.get(key, 0) + 1
         self.active[act.internal_id] = act
@@ -478,6 +478,7 @@ class Coordinator:
             step_id=next(self._steps),
             hop_index=0,
             route=act.route_hops,
+            addresses=act.route_addresses,
             position=position,
             token_ids=token_ids,
             hidden=None,
@@ -486,7 +487,7 @@ class Coordinator:
             num_prompt_tokens=num_prompt_tokens,
         )
         act.pending.add(item.step_id)
-        self.nodes[act.route_hops[0].node].send(item)
+        self.nodes[act.route_hops[0].name].send(item)
 
     async def _next_token(self, act: _Active) -> WireResult:
         """Wait for the next sampled token, skipping prefill acks; re-route on node failure."""
@@ -527,7 +528,7 @@ class Coordinator:
         log.warning("re-routing %s: %s", act.internal_id, reason)
         # Which hop failed? A worker reports an unreachable next hop before this coordinator's
         # own stream to it breaks: ask every hop, so the new route avoids the dead one.
-        await asyncio.gather(*(self.nodes[h.node].check_alive() for h in act.route_hops))
+        await asyncio.gather(*(self.nodes[h.name].check_alive() for h in act.route_hops))
         self.reroutes += 1
         await self._replay(act)
 
@@ -564,11 +565,11 @@ class Coordinator:
         self._release_kv(act.internal_id, act.route_hops)
         self._spawn(self._notify_admit())
 
-    def _release_kv(self, internal_id: str, hops: tuple[WireHop, ...]) -> None:
+    def _release_kv(self, internal_id: str, hops: tuple[NodeRange, ...]) -> None:
         # Also on nodes believed down: if only the stream broke, the worker still holds the KV
         # (a dead one fails the call at once).
         for h in hops:
-            task = self._spawn(self.nodes[h.node].release([internal_id]))
+            task = self._spawn(self.nodes[h.name].release([internal_id]))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 

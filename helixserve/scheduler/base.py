@@ -32,8 +32,9 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 
 from helixserve.errors import UserError
-from helixserve.planner.placement import COORDINATOR, NodeRange, Placement
-from helixserve.scheduler.types import Hop, NodeState, RequestInfo, Route
+from helixserve.planner.placement import NodeRange, Placement
+from helixserve.scheduler.types import NodeState, RequestInfo, Route
+from helixserve.spec.cluster import COORDINATOR
 
 
 class GraphRouter:
@@ -107,7 +108,7 @@ class GraphRouter:
         layer = 0
         for j in path:
             end = self.ranges[j].end_layer
-            hops.append(Hop(j, layer, end))
+            hops.append(NodeRange(j, layer, end))
             layer = end
         route = Route(tuple(hops))
         self._commit(route, req, state)
