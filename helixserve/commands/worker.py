@@ -92,7 +92,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"--layers: range [{start}, {end}) is outside the model's {engine.num_model_layers} layers"
         )
-    worker = Worker(engine, node=node, model=args.model.name, backend="torch", device=args.device)
+    def reload(old: ShardEngine, start: int, end: int) -> tuple[ShardEngine, int]:
+        return ShardEngine.load_beside(old, args.model, start, end)
+
+    worker = Worker(engine, node=node, model=args.model.name, backend="torch", device=args.device,
+                    reload=reload, kv_cache_bytes=args.kv_cache_bytes)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -24,6 +24,9 @@ Faults: the coordinator keeps one Work stream per worker. When a stream breaks, 
 marked down in the router and every request routed through it is re-routed over surviving
 nodes and re-prefilled with its prompt + the tokens generated so far; the client's stream
 continues without a gap or duplicate. A request fails only when no route covers the model.
+With `recovery` (runtime/replan.py) a lost layer range is re-planned onto the live workers and
+requests wait for it (bounded) instead of failing; a worker that stops answering is declared
+down after `hang_timeout_s`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import Any
 from helixserve.errors import UserError
 from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
+from helixserve.runtime.replan import Recovery, RecoveryConfig
 from helixserve.runtime.transport import WireHop, WireItem, WireResult
 from helixserve.scheduler.types import KV_ALLOCATIONS
 
@@ -50,7 +54,12 @@ log = logging.getLogger("helixserve.coordinator")
 
 
 class NoRouteError(RuntimeError):
-    """No route over the live workers covers the whole model (the API answers 503)."""
+    """No route over the live workers covers the whole model (the API answers 503, with
+    Retry-After when `retry_after_s` is set)."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class QueueFullError(RuntimeError):
@@ -105,6 +114,10 @@ class _Active:
     pending: set[int] = field(default_factory=set)
     #: tokens generated when the current route was admitted (on-demand KV: what grew since)
     admitted_at: int = 0
+    #: KV tokens the router promised on each hop of the current route
+    kv_promise: int = 0
+    #: the coordinator's placement epoch when the current route was made (replan.py)
+    epoch: int = 0
 
 
 class Coordinator:
@@ -143,6 +156,14 @@ class Coordinator:
         self.preemptions = 0  # on-demand KV: requests recomputed after a worker ran out of KV
         #: preempted requests waiting to be admitted again: new requests wait behind them
         self._preempted_waiting = 0
+        #: bumped when a re-plan starts and when it ends: a re-route of a request routed
+        #: before then is not counted against max_reroutes
+        self.epoch = 0
+        self.recovery: Recovery | None = None
+        self.model_spec: Any = None
+        self.cluster: Any = None
+        self.scheduler = "maxflow"
+        self.down_events = 0  # nodes declared down (stream broke, hung, drained)
 
     @classmethod
     async def create(
@@ -161,6 +182,7 @@ class Coordinator:
         step_timeout_s: float = 300.0,
         kv_allocation: str = "on-demand",
         kv_watermark: float = 0.01,
+        recovery: RecoveryConfig | None = None,
     ) -> Coordinator:
         from helixserve.scheduler import make_router
 
@@ -175,6 +197,9 @@ class Coordinator:
         self = cls(placement, model_dir, router, max_queue, max_reroutes, stats_interval_s,
                    kv_allocation, kv_watermark)
         self.model_name = placement.model or self.model_dir.name
+        self.cluster, self.scheduler = cluster, scheduler
+        if recovery is not None:
+            self.recovery = Recovery(self, cluster, recovery)
         addresses = {n.name: getattr(n, "address", None) for n in cluster.nodes}
         for i, nr in enumerate(placement.nodes):
             address = addresses.get(nr.name)
@@ -208,6 +233,9 @@ class Coordinator:
                                   + "; ".join(unreachable))
         for line in unreachable:
             log.warning("starting without %s", line)
+        if self.recovery is not None:
+            # workers restarted with other ranges since the placement file was written
+            await self.recovery.install_actual()
         self.step_timeout_s = step_timeout_s
         self.tokenizer = await tokenizer_task
         any_info = next(n.info for n in self.nodes.values() if n.info is not None)
@@ -242,20 +270,49 @@ class Coordinator:
     # ---- live state -----------------------------------------------------------------------
 
     async def _poll_stats(self) -> None:
+        hang_s = self.recovery.config.hang_timeout_s if self.recovery is not None else None
         while True:
             await asyncio.sleep(self.stats_interval_s)
-            await asyncio.gather(*(n.refresh_info() for n in self.nodes.values() if n.alive),
-                                 return_exceptions=True)
+            if hang_s is None:
+                await asyncio.gather(*(n.refresh_info() for n in self.nodes.values() if n.alive),
+                                     return_exceptions=True)
+            else:
+                # one task per node: a hung worker must not hold up the others' stats
+                for n in self.nodes.values():
+                    if n.alive and not n.refreshing:
+                        self._spawn(n.refresh_info())
+                    n.check_answering(hang_s)
             for n in self.nodes.values():
                 if not n.alive and n.reconnectable():
                     self._spawn(self._try_revive(n))
 
     async def _try_revive(self, node: NodeClient) -> None:
-        if await node.revive(self.placement.num_layers):
-            self.router.node_up(node.name)
+        if await node.revive(self.placement.num_layers,
+                             check_range=self.recovery is None):
             log.info("node %s is back", node.name)
+            if self.recovery is not None:
+                await self.recovery.rejoin(node)
+            self.router.node_up(node.name)
             async with self._admit:
                 self._admit.notify_all()
+
+    async def _install_placement(self, placement: Any) -> None:
+        """Route over `placement` from now on (a re-plan, a worker back with another range).
+        Running requests whose route is still valid keep it, with their KV promises."""
+        from helixserve.scheduler import Hop, Route, make_router
+
+        options = await asyncio.get_running_loop().run_in_executor(
+            None, _routing_inputs, self.cluster, placement, self.model_dir, True)
+        router = make_router(self.scheduler, placement, seed=self.epoch, **options)
+        for name, n in self.nodes.items():
+            if not n.alive and placement.range_of(name) is not None:
+                router.node_down(name)
+        for act in self.active.values():
+            route = Route(tuple(Hop(h.node, h.start_layer, h.end_layer) for h in act.route_hops))
+            router.adopt(act.internal_id, route, act.kv_promise)
+        self.placement, self.router = placement, router
+        log.warning("routing over %s", ", ".join(
+            f"{r.name} [{r.start_layer}, {r.end_layer})" for r in placement.nodes))
 
     def _node_states(self) -> dict[str, Any]:
         from helixserve.scheduler import NodeState
@@ -310,6 +367,9 @@ class Coordinator:
                     covered[layer] = True
         return all(covered)
 
+    def recovery_state(self) -> dict[str, Any] | None:
+        return None if self.recovery is None else self.recovery.snapshot()
+
     def stats(self) -> dict[str, Any]:
         """Snapshot for metrics: requests running/waiting, per node, per route."""
         nodes = {}
@@ -340,6 +400,8 @@ class Coordinator:
             "kv_allocation": self.kv_allocation,
             "nodes": nodes,
             "routes": {"->".join(r): c for r, c in self.hop_counts.items()},
+            "down_events": self.down_events,
+            "recovery": self.recovery_state(),
         }
 
     # ---- results from the node streams --------------------------------------------------
@@ -351,10 +413,13 @@ class Coordinator:
 
     def _on_node_down(self, node: str, reason: str) -> None:
         log.warning("node %s down: %s", node, reason)
+        self.down_events += 1
         self.router.node_down(node)
         for act in self.active.values():
             if any(h.node == node for h in act.route_hops):
                 act.results.put_nowait(NodeFailure(node, reason))
+        if self.recovery is not None and not self._covered():
+            self.recovery.trigger(f"node {node} down ({reason}), layers without a live holder")
 
     # ---- one request ----------------------------------------------------------------------
 
@@ -449,15 +514,14 @@ class Coordinator:
                 f"more than {fits}; lower max_tokens"
             )
         waited = False
+        uncovered_since: float | None = None
         if preempted:
             self._preempted_waiting += 1
         try:
             while True:
                 if not self._covered():
-                    raise NoRouteError(
-                        f"no route covers the model's {self.placement.num_layers} layers over "
-                        f"the live workers ({', '.join(n for n, c in self.nodes.items() if c.alive) or 'none'})"
-                    )
+                    uncovered_since = uncovered_since or asyncio.get_running_loop().time()
+                    self._check_recovering(uncovered_since, replay=bool(act.generated))
                 # preempted requests go first: a new one does not take the KV they wait for
                 route = (self.router.route(info, self._node_states())
                          if preempted or not self._preempted_waiting else None)
@@ -477,6 +541,8 @@ class Coordinator:
             if preempted:
                 self._preempted_waiting -= 1
         act.admitted_at = len(act.generated)
+        act.kv_promise = info.kv_tokens if info.kv_tokens is not None else need
+        act.epoch = self.epoch
         act.route_hops = tuple(
             WireHop(h.node, self.nodes[h.node].address, h.start_layer, h.end_layer)
             for h in route.hops
@@ -484,6 +550,26 @@ class Coordinator:
         key = route.nodes
         self.hop_counts[key] = self.hop_counts.get(key, 0) + 1
         self.active[act.internal_id] = act
+
+    def _check_recovering(self, uncovered_since: float, replay: bool) -> None:
+        """While no route covers the model: raise NoRouteError, unless a re-plan or a restart
+        may still cover it within `wait_s` (then the caller waits)."""
+        live = ", ".join(n for n, c in self.nodes.items() if c.alive) or "none"
+        message = (f"no route covers the model's {self.placement.num_layers} layers over the "
+                   f"live workers ({live})")
+        rec = self.recovery
+        if rec is None:
+            raise NoRouteError(message)
+        waited_s = asyncio.get_running_loop().time() - uncovered_since
+        if waited_s > rec.config.wait_s:
+            raise NoRouteError(f"{message}; waited {waited_s:.0f} s for a re-plan or a restart",
+                               retry_after_s=rec.config.retry_after_s)
+        if rec.uncoverable and not replay:
+            # a running request still waits for a restart; a new one is told to come back
+            raise NoRouteError(f"{message}, and no placement over them covers it",
+                               retry_after_s=rec.config.retry_after_s)
+        if not rec.busy and not rec.uncoverable:
+            rec.trigger("layers without a live holder")
 
     def _send_prefill(self, act: _Active, token_ids: list[int]) -> None:
         """Prompt (+ tokens generated so far, on a re-route) in chunks, all sent at once."""
@@ -545,10 +631,12 @@ class Coordinator:
                 return r
 
     async def _reroute(self, act: _Active, reason: str) -> None:
-        if act.reroutes >= self.max_reroutes:
+        stale = act.epoch < self.epoch  # routed before a re-plan: not this request's bad luck
+        if act.reroutes >= self.max_reroutes and not stale:
             raise RequestFailedError(f"request {act.req.request_id}: {reason} "
                                      f"(gave up after {act.reroutes} re-routes)")
-        act.reroutes += 1
+        if not stale:
+            act.reroutes += 1
         log.warning("re-routing %s: %s", act.internal_id, reason)
         # Which hop failed? A worker reports an unreachable next hop before this coordinator's
         # own stream to it breaks: ask every hop, so the new route avoids the dead one.
@@ -633,10 +721,12 @@ __all__ = [
 ]
 
 
-def _routing_inputs(cluster: Any, placement: Any, model_dir: Path) -> dict[str, Any]:
+def _routing_inputs(cluster: Any, placement: Any, model_dir: Path,
+                    live: bool = False) -> dict[str, Any]:
     """The links the router may use (so it never spreads work over a missing or slow link),
     and the flows it routes over: evaluated here when the placement file has none
-    (FORMATS.md lets an input placement omit them)."""
+    (FORMATS.md lets an input placement omit them). `live`: ranges workers actually hold,
+    which a memory check must not refuse."""
     from helixserve.scheduler.options import router_options
     from helixserve.spec import load_model
 
@@ -645,7 +735,16 @@ def _routing_inputs(cluster: Any, placement: Any, model_dir: Path) -> dict[str, 
         from helixserve.costmodel import CostModel
         from helixserve.planner import evaluate
 
-        result = evaluate(cluster, model, CostModel(model), placement)
+        try:
+            result = evaluate(cluster, model, CostModel(model), placement)
+        except UserError:
+            if not live:
+                raise
+            # a worker holds more layers than the cluster file says its memory fits: it
+            # does, so evaluate the flow without the memory check
+            cluster = dataclasses.replace(cluster, nodes=[
+                dataclasses.replace(n, memory_gb=1e6) for n in cluster.nodes])
+            result = evaluate(cluster, model, CostModel(model), placement)
         placement.flows = result.flows
         placement.throughput_tokens_per_s = result.throughput_tokens_per_s
     return router_options(cluster, model, placement)

@@ -61,11 +61,17 @@ class NodeClient:
         self._stream_task: asyncio.Task[None] | None = None
         self._last_revive = 0.0
         self._route_pb_cache: dict[tuple[tp.WireHop, ...], list[pb.Hop]] = {}
+        #: an Info call is under way; when the worker last answered one (monotonic)
+        self.refreshing = False
+        self.last_answer_s = time.monotonic()
 
     # ---- connection ------------------------------------------------------------------------
 
-    async def connect(self, num_model_layers: int, timeout_s: float) -> None:
-        """Wait until the worker is SERVING, check it holds the placement's range, open the stream."""
+    async def connect(self, num_model_layers: int, timeout_s: float,
+                      check_range: bool = True) -> None:
+        """Wait until the worker is SERVING, check it holds the placement's range (unless
+        `check_range` is False: live re-planning takes whatever range it holds), open the
+        stream."""
         self._channel = grpc.aio.insecure_channel(self.address, options=tp.CHANNEL_OPTIONS)
         self._stub = pb_grpc.HelixWorkerStub(self._channel)
         health = health_pb2_grpc.HealthStub(self._channel)
@@ -88,7 +94,9 @@ class NodeClient:
         await self.refresh_info(raise_errors=True)
         info = self.info
         assert info is not None
-        if (info.start_layer, info.end_layer) != (self.start_layer, self.end_layer) and not (
+        if not check_range:
+            self.start_layer, self.end_layer = info.start_layer, info.end_layer
+        elif (info.start_layer, info.end_layer) != (self.start_layer, self.end_layer) and not (
             info.start_layer <= self.start_layer and self.end_layer <= info.end_layer
         ):
             raise ConnectionError(
@@ -102,6 +110,7 @@ class NodeClient:
             )
         self._outgoing = asyncio.Queue()
         self._stream_task = asyncio.get_running_loop().create_task(self._run_stream())
+        self.last_answer_s = time.monotonic()
         self.alive = True
 
     async def close(self) -> None:
@@ -116,12 +125,14 @@ class NodeClient:
     def reconnectable(self) -> bool:
         return time.monotonic() - self._last_revive > REVIVE_INTERVAL_S
 
-    async def revive(self, num_model_layers: int) -> bool:
+    async def revive(self, num_model_layers: int, check_range: bool = True) -> bool:
         self._last_revive = time.monotonic()
+        if self._stream_task is not None:  # a hung worker's stream may still be open
+            self._stream_task.cancel()
         if self._channel is not None:
             await self._channel.close()
         try:
-            await self.connect(num_model_layers, timeout_s=1.0)
+            await self.connect(num_model_layers, timeout_s=1.0, check_range=check_range)
         except (ConnectionError, grpc.aio.AioRpcError):
             return False
         return True
@@ -187,11 +198,33 @@ class NodeClient:
 
     async def refresh_info(self, raise_errors: bool = False) -> None:
         assert self._stub is not None
+        self.refreshing = True
         try:
             self.info = tp.info_from_pb(await self._stub.Info(pb.InfoRequest(), timeout=5.0))
+            self.last_answer_s = time.monotonic()
         except grpc.aio.AioRpcError:
             if raise_errors:
                 raise
+        finally:
+            self.refreshing = False
+
+    def check_answering(self, hang_timeout_s: float) -> None:
+        """A live worker that answered no Info call for `hang_timeout_s` is down (hung: a
+        stopped process keeps its sockets open, so no stream breaks)."""
+        silent_s = time.monotonic() - self.last_answer_s
+        if self.alive and silent_s > hang_timeout_s:
+            self.alive = False
+            self.on_down(self.name, f"no answer for {silent_s:.1f} s (hung?)")
+
+    async def load_range(self, start_layer: int, end_layer: int, coordinator_id: str,
+                         timeout_s: float) -> pb.LoadRangeReply:
+        """Ask the worker to hold [start_layer, end_layer) (LoadRange); returns once it does."""
+        assert self._stub is not None
+        reply: pb.LoadRangeReply = await self._stub.LoadRange(
+            pb.LoadRangeRequest(start_layer=start_layer, end_layer=end_layer,
+                                coordinator_id=coordinator_id), timeout=timeout_s)
+        self.start_layer, self.end_layer = reply.start_layer, reply.end_layer
+        return reply
 
     async def release(self, request_ids: list[str]) -> int:
         assert self._stub is not None

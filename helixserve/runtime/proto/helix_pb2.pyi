@@ -226,3 +226,29 @@ class InfoReply(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     items_run: int
     def __init__(self, node: _Optional[str] = ..., model: _Optional[str] = ..., num_model_layers: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., queue_len: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., items_run: _Optional[int] = ...) -> None: ...
+
+class LoadRangeRequest(_message.Message):
+    __slots__ = ("start_layer", "end_layer", "coordinator_id")
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    start_layer: int
+    end_layer: int
+    coordinator_id: str
+    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., coordinator_id: _Optional[str] = ...) -> None: ...
+
+class LoadRangeReply(_message.Message):
+    __slots__ = ("start_layer", "end_layer", "load_s", "switch_s", "requests_moved", "layers_loaded")
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    start_layer: int
+    end_layer: int
+    load_s: float
+    switch_s: float
+    requests_moved: int
+    layers_loaded: int
+    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., load_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., requests_moved: _Optional[int] = ..., layers_loaded: _Optional[int] = ...) -> None: ...
