@@ -33,15 +33,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _load_libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+#: loaded in the parent: the child between fork and exec (restarts happen while other threads
+#: run) must not load libraries, only make system calls
+_LIBC = _load_libc()
+
+
 def _die_with_parent() -> None:
     """preexec_fn: SIGTERM this child when the parent dies (Linux only; no-op elsewhere)."""
     os.setsid()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
+    if _LIBC is not None:
         pr_set_pdeathsig = 1
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        _LIBC.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 @dataclass
@@ -74,34 +87,44 @@ class WorkerProcesses:
         self.num_threads = num_threads
         self.extra_args = extra_args or []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.stopping = False  # set by stop(): a supervisor must not start workers again
 
     def start(self) -> None:
+        for w in self.workers:
+            (self.log_dir / f"worker-{w.node}.log").unlink(missing_ok=True)
+            self.start_one(w.node)
+
+    def start_one(self, node: str) -> None:
+        """Start (or start again, same address and flags) the worker of `node`; its log is
+        appended to."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         if self.num_threads:
             # also caps the BLAS pools torch does not control through set_num_threads
             env["OMP_NUM_THREADS"] = str(self.num_threads)
-        for w in self.workers:
-            cmd = [
-                sys.executable, "-m", "helixserve", "worker",
-                "--model", str(self.model_dir),
-                "--placement", str(self.placement_path),
-                "--node", w.node,
-                "--host", w.host,
-                "--port", str(w.port),
-            ]  # fmt: skip
-            if self.num_threads:
-                cmd += ["--num-threads", str(self.num_threads)]
-            cmd += self.extra_args
-            log = (self.log_dir / f"worker-{w.node}.log").open("wb")
-            self.procs[w.node] = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads exist yet at start)
-            )
-            log.close()
+        if self.stopping:
+            return
+        w = next(w for w in self.workers if w.node == node)
+        cmd = [
+            sys.executable, "-m", "helixserve", "worker",
+            "--model", str(self.model_dir),
+            "--placement", str(self.placement_path),
+            "--node", w.node,
+            "--host", w.host,
+            "--port", str(w.port),
+        ]  # fmt: skip
+        if self.num_threads:
+            cmd += ["--num-threads", str(self.num_threads)]
+        cmd += self.extra_args
+        log = (self.log_dir / f"worker-{w.node}.log").open("ab")
+        self.procs[w.node] = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 (a fork of the launching thread)
+        )
+        log.close()
 
     def log_tail(self, node: str, num_chars: int = 2000) -> str:
         path = self.log_dir / f"worker-{node}.log"
@@ -146,6 +169,7 @@ class WorkerProcesses:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM all (they drain), then SIGKILL whatever is still alive after `grace_s`."""
+        self.stopping = True
         for proc in self.procs.values():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

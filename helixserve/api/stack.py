@@ -245,8 +245,11 @@ async def run_stack(
     log_level: str = "warning",
     kv_allocation: str = "on-demand",
     kv_watermark: float = 0.01,
+    recovery: Any = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM. With `workers`, start them first and stop them last."""
+    """Serve until SIGINT/SIGTERM. With `workers`, start them first, restart any that exits
+    (api/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live when
+    layers lose their last holder (runtime/replan.py); None: requests fail while they do."""
     from helixserve.api.app import create_app
     from helixserve.planner import load_placement
     from helixserve.runtime import Coordinator
@@ -260,12 +263,19 @@ async def run_stack(
             f"{cluster_path}: nodes {', '.join(missing)} hold layers in {placement_path} "
             "but have no address"
         )
+    from helixserve.api.supervisor import Supervisor
+
+    supervisor = None
     try:
         if workers is not None:
             workers.start()
             workers.wait_ready()
+            supervisor = Supervisor(workers)
+            supervisor.start()
         coord = await Coordinator.create(cluster, placement, model_dir, scheduler=scheduler,
-                                         kv_allocation=kv_allocation, kv_watermark=kv_watermark)
+                                         kv_allocation=kv_allocation, kv_watermark=kv_watermark,
+                                         recovery=recovery)
+        coord.process_stats = None if supervisor is None else supervisor.stats
         try:
             app = create_app(coord, served_model_name, api_key)
             await serve_app(
@@ -279,6 +289,8 @@ async def run_stack(
         finally:
             await coord.close()
     finally:
+        if supervisor is not None:
+            supervisor.stop()
         if workers is not None:
             workers.stop()
 

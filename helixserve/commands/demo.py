@@ -13,7 +13,12 @@ import os
 from pathlib import Path
 
 from helixserve.commands.args import finite_float
-from helixserve.commands.serve import add_kv_arguments, check_kv_arguments
+from helixserve.commands.serve import (
+    add_kv_arguments,
+    add_recovery_arguments,
+    check_kv_arguments,
+    recovery_config,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,6 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="KV cache budget per worker in MiB (default 128: thousands of tokens)",
     )
     add_kv_arguments(p)
+    add_recovery_arguments(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
 
@@ -148,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
                 log_level=args.log_level,
                 kv_allocation=args.kv_allocation,
                 kv_watermark=args.kv_watermark,
+                recovery=recovery_config(args, files.profiles_path),
             )
         )
     except KeyboardInterrupt:

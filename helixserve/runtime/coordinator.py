@@ -38,7 +38,7 @@ import itertools
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,9 @@ class TokenEvent:
     #: first token of a request whose sampling asked for prompt_logprobs: prompt tokens 1..
     #: given the tokens before each (helixserve.engine.sampling.PromptLogprob)
     prompt_logprobs: list[Any] | None = None
+    #: first token only: seconds the request waited for its first route (admission queue,
+    #: or the model being covered again)
+    queue_s: float | None = None
 
 
 @dataclass
@@ -164,6 +167,9 @@ class Coordinator:
         self.cluster: Any = None
         self.scheduler = "maxflow"
         self.down_events = 0  # nodes declared down (stream broke, hung, drained)
+        self.down_reasons: dict[str, str] = {}
+        #: per node: process_up, restarts, last_exit_code, from a local supervisor if any
+        self.process_stats: Callable[[], dict[str, dict[str, Any]]] | None = None
 
     @classmethod
     async def create(
@@ -373,11 +379,15 @@ class Coordinator:
     def stats(self) -> dict[str, Any]:
         """Snapshot for metrics: requests running/waiting, per node, per route."""
         nodes = {}
+        procs = self.process_stats() if self.process_stats is not None else {}
         for name, n in self.nodes.items():
             info = n.info
             nodes[name] = {
                 "address": n.address,
                 "alive": n.alive,
+                "in_placement": self.placement.range_of(name) is not None,
+                "last_down_reason": self.down_reasons.get(name, ""),
+                **procs.get(name, {}),
                 "start_layer": n.start_layer,
                 "end_layer": n.end_layer,
                 "layers": n.end_layer - n.start_layer,
@@ -390,6 +400,10 @@ class Coordinator:
                 "active_requests": info.active_requests if info else 0,
                 "steps": info.steps if info else 0,
                 "items_run": info.items_run if info else 0,
+                "step_tokens_counts": list(info.step_tokens_counts) if info else [],
+                "step_tokens_sum": info.step_tokens_sum if info else 0,
+                "dtype": info.dtype if info else "",
+                "backend": info.backend if info else "",
             }
         return {
             "running": len(self.active),
@@ -414,6 +428,7 @@ class Coordinator:
     def _on_node_down(self, node: str, reason: str) -> None:
         log.warning("node %s down: %s", node, reason)
         self.down_events += 1
+        self.down_reasons[node] = reason
         self.router.node_down(node)
         for act in self.active.values():
             if any(h.node == node for h in act.route_hops):
@@ -448,7 +463,9 @@ class Coordinator:
             ignore_eos=req.ignore_eos,
             max_model_len=self.max_model_len,
         )
+        arrived_s = asyncio.get_running_loop().time()
         await self._route(act)
+        queue_s: float | None = asyncio.get_running_loop().time() - arrived_s
         try:
             self._send_prefill(act, req.prompt_token_ids)
             while True:
@@ -462,7 +479,8 @@ class Coordinator:
                     req.sampling = dataclasses.replace(req.sampling, prompt_logprobs=None)
                 yield TokenEvent(r.token_id, step.text, r.logprob, r.top_logprobs,
                                  step.finish_reason, r.compute_s, len(act.route_hops),
-                                 r.prompt_logprobs)
+                                 r.prompt_logprobs, queue_s)
+                queue_s = None
                 if step.finish_reason is not None:
                     return
                 self._send(act, position=len(req.prompt_token_ids) + len(act.generated) - 1,

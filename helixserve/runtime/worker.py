@@ -23,6 +23,7 @@ was released is dropped instead of allocating KV that nobody would free.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import queue
 import threading
@@ -217,6 +218,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.steps = 0
         self.items_run = 0
         self._busy: deque[tuple[float, float]] = deque()  # (end time, step seconds)
+        #: engine steps per bucket of tokens in the step (tp.STEP_TOKEN_BUCKETS, + larger)
+        self.step_tokens_counts = [0] * (len(tp.STEP_TOKEN_BUCKETS) + 1)
+        self.step_tokens_sum = 0
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -319,7 +323,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     except Exception as one_exc:
                         outputs.append(one_exc)
             step_s = time.perf_counter() - t0
-            self._record_step(step_s, len(items))
+            self._record_step(step_s, len(items), sum(len(it.token_ids) for it in items))
             assert self.loop is not None
             self.loop.call_soon_threadsafe(self._dispatch, batch, outputs, step_s)
 
@@ -359,7 +363,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
             self.engine.free(rid)
         return freed
 
-    def _record_step(self, step_s: float, batch_size: int) -> None:
+    def _record_step(self, step_s: float, batch_size: int, num_tokens: int) -> None:
+        self.step_tokens_counts[bisect.bisect_left(tp.STEP_TOKEN_BUCKETS, num_tokens)] += 1
+        self.step_tokens_sum += num_tokens
         now = time.monotonic()
         self._busy.append((now, step_s))
         while self._busy and self._busy[0][0] < now - BUSY_WINDOW_S:
@@ -576,6 +582,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
             active_requests=len(self.active),
             draining=self.draining,
             eos_token_ids=tuple(int(t) for t in (self.engine.eos_token_ids or ())),
+            step_tokens_counts=tuple(self.step_tokens_counts),
+            step_tokens_sum=self.step_tokens_sum,
         )
 
 

@@ -182,7 +182,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("node", "model", "num_model_layers", "start_layer", "end_layer", "backend", "device", "dtype", "hidden_size", "kv_block_size", "kv_total_blocks", "kv_used_blocks", "kv_capacity_tokens", "queue_len", "last_batch_size", "busy_fraction", "steps", "active_requests", "draining", "eos_token_ids", "items_run")
+    __slots__ = ("node", "model", "num_model_layers", "start_layer", "end_layer", "backend", "device", "dtype", "hidden_size", "kv_block_size", "kv_total_blocks", "kv_used_blocks", "kv_capacity_tokens", "queue_len", "last_batch_size", "busy_fraction", "steps", "active_requests", "draining", "eos_token_ids", "items_run", "step_tokens_counts", "step_tokens_sum")
     NODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_MODEL_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,8 @@ class InfoReply(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_SUM_FIELD_NUMBER: _ClassVar[int]
     node: str
     model: str
     num_model_layers: int
@@ -225,7 +227,9 @@ class InfoReply(_message.Message):
     draining: bool
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     items_run: int
-    def __init__(self, node: _Optional[str] = ..., model: _Optional[str] = ..., num_model_layers: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., queue_len: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., items_run: _Optional[int] = ...) -> None: ...
+    step_tokens_counts: _containers.RepeatedScalarFieldContainer[int]
+    step_tokens_sum: int
+    def __init__(self, node: _Optional[str] = ..., model: _Optional[str] = ..., num_model_layers: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., queue_len: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., items_run: _Optional[int] = ..., step_tokens_counts: _Optional[_Iterable[int]] = ..., step_tokens_sum: _Optional[int] = ...) -> None: ...
 
 class LoadRangeRequest(_message.Message):
     __slots__ = ("start_layer", "end_layer", "coordinator_id")
