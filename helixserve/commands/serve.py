@@ -82,7 +82,8 @@ def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
         "--hang-timeout-s",
         type=finite_float,
         default=10.0,
-        help="declare a worker down after this long without an answer (default 10)",
+        help="declare a worker down (hung) when two Info calls in a row, this long each, get "
+        "no answer (default 10)",
     )
 
 

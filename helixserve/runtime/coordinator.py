@@ -286,7 +286,7 @@ class Coordinator:
                 # one task per node: a hung worker must not hold up the others' stats
                 for n in self.nodes.values():
                     if n.alive and not n.refreshing:
-                        self._spawn(n.refresh_info())
+                        self._spawn(n.refresh_info(timeout_s=hang_s))
                     n.check_answering(hang_s)
             for n in self.nodes.values():
                 if not n.alive and n.reconnectable():
@@ -296,9 +296,13 @@ class Coordinator:
         if await node.revive(self.placement.num_layers,
                              check_range=self.recovery is None):
             log.info("node %s is back", node.name)
-            if self.recovery is not None:
-                await self.recovery.rejoin(node)
             self.router.node_up(node.name)
+            if self.recovery is not None:
+                try:
+                    await self.recovery.rejoin(node)
+                except Exception as exc:  # keep serving over the placement we have
+                    log.exception("node %s rejoined, but routing over it failed: %s",
+                                  node.name, exc)
             async with self._admit:
                 self._admit.notify_all()
 

@@ -61,9 +61,9 @@ class NodeClient:
         self._stream_task: asyncio.Task[None] | None = None
         self._last_revive = 0.0
         self._route_pb_cache: dict[tuple[tp.WireHop, ...], list[pb.Hop]] = {}
-        #: an Info call is under way; when the worker last answered one (monotonic)
+        #: an Info call is under way; Info calls in a row that got no answer in time
         self.refreshing = False
-        self.last_answer_s = time.monotonic()
+        self.missed_answers = 0
 
     # ---- connection ------------------------------------------------------------------------
 
@@ -110,7 +110,7 @@ class NodeClient:
             )
         self._outgoing = asyncio.Queue()
         self._stream_task = asyncio.get_running_loop().create_task(self._run_stream())
-        self.last_answer_s = time.monotonic()
+        self.missed_answers = 0
         self.alive = True
 
     async def close(self) -> None:
@@ -196,25 +196,29 @@ class NodeClient:
             self.on_down(self.name, reason)
         return ok
 
-    async def refresh_info(self, raise_errors: bool = False) -> None:
+    async def refresh_info(self, raise_errors: bool = False, timeout_s: float = 5.0) -> None:
         assert self._stub is not None
         self.refreshing = True
         try:
-            self.info = tp.info_from_pb(await self._stub.Info(pb.InfoRequest(), timeout=5.0))
-            self.last_answer_s = time.monotonic()
-        except grpc.aio.AioRpcError:
+            self.info = tp.info_from_pb(await self._stub.Info(pb.InfoRequest(),
+                                                              timeout=timeout_s))
+            self.missed_answers = 0
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.missed_answers += 1
             if raise_errors:
                 raise
         finally:
             self.refreshing = False
 
-    def check_answering(self, hang_timeout_s: float) -> None:
-        """A live worker that answered no Info call for `hang_timeout_s` is down (hung: a
-        stopped process keeps its sockets open, so no stream breaks)."""
-        silent_s = time.monotonic() - self.last_answer_s
-        if self.alive and silent_s > hang_timeout_s:
+    def check_answering(self, hang_timeout_s: float, max_missed: int = 2) -> None:
+        """A live worker that let `max_missed` Info calls in a row pass their deadline
+        (`hang_timeout_s` each) is down: hung (a stopped process keeps its sockets open, so
+        no stream breaks). Two, so that one slow answer on a starved machine is not a death."""
+        if self.alive and self.missed_answers >= max_missed:
             self.alive = False
-            self.on_down(self.name, f"no answer for {silent_s:.1f} s (hung?)")
+            self.on_down(self.name, f"no answer to {self.missed_answers} Info calls of "
+                                    f"{hang_timeout_s:g} s each (hung?)")
 
     async def load_range(self, start_layer: int, end_layer: int, coordinator_id: str,
                          timeout_s: float) -> pb.LoadRangeReply:

@@ -56,7 +56,8 @@ class RecoveryConfig:
     wait_s: float = 60.0
     #: Retry-After of the 503 a new request gets while no plan can cover the model
     retry_after_s: int = 10
-    #: a live worker that answers no Info call for this long is declared down (hung)
+    #: a live worker that lets two Info calls in a row (this long each) pass unanswered is
+    #: declared down (hung)
     hang_timeout_s: float = 10.0
     #: re-plans in a row while layers stay uncovered, before giving up until a worker returns
     max_attempts: int = 3
