@@ -80,7 +80,8 @@ def _kv_budget_bytes(model_dir: str, tokens: int) -> int:
 
 def run_helixserve(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -> dict:
 
-    from helixserve.engine import SamplingParams, ShardEngine, WorkItem
+    from helixserve.engine import ShardEngine, WorkItem
+    from helixserve.request import SamplingParams
 
     num_layers = _num_layers(model_dir)
     budget = _kv_budget_bytes(model_dir, batch * (prompt_tokens + output_tokens + 16))
@@ -216,7 +217,8 @@ def run_range_memory(model_dir: str, start: int, end: int) -> dict:
     """
     import torch
 
-    from helixserve.engine import SamplingParams, ShardEngine, WorkItem
+    from helixserve.engine import ShardEngine, WorkItem
+    from helixserve.request import SamplingParams
 
     baseline = _current_rss_bytes()
     eng = ShardEngine.load(model_dir, start, end, "cpu", torch.float32, kv_cache_bytes=16 << 20)

@@ -173,7 +173,7 @@ def encode(coord: Any, question: str) -> list[int]:
 
 async def one_stream(coord: Any, rid: str, prompt: list[int], max_tokens: int) -> list[tuple[float, float, int]]:
     """(inter-token latency s, engine compute s, hops) per decoded token after the first."""
-    from helixserve.engine import SamplingParams
+    from helixserve.request import SamplingParams
     from helixserve.runtime import GenerationRequest
 
     req = GenerationRequest(rid, prompt, SamplingParams(temperature=0.0), max_tokens=max_tokens,

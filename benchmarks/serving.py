@@ -29,8 +29,8 @@ from typing import Any
 
 import httpx
 
-from helixserve.api.launch import WorkerProcesses, WorkerSpec, free_port
-from helixserve.api.stack import plan_placement, prepare_demo, write_local_cluster
+from helixserve.launch import WorkerProcesses, WorkerSpec, free_port
+from helixserve.stack import plan_placement, prepare_demo, write_local_cluster
 
 
 def single_worker_files(
@@ -137,7 +137,7 @@ def _serve_instant(model_dir: Path, port: int) -> None:
     import asyncio
 
     from helixserve.api.app import create_app
-    from helixserve.api.launch import serve_app
+    from helixserve.launch import serve_app
 
     app = create_app(InstantCoordinator(model_dir))  # type: ignore[arg-type]
     asyncio.run(serve_app(app, "127.0.0.1", port))

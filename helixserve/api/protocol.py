@@ -28,9 +28,10 @@ from pydantic import (
     model_validator,
 )
 
-#: most choices per request (n) and most top logprobs, as vLLM's defaults
+from helixserve.request import MAX_LOGPROBS
+
+#: most choices per request (n), as vLLM's default
 MAX_N = 16
-MAX_LOGPROBS = 20
 #: vLLM's structured-output extensions: not supported, so rejected rather than ignored
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "structured_outputs")

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 from helixserve.api.errors import APIError
 from helixserve.api.metrics import ServingMetrics
 from helixserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from helixserve.engine import SamplingParams
 from helixserve.errors import UserError
+from helixserve.request import SamplingParams
 from helixserve.runtime import (
     GenerationRequest,
     NoRouteError,

@@ -65,8 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _memory(text: str | None) -> tuple[float, ...]:
-    from helixserve.api.stack import DEMO_MEMORY_GB, DEMO_NODES
     from helixserve.errors import UserError
+    from helixserve.stack import DEMO_MEMORY_GB, DEMO_NODES
 
     if text is None:
         return DEMO_MEMORY_GB
@@ -86,16 +86,16 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import sys
 
-    from helixserve.api.launch import WorkerProcesses
-    from helixserve.api.stack import (
+    from helixserve.commands.args import check_output
+    from helixserve.errors import UserError
+    from helixserve.launch import WorkerProcesses
+    from helixserve.stack import (
         default_workdir,
         describe_placement,
         prepare_demo,
         run_stack,
         usage_examples,
     )
-    from helixserve.commands.args import check_output
-    from helixserve.errors import UserError
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port: bad value {args.port}")
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     workdir = args.workdir or default_workdir()
-    from helixserve.api.stack import DEMO_WORKER_LINK_FRACTION
+    from helixserve.stack import DEMO_WORKER_LINK_FRACTION
 
     fraction = args.worker_link_fraction
     if fraction is None:

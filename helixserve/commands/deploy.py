@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from helixserve.commands.serve import KV_ALLOCATION_CHOICES
+from helixserve.request import KV_ALLOCATIONS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="time a pod may take to load weights before it is restarted")
     k.add_argument("--shm-size", default="8Gi", help="size of the memory-backed /dev/shm")
     k.add_argument("--cluster-domain", default="cluster.local")
-    k.add_argument("--kv-allocation", choices=KV_ALLOCATION_CHOICES, default="on-demand",
+    k.add_argument("--kv-allocation", choices=KV_ALLOCATIONS, default="on-demand",
                    help="the coordinator's KV accounting (helixserve serve --kv-allocation)")
     k.set_defaults(func=run)
 

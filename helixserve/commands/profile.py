@@ -51,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads, as the worker will use them"
     )
+    p.add_argument("--slowdown", type=float, default=1.0, metavar="F",
+                   help="time steps stretched to F x their compute time, as `helixserve worker "
+                   "--slowdown F` runs them (default 1, off)")
     p.set_defaults(func=run)
 
 
@@ -69,12 +72,15 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.layers < 1 or args.repeats < 1:
         raise UserError(f"--layers/--repeats: bad value {args.layers}/{args.repeats}; need >= 1")
+    if not args.slowdown >= 1.0 or args.slowdown == float("inf"):
+        raise UserError(f"--slowdown: bad value {args.slowdown}; need a finite number >= 1")
     defaults = ProfileSettings()
     settings = ProfileSettings(
         prompt_batch_tokens=args.prompt_tokens or defaults.prompt_batch_tokens,
         decode_batch_tokens=args.decode_batches or defaults.decode_batch_tokens,
         num_layers=args.layers,
         repeats=args.repeats,
+        slowdown=args.slowdown,
     )
     rows = profile_model(Path(args.model), args.device, args.dtype, args.model_name, settings)
     write_outputs([Output("--out", out, lambda path: write_profiles_csv(rows, path))])

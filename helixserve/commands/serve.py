@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from helixserve.commands.args import finite_float
+from helixserve.request import KV_ALLOCATIONS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,16 +42,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-#: `helixserve.scheduler.types.KV_ALLOCATIONS`, spelled out: importing the scheduler loads
-#: the planner, which no CLI call should pay for at start-up
-KV_ALLOCATION_CHOICES = ("reserve", "on-demand")
-
-
 def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     """The coordinator's KV accounting flags (serve and demo); see `check_kv_arguments`."""
     p.add_argument(
         "--kv-allocation",
-        choices=KV_ALLOCATION_CHOICES,
+        choices=KV_ALLOCATIONS,
         default="on-demand",
         help="on-demand (default): admit a request when its prompt fits, let requests grow "
         "into free KV and preempt (recompute) when a worker runs out, as vLLM does; "
@@ -114,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     check_kv_arguments(args)
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
-    from helixserve.api.stack import describe_placement, run_stack
+    from helixserve.stack import describe_placement, run_stack
 
     def started(cluster: object, placement: object) -> None:
         print(describe_placement(placement, cluster))

@@ -118,7 +118,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "output KV on its route at admission, a node prefills whole prompts up to its "
         "profile's largest batch; vllm (benchmarks/serving_sim.py's default): on-demand KV "
         "with recompute preemption, chunked prefill of 512 prompt tokens an iteration, at "
-        "most 64 requests prefilling",
+        "most 64 requests prefilling; helix-prototype: what the Helix authors' prototype "
+        "runs, with its offline feeder under --offline (docs/calibration.md)",
     )
     engine.add_argument(
         "--kv-allocation",
@@ -206,7 +207,8 @@ def _progress_bar() -> Callable[[float], None]:
 def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
     """The SimConfig engine fields: the --engine preset with the flags given over it."""
     from helixserve.errors import UserError
-    from helixserve.simulator.engines import ENGINES, KV_ALLOCATIONS, engine_config
+    from helixserve.request import KV_ALLOCATIONS
+    from helixserve.simulator.engines import ENGINES, engine_config
 
     if args.engine not in ENGINES:
         raise UserError(

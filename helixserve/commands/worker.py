@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from helixserve.commands.args import finite_float
 from helixserve.errors import UserError
@@ -35,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES, default=None, help="weights and activations dtype")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op CPU threads")
+    p.add_argument("--slowdown", type=finite_float, default=1.0, metavar="F",
+                   help="emulate a slower device: stretch each engine step to F x its compute "
+                   "time by sleeping (benchmarks/rig; default 1, off)")
     p.add_argument("--drain-timeout-s", type=finite_float, default=30.0,
                    help="on SIGTERM, serve active requests this long before failing them")
     p.set_defaults(func=run)
@@ -74,12 +78,15 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--model: {args.model} is not a directory")
     if not 0 < args.port < 65536 and args.port != 0:
         raise UserError(f"--port: bad value {args.port}")
+    if args.slowdown < 1.0:
+        raise UserError(f"--slowdown: bad value {args.slowdown}; need >= 1")
     import asyncio
     import signal
 
     import torch
 
     from helixserve.engine import ShardEngine
+    from helixserve.engine.slowdown import slowed
     from helixserve.runtime.worker import Worker, serve
 
     if args.num_threads:
@@ -92,11 +99,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"--layers: range [{start}, {end}) is outside the model's {engine.num_model_layers} layers"
         )
-    def reload(old: ShardEngine, start: int, end: int) -> tuple[ShardEngine, int]:
-        return ShardEngine.load_beside(old, args.model, start, end)
 
-    worker = Worker(engine, node=node, model=args.model.name, backend="torch", device=args.device,
-                    reload=reload, kv_cache_bytes=args.kv_cache_bytes)
+    def reload(old: Any, start: int, end: int) -> tuple[Any, int]:
+        new, layers_read = ShardEngine.load_beside(old, args.model, start, end)
+        return slowed(new, args.slowdown), layers_read
+
+    worker = Worker(slowed(engine, args.slowdown), node=node, model=args.model.name,
+                    backend="torch", device=args.device, reload=reload,
+                    kv_cache_bytes=args.kv_cache_bytes)
 
     async def main() -> None:
         stop = asyncio.Event()

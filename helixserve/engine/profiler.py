@@ -25,6 +25,7 @@ import torch
 from helixserve.engine.kv_cache import KVCacheLayout
 from helixserve.engine.loader import load_args
 from helixserve.engine.shard import ShardEngine, WorkItem, resolve_device, resolve_dtype
+from helixserve.engine.slowdown import slowed
 
 PROFILE_COLUMNS = ("model", "gpu", "num_gpus", "phase", "batch_tokens", "layer_ms")
 
@@ -49,6 +50,8 @@ class ProfileSettings:
     num_layers: int = 4
     """Consecutive middle layers timed together (step time / num_layers = layer_ms)."""
     repeats: int = 3
+    slowdown: float = 1.0
+    """Steps stretched to this factor x their compute time (engine/slowdown.py)."""
 
 
 def device_name(device: torch.device) -> str:
@@ -76,6 +79,7 @@ def profile_model(
     )
     budget = layout.block_bytes * (max_tokens // 16 + 2 * max(s.decode_batch_tokens) + 64)
     engine = ShardEngine.load(model_path, start, start + n, dev, dtype, kv_cache_bytes=budget)
+    engine = slowed(engine, s.slowdown)
     name = model_name or Path(model_path).name
     gpu = device_name(engine.device)
     rows: list[ProfileRow] = []

@@ -1,6 +1,6 @@
 """The distributed runtime: gRPC workers around engines, the coordinator, the wire transport.
 
-    from helixserve.runtime import Coordinator, GenerationRequest, TokenEvent
+    from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest, TokenEvent
 
 Names are imported lazily so that `python -m helixserve.runtime.gen_proto` does not need torch.
 """
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from helixserve.runtime.coordinator import Coordinator as Coordinator
+    from helixserve.runtime.coordinator import CoordinatorConfig as CoordinatorConfig
     from helixserve.runtime.coordinator import GenerationRequest as GenerationRequest
     from helixserve.runtime.coordinator import NoRouteError as NoRouteError
     from helixserve.runtime.coordinator import QueueFullError as QueueFullError
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "Coordinator",
+    "CoordinatorConfig",
     "GenerationRequest",
     "NoRouteError",
     "QueueFullError",

@@ -1,6 +1,6 @@
 """The coordinator: the lifecycle of every request across the workers.
 
-    coord = await Coordinator.create(cluster, placement, model_dir)
+    coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(...))
     async for ev in coord.generate(GenerationRequest(...)): ...   # TokenEvent per token
 
 One request: admit (ask the scheduler's router for a route, fed with live worker stats; wait
@@ -41,14 +41,20 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from helixserve.errors import UserError
+from helixserve.request import GenerationRequest, SamplingParams, TokenEvent
+from helixserve.runtime.config import CoordinatorConfig
 from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
-from helixserve.runtime.replan import Recovery, RecoveryConfig
+from helixserve.runtime.replan import Recovery
 from helixserve.runtime.transport import WireHop, WireItem, WireResult
-from helixserve.scheduler.types import KV_ALLOCATIONS
+
+if TYPE_CHECKING:
+    from helixserve.planner.placement import Placement
+    from helixserve.scheduler import RouterOptions
+    from helixserve.spec import ClusterSpec
 
 log = logging.getLogger("helixserve.coordinator")
 
@@ -68,39 +74,6 @@ class QueueFullError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """A worker reported an error for the request that re-routing cannot fix."""
-
-
-@dataclass
-class GenerationRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: Any  # helixserve.engine.SamplingParams
-    max_tokens: int
-    min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-
-@dataclass
-class TokenEvent:
-    token_id: int
-    #: incremental detokenized text (stop strings applied and removed); may be "" while held back
-    text: str
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]]
-    finish_reason: str | None  # None | "stop" | "length"
-    #: engine time spent on this token's step, summed over the route's hops (the rest of the
-    #: token's latency is coordinator + gRPC + queueing overhead)
-    compute_s: float = 0.0
-    #: hops of the request's route when this token was produced
-    num_hops: int = 0
-    #: first token of a request whose sampling asked for prompt_logprobs: prompt tokens 1..
-    #: given the tokens before each (helixserve.engine.sampling.PromptLogprob)
-    prompt_logprobs: list[Any] | None = None
-    #: first token only: seconds the request waited for its first route (admission queue,
-    #: or the model being covered again)
-    queue_s: float | None = None
 
 
 @dataclass
@@ -174,38 +147,22 @@ class Coordinator:
     @classmethod
     async def create(
         cls,
-        cluster: Any,
-        placement: Any,
+        cluster: ClusterSpec,
+        placement: Placement,
         model_dir: Path,
-        scheduler: str = "maxflow",
-        max_queue: int = 256,
-        max_model_len: int | None = None,
-        *,
-        connect_timeout_s: float = 120.0,
-        prefill_chunk_tokens: int = 512,
-        stats_interval_s: float = 0.5,
-        max_reroutes: int = 3,
-        step_timeout_s: float = 300.0,
-        kv_allocation: str = "on-demand",
-        kv_watermark: float = 0.01,
-        recovery: RecoveryConfig | None = None,
+        config: CoordinatorConfig | None = None,
     ) -> Coordinator:
         from helixserve.scheduler import make_router
 
-        if kv_allocation not in KV_ALLOCATIONS:
-            raise UserError(f"kv_allocation: bad value {kv_allocation!r}; "
-                            f"known: {', '.join(KV_ALLOCATIONS)}")
-        if not 0.0 <= kv_watermark < 1.0:
-            raise UserError(f"kv_watermark: bad value {kv_watermark}; need 0 <= value < 1")
-
-        router = make_router(scheduler, placement, seed=0,
+        cfg = (config or CoordinatorConfig()).check()
+        router = make_router(cfg.scheduler, placement, seed=0,
                              **_routing_inputs(cluster, placement, Path(model_dir)))
-        self = cls(placement, model_dir, router, max_queue, max_reroutes, stats_interval_s,
-                   kv_allocation, kv_watermark)
+        self = cls(placement, model_dir, router, cfg.max_queue, cfg.max_reroutes,
+                   cfg.stats_interval_s, cfg.kv_allocation, cfg.kv_watermark)
         self.model_name = placement.model or self.model_dir.name
-        self.cluster, self.scheduler = cluster, scheduler
-        if recovery is not None:
-            self.recovery = Recovery(self, cluster, recovery)
+        self.cluster, self.scheduler = cluster, cfg.scheduler
+        if cfg.recovery is not None:
+            self.recovery = Recovery(self, cluster, cfg.recovery)
         addresses = {n.name: getattr(n, "address", None) for n in cluster.nodes}
         for i, nr in enumerate(placement.nodes):
             address = addresses.get(nr.name)
@@ -219,7 +176,7 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         tokenizer_task = loop.run_in_executor(None, _load_tokenizer, self.model_dir)
         results = await asyncio.gather(
-            *(n.connect(placement.num_layers, connect_timeout_s) for n in self.nodes.values()),
+            *(n.connect(placement.num_layers, cfg.connect_timeout_s) for n in self.nodes.values()),
             return_exceptions=True,
         )
         # A worker that does not answer is down (retried later); one that answers with the
@@ -242,12 +199,12 @@ class Coordinator:
         if self.recovery is not None:
             # workers restarted with other ranges since the placement file was written
             await self.recovery.install_actual()
-        self.step_timeout_s = step_timeout_s
+        self.step_timeout_s = cfg.step_timeout_s
         self.tokenizer = await tokenizer_task
         any_info = next(n.info for n in self.nodes.values() if n.info is not None)
         assert any_info is not None
-        self.prefill_chunk_tokens = _chunk_tokens(any_info, prefill_chunk_tokens)
-        self.max_model_len = max_model_len or _config_max_len(self.model_dir) or 2048
+        self.prefill_chunk_tokens = _chunk_tokens(any_info, cfg.prefill_chunk_tokens)
+        self.max_model_len = cfg.max_model_len or _config_max_len(self.model_dir) or 2048
         eos: set[int] = set()
         for n in self.nodes.values():
             if n.info is not None and n.end_layer == placement.num_layers:
@@ -506,8 +463,6 @@ class Coordinator:
         if n >= self.max_model_len:
             raise UserError(f"prompt: {n} tokens; the model's context is {self.max_model_len}")
         if req.sampling is None:
-            from helixserve.engine import SamplingParams
-
             req.sampling = SamplingParams()
         validate = getattr(req.sampling, "validate", None)
         if validate is not None:
@@ -728,13 +683,14 @@ def _config_max_len(model_dir: Path) -> int | None:
 
 
 def _chunk_tokens(info: Any, max_tokens: int) -> int:
-    from helixserve.runtime.transport import dtype_from_name, prefill_chunk_tokens
+    from helixserve.runtime.transport import prefill_chunk_tokens
 
-    return prefill_chunk_tokens(info.hidden_size, dtype_from_name(info.dtype), max_tokens)
+    return prefill_chunk_tokens(info.hidden_size, info.dtype, max_tokens)
 
 
 __all__ = [
     "Coordinator",
+    "CoordinatorConfig",
     "GenerationRequest",
     "NoRouteError",
     "QueueFullError",
@@ -743,8 +699,8 @@ __all__ = [
 ]
 
 
-def _routing_inputs(cluster: Any, placement: Any, model_dir: Path,
-                    live: bool = False) -> dict[str, Any]:
+def _routing_inputs(cluster: ClusterSpec, placement: Placement, model_dir: Path,
+                    live: bool = False) -> RouterOptions:
     """The links the router may use (so it never spreads work over a missing or slow link),
     and the flows it routes over: evaluated here when the placement file has none
     (FORMATS.md lets an input placement omit them). `live`: ranges workers actually hold,

@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
 
+from helixserve.request import PromptLogprob, SamplingParams
 from helixserve.runtime.proto import helix_pb2 as pb
 
 if TYPE_CHECKING:
-    from helixserve.engine import SamplingParams
-    from helixserve.engine.sampling import PromptLogprob
+    # Only the tensor functions need torch, and they import it when called: the coordinator
+    # (which moves no tensors) imports this module on a machine without torch.
+    import torch
 
 #: gRPC message size limit on every channel and server. Raised deliberately from gRPC's 4 MiB
 #: default: a prefill chunk carries hidden: [chunk_tokens, hidden_size]; at 512 tokens of a
@@ -37,12 +38,8 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-_ITEMSIZE: dict[torch.dtype, int] = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+#: the float dtypes on the wire, by name, and their bytes per element
+_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 OK = grpc.StatusCode.OK.value[0]
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -61,14 +58,21 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise WireError(f"dtype: unknown {name!r}; known: {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+    import torch
+
+    if name not in _ITEMSIZE:
+        raise WireError(f"dtype: unknown {name!r}; known: {', '.join(_ITEMSIZE)}")
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
-def prefill_chunk_tokens(hidden_size: int, dtype: torch.dtype, max_tokens: int = 512) -> int:
-    """Tokens per prefill chunk so one chunk's hidden states stay under half the message limit."""
-    bytes_per_token = hidden_size * _ITEMSIZE[dtype]
+def prefill_chunk_tokens(hidden_size: int, dtype: torch.dtype | str, max_tokens: int = 512) -> int:
+    """Tokens per prefill chunk so one chunk's hidden states stay under half the message limit.
+    `dtype`: a torch dtype or its wire name ("bfloat16")."""
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    if name not in _ITEMSIZE:
+        raise WireError(f"dtype: unknown {name!r}; known: {', '.join(_ITEMSIZE)}")
+    bytes_per_token = hidden_size * _ITEMSIZE[name]
     return max(1, min(max_tokens, (MAX_MESSAGE_BYTES // 2) // bytes_per_token))
 
 
@@ -76,6 +80,8 @@ def prefill_chunk_tokens(hidden_size: int, dtype: torch.dtype, max_tokens: int =
 
 
 def tensor_to_pb(t: torch.Tensor) -> pb.Tensor:
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -90,10 +96,12 @@ def tensor_from_pb(
 ) -> torch.Tensor:
     """Decode a tensor, checking dtype (exactly `dtype`, or any known float type when None),
     rank, each fixed dim (None = any) and byte length; the result has the message's dtype."""
-    if msg.dtype not in _DTYPES or (dtype is not None and msg.dtype != dtype_name(dtype)):
-        want = dtype_name(dtype) if dtype is not None else " | ".join(_DTYPES)
+    import torch
+
+    if msg.dtype not in _ITEMSIZE or (dtype is not None and msg.dtype != dtype_name(dtype)):
+        want = dtype_name(dtype) if dtype is not None else " | ".join(_ITEMSIZE)
         raise WireError(f"{where}.dtype: got {msg.dtype!r}, expected {want}")
-    got_dtype = _DTYPES[msg.dtype]
+    got_dtype = getattr(torch, msg.dtype)
     got_shape = list(msg.shape)
     if len(got_shape) != len(shape) or any(
         w is not None and g != w for g, w in zip(got_shape, shape, strict=False)
@@ -102,7 +110,7 @@ def tensor_from_pb(
         raise WireError(f"{where}.shape: got {got_shape}, expected {pretty}")
     if any(g <= 0 for g in got_shape):
         raise WireError(f"{where}.shape: dims must be positive, got {got_shape}")
-    itemsize = _ITEMSIZE[got_dtype]
+    itemsize = _ITEMSIZE[msg.dtype]
     want_bytes = math.prod(got_shape) * itemsize
     if len(msg.data) != want_bytes:
         raise WireError(
@@ -120,6 +128,8 @@ def hidden_from_pb(msg: pb.Tensor, where: str, num_tokens: int, expect: Expected
     float32 on CPU): any float type is accepted and cast, but a cast that overflows is refused
     rather than passing inf along the route.
     """
+    import torch
+
     hidden = tensor_from_pb(msg, where, (num_tokens, expect.hidden_size))
     if hidden.dtype != expect.dtype:
         hidden = hidden.to(expect.dtype)
@@ -220,8 +230,6 @@ def sampling_to_pb(s: SamplingParams | None) -> pb.SamplingParams | None:
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    from helixserve.engine import SamplingParams
-
     return SamplingParams(
         temperature=msg.temperature,
         top_p=msg.top_p,
@@ -392,8 +400,6 @@ def result_to_pb(r: WireResult) -> pb.WorkResult:
 def result_from_pb(msg: pb.WorkResult) -> WireResult:
     prompt_logprobs = None
     if msg.has_prompt_logprobs:
-        from helixserve.engine.sampling import PromptLogprob
-
         prompt_logprobs = [
             PromptLogprob(p.token_id, p.logprob, [(t.token_id, t.logprob) for t in p.top_logprobs])
             for p in msg.prompt_logprobs

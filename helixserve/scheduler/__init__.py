@@ -20,7 +20,7 @@ from helixserve.planner.placement import Placement
 from helixserve.scheduler.base import GraphRouter
 from helixserve.scheduler.baselines import RandomRouter, ShortestQueueRouter, SwarmRouter
 from helixserve.scheduler.maxflow import MaxFlowRouter
-from helixserve.scheduler.options import router_options
+from helixserve.scheduler.options import CLUSTER_FACTS, RouterOptions, router_options
 from helixserve.scheduler.types import Hop, NodeState, RequestInfo, Route, Router
 
 #: routing policies by name; each takes (placement, seed=..., **options)
@@ -35,10 +35,12 @@ ROUTERS: dict[str, Callable[..., GraphRouter]] = {
 def make_router(name: str, placement: Placement, seed: int = 0, **options: Any) -> GraphRouter:
     """A router by policy name; unknown names raise UserError listing the known ones.
 
-    Options: `maxflow` takes `min_flow_share` (default 0.01); the baselines take `edges`
-    (the directed (src, dst) pairs that have a link; default: every pair); `swarm` also
-    takes `node_throughput_tokens_per_s`. Options a policy does not take are ignored, so a
-    caller can pass one set of options to any policy.
+    Options are the fields of `RouterOptions`. The cluster facts (`CLUSTER_FACTS`: links,
+    their capacities, node throughputs and regions, as `router_options` computes them) may be
+    passed to any policy, which uses those it needs, so a caller can describe the cluster once
+    whatever the policy. A policy's tuning knobs (`min_flow_share`, `spread`, `spill` of
+    `maxflow`) are refused by a policy that does not take them, and a name that is no option
+    at all is refused: a misspelt option must not be silently dropped.
     """
     try:
         cls = ROUTERS[name]
@@ -46,12 +48,21 @@ def make_router(name: str, placement: Placement, seed: int = 0, **options: Any) 
         raise UserError(
             f"scheduler: unknown routing policy {name!r}; known: {', '.join(ROUTERS)}"
         ) from None
-    accepted = inspect.signature(cls).parameters
+    accepted = set(inspect.signature(cls).parameters) - {"placement", "seed"}
+    known = set(RouterOptions.__annotations__)
+    for key in options:
+        if key not in known:
+            raise UserError(f"scheduler: unknown router option {key!r}; known: "
+                            f"{', '.join(sorted(known))}")
+        if key not in accepted and key not in CLUSTER_FACTS:
+            raise UserError(f"scheduler: routing policy {name!r} does not take option {key!r}; "
+                            f"it takes: {', '.join(sorted(accepted))}")
     kept = {k: v for k, v in options.items() if k in accepted}
     return cls(placement, seed=seed, **kept)
 
 
 __all__ = [
+    "CLUSTER_FACTS",
     "ROUTERS",
     "GraphRouter",
     "Hop",
@@ -61,6 +72,7 @@ __all__ = [
     "RequestInfo",
     "Route",
     "Router",
+    "RouterOptions",
     "ShortestQueueRouter",
     "SwarmRouter",
     "make_router",

@@ -11,7 +11,8 @@ The simulator passes these; the live coordinator should too:
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TypedDict
 
 from helixserve.costmodel import CostModel
 from helixserve.planner.placement import COORDINATOR, Placement
@@ -21,12 +22,40 @@ from helixserve.spec import ClusterSpec, ModelSpec
 TOKEN_ID_BYTES = 4
 
 
+class RouterOptions(TypedDict, total=False):
+    """Every option `make_router` takes; each policy uses the ones its constructor names."""
+
+    edges: Iterable[tuple[str, str]]
+    """Directed (src, dst) pairs that have a link; absent: every pair."""
+    edge_capacity_tokens_per_s: Mapping[tuple[str, str], float]
+    """Tokens/s each link carries (token ids on coordinator links, activations between
+    nodes), so maxflow's spread and spill never move work onto a slow link."""
+    node_throughput_tokens_per_s: Mapping[str, float]
+    """Each node's throughput on its layers (swarm's weights, maxflow's sharing of replicas)."""
+    node_region: Mapping[str, str]
+    """Each node's region, when the placement routes within regions."""
+    min_flow_share: float
+    """maxflow: flows below this share of the total are not routed over (default 0.01)."""
+    spread: bool
+    """maxflow: route over the max-entropy flow with the same node throughputs (default on)."""
+    spill: bool
+    """maxflow: when KV masks every flow edge out of a node, use valid hops the flow does not
+    use (least loaded first) rather than make the request wait (default on)."""
+
+
+#: the options that describe the cluster rather than tune a policy: any policy may be given
+#: them (it uses those it needs), so a caller computes them once whatever the policy
+CLUSTER_FACTS = frozenset(
+    {"edges", "edge_capacity_tokens_per_s", "node_throughput_tokens_per_s", "node_region"}
+)
+
+
 def router_options(
     cluster: ClusterSpec,
     model: ModelSpec,
     placement: Placement,
     cost: CostModel | None = None,
-) -> dict[str, Any]:
+) -> RouterOptions:
     """`edges`, `edge_capacity_tokens_per_s` and (with a cost model)
     `node_throughput_tokens_per_s` for `make_router`."""
     names = [COORDINATOR, *(n.name for n in placement.nodes)]
@@ -38,7 +67,7 @@ def router_options(
         / (TOKEN_ID_BYTES if COORDINATOR in (a, b) else model.activation_bytes_per_token)
         for a, b in edges
     }  # fmt: skip
-    out: dict[str, Any] = {"edges": edges, "edge_capacity_tokens_per_s": capacity}
+    out = RouterOptions(edges=edges, edge_capacity_tokens_per_s=capacity)
     if placement.route_within_regions:
         out["node_region"] = {n.name: cluster.node(n.name).region for n in placement.nodes}
     if cost is not None:

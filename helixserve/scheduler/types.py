@@ -11,10 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-#: how a caller accounts for KV with the router: "reserve" promises prompt + max_new_tokens
-#: at admission; "on-demand" promises the prompt and reports what requests grew into
-#: (`RequestInfo.kv_tokens`, scheduler/base.py)
-KV_ALLOCATIONS = ("reserve", "on-demand")
+from helixserve.request import KV_ALLOCATIONS as KV_ALLOCATIONS
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,16 @@ allocates KV cache and batches prompts (see docs/simulator.md).
   most 64 admitted requests still prefilling (admission waits beyond that).
 Both keep 1% of each node's KV cache free at admission (`kv_watermark`, vLLM's default
 watermark; it matters only with on-demand allocation, where running requests grow into it).
+- `helix-prototype`: what the Helix authors' prototype runs (`llm_sys/` of
+  Thesys-lab/Helix-ASPLOS25; docs/calibration.md): vLLM 0.4.0 workers (on-demand KV, whole
+  prompts of at most `max_num_batched_tokens` = 4096 tokens an iteration, no chunking); a
+  host that admits a request when prompt + 240 tokens (its expected output) on every node of
+  the route keep the node's promises under 85% of its KV, and routes by IWRR over the
+  solver's flow (no spread); offline, its feeder (`offline_feed="kv-feeder"`: 20 requests,
+  then one per finished prompt or request while the busiest layer is at most 80% promised);
+  and a per-layer cost of `HELIX_PROTOTYPE_LAYER_OVERHEAD_S` a layer and iteration that its
+  engine and host pay beyond the per-layer profiles, fitted to the prototype's own online
+  run on Helix's placement (`benchmarks/calibration.py`).
 
 An engine also decides how much of each GPU's memory it keeps for itself outside weights
 and KV (`ENGINE_GPU_RESERVE_GB`): `vllm` keeps the 4.5 GB fitted to the KV blocks vLLM 0.4.0
@@ -24,7 +34,12 @@ from typing import Any
 
 from helixserve.costmodel.model import VLLM_RESERVED_GB_PER_GPU
 from helixserve.errors import UserError
-from helixserve.scheduler.types import KV_ALLOCATIONS as _KV_ALLOCATIONS
+
+#: seconds a layer and iteration that Helix's prototype spends beyond the per-layer profiles,
+#: fitted by `benchmarks/calibration.py` to its online run on Helix's single-24 placement
+#: (the same arrivals replayed: 139.3 decode tokens/s measured); it stands for what the
+#: profiles leave out under load (docs/calibration.md), not for a constant of the GPU
+HELIX_PROTOTYPE_LAYER_OVERHEAD_S = 0.0035
 
 #: SimConfig fields of each engine model, by name
 ENGINES: dict[str, dict[str, Any]] = {
@@ -42,22 +57,33 @@ ENGINES: dict[str, dict[str, Any]] = {
         "max_prefilling": None,
         "kv_watermark": 0.01,
     },
+    "helix-prototype": {
+        "kv_allocation": "on-demand",
+        "chunked_prefill": False,
+        "max_prompt_tokens": 4096,  # llm_sys/worker.py: EngineArgs(max_num_batched_tokens=4096)
+        "max_prefilling": None,
+        "kv_watermark": 0.15,  # promises up to KVParameters(expected_kv_hwm=0.85)
+        "kv_expected_output_tokens": 240,  # AVG_OUTPUT_LEN x expected_output_length_ratio 1
+        "offline_feed": "kv-feeder",  # run_maxflow_host_offline
+        "feed_initial_requests": 20,
+        "feed_interval_s": 0.1,
+        "feed_kv_fraction": 0.8,  # feeding_hwm
+        "router_spread": False,  # IWRR over the max-flow solution as solved
+        "layer_overhead_s": HELIX_PROTOTYPE_LAYER_OVERHEAD_S,
+    },
 }
 
 #: GB per GPU each engine keeps outside weights and KV (None: the cost model's default)
 ENGINE_GPU_RESERVE_GB: dict[str, float | None] = {
     "vllm": VLLM_RESERVED_GB_PER_GPU,
     "reserve": None,
+    "helix-prototype": VLLM_RESERVED_GB_PER_GPU,  # the same vLLM 0.4.0 measurements
 }
 
 def engine_gpu_reserve_gb(name: str, override: float | None = None) -> float | None:
     """GB per GPU a cost model for engine `name` keeps: `override` (--gpu-reserve-gb) when
     given, else the engine's (None: the cost model's default)."""
     return override if override is not None else ENGINE_GPU_RESERVE_GB[name]
-
-
-#: values `SimConfig.kv_allocation` accepts (the runtime's coordinator takes the same)
-KV_ALLOCATIONS = _KV_ALLOCATIONS
 
 
 def engine_config(name: str, **overrides: Any) -> dict[str, Any]:

@@ -102,6 +102,9 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "requests_rejected": result.rejected,
         "kv_allocation": cfg.kv_allocation,
         "preemptions": result.extra.get("preemptions", 0),
+        # requests an offline feeder could not route and dropped (absent without one)
+        **({"feed_dropped": result.extra["feed_dropped"]} if "feed_dropped" in result.extra
+           else {}),
         "ttft_s": percentiles(lat["ttft_s"]),
         "tpot_s": percentiles(lat["tpot_s"]),
         "e2e_s": percentiles(lat["e2e_s"]),

@@ -28,7 +28,12 @@ Model (one event heap, `heapq`, ordered by time then insertion):
   next decode step to the route's first node.
 - Offline mode keeps the admission queue non-empty (the next trace request, cycled, arrives
   whenever the queue drains): the cluster stays saturated and the run measures its maximum
-  throughput.
+  throughput. With `offline_feed="kv-feeder"` or `"closed"` requests enter as the Helix artifact's offline
+  feeder and prototype host send them instead (`SimConfig` fields `feed_*`).
+- KV expectation (`kv_expected_output_tokens`, Helix's scheduler): admission promises each
+  request prompt + a fixed expected output on every node of its route and keeps the promises
+  within `1 - kv_watermark` of each node's KV; the nodes still allocate on demand what the
+  requests really hold (preempting when that runs out).
 """
 
 from __future__ import annotations
@@ -44,9 +49,9 @@ from typing import Any
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
 from helixserve.planner.placement import COORDINATOR, Placement
+from helixserve.request import KV_ALLOCATIONS
 from helixserve.scheduler import NodeState, RequestInfo, make_router
 from helixserve.scheduler.options import router_options
-from helixserve.simulator.engines import KV_ALLOCATIONS
 from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.workload import TraceRequest, offline_stream
 from helixserve.spec import ClusterSpec, ModelSpec, NodeSpec
@@ -54,7 +59,9 @@ from helixserve.spec import ClusterSpec, ModelSpec, NodeSpec
 #: bytes of one token id on a coordinator link (int32), as in the planner's flow graph
 TOKEN_ID_BYTES = 4
 
-_ARRIVE, _DONE, _DELIVER = 0, 1, 2
+_ARRIVE, _DONE, _DELIVER, _FEED = 0, 1, 2, 3
+#: values of `SimConfig.offline_feed`
+OFFLINE_FEEDS = ("saturate", "kv-feeder", "closed")
 
 
 @dataclass
@@ -89,13 +96,39 @@ class SimConfig:
     #: first token yet); None: no limit. Keeps an admission burst of prompts from queueing
     #: on the nodes and links ahead of the decode steps of requests already running
     max_prefilling: int | None = None
+    #: on-demand only: admission promises every request prompt + this many tokens on each node
+    #: of its route, whatever it will generate, and keeps each node's promises within
+    #: `1 - kv_watermark` of its KV: the KV expectation of Helix's scheduler (its average
+    #: output, 240 tokens; high-water mark 0.85). The nodes still hold what the requests
+    #: really hold. None: promise the prompt, and the watermark counts the slots grown into
+    kv_expected_output_tokens: int | None = None
+    #: how an offline run feeds requests: "saturate" keeps the admission queue non-empty;
+    #: "kv-feeder" is the Helix artifact's offline feeder and prototype host for its maxflow
+    #: scheduler: `feed_initial_requests` sent `feed_interval_s` apart, then one more each
+    #: time a request finishes its prompt or its last token while the KV promised on the
+    #: busiest layer (summed over the nodes holding it) is at most `feed_kv_fraction` of that
+    #: layer's KV; a request fed so that finds no route is dropped (counted), as that host
+    #: drops it. "closed": its host for the other schedulers: `feed_initial_requests` sent
+    #: `feed_interval_s` apart, then one more each time one finishes (a fixed number in flight)
+    offline_feed: str = "saturate"
+    feed_initial_requests: int = 20
+    feed_interval_s: float = 0.1
+    feed_kv_fraction: float = 0.8
+    #: maxflow router: route over the max-entropy spread of the flow (True) or the solver's
+    #: flow as given (False, as Helix's IWRR does); see helixserve/scheduler/maxflow.py.
+    #: The other routing policies have no flow to spread and ignore it
+    router_spread: bool = True
+    #: seconds added to every layer an iteration runs, on top of the profile's time: per-layer
+    #: costs a real engine pays that a per-layer profile leaves out (e.g. Helix's prototype
+    #: schedules each layer in Python, in eager mode; docs/calibration.md fits it)
+    layer_overhead_s: float = 0.0
 
 
 class SimRequest:
     __slots__ = (
         "rid", "arrival_s", "prompt", "output", "nodes", "starts", "hop", "in_prompt",
         "generated", "admit_s", "first_s", "finish_s", "dead", "resumed", "grown",
-        "left", "chunk",
+        "left", "chunk", "promised",
     )  # fmt: skip
 
     def __init__(self, rid: str, arrival_s: float, prompt: int, output: int) -> None:
@@ -116,6 +149,7 @@ class SimRequest:
         self.grown = 0  # on-demand KV: slots taken per node of the route since admission
         self.left = 0  # prompt tokens still to prefill on the current hop
         self.chunk = 0  # prompt tokens of the current hop in the running iteration
+        self.promised = 0  # KV slots the router promised on each node of the route
 
 
 class SimNode:
@@ -123,7 +157,7 @@ class SimNode:
         "name", "spec", "start", "end", "may_partial", "pq", "dq", "busy", "max_prompt",
         "max_decode", "kv_cap", "kv_used", "kv_peak", "kv_area", "kv_t", "busy_s", "iters",
         "decode_iters", "prompt_iters", "prompt_tokens", "decode_tokens", "state", "busy_timeline",
-        "kv_grown", "kv_mark", "preempted",
+        "kv_grown", "kv_mark", "preempted", "kv_promised", "kv_promised_layers",
     )  # fmt: skip
 
     def __init__(self, spec: NodeSpec, start: int, end: int, cost: CostModel, buckets: int):
@@ -147,6 +181,10 @@ class SimNode:
         self.kv_grown = 0
         self.kv_mark = 0  # watermark kept free at admission (on-demand)
         self.preempted = 0  # requests preempted because this node's KV was full
+        self.kv_promised = 0  # slots the router promised to the requests routed here
+        #: the same in token-layers: a request entering mid-range counts only the layers it
+        #: runs here (the feeder's usage, as Helix's KV expectation counts it)
+        self.kv_promised_layers = 0
 
 
 @dataclass
@@ -225,11 +263,42 @@ class Simulation:
                 n.max_prompt = min(n.max_prompt, config.max_prompt_tokens)
         for j in self.nodes.values():
             j.may_partial = any(j.start < i.end < j.end for i in self.nodes.values())
+        self.expected = config.kv_expected_output_tokens
+        if self.expected is not None:
+            if not self.on_demand:
+                raise UserError("kv_expected_output_tokens: needs kv_allocation='on-demand' "
+                                f"(got {config.kv_allocation!r})")
+            if self.expected < 0:
+                raise UserError(f"kv_expected_output_tokens: must be >= 0, got {self.expected}")
+        if config.layer_overhead_s < 0:
+            raise UserError(f"layer_overhead_s: must be >= 0, got {config.layer_overhead_s}")
+        if config.offline_feed not in OFFLINE_FEEDS:
+            raise UserError(f"offline_feed: {config.offline_feed!r}; known: "
+                            f"{', '.join(OFFLINE_FEEDS)}")
+        self.feeder = config.offline and config.offline_feed != "saturate"
+        self.kv_feeder = config.offline and config.offline_feed == "kv-feeder"
+        # checked whatever the mode, so a bad value fails at once
+        if config.feed_initial_requests < 1 or config.feed_interval_s < 0:
+            raise UserError(f"feeder: feed_initial_requests must be >= 1 and feed_interval_s "
+                            f">= 0, got {config.feed_initial_requests}, {config.feed_interval_s}")
+        if not 0 < config.feed_kv_fraction <= 1:
+            raise UserError(f"feed_kv_fraction: must be in (0, 1], got {config.feed_kv_fraction}")
+        #: the distinct sets of nodes that hold a layer, with their KV summed (the feeder's
+        #: per-layer usage, as Helix's KVExpectation.bottleneck_usage computes it)
+        groups = {
+            tuple(n for n in self.nodes.values() if n.start <= layer < n.end)
+            for layer in range(placement.num_layers)
+        }
+        self.layer_groups = [(g, sum(n.kv_cap for n in g)) for g in groups if g]
+        self.feed_dropped = 0
         names = [COORDINATOR, *self.nodes]
+        # the spread is the maxflow policy's knob; the other policies route without a flow
+        knobs = {"spread": config.router_spread} if config.scheduler == "maxflow" else {}
         self.router = make_router(
             config.scheduler,
             placement,
             seed=config.seed,
+            **knobs,
             **router_options(cluster, model, placement, cost),
         )
         self.states = {n.name: n.state for n in self.nodes.values()}
@@ -263,7 +332,10 @@ class Simulation:
     def run(self) -> SimResult:
         wall0 = time.perf_counter()
         end = self.cfg.duration_s
-        if self.cfg.offline:
+        if self.feeder:
+            for i in range(self.cfg.feed_initial_requests):
+                self._push((i + 1) * self.cfg.feed_interval_s, _FEED, None, None)
+        elif self.cfg.offline:
             self._admit()
         elif self.requests:
             self._push(self.requests[0].arrival_s, _ARRIVE, None, None)
@@ -283,6 +355,8 @@ class Simulation:
                     self._enqueue(a, b)  # type: ignore[arg-type]
             elif kind == _DONE:
                 self._done(a, b)  # type: ignore[arg-type]
+            elif kind == _FEED:
+                self._feed(initial=True)
             else:
                 self._arrive()
             if self.progress is not None and events >= next_report:
@@ -312,7 +386,8 @@ class Simulation:
             events=events,
             wall_s=time.perf_counter() - wall0,
             max_flow_tokens_per_s=self.placement.throughput_tokens_per_s,
-            extra={"kv_allocation": self.cfg.kv_allocation, "preemptions": self.preemptions},
+            extra={"kv_allocation": self.cfg.kv_allocation, "preemptions": self.preemptions,
+                   **({"feed_dropped": self.feed_dropped} if self.feeder else {})},
         )
 
     # ---- admission -------------------------------------------------------------------------
@@ -328,25 +403,19 @@ class Simulation:
             self._admit()
 
     def _admit(self) -> None:
-        waiting, router, now = self.waiting, self.router, self.now
+        waiting = self.waiting
         cap = self.cfg.max_prefilling
         while True:
             if cap is not None and self.prefilling >= cap:
                 return
             if not waiting:
-                if self.stream is None:
+                if self.stream is None or self.feeder:
                     return
                 prompt, output = next(self.stream)
                 self.arrived += 1
-                waiting.append(SimRequest(f"req-{self.arrived}", now, prompt, output))
+                waiting.append(SimRequest(f"req-{self.arrived}", self.now, prompt, output))
             r = waiting[0]
-            info = (
-                RequestInfo(r.rid, r.prompt, r.output - r.generated, kv_tokens=r.prompt)
-                if self.on_demand
-                else RequestInfo(r.rid, r.prompt, r.output)
-            )
-            route = router.route(info, self.states)
-            if route is None:
+            if not self._start_request(r):
                 if self.in_flight == 0:
                     # Not even an idle cluster holds it: waiting would block the queue forever.
                     waiting.popleft()
@@ -354,24 +423,73 @@ class Simulation:
                     continue
                 return
             waiting.popleft()
-            self.in_flight += 1
-            r.nodes = tuple(self.nodes[h.node] for h in route.hops)
-            r.starts = tuple(h.start_layer for h in route.hops)
-            r.admit_s = now
-            self.running[r.rid] = r
-            self.prefilling += 1
-            need = r.prompt if self.on_demand else r.prompt + r.output
-            for n in r.nodes:
-                n.kv_area += n.kv_used * (now - n.kv_t)
-                n.kv_t = now
-                n.kv_used += need
-                if n.kv_used > n.kv_cap:
-                    raise AssertionError(
-                        f"router {self.cfg.scheduler} overfilled the KV cache of {n.name}: "
-                        f"{n.kv_used} > {n.kv_cap} tokens"
-                    )
-                n.kv_peak = max(n.kv_peak, n.kv_used)
-            self._send(COORDINATOR, r.nodes[0], r.prompt * TOKEN_ID_BYTES, [r])
+
+    def _start_request(self, r: SimRequest) -> bool:
+        """Route `r`, allocate its KV and send its prompt; False: no route admits it now."""
+        now = self.now
+        if not self.on_demand:
+            info = RequestInfo(r.rid, r.prompt, r.output)
+        else:
+            promise = r.prompt if self.expected is None else r.prompt + self.expected
+            info = RequestInfo(r.rid, r.prompt, r.output - r.generated, kv_tokens=promise)
+        route = self.router.route(info, self.states)
+        if route is None:
+            return False
+        nodes = tuple(self.nodes[h.node] for h in route.hops)
+        need = r.prompt if self.on_demand else r.prompt + r.output
+        if self.expected is not None and any(n.kv_used + need > n.kv_cap for n in nodes):
+            # promised within the expectation, but the requests there grew past theirs
+            self.router.on_cancel(r.rid)
+            return False
+        self.in_flight += 1
+        r.nodes = nodes
+        r.starts = tuple(h.start_layer for h in route.hops)
+        r.admit_s = now
+        r.promised = info.kv_tokens if info.kv_tokens is not None else need
+        self.running[r.rid] = r
+        self.prefilling += 1
+        for n, start in zip(r.nodes, r.starts, strict=True):
+            n.kv_area += n.kv_used * (now - n.kv_t)
+            n.kv_t = now
+            n.kv_used += need
+            n.kv_promised += r.promised
+            n.kv_promised_layers += r.promised * (n.end - start)
+            if n.kv_used > n.kv_cap:
+                raise AssertionError(
+                    f"router {self.cfg.scheduler} overfilled the KV cache of {n.name}: "
+                    f"{n.kv_used} > {n.kv_cap} tokens"
+                )
+            n.kv_peak = max(n.kv_peak, n.kv_used)
+        self._send(COORDINATOR, r.nodes[0], r.prompt * TOKEN_ID_BYTES, [r])
+        return True
+
+    # ---- the offline feeders (SimConfig.offline_feed) ---------------------------------------
+
+    def _bottleneck_kv_usage(self) -> float:
+        """KV promised over KV held, on the layer where that is highest. A node's promises are
+        spread evenly over its layers (a request entering mid-range counts the layers it runs),
+        as Helix's `KVExpectation.bottleneck_usage` does."""
+        return max(
+            sum(n.kv_promised_layers / (n.end - n.start) for n in g) / total if total else 1.0
+            for g, total in self.layer_groups
+        )
+
+    def _feed(self, initial: bool) -> None:
+        """One more request from the trace (cycled). An initial one waits for a route like any
+        arrival; one fed on a prompt's or a request's end is dropped when no route takes it."""
+        if self.now > self.cfg.duration_s:
+            return
+        assert self.stream is not None
+        prompt, output = next(self.stream)
+        self.arrived += 1
+        r = SimRequest(f"req-{self.arrived}", self.now, prompt, output)
+        if initial or self.waiting:
+            self.waiting.append(r)
+            if len(self.waiting) == 1:
+                self._admit()
+        elif not self._start_request(r):
+            self.feed_dropped += 1
+            self.arrived -= 1
 
     def _free(self, r: SimRequest) -> None:
         """Release the KV `r` holds on its route (it finished or was preempted)."""
@@ -381,13 +499,17 @@ class Simulation:
             need = r.prompt + grown
         else:
             grown, need = 0, r.prompt + r.output
-        for n in r.nodes:
+        expecting = self.expected is not None
+        for n, start in zip(r.nodes, r.starts, strict=True):
             n.kv_area += n.kv_used * (now - n.kv_t)
             n.kv_t = now
             n.kv_used -= need
+            n.kv_promised -= r.promised
+            n.kv_promised_layers -= r.promised * (n.end - start)
             if grown:
                 n.kv_grown -= grown
-                n.state.kv_free_tokens = n.kv_cap - n.kv_mark - n.kv_grown
+                if not expecting:  # else the promise covered the growth
+                    n.state.kv_free_tokens = n.kv_cap - n.kv_mark - n.kv_grown
         del self.running[r.rid]
         self.in_flight -= 1
 
@@ -409,6 +531,7 @@ class Simulation:
                 if victim is r:
                     return False
         now = self.now
+        expecting = self.expected is not None
         for n in r.nodes:
             n.kv_area += n.kv_used * (now - n.kv_t)
             n.kv_t = now
@@ -416,7 +539,8 @@ class Simulation:
             n.kv_grown += 1
             if n.kv_used > n.kv_peak:
                 n.kv_peak = n.kv_used
-            n.state.kv_free_tokens = n.kv_cap - n.kv_mark - n.kv_grown
+            if not expecting:  # else the promise covered the growth
+                n.state.kv_free_tokens = n.kv_cap - n.kv_mark - n.kv_grown
         r.grown += 1
         return True
 
@@ -491,9 +615,7 @@ class Simulation:
         if node.may_partial:
             dt = self._partial_batch_time(node, prompts, decode)
         else:
-            dt = self.cost.batch_time_s(
-                node.spec, node.end - node.start, prompt_tokens, len(decode)
-            )
+            dt = self._time(node, node.end - node.start, prompt_tokens, len(decode))
         node.busy = True
         node.iters += 1
         if prompts:
@@ -528,6 +650,7 @@ class Simulation:
         t = self._batch_time.get(key)
         if t is None:
             t = self.cost.batch_time_s(node.spec, layers, prompt_tokens, decode)
+            t += self.cfg.layer_overhead_s * layers
             self._batch_time[key] = t
         return t
 
@@ -586,8 +709,10 @@ class Simulation:
         b = min(int(now / self.bucket_s), self.buckets - 1)
         out: dict[SimNode, list[SimRequest]] = {}
         finished_any = False
+        finished = 0
         on_demand = self.on_demand
         first_any = False
+        feeds = 0  # the feeder's triggers: a first prompt done, a request finished
         for r in reqs:
             if r.dead:
                 continue
@@ -597,6 +722,7 @@ class Simulation:
                 first_any = True
                 if r.first_s != r.first_s:  # NaN: the first token (not a resumed request's)
                     r.first_s = now
+                    feeds += 1
                     if counted:
                         self.prompt_tokens += r.prompt
             r.generated += 1
@@ -606,6 +732,8 @@ class Simulation:
             if r.generated >= r.output:
                 self._finish(r)
                 finished_any = True
+                finished += 1
+                feeds += 1
             elif not on_demand or self._grow(r):
                 r.hop = 0
                 out.setdefault(r.nodes[0], []).append(r)
@@ -621,6 +749,13 @@ class Simulation:
             or (first_any and self.cfg.max_prefilling is not None)
         ) and (self.waiting or self.stream is not None):
             self._admit()
+        if self.kv_feeder:
+            for _ in range(feeds):
+                if self._bottleneck_kv_usage() <= self.cfg.feed_kv_fraction:
+                    self._feed(initial=False)
+        elif self.feeder:  # closed: one new request for each one finished
+            for _ in range(finished):
+                self._feed(initial=True)
 
     # ---- network ---------------------------------------------------------------------------
 

@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
+
 from helixserve.cli import COMMAND_MODULES, build_parser
+from helixserve.errors import UserError
 
 
 def test_every_command_module_registers():
@@ -23,9 +26,20 @@ def test_unknown_flag_exits_2():
     assert "--no-such-flag" in proc.stderr
 
 
-def test_cli_kv_allocation_choices_are_the_schedulers():
-    from helixserve.commands.serve import KV_ALLOCATION_CHOICES
-    from helixserve.scheduler.types import KV_ALLOCATIONS
-    from helixserve.simulator.engines import KV_ALLOCATIONS as SIM_KV_ALLOCATIONS
+def test_every_kv_allocation_is_taken_by_the_cli_and_the_coordinator():
+    # KV_ALLOCATIONS is defined once (helixserve.request); what must agree is the behaviour:
+    # each value is accepted by `serve`'s parser and the coordinator's config, and any other
+    # value is refused by both
+    from helixserve.request import KV_ALLOCATIONS
+    from helixserve.runtime.config import CoordinatorConfig
 
-    assert KV_ALLOCATION_CHOICES == KV_ALLOCATIONS == SIM_KV_ALLOCATIONS
+    parser = build_parser()
+    files = ["--cluster", "c.yaml", "--placement", "p.json", "--model", "m"]
+    for value in KV_ALLOCATIONS:
+        args = parser.parse_args(["serve", *files, "--kv-allocation", value])
+        assert args.kv_allocation == value
+        assert CoordinatorConfig(kv_allocation=value).check().kv_allocation == value
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", *files, "--kv-allocation", "lazy"])
+    with pytest.raises(UserError, match="kv_allocation: bad value 'lazy'"):
+        CoordinatorConfig(kv_allocation="lazy").check()

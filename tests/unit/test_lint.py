@@ -1,4 +1,4 @@
-"""ruff is part of the suite, so a lint error fails CI like a broken test."""
+"""ruff and mypy are part of the suite, so a lint or type error fails CI like a broken test."""
 
 import shutil
 import subprocess
@@ -16,5 +16,18 @@ def test_ruff_clean():
         cwd=ROOT,
         capture_output=True,
         text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("mypy") is None, reason="mypy not installed")
+def test_mypy_clean():
+    # the configuration is pyproject's [tool.mypy]; the package only (tests are not typed)
+    proc = subprocess.run(
+        ["mypy", "helixserve"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -16,7 +17,7 @@ import pytest
 from api_demo_lib import API_KEY, processes_mentioning
 from prometheus_client.parser import text_string_to_metric_families
 
-from helixserve.bench.datasets import default_trace_path, load_azure_conv
+from helixserve.bench.datasets import load_azure_conv
 from helixserve.runtime.proto import helix_pb2, helix_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -143,7 +144,8 @@ def _engine_prompt_logprobs(prompt_ids: list[int], top_n: int) -> list:
     """The same prompt scored by one in-process engine holding every layer."""
     import torch
 
-    from helixserve.engine import SamplingParams, ShardEngine, WorkItem, prepare_demo_model
+    from helixserve.engine import ShardEngine, WorkItem, prepare_demo_model
+    from helixserve.request import SamplingParams
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the workers run beside us
@@ -317,12 +319,14 @@ def test_metrics_names_exposed_and_moving(demo):
     assert len(routes) > 1, routes
 
 
-@pytest.mark.skipif(not default_trace_path().is_file(), reason="../shared trace not present")
+TRACE = Path(__file__).resolve().parents[2] / "data" / "shared" / "traces" / "azure-llm-conv-2023.csv"
+
+
 def test_bench_azure_conv_against_the_stack(demo, tmp_path):
     out = tmp_path / "bench.json"
     cmd = [
         sys.executable, "-m", "helixserve", "bench", "--url", demo.url, "--api-key", API_KEY,
-        "--dataset", "azure-conv", "--num-prompts", "4", "--max-concurrency", "2",
+        "--dataset", "azure-conv", "--dataset-path", str(TRACE), "--num-prompts", "4", "--max-concurrency", "2",
         "--max-input-len", "64", "--max-output-len", "6", "--json", str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
@@ -330,7 +334,7 @@ def test_bench_azure_conv_against_the_stack(demo, tmp_path):
     result = json.loads(out.read_text())
     assert result["completed"] == 4 and result["failed"] == 0
     # the first 4 trace rows scaled to fit 64 / 6 tokens (ignore_eos forces the lengths)
-    expected = [r.output_tokens for r in load_azure_conv(default_trace_path(), 4, 0, 64, 6)]
+    expected = [r.output_tokens for r in load_azure_conv(TRACE, 4, 0, 64, 6)]
     assert result["total_output_tokens"] == sum(expected)
     assert result["output_throughput_tokens_per_s"] > 0
 

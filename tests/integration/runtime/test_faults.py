@@ -31,8 +31,9 @@ from runtime_procs import (
     wait_ready,
 )
 
-from helixserve.engine import SamplingParams, ShardEngine, WorkItem
-from helixserve.runtime import Coordinator, GenerationRequest, NoRouteError
+from helixserve.engine import ShardEngine, WorkItem
+from helixserve.request import SamplingParams
+from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest, NoRouteError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -98,7 +99,7 @@ def test_broken_link_between_workers_reroutes_at_once(fault_workers, demo_model,
 
     async def main() -> tuple[list[int], dict, int]:
         coord = await Coordinator.create(make_cluster(workers), placement(), demo_model,
-                                         step_timeout_s=600.0)
+                                         CoordinatorConfig(step_timeout_s=600.0))
         own = proxy.num_connections  # the coordinator's connection(s) to n1
         cut = 0
         try:
@@ -223,7 +224,8 @@ def test_prompt_logprobs_after_a_break_mid_prefill(fault_workers, demo_model):
 
     async def main() -> tuple[list, list, dict, dict]:
         coord = await Coordinator.create(make_cluster(workers), placement(), demo_model,
-                                         prefill_chunk_tokens=chunk, step_timeout_s=600.0)
+                                         CoordinatorConfig(prefill_chunk_tokens=chunk,
+                                                           step_timeout_s=600.0))
         try:
             own = proxy.num_connections  # the coordinator's connection(s) to n2
             _, healthy = await _generate(coord, "healthy", prompt, ask)

@@ -24,8 +24,9 @@ from runtime_procs import (
     uneven_placement,
 )
 
-from helixserve.engine import SamplingParams, ShardEngine, WorkItem
-from helixserve.runtime import Coordinator, GenerationRequest, NoRouteError
+from helixserve.engine import ShardEngine, WorkItem
+from helixserve.request import SamplingParams
+from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest, NoRouteError
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
@@ -137,7 +138,7 @@ def test_uneven_placement_routes_with_partial_inference(workers, demo_model, pro
     async def main() -> tuple[list[tuple[list[int], str]], dict[str, Any]]:
         # Small prefill chunks: every prompt is split, and the chunks pipeline along the route.
         coord = await Coordinator.create(make_cluster(list(workers.values())), uneven_placement(),
-                                         demo_model, prefill_chunk_tokens=16)
+                                         demo_model, CoordinatorConfig(prefill_chunk_tokens=16))
         try:
             results = await run_all(coord, prompts)
             return results, coord.stats()
@@ -298,8 +299,8 @@ def test_admission_limits(workers, demo_model):
     async def main() -> None:
         # reserve: the waiting below needs prompt + max_tokens held at admission
         coord = await Coordinator.create(make_cluster(even), even_placement(), demo_model,
-                                         max_queue=0, max_model_len=100_000,
-                                         kv_allocation="reserve")
+                                         CoordinatorConfig(max_queue=0, max_model_len=100_000,
+                                                           kv_allocation="reserve"))
         try:
             capacity = coord.nodes["n0"].kv_capacity_tokens
             # can never fit: refused at once instead of waiting forever
@@ -338,7 +339,8 @@ def test_starts_without_an_unreachable_worker_when_the_rest_cover(workers, demo_
     )
 
     async def main() -> tuple[list[int], dict[str, Any]]:
-        coord = await Coordinator.create(cluster, placement, demo_model, connect_timeout_s=1.0)
+        coord = await Coordinator.create(cluster, placement, demo_model,
+                                         CoordinatorConfig(connect_timeout_s=1.0))
         try:
             ids = [ev.token_id async for ev in coord.generate(
                 GenerationRequest("g", prompts[0], GREEDY, MAX_TOKENS, ignore_eos=True))]

@@ -30,7 +30,7 @@ from runtime_procs import (
 )
 
 from helixserve.engine import SamplingParams
-from helixserve.runtime import Coordinator, GenerationRequest, NoRouteError
+from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest, NoRouteError
 from helixserve.runtime.replan import RecoveryConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -95,7 +95,7 @@ async def wait_for(cond, timeout_s: float, what: str) -> None:
 def test_kill_sole_holder_under_32_streams_replans_and_loses_nothing(trio, demo_model):
     async def main():
         coord = await Coordinator.create(make_cluster(list(trio.values())), trio_placement(),
-                                         demo_model, recovery=RECOVERY)
+                                         demo_model, CoordinatorConfig(recovery=RECOVERY))
         try:
             reqs = requests(32)
             reference = await run_all(coord, reqs)
@@ -129,7 +129,7 @@ def test_kill_during_a_replan_plans_again_for_who_is_left(trio, demo_model):
     all 30 layers, and every request completes."""
     async def main():
         coord = await Coordinator.create(make_cluster(list(trio.values())), trio_placement(),
-                                         demo_model, recovery=RECOVERY)
+                                         demo_model, CoordinatorConfig(recovery=RECOVERY))
         try:
             reqs = requests(6)
             reference = await run_all(coord, reqs)
@@ -160,7 +160,7 @@ def test_hung_sole_holder_is_declared_down_and_replanned_around(trio, demo_model
     timeout."""
     async def main():
         coord = await Coordinator.create(make_cluster(list(trio.values())), trio_placement(),
-                                         demo_model, recovery=RECOVERY)
+                                         demo_model, CoordinatorConfig(recovery=RECOVERY))
         try:
             reqs = requests(4)
             reference = await run_all(coord, reqs)
@@ -237,7 +237,7 @@ def test_slow_link_is_slow_not_dead(trio, demo_model):
         finally:
             await fast.close()
         coord = await Coordinator.create(make_cluster(workers), trio_placement(), demo_model,
-                                         recovery=RECOVERY)
+                                         CoordinatorConfig(recovery=RECOVERY))
         try:
             got = await run_all(coord, requests(3))
             return reference, got, coord.stats()
@@ -262,7 +262,7 @@ def test_no_plan_covers_the_model_is_a_503_with_retry_after(trio, demo_model):
 
     async def main():
         coord = await Coordinator.create(cluster, trio_placement(), demo_model,
-                                         recovery=RECOVERY)
+                                         CoordinatorConfig(recovery=RECOVERY))
         try:
             trio["a"].proc.send_signal(signal.SIGKILL)
             rec = coord.recovery

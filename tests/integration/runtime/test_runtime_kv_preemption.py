@@ -26,8 +26,8 @@ from runtime_procs import (
     wait_ready,
 )
 
-from helixserve.engine import SamplingParams
-from helixserve.runtime import Coordinator, GenerationRequest
+from helixserve.request import SamplingParams
+from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
@@ -71,8 +71,8 @@ async def _serve(workers: list[WorkerProc], model: Path, mode: str
         [(name, a, b) for name, a, b, _ in WORKERS],
         [("coordinator", "a", 1), ("a", "b", 1), ("b", "c", 1), ("c", "coordinator", 1)],
     )
-    coord = await Coordinator.create(make_cluster(workers), placement, model, kv_allocation=mode,
-                                     stats_interval_s=0.1)
+    coord = await Coordinator.create(make_cluster(workers), placement, model,
+                                     CoordinatorConfig(kv_allocation=mode, stats_interval_s=0.1))
     tok = AutoTokenizer.from_pretrained(str(model))
     caps = {name: coord.nodes[name].kv_capacity_tokens for name, *_ in WORKERS}
     prompts = [tok.encode(p) for p in PROMPTS]

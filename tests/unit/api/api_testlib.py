@@ -14,8 +14,8 @@ from typing import Any
 
 import uvicorn
 
-from helixserve.api.launch import free_port
-from helixserve.engine.sampling import PromptLogprob
+from helixserve.launch import free_port
+from helixserve.request import PromptLogprob
 from helixserve.runtime import (
     GenerationRequest,
     NoRouteError,

@@ -14,13 +14,14 @@ from api_testlib import API_KEY, MODEL
 from helixserve.bench.client import RequestResult
 from helixserve.bench.datasets import (
     _scale_to_fit,
-    default_trace_path,
     load_azure_conv,
     make_prompt,
     make_random,
 )
 from helixserve.bench.report import percentile, summarize
 from helixserve.errors import UserError
+
+TRACE = Path(__file__).resolve().parents[2] / "data" / "shared" / "traces" / "azure-llm-conv-2023.csv"
 
 
 def test_percentile_matches_numpy_linear():
@@ -42,12 +43,11 @@ def test_scale_to_fit_keeps_shape():
     assert _scale_to_fit([10, 50], 64) == [10, 50]
 
 
-@pytest.mark.skipif(not default_trace_path().is_file(), reason="../shared trace not present")
 def test_azure_conv_reads_trace_in_order_and_scales():
-    reqs = load_azure_conv(default_trace_path(), 5, seed=0)
+    reqs = load_azure_conv(TRACE, 5, seed=0)
     # first rows of the trace: 374/44 and 396/109
     assert [(r.prompt_tokens, r.output_tokens) for r in reqs[:2]] == [(374, 44), (396, 109)]
-    scaled = load_azure_conv(default_trace_path(), 50, seed=0, max_input_len=100,
+    scaled = load_azure_conv(TRACE, 50, seed=0, max_input_len=100,
                              max_output_len=32)  # fmt: skip
     assert max(r.prompt_tokens for r in scaled) == 100
     assert max(r.output_tokens for r in scaled) <= 32

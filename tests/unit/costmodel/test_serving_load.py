@@ -10,7 +10,7 @@ from helixserve.costmodel import CostModel, ServingLoad
 from helixserve.errors import UserError
 from helixserve.spec import NodeSpec, load_model, load_profiles
 
-SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[2] / "data" / "shared"
 
 
 @pytest.fixture(scope="module")

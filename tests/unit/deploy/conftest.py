@@ -1,4 +1,4 @@
-"""Fixtures for the deploy tests: real cluster files from ../shared, small placements."""
+"""Fixtures for the deploy tests: real cluster files (tests/data/shared), small placements."""
 
 from __future__ import annotations
 

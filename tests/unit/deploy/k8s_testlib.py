@@ -11,8 +11,8 @@ import yaml
 from helixserve.deploy import RenderOptions
 
 REPO = Path(__file__).resolve().parents[3]
-SHARED = REPO.parent / "shared"
-CLUSTERS = SHARED / "data" / "clusters"
+SHARED = REPO / "tests" / "data" / "shared"
+CLUSTERS = SHARED / "clusters"
 K8S_DIR = REPO / "deploy" / "kubernetes"
 
 # LLaMA-2-70B (80 layers) on six machines of helix-geo-24: two A100s in region-0 hold the

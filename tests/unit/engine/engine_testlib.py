@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from helixserve.engine import SamplingParams, ShardEngine, WorkItem
+from helixserve.engine import ShardEngine, WorkItem
+from helixserve.request import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 LOGIT_ATOL = 1e-3

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helixserve.engine import SamplingParams, ShardEngine, WorkItem
+from helixserve.engine import ShardEngine, WorkItem
+from helixserve.request import SamplingParams
 
 TOP_N = 3
 ASK = SamplingParams(temperature=0.0, prompt_logprobs=TOP_N)

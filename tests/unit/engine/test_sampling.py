@@ -9,9 +9,10 @@ import pytest
 import torch
 from engine_testlib import GREEDY
 
-from helixserve.engine import SamplingParams, ShardEngine, WorkItem
+from helixserve.engine import ShardEngine, WorkItem
 from helixserve.engine.sampling import RequestHistory, apply_penalties, sample_rows
 from helixserve.errors import UserError
+from helixserve.request import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 from helixserve.costmodel import CostModel
 from helixserve.spec import ClusterSpec, LinkSpec, ModelSpec, NodeSpec, load_model, load_profiles
 
-SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[2] / "data" / "shared"
 
 
 def make_cluster(name: str = "test", link_gbps: float = 8.0, **counts: int) -> ClusterSpec:

@@ -13,7 +13,7 @@ from helixserve.planner.milp import layer_work_bound
 from helixserve.spec import load_cluster
 
 REPO = Path(__file__).resolve().parents[3]
-SHARED = REPO.parent / "shared" / "data"
+SHARED = REPO / "tests" / "data" / "shared"
 
 
 @pytest.mark.parametrize("cluster_name", ["helix-single-24", "helix-geo-24"])

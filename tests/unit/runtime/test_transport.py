@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helixserve.engine import SamplingParams
+from helixserve.request import SamplingParams
 from helixserve.runtime import transport as tp
 
 EXPECT = tp.ExpectedInput(start_layer=10, end_layer=20, num_model_layers=30, hidden_size=8,
@@ -127,7 +127,7 @@ def test_result_round_trip():
 
 
 def test_prompt_logprobs_round_trip():
-    from helixserve.engine.sampling import PromptLogprob
+    from helixserve.request import PromptLogprob
 
     scored = [PromptLogprob(5, -2.5, [(9, -0.5), (5, -2.5)]), PromptLogprob(6, -0.25, [])]
     r = tp.WireResult("r", 4, token_id=7, prompt_logprobs=scored)

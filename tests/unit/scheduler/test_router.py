@@ -308,3 +308,14 @@ def _model():  # type: ignore[no-untyped-def]
     return ModelSpec(name="m", num_layers=8, hidden_size=64, num_attention_heads=4,
                      num_key_value_heads=4, head_dim=16, intermediate_size=128,
                      vocab_size=100, max_position_embeddings=256)
+
+
+def test_unknown_router_option_is_an_error() -> None:
+    p = placement({"a": (0, 8)}, [(C, "a", 1.0), ("a", C, 1.0)])
+    with pytest.raises(UserError, match="unknown router option 'min_flow_shares'"):
+        make_router("maxflow", p, min_flow_shares=0.1)
+    # a policy's own knob given to a policy that does not take it
+    with pytest.raises(UserError, match="'random' does not take option 'spread'"):
+        make_router("random", p, spread=False)
+    # cluster facts go to any policy (each uses those it needs)
+    make_router("random", p, edges=[(C, "a"), ("a", C)], node_region={"a": "r"})

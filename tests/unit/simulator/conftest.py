@@ -17,7 +17,7 @@ from helixserve.planner.placement import NodeRange, Placement
 from helixserve.simulator.workload import TraceRequest
 from helixserve.spec import ClusterSpec, Curve, ModelSpec, ProfileTable, parse_cluster, parse_model
 
-SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[2] / "data" / "shared"
 
 TINY = {
     "hidden_size": 1024,

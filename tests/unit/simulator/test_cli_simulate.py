@@ -215,7 +215,7 @@ def test_engine_flags_override_the_preset(
         ("--max-batched-prompt-tokens", "0", "--max-batched-prompt-tokens: must be >= 1, got 0"),
         ("--max-prefilling", "-3", "--max-prefilling: must be >= 1, got -3"),
         ("--kv-watermark", "1.5", "--kv-watermark: must be in [0, 1), got 1.5"),
-        ("--engine", "sglang", "--engine: unknown engine model 'sglang'; known: reserve, vllm"),
+        ("--engine", "sglang", "--engine: unknown engine model 'sglang'; known: helix-prototype, reserve, vllm"),
         (
             "--kv-allocation",
             "lazy",

@@ -7,7 +7,7 @@ import pytest
 from helixserve.errors import UserError
 from helixserve.spec import LinkSpec, load_cluster
 
-SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[2] / "data" / "shared"
 
 BASE = """
 name: t

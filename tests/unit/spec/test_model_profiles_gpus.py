@@ -9,7 +9,7 @@ import pytest
 from helixserve.errors import UserError
 from helixserve.spec import load_gpu_catalog, load_model, load_profiles
 
-SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[2] / "data" / "shared"
 
 
 def test_llama_2_70b_sizes_by_hand():

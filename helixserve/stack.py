@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helixserve.api.launch import WorkerProcesses, WorkerSpec, free_port, serve_app
 from helixserve.errors import UserError
+from helixserve.launch import WorkerProcesses, WorkerSpec, free_port, serve_app
 
 #: memory budgets of the demo's 3 nodes (GB). The planner lets weights use half a node's
 #: memory; SmolLM2-135M's 30 layers are ~7 MB each in bf16, so these hold at most about 10,
@@ -248,11 +248,11 @@ async def run_stack(
     recovery: Any = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. With `workers`, start them first, restart any that exits
-    (api/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live when
+    (helixserve/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live when
     layers lose their last holder (runtime/replan.py); None: requests fail while they do."""
     from helixserve.api.app import create_app
     from helixserve.planner import load_placement
-    from helixserve.runtime import Coordinator
+    from helixserve.runtime import Coordinator, CoordinatorConfig
     from helixserve.spec import load_cluster
 
     cluster = load_cluster(cluster_path)
@@ -263,7 +263,7 @@ async def run_stack(
             f"{cluster_path}: nodes {', '.join(missing)} hold layers in {placement_path} "
             "but have no address"
         )
-    from helixserve.api.supervisor import Supervisor
+    from helixserve.supervisor import Supervisor
 
     supervisor = None
     try:
@@ -272,9 +272,9 @@ async def run_stack(
             workers.wait_ready()
             supervisor = Supervisor(workers)
             supervisor.start()
-        coord = await Coordinator.create(cluster, placement, model_dir, scheduler=scheduler,
-                                         kv_allocation=kv_allocation, kv_watermark=kv_watermark,
-                                         recovery=recovery)
+        coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(
+            scheduler=scheduler, kv_allocation=kv_allocation, kv_watermark=kv_watermark,
+            recovery=recovery))
         coord.process_stats = None if supervisor is None else supervisor.stats
         try:
             app = create_app(coord, served_model_name, api_key)

@@ -34,7 +34,7 @@ class _NodeRecord:
 class Supervisor:
     def __init__(
         self,
-        workers: Any,  # helixserve.api.launch.WorkerProcesses
+        workers: Any,  # helixserve.launch.WorkerProcesses
         initial_backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         stable_after_s: float = 60.0,

@@ -1,0 +1,98 @@
+"""The emulated cluster rig: simulator vs real runtime, milp vs baseline placements.
+
+    python benchmarks/rig.py --quick --json benchmarks/results/rig.json
+
+Starts real `helixserve worker` processes with the demo model on this host, made unequal
+(per-worker slowdown or cgroup CPU quota) and far apart (a userspace proxy per link with
+the cluster YAML's bandwidth and latency), serves each placement with the real coordinator
+and API, sends the same request burst through the bench client, and simulates that burst
+on the same placement. Prints a table and writes JSON. See docs/rig.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.rig.clusters import CLUSTERS  # noqa: E402
+from benchmarks.rig.run import (  # noqa: E402
+    PLACEMENTS,
+    RigOptions,
+    full_workloads,
+    quick_workloads,
+    run_rig,
+    save,
+)
+from benchmarks.rig.speed import SPEED_MODES  # noqa: E402
+from benchmarks.rig.table import format_markdown, format_summary, format_table  # noqa: E402
+
+
+def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    names = tuple(n for n in text.split(",") if n)
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        print(f"{flag}: unknown {bad or text!r}; known: {', '.join(known)}", file=sys.stderr)
+        sys.exit(2)
+    return names
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small bursts (under 15 min on 2 cores)")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write results here")
+    p.add_argument("--markdown", type=Path, default=None, metavar="OUT",
+                   help="also write the table as markdown (for docs/benchmarks.md)")
+    p.add_argument("--clusters", default=",".join(CLUSTERS), help="comma list")
+    p.add_argument("--placements", default=",".join(PLACEMENTS), help="comma list")
+    p.add_argument("--workloads", default="conversation,prefill-heavy", help="comma list")
+    p.add_argument("--speed", choices=SPEED_MODES, default="slowdown",
+                   help="slowdown (worker --slowdown, default) or cgroup (CPU quotas; root)")
+    p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir")
+    p.add_argument("--reprofile", action="store_true", help="profile again even if cached")
+    p.add_argument("--max-seconds", type=float, default=3600.0,
+                   help="every process the rig starts stops by itself after this (default 3600)")
+    args = p.parse_args()
+    workloads = quick_workloads() if args.quick else full_workloads()
+    wanted = _names(args.workloads, tuple(w.name for w in workloads), "--workloads")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="helixserve-rig-"))
+    opts = RigOptions(
+        workdir=workdir,
+        clusters=_names(args.clusters, tuple(CLUSTERS), "--clusters"),
+        placements=_names(args.placements, PLACEMENTS, "--placements"),
+        workloads=tuple(w for w in workloads if w.name in wanted),
+        speed=args.speed,
+        reprofile=args.reprofile,
+        max_seconds=args.max_seconds,
+        log=lambda msg: print(msg, flush=True),
+    )
+    # SIGTERM unwinds like Ctrl-C, so every stack's finally stops its processes
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        report = run_rig(opts)
+    except KeyboardInterrupt:
+        print("rig: interrupted; processes and cgroups cleaned up", file=sys.stderr)
+        return 130
+    except (RuntimeError, ValueError) as exc:
+        print(f"rig: {exc}", file=sys.stderr)
+        return 1
+    print()
+    print(format_table(report["results"]))
+    print()
+    print(format_summary(report["results"]))
+    if args.json is not None:
+        save(report, args.json)
+        print(f"wrote {args.json}")
+    if args.markdown is not None:
+        args.markdown.write_text(format_markdown(report["results"]) + "\n\n"
+                                 + format_summary(report["results"]) + "\n")
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

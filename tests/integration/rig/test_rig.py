@@ -1,0 +1,282 @@
+"""The emulated cluster rig's parts, for real: the link proxy shapes bandwidth and latency per
+link and tells its callers apart by process, `--slowdown` stretches engine steps, the rig's
+cluster YAML loads with the project's loader, and a rig stack (proxy, real workers,
+coordinator + API) leaves no process, port or cgroup behind.
+
+Timing checks are ratios of two runs in one test, or lower bounds the proxy cannot beat
+(bytes x 8 / bandwidth, the configured latency), never an upper wall-clock bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.rig.clusters import CLUSTERS, gpu_class, write_catalog, write_cluster_yaml  # noqa: E402
+from benchmarks.rig.proxy import (  # noqa: E402
+    LinkProxy,
+    LinkShape,
+    ProxyConfig,
+    ProxyRoute,
+    SourceResolver,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+async def _sink_and_echo(host: str) -> tuple[asyncio.AbstractServer, int]:
+    """A server that answers every received chunk with one byte (ack per message)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                break
+            if data.endswith(b"!"):
+                writer.write(b"k")
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, host, 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def _bulk_s(port: int, num_bytes: int) -> float:
+    """Seconds to push num_bytes through the proxy and get the ack back."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    t0 = time.perf_counter()
+    writer.write(b"x" * (num_bytes - 1) + b"!")
+    await writer.drain()
+    await reader.readexactly(1)
+    elapsed = time.perf_counter() - t0
+    writer.close()
+    return elapsed
+
+
+async def _ping_s(port: int, rounds: int) -> float:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        writer.write(b"!")
+        await writer.drain()
+        await reader.readexactly(1)
+    elapsed = time.perf_counter() - t0
+    writer.close()
+    return elapsed
+
+
+def test_proxy_rate_limits_and_delays_each_link_as_configured() -> None:
+    async def main() -> None:
+        server, target = await _sink_and_echo("127.0.0.1")
+        ports = {n: _port() for n in ("slow", "fast", "near", "far")}
+        # this test process is no rig worker, so its connections come from "coordinator"
+        links = {
+            ("coordinator", "slow"): LinkShape(0.008, 0.0),   # 1 MB/s
+            ("coordinator", "fast"): LinkShape(0.016, 0.0),   # 2 MB/s
+            ("coordinator", "near"): LinkShape(0.0, 5.0),
+            ("near", "coordinator"): LinkShape(0.0, 5.0),
+            ("coordinator", "far"): LinkShape(0.0, 20.0),
+            ("far", "coordinator"): LinkShape(0.0, 20.0),
+        }
+        routes = [ProxyRoute(n, "127.0.0.1", p, "127.0.0.1", target) for n, p in ports.items()]
+        proxy = LinkProxy(ProxyConfig(routes, links, LinkShape(0.0, 0.0)))
+        await proxy.start()
+        try:
+            size = 300_000
+            slow = await _bulk_s(ports["slow"], size)
+            fast = await _bulk_s(ports["fast"], size)
+            near = await _ping_s(ports["near"], 8)
+            far = await _ping_s(ports["far"], 8)
+        finally:
+            await proxy.close()
+            server.close()
+        assert slow >= size * 8 / 0.008e9 * 0.95  # the proxy cannot beat its bandwidth
+        assert far >= 8 * 2 * 0.020 * 0.95  # nor its latency, both ways per round
+        assert 1.4 < slow / fast < 2.8, (slow, fast)  # twice the bandwidth, half the time
+        assert 2.0 < far / near < 5.0, (far, near)  # 4x the latency
+        assert proxy.links[("coordinator", "slow")].bytes_sent == size
+        assert proxy.links[("far", "coordinator")].bytes_sent == 8
+
+    asyncio.run(main())
+
+
+def test_proxy_names_the_calling_process(tmp_path: Path) -> None:
+    """Loopback callers all come from 127.0.0.1: the resolver finds the process instead."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.21", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    code = (f"import socket, time\ns = socket.socket(socket.{{}})\n"
+            f"s.connect(('{{}}', {port}))\ntime.sleep(5)")
+    # gRPC connects with dual-stack IPv6 sockets (/proc/net/tcp6), plain clients with IPv4
+    children = [
+        subprocess.Popen([sys.executable, "-c", code.format("AF_INET", "127.0.0.21")]),
+        subprocess.Popen([sys.executable, "-c", code.format("AF_INET6", "::ffff:127.0.0.21")]),
+    ]
+    pid_map = tmp_path / "pids.json"
+    pid_map.write_text(json.dumps({children[0].pid: "n4", children[1].pid: "n6"}))
+    resolver = SourceResolver(str(pid_map))
+    try:
+        names = set()
+        for _ in children:
+            conn, peer = listener.accept()
+            names.add(resolver(peer))
+            conn.close()
+        assert names == {"n4", "n6"}
+        assert resolver(("127.0.0.1", 1)) == "coordinator"  # nobody known: the coordinator
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
+        listener.close()
+
+
+def test_slowdown_stretches_engine_steps() -> None:
+    """The same decode steps, plain and slowed 3x, alternating: the time ratio is ~3."""
+    import torch
+
+    from helixserve.engine import ShardEngine, WorkItem, prepare_demo_model
+    from helixserve.engine.slowdown import SlowedEngine, check_slowdown
+
+    torch.set_num_threads(1)
+    engine = ShardEngine.load(prepare_demo_model(), 10, 13, "cpu", kv_cache_bytes=2**24)
+    slowed = SlowedEngine(engine, 3.0)
+    assert slowed.start_layer == 10 and slowed.factor == 3.0  # delegates the rest
+    hidden = torch.randn(16, engine.hidden_size)
+    engine.step([WorkItem("r", 10, 13, 0, [0] * 16, hidden, sampling=None, sample=False)])
+    times: dict[str, float] = {"plain": 0.0, "slowed": 0.0}
+    for i in range(16):
+        for name, eng in (("plain", engine), ("slowed", slowed)):
+            item = WorkItem("r", 10, 13, 16 + 2 * i + (name == "slowed"), [0],
+                            torch.randn(1, engine.hidden_size), sampling=None, sample=False)
+            t0 = time.perf_counter()
+            eng.step([item])
+            times[name] += time.perf_counter() - t0
+    ratio = times["slowed"] / times["plain"]
+    assert 2.0 < ratio < 4.5, times
+    with pytest.raises(ValueError, match="--slowdown: bad value 0.5"):
+        check_slowdown(0.5)
+
+
+def test_worker_and_profile_reject_a_bad_slowdown(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for cmd in (["worker", "--model", str(tmp_path), "--layers", "0:2", "--port", "0"],
+                ["profile", "--model", str(tmp_path), "--out", str(tmp_path / "p.csv")]):
+        proc = subprocess.run([sys.executable, "-m", "helixserve", *cmd, "--slowdown", "0.5"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert "--slowdown: bad value 0.5" in proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(CLUSTERS))
+def test_rig_cluster_yaml_loads_with_the_project_loader(name: str, tmp_path: Path) -> None:
+    from helixserve.errors import UserError
+    from helixserve.spec import load_cluster
+    from helixserve.spec.gpus import load_gpu_catalog
+
+    rig = CLUSTERS[name]
+    addresses = {m.name: f"127.0.0.{20 + i}:{5000 + i}" for i, m in enumerate(rig.machines)}
+    write_cluster_yaml(rig, tmp_path / "cluster.yaml", addresses)
+    write_catalog(rig.classes(), tmp_path / "gpus.csv")
+    spec = load_cluster(tmp_path / "cluster.yaml", catalog=load_gpu_catalog(tmp_path / "gpus.csv"))
+    assert [(n.name, n.gpu, n.memory_gb, n.region, n.address) for n in spec.nodes] == [
+        (m.name, gpu_class(m.slowdown), m.memory_gb, m.region, addresses[m.name])
+        for m in rig.machines]
+    assert spec.coordinator_region == rig.coordinator_region
+    for a in rig.machines:
+        for b in rig.machines:
+            if a is b:
+                continue
+            want = rig.wan.get((a.region, b.region)) or rig.wan.get((b.region, a.region))
+            want = want if a.region != b.region and want else rig.lan
+            link = spec.link(a.name, b.name)
+            assert link is not None
+            assert (link.bandwidth_gbps, link.latency_ms) == (want.bandwidth_gbps, want.latency_ms)
+    with pytest.raises(UserError, match=f"unknown GPU '{gpu_class(rig.classes()[0])}'"):
+        load_cluster(tmp_path / "cluster.yaml")  # the speed classes live in the rig's catalog
+
+
+def _rig_pids(tag: str) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if tag.encode() in cmdline:
+                out.append(int(pid))
+    return out
+
+
+def test_rig_stack_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A 2-machine stack (proxy, 2 real workers, coordinator + API) answers a request through
+    the proxy, then stop() leaves no process, no listening port and no cgroup."""
+    import urllib.request
+
+    from benchmarks.rig.clusters import LAN, Machine, RigCluster
+    from benchmarks.rig.run import kv_cache_bytes
+    from benchmarks.rig.speed import SpeedControl, cgroup_writable
+    from benchmarks.rig.stack import Endpoints, RigStack, write_cluster_files
+    from helixserve.costmodel import CostModel
+    from helixserve.engine import prepare_demo_model
+    from helixserve.planner import plan
+    from helixserve.spec import load_cluster, load_model
+    from helixserve.spec.gpus import load_gpu_catalog
+
+    rig = RigCluster("tiny", (Machine("p", 1.0, 0.45), Machine("q", 2.0, 0.45)), LAN)
+    ends = Endpoints.allocate(rig)
+    cluster_path, gpus_path = write_cluster_files(rig, tmp_path, ends)
+    catalog = load_gpu_catalog(gpus_path)
+    spec = load_cluster(cluster_path, catalog=catalog)
+    model_dir = prepare_demo_model()
+    model = load_model(model_dir, dtype_bytes=4)
+    cost = CostModel(model, None, catalog)
+    placement = plan("separate", spec, model, cost, time_limit_s=10, jobs=1)
+    placement.save(tmp_path / "placement.json")
+    mode = "cgroup" if cgroup_writable() else "slowdown"
+    speed = SpeedControl(mode, tag=f"test{os.getpid()}")
+    stack = RigStack(rig, cluster_path, gpus_path, tmp_path / "placement.json", model_dir, ends,
+                     kv_cache_bytes(spec, model, cost, placement), speed, tmp_path / "logs",
+                     max_seconds=300)
+    with stack:
+        pids = [p.pid for p in stack.procs.values()]
+        body = json.dumps({"model": model_dir.name, "prompt": "The capital of France is",
+                           "max_tokens": 4, "temperature": 0}).encode()
+        req = urllib.request.Request(stack.api_url + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            answer = json.loads(resp.read())
+        assert answer["usage"]["completion_tokens"] == 4
+        if mode == "cgroup":
+            assert speed.groups and all(g.is_dir() for g in speed.groups)
+    # the workers' and the coordinator's traffic went through the proxy, link by link
+    assert stack.proxy_stats.get("coordinator->p", {}).get("bytes", 0) > 0
+    assert stack.proxy_stats.get("p->q", {}).get("bytes", 0) > 0
+    assert stack.proxy_stats.get("q->coordinator", {}).get("bytes", 0) > 0
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/status").read_text().find("State:\tZ") >= 0
+    assert not _rig_pids(str(tmp_path))
+    for address in [*ends.public.values(), stack.api_url.removeprefix("http://")]:
+        host, port = address.rsplit(":", 1)
+        with socket.socket() as s:
+            assert s.connect_ex((host, int(port))) != 0, f"{address} still listening"
+    assert not speed.base.exists()
