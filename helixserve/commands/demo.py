@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or None
 
     def started(cluster: object, placement: object) -> None:
-        print(describe_placement(placement, cluster))
+        print(describe_placement(placement, cluster, predicted=False))
         name = args.served_model_name or files.model_dir.name
         print(usage_examples(args.host, args.port, name, api_key), flush=True)
 
