@@ -9,8 +9,9 @@ the other two workers (or the supervisor's restart of the killed one is back).
 Measured from the client's side, on one clock:
   * recovery_s: from the kill to the first token after the longest pause in the token stream
     that began after the kill (all streams merged): "time to first token served again";
-  * throughput before (the window before the kill) and after (a window starting once tokens
-    flow again), in generated tokens/s over all streams;
+  * throughput before (the window before the kill) and after (a window from `--settle-s`
+    after tokens flow again: the restarted worker has rejoined by then), in generated
+    tokens/s over all streams, while every stream keeps sending requests;
   * requests: started, completed, failed (an HTTP error or an error event in the stream), and
     unfinished when the run stopped (0 expected: every accepted request completes or gets a
     clear error).
@@ -132,7 +133,7 @@ def _rate(times: list[float], start: float, end: float) -> float:
     return sum(1 for t in times if start <= t < end) / (end - start) if end > start else 0.0
 
 
-def analyse(run: Run, before_s: float, after_s: float) -> dict[str, Any]:
+def analyse(run: Run, before_s: float, after_s: float, settle_s: float) -> dict[str, Any]:
     times = sorted(run.token_times_s)
     after_kill = [t for t in times if t >= run.kill_s]
     # the longest pause that began after the kill (the last token before the kill counts as
@@ -145,7 +146,8 @@ def analyse(run: Run, before_s: float, after_s: float) -> dict[str, Any]:
         prev = t
     recovery_s = None if resume is None else resume - run.kill_s
     before = _rate(times, run.kill_s - before_s, run.kill_s)
-    after = None if resume is None else _rate(times, resume + 2.0, resume + 2.0 + after_s)
+    after = (None if resume is None
+             else _rate(times, resume + settle_s, resume + settle_s + after_s))
     return {
         "recovery_s": recovery_s,
         "longest_pause_s": gap,
@@ -160,7 +162,7 @@ def analyse(run: Run, before_s: float, after_s: float) -> dict[str, Any]:
 
 
 async def drive(url: str, run: Run, warmup_s: float, before_s: float, after_s: float,
-                kill: Any, model: str) -> None:
+                settle_s: float, kill: Any, model: str) -> None:
     limits = httpx.Limits(max_connections=run.streams + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(180.0), limits=limits) as client:
         tasks = [asyncio.create_task(_stream_loop(client, url, run, i, model))
@@ -169,11 +171,11 @@ async def drive(url: str, run: Run, warmup_s: float, before_s: float, after_s: f
         run.kill_s = time.monotonic()
         kill()
         # stop new requests once the after-window has passed after tokens flow again
-        deadline = run.kill_s + 120.0
+        deadline = run.kill_s + 180.0
         while time.monotonic() < deadline:
             await asyncio.sleep(1.0)
             flowing = [t for t in run.token_times_s if t > run.kill_s + 1.0]
-            if len(flowing) > 50 and time.monotonic() > flowing[0] + after_s + 3.0:
+            if len(flowing) > 50 and time.monotonic() > flowing[0] + settle_s + after_s + 1.0:
                 break
         run.stop_at = time.monotonic()  # the loops end after their current request
         _, pending = await asyncio.wait(tasks, timeout=300.0)
@@ -184,10 +186,12 @@ async def drive(url: str, run: Run, warmup_s: float, before_s: float, after_s: f
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--warmup-s", type=float, default=10.0)
     ap.add_argument("--before-s", type=float, default=20.0)
-    ap.add_argument("--after-s", type=float, default=20.0)
+    ap.add_argument("--after-s", type=float, default=30.0)
+    ap.add_argument("--settle-s", type=float, default=10.0,
+                    help="start the after-window this long after tokens flow again")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -222,9 +226,9 @@ def main() -> int:
         print(f"placement: {placement['nodes']}; killing {victim} (pid {pid}), sole holder "
               f"of layers [{layers[0]}, {layers[-1] + 1}), after "
               f"{args.warmup_s + args.before_s:.0f} s of {args.streams} streams", flush=True)
-        asyncio.run(drive(url, run, args.warmup_s, args.before_s, args.after_s,
+        asyncio.run(drive(url, run, args.warmup_s, args.before_s, args.after_s, args.settle_s,
                           lambda: os.kill(pid, signal.SIGKILL), model))
-        result = analyse(run, args.before_s, args.after_s)
+        result = analyse(run, args.before_s, args.after_s, args.settle_s)
         health = httpx.get(url + "/health", timeout=10)
         result["health_after"] = health.json()
         result["config"] = {k: v for k, v in asdict(run).items()

@@ -33,28 +33,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _load_libc() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
+#: set for a worker started by WorkerProcesses: the pid it must not outlive
+PARENT_PID_ENV = "HELIXSERVE_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """In a worker started by WorkerProcesses: SIGTERM this process when its parent dies
+    (PR_SET_PDEATHSIG; Linux only), and at once if it already has. Called by the worker
+    itself at start-up, not in a `preexec_fn`: the supervisor restarts workers from a process
+    full of gRPC threads, where running Python between fork and exec can crash the child."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
     import ctypes
 
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return None
-
-
-#: loaded in the parent: the child between fork and exec (restarts happen while other threads
-#: run) must not load libraries, only make system calls
-_LIBC = _load_libc()
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM this child when the parent dies (Linux only; no-op elsewhere)."""
-    os.setsid()
-    if _LIBC is not None:
-        pr_set_pdeathsig = 1
-        _LIBC.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the parent died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass
@@ -98,7 +95,7 @@ class WorkerProcesses:
         """Start (or start again, same address and flags) the worker of `node`; its log is
         appended to."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
+        env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
         if self.num_threads:
             # also caps the BLAS pools torch does not control through set_num_threads
             env["OMP_NUM_THREADS"] = str(self.num_threads)
@@ -122,7 +119,7 @@ class WorkerProcesses:
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 (a fork of the launching thread)
+            start_new_session=True,  # a Ctrl-C at the terminal reaches only the parent
         )
         log.close()
 

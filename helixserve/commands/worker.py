@@ -73,6 +73,9 @@ def resolve_range(args: argparse.Namespace) -> tuple[str, int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from helixserve.launch import die_with_parent
+
+    die_with_parent()  # started by a local stack: never outlive it
     node, start, end = resolve_range(args)
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
