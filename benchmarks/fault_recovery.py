@@ -190,7 +190,7 @@ def main() -> int:
     ap.add_argument("--warmup-s", type=float, default=10.0)
     ap.add_argument("--before-s", type=float, default=20.0)
     ap.add_argument("--after-s", type=float, default=30.0)
-    ap.add_argument("--settle-s", type=float, default=10.0,
+    ap.add_argument("--settle-s", type=float, default=30.0,
                     help="start the after-window this long after tokens flow again")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--workdir", type=Path, default=None)

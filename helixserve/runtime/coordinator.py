@@ -485,7 +485,8 @@ class Coordinator:
         # Either way a request must fit alone on the roomiest route, or it could never end.
         need = info.prompt_tokens + info.max_new_tokens
         fits = self._largest_route_kv_tokens()
-        if need > fits and self._covered():
+        switching = self.recovery is not None and self.recovery.state == "loading"
+        if need > fits and self._covered() and not switching:
             raise UserError(
                 f"prompt + max_tokens: {need} tokens of KV cache needed, but no route can hold "
                 f"more than {fits}; lower max_tokens"
@@ -608,7 +609,10 @@ class Coordinator:
                 return r
 
     async def _reroute(self, act: _Active, reason: str) -> None:
-        stale = act.epoch < self.epoch  # routed before a re-plan: not this request's bad luck
+        # routed before a re-plan, or while one switches workers' ranges: not this request's
+        # bad luck, so not counted against max_reroutes
+        stale = act.epoch < self.epoch or (self.recovery is not None
+                                           and self.recovery.state == "loading")
         if act.reroutes >= self.max_reroutes and not stale:
             raise RequestFailedError(f"request {act.req.request_id}: {reason} "
                                      f"(gave up after {act.reroutes} re-routes)")

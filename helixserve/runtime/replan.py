@@ -19,7 +19,10 @@ with Retry-After, requests already running wait `wait_s` for a worker to come ba
 
 A worker that comes back (restarted by the local supervisor or its orchestrator) or joins
 reports the range it loaded; `rejoin` installs the actual placement again, so its range is
-served (or it is an extra holder of layers the re-plan moved elsewhere).
+served (or it is an extra holder of layers the re-plan moved elsewhere). Then, while the
+model is covered, it plans once more with the returned worker: when that placement's max
+flow beats the current one's (same cost model) by `join_min_gain` (25%), it is applied the
+same way; else the placement stays (a move pauses the moved workers' requests).
 """
 
 from __future__ import annotations
@@ -63,8 +66,14 @@ class RecoveryConfig:
     max_attempts: int = 3
     #: measured profiles for the re-plan's cost model (None: the analytic model)
     profiles_path: Path | None = None
+    #: a worker that comes back or joins while the model is covered: re-plan when that
+    #: raises the max flow (the cost model's tokens/s) by at least this share; None: never
+    join_min_gain: float | None = 0.25
 
     def __post_init__(self) -> None:
+        if self.join_min_gain is not None and not self.join_min_gain >= 0:
+            raise UserError(f"recovery: join_min_gain: bad value {self.join_min_gain}; "
+                            "must be >= 0 or None")
         for name in ("plan_time_limit_s", "load_timeout_s", "wait_s", "hang_timeout_s"):
             value = getattr(self, name)
             if not value > 0:
@@ -139,8 +148,6 @@ class Recovery:
         await self.coord._notify_admit()
 
     async def _replan_once(self, reason: str) -> None:
-        from helixserve.planner.incremental import changes
-
         coord = self.coord
         record = ReplanRecord(reason, time.time())
         self.history = [*self.history[-19:], record]
@@ -161,6 +168,13 @@ class Recovery:
                       ", ".join(live) or "no workers", exc)
             return
         record.plan_s = time.perf_counter() - t0
+        await self._apply(current, new, record, t0)
+
+    async def _apply(self, current: Any, new: Any, record: ReplanRecord, t0: float) -> None:
+        """Load the changed ranges, install what the workers hold (module doc, 4-5)."""
+        from helixserve.planner.incremental import changes
+
+        coord = self.coord
         diff = changes(current, new)
         record.changes = diff.summary()
         log.warning("re-plan: planned in %.2f s: %s", record.plan_s, record.changes)
@@ -168,10 +182,9 @@ class Recovery:
         coord.epoch += 1  # routes made before now may be stale: replaying them is free
         t1 = time.perf_counter()
         loads = [(name, rng) for name, _, rng in diff.moved] + list(diff.added)
-        results = await asyncio.gather(*(
-            coord.nodes[name].load_range(s, e, coord.coordinator_id, self.config.load_timeout_s)
-            for name, (s, e) in loads if name in coord.nodes
-        ), return_exceptions=True)
+        loads = [(name, rng) for name, rng in loads if name in coord.nodes]
+        results = await asyncio.gather(*(self._load(name, s, e) for name, (s, e) in loads),
+                                       return_exceptions=True)
         for (name, (s, e)), res in zip(loads, results, strict=True):
             if isinstance(res, BaseException):
                 log.warning("re-plan: %s could not load [%d, %d): %s", name, s, e, res)
@@ -189,9 +202,26 @@ class Recovery:
         else:
             self._again = True
 
+    async def _load(self, name: str, start: int, end: int) -> None:
+        """One worker's LoadRange. It serves its old range while it loads; once it has
+        switched, the router must not send it work for the old range any more (such work
+        would only bounce back as a stale route) until the new placement is installed."""
+        coord = self.coord
+        try:
+            await coord.nodes[name].load_range(start, end, coord.coordinator_id,
+                                               self.config.load_timeout_s)
+        finally:
+            coord.router.node_down(name)
+
     def _plan(self, live: list[str], current: Any) -> Any:
         """Blocking: the incremental re-plan over the live workers (a thread runs it)."""
+        return self._plan_and_value(live, current)[0]
+
+    def _plan_and_value(self, live: list[str], current: Any) -> tuple[Any, float | None]:
+        """Blocking: (re-plan, max flow of `current` under the same cost model; None when
+        `current` does not fit the cluster file's memory)."""
         from helixserve.costmodel import CostModel
+        from helixserve.planner import evaluate
         from helixserve.planner.incremental import replan
         from helixserve.spec import load_model, load_profiles
 
@@ -201,12 +231,49 @@ class Recovery:
         model = self.coord.model_spec or load_model(self.coord.model_dir, name=current.model)
         profiles = (load_profiles(self.config.profiles_path)
                     if self.config.profiles_path is not None else None)
-        result = replan(cluster, model, CostModel(model, profiles), current,
+        cost = CostModel(model, profiles)
+        value: float | None
+        try:
+            value = evaluate(cluster, model, cost, current).throughput_tokens_per_s
+        except UserError:
+            value = None
+        result = replan(cluster, model, cost, current,
                         planner=self.config.planner, time_limit_s=self.config.plan_time_limit_s)
         placement = result.placement
         if not placement.covers_all_layers():
             raise UserError(f"the {self.config.planner} re-plan leaves layers uncovered")
-        return placement
+        return placement, value
+
+    async def _join(self, name: str) -> None:
+        """A worker came back while the model is covered: move ranges only when the
+        re-plan's max flow beats the current one by `join_min_gain` (moving costs a pause:
+        the moved workers' requests are replayed)."""
+        coord, gain = self.coord, self.config.join_min_gain
+        assert gain is not None
+        live = sorted(n.name for n in coord.nodes.values() if n.alive)
+        current = coord.placement
+        t0 = time.perf_counter()
+        try:
+            new, value = await asyncio.get_running_loop().run_in_executor(
+                None, self._plan_and_value, live, current)
+        except UserError as exc:
+            log.warning("re-plan after %s joined: %s; keeping the placement", name, exc)
+            return
+        planned = new.throughput_tokens_per_s or 0.0
+        if value is None or planned < (1.0 + gain) * value:
+            log.warning("re-plan after %s joined: %.1f tokens/s planned vs %s now; keeping "
+                        "the placement (a move needs +%.0f%%)", name, planned,
+                        "?" if value is None else f"{value:.1f}", 100 * gain)
+            return
+        record = ReplanRecord(f"node {name} joined: {value:.1f} -> {planned:.1f} tokens/s "
+                              "planned", time.time(), plan_s=time.perf_counter() - t0)
+        self.history = [*self.history[-19:], record]
+        log.warning("re-plan: %s", record.reason)
+        await self._apply(current, new, record, t0)
+        if not coord._covered():
+            self._task = None
+            self.trigger("layers uncovered after a re-plan for a joining worker")
+        await coord._notify_admit()
 
     async def install_actual(self) -> None:
         """Route over the ranges the live workers hold now (asked, not assumed)."""
@@ -228,6 +295,8 @@ class Recovery:
                     node.end_layer)
         if not self.coord._covered():
             self.trigger(f"node {node.name} rejoined, layers still uncovered")
+        elif self.config.join_min_gain is not None and not self.busy:
+            self._task = self.coord._spawn(self._join(node.name))
 
     def snapshot(self) -> dict[str, Any]:
         last = self.history[-1] if self.history else None

@@ -191,6 +191,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         #: ranges held before the current one (LoadRange): a stale route is UNAVAILABLE, not
         #: a bad argument, so its coordinator replays the request on a fresh route
         self.range_changes = 0
+        self._kv_frozen: dict[str, int] | None = None
         self.node = node
         self.model = model
         self.backend = backend
@@ -333,6 +334,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
         the new one allocates its KV cache, so the two caches never coexist."""
         t0 = time.perf_counter()
         new = m.engine
+        # Info (loop thread) reports this until the new KV cache exists: between the two,
+        # either engine's cache is a one-block placeholder, not a capacity to route by
+        self._kv_frozen = self.engine.kv_stats()
         message = (f"node {self.node}: re-planned to layers [{new.start_layer}, "
                    f"{new.end_layer}); replay the request")
         moved = dict(self.active)
@@ -340,9 +344,10 @@ class Worker(pb_grpc.HelixWorkerServicer):
         for rid in moved:
             self.released[rid] = None
         self.active.clear()
-        old, self.engine = self.engine, new
-        old.release_memory()
+        self.engine.release_memory()
         new.allocate_kv(self.kv_cache_bytes)
+        self.engine = new
+        self._kv_frozen = None
         self.expect = tp.ExpectedInput(
             start_layer=new.start_layer, end_layer=new.end_layer,
             num_model_layers=new.num_model_layers, hidden_size=new.hidden_size, dtype=new.dtype)
@@ -559,7 +564,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         return tp.info_to_pb(self.info())
 
     def info(self) -> tp.WorkerInfo:
-        kv = self.engine.kv_stats()
+        kv = self._kv_frozen or self.engine.kv_stats()
         return tp.WorkerInfo(
             node=self.node,
             model=self.model,

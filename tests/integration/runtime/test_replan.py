@@ -124,6 +124,46 @@ def test_kill_sole_holder_under_32_streams_replans_and_loses_nothing(trio, demo_
     print(f"32 streams recovered {took_s:.1f} s after the kill; re-plan {rec['last']}")
 
 
+def test_a_restarted_worker_rejoins_and_is_served(trio, demo_model, tmp_path):
+    """a is killed, the coordinator re-plans onto b and c; a new a process (as the supervisor
+    or a StatefulSet starts it) loads [0, 10) on the same port: the coordinator takes it back
+    with the range it holds (and re-plans around it if that pays by 25%), and requests
+    running across all of this produce what they did unfaulted."""
+    old_a = trio["a"]
+
+    async def main():
+        coord = await Coordinator.create(make_cluster(list(trio.values())), trio_placement(),
+                                         demo_model, CoordinatorConfig(recovery=RECOVERY))
+        revived = None
+        try:
+            reqs = requests(4)
+            reference = await run_all(coord, reqs)
+            old_a.proc.send_signal(signal.SIGKILL)
+            old_a.proc.wait(timeout=30)
+            rec = coord.recovery
+            assert rec is not None
+            await wait_for(lambda: rec.replans >= 1 and not rec.busy, 120, "the re-plan")
+            during = asyncio.create_task(run_all(coord, reqs))
+            revived = start_worker(demo_model, "a", 0, 10, tmp_path, port=old_a.port,
+                                   log_name="a-revived")
+            await asyncio.to_thread(wait_ready, [revived])
+            await wait_for(lambda: coord.nodes["a"].alive, 60, "a to be taken back")
+            await wait_for(lambda: not rec.busy, 120, "a join re-plan to end")
+            got = await asyncio.wait_for(during, 300)
+            after = await run_all(coord, reqs)
+            return reference, got, after, coord.stats(), coord.placement
+        finally:
+            await coord.close()
+            if revived is not None:
+                stop_workers([revived])
+
+    reference, got, after, stats, placement = asyncio.run(main())
+    assert got == reference and after == reference
+    assert stats["nodes"]["a"]["alive"] is True
+    assert "a" in {r.name for r in placement.nodes}  # served again, its range or a new one
+    assert placement.covers_all_layers()
+
+
 def test_kill_during_a_replan_plans_again_for_who_is_left(trio, demo_model):
     """a dies; while the re-plan onto b and c runs, b dies too: c alone must end up holding
     all 30 layers, and every request completes."""
