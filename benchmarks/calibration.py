@@ -16,7 +16,9 @@ Prints and writes:
   (measured 111.4), and the offline run itself (223.4), with and without that cost;
 - `ratios`: milp's placement over the Helix authors' on helix-single-24 and helix-mix-42
   (`benchmarks/results/helix_compare.json`'s placements) in the `vllm` and the
-  `helix-prototype` models, next to our evaluator's max-flow ratio and Helix's simulator's.
+  `helix-prototype` models, and the latter without its per-layer cost over Helix's
+  simulator's 660 s run (its policies as Helix's simulator runs them), next to our
+  evaluator's max-flow ratio and Helix's simulator's.
 Everything is simulated (deterministic for the seed); nothing here reads a clock but `wall_s`.
 """
 
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helixserve.costmodel import CostModel
+from helixserve.costmodel import CostModel, ServingLoad
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement
 from helixserve.simulator.engines import ENGINES, HELIX_PROTOTYPE_LAYER_OVERHEAD_S
 from helixserve.simulator.metrics import summarize
@@ -80,7 +82,9 @@ FACTORS: list[tuple[str, str, dict[str, Any]]] = [
      "beyond the profiles (the prototype's engine; fitted below)",
      {"layer_overhead_s": HELIX_PROTOTYPE_LAYER_OVERHEAD_S}),
 ]
-WINDOW_KEYS = ("duration_s", "warmup_s")
+#: Helix's simulator's run (step3_simulation.py: 60 s warmup + 600 s) of the prototype's
+#: policies, without the per-layer cost its simulator does not have either
+HELIX_SIM_LIKE = {"duration_s": 660.0, "warmup_s": 60.0, "layer_overhead_s": 0.0}
 
 
 class Bench:
@@ -201,7 +205,19 @@ def ratios(b: Bench) -> list[dict[str, Any]]:
                    for n in case["placement"]],
             planner="milp", source="benchmarks/results/helix_compare.json"))
         row: dict[str, Any] = {"cluster": name, **REPORTED_RATIOS[name]}
-        for label, fields in (("vllm", vllm_fields()), ("helix_prototype", prototype_fields())):
+        # our evaluator (max flow) with the 4.5 GB of vLLM's memory, decode-only T(k) and the
+        # serving-aware T(k) (docs/planner.md) at a 16-stage pipeline, Helix's route depth
+        serving = CostModel(b.model, b.cost.profiles, reserved_gb_per_gpu=4.5,
+                            serving=ServingLoad.from_lengths(
+                                [r.prompt_tokens for r in b.trace],
+                                [r.output_tokens for r in b.trace], pipeline_depth=16))
+        for label, cost in (("evaluator_4.5gb", b.cost), ("evaluator_serving_depth16", serving)):
+            flow = [evaluate(cluster, b.model, cost, p).throughput_tokens_per_s
+                    for p in (milp, helix)]
+            row[label] = round(flow[0] / flow[1], 3)
+        models = (("vllm", vllm_fields()), ("helix_prototype", prototype_fields()),
+                  ("helix_prototype_no_cost_660s", prototype_fields(**HELIX_SIM_LIKE)))
+        for label, fields in models:
             m = b.simulate(name, milp, fields)["decode_tokens_per_s"]
             h = b.simulate(name, helix, fields)["decode_tokens_per_s"]
             row[label] = {"milp": m, "helix": h, "ratio": round(m / h, 3) if h else None}
@@ -237,13 +253,14 @@ def print_report(report: dict[str, Any]) -> None:
                   f"{r['measured']:>6.1f} measured ({r['error']:+.0%})")
     if report.get("ratios"):
         print("\nmilp / Helix placement")
-        print(f"  {'cluster':<16} {'evaluator':>9} {'Helix sim':>9} {'vllm':>16} "
-              f"{'helix-prototype':>18}")
+        print(f"  {'cluster':<16} {'evaluator':>9} {'eval 4.5':>8} {'eval srv':>8} "
+              f"{'Helix sim':>9} {'vllm':>16} {'helix-prototype':>18} {'no cost, 660 s':>18}")
         for r in report["ratios"]:
-            v, p = r["vllm"], r["helix_prototype"]
-            print(f"  {r['cluster']:<16} {r['evaluator']:>9.2f} {r['helix_simulator']:>9.2f} "
-                  f"{v['ratio']:>6.2f} ({v['milp']:.0f}/{v['helix']:.0f}) "
-                  f"{p['ratio']:>6.2f} ({p['milp']:.0f}/{p['helix']:.0f})")
+            cells = " ".join(
+                f"{m['ratio']:>6.2f} ({m['milp']:.0f}/{m['helix']:.0f})".rjust(18)
+                for m in (r["vllm"], r["helix_prototype"], r["helix_prototype_no_cost_660s"]))
+            print(f"  {r['cluster']:<16} {r['evaluator']:>9.2f} {r['evaluator_4.5gb']:>8.2f} "
+                  f"{r['evaluator_serving_depth16']:>8.2f} {r['helix_simulator']:>9.2f} {cells}")
 
 
 def main() -> int:

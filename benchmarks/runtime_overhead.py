@@ -72,7 +72,7 @@ def start_worker(model: Path, name: str, start: int, end: int, threads: int, log
     port = free_port()
     cmd = [sys.executable, "-m", "helixserve", "worker", "--model", str(model), "--layers",
            f"{start}:{end}", "--node", name, "--port", str(port), "--num-threads", str(threads),
-           "--kv-cache-bytes", str(256 * 1024 * 1024)]
+           "--kv-cache-bytes", str(256 * 1024 * 1024), "--peers", "127.0.0.1:*"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     return Worker(name, start, end, port, proc)

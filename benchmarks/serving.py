@@ -74,7 +74,7 @@ def run_setup(
         serve = subprocess.Popen(
             [sys.executable, "-m", "helixserve", "serve", "--cluster", str(cluster),
              "--placement", str(placement), "--model", str(model_dir),
-             "--host", "127.0.0.1", "--port", str(port)],
+             "--host", "127.0.0.1", "--port", str(port), *procs.coordinator_tls_flags()],
             stdout=serve_log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"

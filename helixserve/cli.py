@@ -29,6 +29,7 @@ COMMAND_MODULES = (
     "demo",
     "bench",
     "deploy",
+    "certs",
 )
 
 

@@ -6,6 +6,11 @@ after a grace period). Workers run in their own session, so a Ctrl-C at the term
 only the parent, which shuts down in order (API, coordinator, then workers); on Linux they
 also get PR_SET_PDEATHSIG, so even a SIGKILLed parent leaves no orphans.
 
+Worker traffic is mutual TLS by default: unless told `insecure`, `WorkerProcesses` uses the
+credentials it is given or generates dev credentials (a CA, one certificate per node and one
+for the coordinator; runtime/security.py) in `<log_dir>/tls`, so a client without them is
+refused by every worker port. Each worker may forward only to the other workers' addresses.
+
 `serve_app` runs a FastAPI app under uvicorn inside the current event loop.
 """
 
@@ -76,6 +81,8 @@ class WorkerProcesses:
         log_dir: Path,
         num_threads: int | None = None,
         extra_args: list[str] | None = None,
+        credentials: Any = None,
+        insecure: bool = False,
     ) -> None:
         self.model_dir = model_dir
         self.placement_path = placement_path
@@ -85,8 +92,35 @@ class WorkerProcesses:
         self.extra_args = extra_args or []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = False  # set by stop(): a supervisor must not start workers again
+        #: helixserve.runtime.security.DevCredentials, or None for plaintext (`insecure`)
+        self.credentials = credentials
+        self.insecure = insecure
+
+    def ensure_credentials(self) -> Any:
+        """The credentials the workers use (generated on first call unless `insecure`)."""
+        if self.insecure:
+            return None
+        if self.credentials is None:
+            from helixserve.runtime.security import create_dev_credentials, dev_credentials_dir
+
+            hosts = sorted({w.host for w in self.workers} - {"127.0.0.1", "localhost"})
+            self.credentials = create_dev_credentials(
+                dev_credentials_dir(self.log_dir), [w.node for w in self.workers], hosts)
+        return self.credentials
+
+    @property
+    def coordinator_tls(self) -> Any:
+        """The coordinator's TlsConfig for these workers (None: plaintext)."""
+        creds = self.ensure_credentials()
+        return None if creds is None else creds.coordinator
+
+    def coordinator_tls_flags(self) -> list[str]:
+        """--tls-* flags for a `helixserve serve` over these workers ([] when plaintext)."""
+        tls = self.coordinator_tls
+        return [] if tls is None else tls.flags()
 
     def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         for w in self.workers:
             (self.log_dir / f"worker-{w.node}.log").unlink(missing_ok=True)
             self.start_one(w.node)
@@ -95,6 +129,8 @@ class WorkerProcesses:
         """Start (or start again, same address and flags) the worker of `node`; its log is
         appended to."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        creds = self.ensure_credentials()
+        peers = ",".join(w.address for w in self.workers)
         env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
         if self.num_threads:
             # also caps the BLAS pools torch does not control through set_num_threads
@@ -112,6 +148,9 @@ class WorkerProcesses:
         ]  # fmt: skip
         if self.num_threads:
             cmd += ["--num-threads", str(self.num_threads)]
+        cmd += ["--peers", peers]
+        if creds is not None:
+            cmd += creds.nodes[w.node].flags()
         cmd += self.extra_args
         log = (self.log_dir / f"worker-{w.node}.log").open("ab")
         self.procs[w.node] = subprocess.Popen(
@@ -136,9 +175,11 @@ class WorkerProcesses:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from helixserve.runtime.security import sync_channel
+
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
-            channel = grpc.insecure_channel(w.address)
+            channel = sync_channel(w.address, self.coordinator_tls)
             stub = health_pb2_grpc.HealthStub(channel)
             try:
                 while True:

@@ -260,10 +260,13 @@ async def run_stack(
     kv_allocation: str = "on-demand",
     kv_watermark: float = 0.01,
     recovery: Any = None,
+    tls: Any = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. With `workers`, start them first, restart any that exits
-    (helixserve/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live when
-    layers lose their last holder (runtime/replan.py); None: requests fail while they do."""
+    (helixserve/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live
+    when layers lose their last holder (runtime/replan.py); None: requests fail while they do.
+    `tls` (runtime.security.TlsConfig): the coordinator's credentials for worker traffic;
+    with `workers` and no `tls`, theirs (dev credentials unless they run insecure)."""
     from helixserve.api.app import create_app
     from helixserve.planner import load_placement
     from helixserve.runtime import Coordinator, CoordinatorConfig
@@ -286,9 +289,11 @@ async def run_stack(
             workers.wait_ready()
             supervisor = Supervisor(workers)
             supervisor.start()
+            if tls is None:
+                tls = workers.coordinator_tls
         coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(
             scheduler=scheduler, kv_allocation=kv_allocation, kv_watermark=kv_watermark,
-            recovery=recovery))
+            recovery=recovery), tls=tls)
         coord.process_stats = None if supervisor is None else supervisor.stats
         try:
             app = create_app(coord, served_model_name, api_key)

@@ -53,14 +53,15 @@ class RigOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def quick_workloads() -> tuple[Workload, ...]:
+def quick_workloads(num: int | None = None) -> tuple[Workload, ...]:
     """Small bursts: the whole --quick run (24 rows) fits 15 minutes on a quiet 2-core host.
-    The prefill-heavy prompts are half the issue's ~2000 tokens, with outputs cut alike."""
-    return (conversation(6, 256, 24), prefill_heavy(3, 1000, 16))
+    The prefill-heavy prompts are half the issue's ~2000 tokens, with outputs cut alike.
+    `num`: requests per burst instead of 6 and 3."""
+    return (conversation(num or 6, 256, 24), prefill_heavy(num or 3, 1000, 16))
 
 
-def full_workloads() -> tuple[Workload, ...]:
-    return (conversation(16, 512, 64), prefill_heavy(8, 2000, 30))
+def full_workloads(num: int | None = None) -> tuple[Workload, ...]:
+    return (conversation(num or 16, 512, 64), prefill_heavy(num or 8, 2000, 30))
 
 
 def kv_cache_bytes(cluster_spec: Any, model: Any, cost: Any, placement: Any) -> dict[str, int]:

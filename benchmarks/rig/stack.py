@@ -196,6 +196,8 @@ class RigStack:
                 "--node", m.name, "--host", host, "--port", str(port),
                 "--num-threads", str(WORKER_THREADS),
                 "--kv-cache-bytes", str(self.kv_cache_bytes[m.name]),
+                # next hops: the (proxied) addresses the coordinator reads from the cluster
+                "--peers", ",".join(str(n.address) for n in spec.nodes if n.address),
                 *self.speed.worker_args(m.slowdown),
             ]  # fmt: skip
             proc = self._spawn(f"worker-{m.name}", cmd, self.speed.preexec(m.name, m.slowdown))

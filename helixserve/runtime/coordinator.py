@@ -37,7 +37,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from helixserve.errors import UserError
 from helixserve.request import GenerationRequest, SamplingParams, TokenEvent
+from helixserve.runtime import security
 from helixserve.runtime.config import CoordinatorConfig
 from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
@@ -115,7 +115,8 @@ class Coordinator:
         self.max_queue = max_queue
         self.max_reroutes = max_reroutes
         self.stats_interval_s = stats_interval_s
-        self.coordinator_id = f"coord-{uuid.uuid4().hex[:12]}"
+        # the id is derived from a secret only this coordinator knows (runtime/security.py)
+        self.coordinator_id, self._coordinator_token = security.new_coordinator_identity()
         self.nodes: dict[str, NodeClient] = {}
         self.active: dict[str, _Active] = {}
         self.waiting = 0
@@ -151,6 +152,8 @@ class Coordinator:
         placement: Placement,
         model_dir: Path,
         config: CoordinatorConfig | None = None,
+        *,
+        tls: security.TlsConfig | None = None,
     ) -> Coordinator:
         from helixserve.scheduler import make_router
 
@@ -172,7 +175,8 @@ class Coordinator:
             if not address:
                 raise UserError(f"cluster: node {nr.name!r}: address: missing (host:port of its worker)")
             self.nodes[nr.name] = NodeClient(nr.name, address, nr.start_layer, nr.end_layer,
-                                             self.coordinator_id, self._on_result, self._on_node_down)
+                                             self.coordinator_id, self._on_result, self._on_node_down,
+                                             coordinator_token=self._coordinator_token, tls=tls)
         loop = asyncio.get_running_loop()
         tokenizer_task = loop.run_in_executor(None, _load_tokenizer, self.model_dir)
         results = await asyncio.gather(
@@ -190,6 +194,11 @@ class Coordinator:
                 await asyncio.gather(*(n.close() for n in self.nodes.values()),
                                      return_exceptions=True)
                 raise res
+        try:
+            check_vllm_versions({n.name: n.info for n in self.nodes.values() if n.info})
+        except UserError:
+            await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
+            raise
         if not self._covered():
             await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
             raise ConnectionError("no route covers the model over the reachable workers; "
@@ -252,6 +261,13 @@ class Coordinator:
     async def _try_revive(self, node: NodeClient) -> None:
         if await node.revive(self.placement.num_layers,
                              check_range=self.recovery is None):
+            try:
+                check_vllm_versions({n.name: n.info for n in self.nodes.values()
+                                     if n.info and (n.alive or n is node)})
+            except UserError as exc:
+                log.error("not taking node %s back: %s", node.name, exc)
+                await node.close()
+                return
             log.info("node %s is back", node.name)
             self.router.node_up(node.name)
             if self.recovery is not None:
@@ -684,6 +700,19 @@ def _config_max_len(model_dir: Path) -> int | None:
         return None
     value = cfg.get("max_position_embeddings")
     return int(value) if value else None
+
+
+def check_vllm_versions(infos: dict[str, Any]) -> None:
+    """Refuse workers of the vllm engine at different vLLM versions: a route through them would
+    mix two versions' kernels and numerics (greedy outputs would depend on the route)."""
+    versions: dict[str, list[str]] = {}
+    for name, info in infos.items():
+        if getattr(info, "engine", "") == "vllm":
+            versions.setdefault(info.vllm_version or "unknown", []).append(name)
+    if len(versions) > 1:
+        found = "; ".join(f"{v} on {', '.join(sorted(n))}" for v, n in sorted(versions.items()))
+        raise UserError(f"workers run different vLLM versions ({found}); the stages of a "
+                        "route must run the same vLLM version: install one version everywhere")
 
 
 def _chunk_tokens(info: Any, max_tokens: int) -> int:

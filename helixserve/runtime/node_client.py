@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
@@ -45,12 +46,17 @@ class NodeClient:
         coordinator_id: str,
         on_result: Callable[[tp.WireResult], None],
         on_down: Callable[[str, str], None],
+        coordinator_token: str = "",
+        tls: security.TlsConfig | None = None,
     ) -> None:
         self.name = name
         self.address = address
         self.start_layer = start_layer
         self.end_layer = end_layer
         self.coordinator_id = coordinator_id
+        #: the secret behind coordinator_id (runtime/security.py), sent in hello and Release
+        self.coordinator_token = coordinator_token
+        self.tls = tls
         self.on_result = on_result
         self.on_down = on_down
         self.info: tp.WorkerInfo | None = None
@@ -72,7 +78,7 @@ class NodeClient:
         """Wait until the worker is SERVING, check it holds the placement's range (unless
         `check_range` is False: live re-planning takes whatever range it holds), open the
         stream."""
-        self._channel = grpc.aio.insecure_channel(self.address, options=tp.CHANNEL_OPTIONS)
+        self._channel = security.aio_channel(self.address, self.tls, tp.CHANNEL_OPTIONS)
         self._stub = pb_grpc.HelixWorkerStub(self._channel)
         health = health_pb2_grpc.HealthStub(self._channel)
         deadline = time.monotonic() + timeout_s
@@ -140,7 +146,8 @@ class NodeClient:
     # ---- the Work stream -------------------------------------------------------------------
 
     async def _requests(self) -> AsyncIterator[pb.WorkBatch]:
-        yield tp.work_batch_pb([], coordinator_id=self.coordinator_id, sender="coordinator")
+        yield tp.work_batch_pb([], coordinator_id=self.coordinator_id, sender="coordinator",
+                               coordinator_token=self.coordinator_token)
         while True:
             first = await self._outgoing.get()
             if first is None:
@@ -220,20 +227,23 @@ class NodeClient:
             self.on_down(self.name, f"no answer to {self.missed_answers} Info calls of "
                                     f"{hang_timeout_s:g} s each (hung?)")
 
-    async def load_range(self, start_layer: int, end_layer: int, coordinator_id: str,
+    async def load_range(self, start_layer: int, end_layer: int,
                          timeout_s: float) -> pb.LoadRangeReply:
         """Ask the worker to hold [start_layer, end_layer) (LoadRange); returns once it does."""
         assert self._stub is not None
         reply: pb.LoadRangeReply = await self._stub.LoadRange(
             pb.LoadRangeRequest(start_layer=start_layer, end_layer=end_layer,
-                                coordinator_id=coordinator_id), timeout=timeout_s)
+                                coordinator_id=self.coordinator_id,
+                                coordinator_token=self.coordinator_token), timeout=timeout_s)
         self.start_layer, self.end_layer = reply.start_layer, reply.end_layer
         return reply
 
     async def release(self, request_ids: list[str]) -> int:
         assert self._stub is not None
         try:
-            reply = await self._stub.Release(tp.release_pb(request_ids), timeout=10.0)
+            reply = await self._stub.Release(
+                tp.release_pb(request_ids, self.coordinator_id, self.coordinator_token),
+                timeout=10.0)
         except grpc.aio.AioRpcError as exc:
             log.warning("release on %s failed: %s", self.name, exc.code().name)
             return 0

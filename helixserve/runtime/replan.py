@@ -208,8 +208,7 @@ class Recovery:
         would only bounce back as a stale route) until the new placement is installed."""
         coord = self.coord
         try:
-            await coord.nodes[name].load_range(start, end, coord.coordinator_id,
-                                               self.config.load_timeout_s)
+            await coord.nodes[name].load_range(start, end, self.config.load_timeout_s)
         finally:
             coord.router.node_down(name)
 

@@ -9,6 +9,7 @@ Hidden states in another float dtype than the receiver's are cast (mixed-GPU clu
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,15 +29,43 @@ if TYPE_CHECKING:
 #: 8192-wide fp32 model that is 16 MiB. Prefills longer than `prefill_chunk_tokens(...)` are split.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Loopback and LAN links: keep persistent streams alive through idle periods and NATs.
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
+#: Seconds between keepalive pings on idle channels (env HELIXSERVE_GRPC_KEEPALIVE_S; tests
+#: shrink it to reproduce hours of idling in seconds).
+KEEPALIVE_S = float(os.environ.get("HELIXSERVE_GRPC_KEEPALIVE_S", "20"))
+
+
+def channel_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, Any]]:
+    """Options of every client channel (coordinator -> worker, worker -> next hop)."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # Loopback and LAN links: keep persistent streams alive through idle periods and NATs.
+        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, Any]]:
+    """Options of the worker's server, agreeing with `channel_options`' pings: by default a
+    gRPC server allows a ping without data only every 5 minutes and sends GOAWAY
+    `too_many_pings` after 2 early ones, which killed idle worker-to-worker streams after
+    ~1 minute of 20 s pings. The server here accepts pings at half the client's interval,
+    with or without calls in flight."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(keepalive_s * 1000 / 2)),
+        # the server's own pings to idle clients (a dead coordinator's stream is noticed)
+        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", 10_000),
+    ]
+
+
+CHANNEL_OPTIONS: list[tuple[str, Any]] = channel_options()
+SERVER_OPTIONS: list[tuple[str, Any]] = server_options()
 
 #: the float dtypes on the wire, by name, and their bytes per element
 _ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -47,6 +76,7 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
 
 
 class WireError(ValueError):
@@ -353,11 +383,13 @@ def item_from_pb(msg: pb.WorkItem, expect: ExpectedInput, where: str = "item") -
 
 
 def work_batch_pb(
-    items: Sequence[pb.WorkItem], coordinator_id: str = "", sender: str = ""
+    items: Sequence[pb.WorkItem], coordinator_id: str = "", sender: str = "",
+    coordinator_token: str = "",
 ) -> pb.WorkBatch:
     batch = pb.WorkBatch(items=items)
     if coordinator_id or sender:
-        batch.hello.CopyFrom(pb.StreamHello(coordinator_id=coordinator_id, sender=sender))
+        batch.hello.CopyFrom(pb.StreamHello(coordinator_id=coordinator_id, sender=sender,
+                                            coordinator_token=coordinator_token))
     return batch
 
 
@@ -366,6 +398,11 @@ def hello_of(batch: pb.WorkBatch) -> tuple[str, str] | None:
     if not batch.HasField("hello"):
         return None
     return batch.hello.coordinator_id, batch.hello.sender
+
+
+def hello_token(batch: pb.WorkBatch) -> str:
+    """The coordinator's secret in a stream's hello ("" when none)."""
+    return batch.hello.coordinator_token if batch.HasField("hello") else ""
 
 
 # ---- results ----------------------------------------------------------------------------
@@ -422,8 +459,10 @@ def result_batch_pb(results: Sequence[pb.WorkResult]) -> pb.ResultBatch:
     return pb.ResultBatch(results=results)
 
 
-def release_pb(request_ids: Sequence[str]) -> pb.ReleaseRequest:
-    return pb.ReleaseRequest(request_ids=list(request_ids))
+def release_pb(request_ids: Sequence[str], coordinator_id: str = "",
+               coordinator_token: str = "") -> pb.ReleaseRequest:
+    return pb.ReleaseRequest(request_ids=list(request_ids), coordinator_id=coordinator_id,
+                             coordinator_token=coordinator_token)
 
 
 # ---- info -------------------------------------------------------------------------------
@@ -459,6 +498,8 @@ class WorkerInfo:
     #: engine steps per bucket of STEP_TOKEN_BUCKETS (+ one for larger), tokens over all steps
     step_tokens_counts: tuple[int, ...] = ()
     step_tokens_sum: int = 0
+    engine: str = "torch"
+    vllm_version: str = ""
 
     @property
     def kv_free_tokens(self) -> int:

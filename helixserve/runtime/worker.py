@@ -18,6 +18,13 @@ unreachable) go the same way, to the coordinator, which fails or re-routes the r
 
 Released request ids are remembered (bounded) so that an item still in flight when its request
 was released is dropped instead of allocating KV that nobody would free.
+
+Trust (runtime/security.py): with TLS the server has only a mutual-TLS port. A coordinator's
+stream hello must carry the secret its id is derived from, items on it must name that
+coordinator, and Release frees only requests of the coordinator that proves its id; an item
+whose request holds KV here for another coordinator is refused. An item is forwarded only
+to an address of the worker's peer policy (its placement's nodes): a forged next hop gets a
+per-item PERMISSION_DENIED and nothing is connected.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
@@ -59,6 +67,8 @@ class _Stream:
     coordinator_id: str
     sender: str
     out: asyncio.Queue[pb.WorkResult | None] = field(default_factory=asyncio.Queue)
+    #: why the worker refused the stream (the handler aborts it with PERMISSION_DENIED)
+    refused: str = ""
 
 
 @dataclass
@@ -70,7 +80,8 @@ class _Job:
 
 @dataclass
 class _Release:
-    request_ids: list[str]
+    #: (coordinator id, request id): a request's KV is freed only for the coordinator owning it
+    requests: list[tuple[str, str]]
     done: Future[int]
 
 
@@ -110,7 +121,7 @@ class _Peer:
         while True:
             first = await self.queue.get()
             self.sent.clear()
-            channel = grpc.aio.insecure_channel(self.address, options=tp.CHANNEL_OPTIONS)
+            channel = security.aio_channel(self.address, self.worker.tls, tp.CHANNEL_OPTIONS)
             try:
                 call = pb_grpc.HelixWorkerStub(channel).Work(self._requests(first))
                 await self._read(call)
@@ -180,9 +191,15 @@ class Worker(pb_grpc.HelixWorkerServicer):
     """Serve one engine's layer range; see the module doc for threads and message flow."""
 
     def __init__(self, engine: Any, node: str, model: str, backend: str, device: str,
+                 tls: security.TlsConfig | None = None,
+                 peers: security.PeerPolicy | None = None,
                  reload: Callable[[Any, int, int], tuple[Any, int]] | None = None,
                  kv_cache_bytes: int | None = None) -> None:
         self.engine = engine
+        #: credentials for the streams to next hops (None: plaintext)
+        self.tls = tls
+        #: where items may be forwarded; None or empty: nowhere (module doc)
+        self.peer_policy = peers or security.PeerPolicy()
         #: (engine, start, end) -> (engine of [start, end) loaded beside it, layers read);
         #: None: this engine cannot change its range live (LoadRange is refused)
         self._reload = reload
@@ -213,7 +230,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.draining = False
         # Engine-thread state (read approximately by Info from the loop thread).
         self.active: dict[str, str] = {}  # request id -> coordinator id, holding KV here
-        self.released: OrderedDict[str, None] = OrderedDict()
+        self.released: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.queue_len = 0
         self.last_batch_size = 0
         self.steps = 0
@@ -245,7 +262,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         ids = list(self.active.items())
         for rid, cid in ids:
             self.report_error(rid, 0, cid, tp.UNAVAILABLE, message)
-        self.inbox.put(_Release([rid for rid, _ in ids], fut))
+        self.inbox.put(_Release([(cid, rid) for rid, cid in ids], fut))
         return len(ids)
 
     # ---- engine thread -----------------------------------------------------------------
@@ -267,7 +284,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 if m is None:
                     return
                 if isinstance(m, _Release):
-                    freed = self._free(m.request_ids)
+                    freed = self._free(m.requests)
                     if not m.done.cancelled():  # the caller may have gone away
                         m.done.set_result(freed)
                 elif isinstance(m, _Switch):
@@ -281,7 +298,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
             later: deque[_Job] = deque()
             for job in pending:
                 rid = job.item.request_id
-                if rid in self.released:
+                if (job.item.coordinator_id, rid) in self.released:
                     continue
                 if rid in seen:
                     later.append(job)
@@ -341,8 +358,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
                    f"{new.end_layer}); replay the request")
         moved = dict(self.active)
         moved.update((j.item.request_id, j.item.coordinator_id) for j in pending)
-        for rid in moved:
-            self.released[rid] = None
+        for rid, cid in moved.items():
+            self.released[(cid, rid)] = None
         self.active.clear()
         self.engine.release_memory()
         new.allocate_kv(self.kv_cache_bytes)
@@ -357,14 +374,17 @@ class Worker(pb_grpc.HelixWorkerServicer):
             self.loop.call_soon_threadsafe(self.report_error, rid, 0, cid, tp.UNAVAILABLE, message)
         m.done.set_result((len(moved), time.perf_counter() - t0))
 
-    def _free(self, request_ids: list[str]) -> int:
+    def _free(self, requests: list[tuple[str, str]]) -> int:
         freed = 0
-        for rid in request_ids:
-            self.released[rid] = None
+        for cid, rid in requests:
+            self.released[(cid, rid)] = None
             if len(self.released) > RELEASED_MEMORY:
                 self.released.popitem(last=False)
-            if self.active.pop(rid, None) is not None:
-                freed += 1
+            owner = self.active.get(rid)
+            if owner is None or owner != cid:
+                continue  # not here, or another coordinator's request: left alone
+            del self.active[rid]
+            freed += 1
             self.engine.free(rid)
         return freed
 
@@ -450,6 +470,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
                         break
                     results.append(r)
                 yield tp.result_batch_pb(results)
+            if stream.refused:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, stream.refused)
         finally:
             reader.cancel()
             self.streams.discard(stream)
@@ -457,7 +479,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 del self.coordinators[stream.coordinator_id]
                 # The coordinator is gone (crashed, or it re-routed our requests when its stream
                 # broke): nobody will release its requests here, so free them now.
-                orphans = [rid for rid, cid in list(self.active.items())
+                orphans = [(cid, rid) for rid, cid in list(self.active.items())
                            if cid == stream.coordinator_id]
                 if orphans:
                     log.warning("coordinator %s left; freeing %d requests",
@@ -470,9 +492,17 @@ class Worker(pb_grpc.HelixWorkerServicer):
             async for batch in request_iterator:
                 hello = tp.hello_of(batch)
                 if hello is not None:
-                    stream.coordinator_id, stream.sender = hello
-                    if stream.coordinator_id:
-                        self.coordinators[stream.coordinator_id] = stream
+                    cid, stream.sender = hello
+                    if cid and not security.coordinator_token_ok(cid, tp.hello_token(batch)):
+                        # someone claims a coordinator id without its secret: taking over
+                        # that coordinator's results is exactly what this refuses
+                        log.warning("refused a stream claiming coordinator %s: bad token", cid)
+                        stream.refused = (f"node {self.node}: coordinator id {cid!r} does not "
+                                          "match its token; stream refused")
+                        return
+                    stream.coordinator_id = cid
+                    if cid:
+                        self.coordinators[cid] = stream
                 jobs = [job for i, msg in enumerate(batch.items)
                         if (job := self._accept(msg, stream, f"items[{i}]")) is not None]
                 if jobs:
@@ -489,6 +519,15 @@ class Worker(pb_grpc.HelixWorkerServicer):
             code = tp.UNAVAILABLE if self._stale_route(msg) else tp.INVALID_ARGUMENT
             self.report_error(msg.request_id, msg.step_id, msg.coordinator_id,
                               code, f"node {self.node}: {exc}", stream)
+            return None
+        refusal = self._refusal(item, stream, where)
+        if refusal:
+            log.warning("refused %s: %s", where, refusal)
+            # to the sender only: a refused item's coordinator id is not trusted
+            r = tp.WireResult(request_id=item.request_id, step_id=item.step_id,
+                              status_code=tp.PERMISSION_DENIED, error=f"node {self.node}: {refusal}",
+                              node=self.node)
+            stream.out.put_nowait(tp.result_to_pb(r))
             return None
         if self.draining and item.request_id not in self.active:
             self.report_error(item.request_id, item.step_id, item.coordinator_id, tp.UNAVAILABLE,
@@ -510,6 +549,12 @@ class Worker(pb_grpc.HelixWorkerServicer):
     ) -> pb.LoadRangeReply:
         start, end = request.start_layer, request.end_layer
         n = self.engine.num_model_layers
+        if not security.coordinator_token_ok(request.coordinator_id, request.coordinator_token):
+            log.warning("refused LoadRange [%d, %d) for coordinator %r: bad token", start, end,
+                        request.coordinator_id)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"node {self.node}: LoadRange needs a coordinator's id and token; "
+                                "range unchanged")
         reload = self._reload
         if reload is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -550,11 +595,36 @@ class Worker(pb_grpc.HelixWorkerServicer):
                                  switch_s=switch_s, requests_moved=moved,
                                  layers_loaded=layers_read)
 
+    def _refusal(self, item: tp.WireItem, stream: _Stream, where: str) -> str:
+        """Why an item may not run here ("" when it may): see the module doc, Trust."""
+        if stream.coordinator_id and item.coordinator_id != stream.coordinator_id:
+            return (f"{where}.coordinator_id: {item.coordinator_id!r} on the stream of "
+                    f"coordinator {stream.coordinator_id!r}")
+        if not stream.coordinator_id and item.hop_index == 0:
+            return f"{where}.hop_index: 0 (first hop) from a stream that is not a coordinator's"
+        owner = self.active.get(item.request_id)
+        if owner is not None and owner != item.coordinator_id:
+            return f"{where}.request_id: {item.request_id!r} belongs to another coordinator"
+        if not item.is_last_hop:
+            nxt = item.route[item.hop_index + 1]
+            if not self.peer_policy.allows(nxt.address):
+                return (f"{where}.route[{item.hop_index + 1}].address: {nxt.address!r} is not a "
+                        f"peer of this worker (peers: {self.peer_policy.describe()}); refused, "
+                        "nothing connected")
+        return ""
+
     async def Release(  # noqa: N802
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseReply:
+        cid = request.coordinator_id
+        if not security.coordinator_token_ok(cid, request.coordinator_token):
+            log.warning("refused Release of %d requests for coordinator %r: bad token",
+                        len(request.request_ids), cid)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"node {self.node}: Release needs the coordinator's id and token; "
+                                "nothing freed")
         fut: Future[int] = Future()
-        self.inbox.put(_Release(list(request.request_ids), fut))
+        self.inbox.put(_Release([(cid, rid) for rid in request.request_ids], fut))
         freed = await asyncio.wrap_future(fut)
         return pb.ReleaseReply(released=freed)
 
@@ -589,6 +659,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
             eos_token_ids=tuple(int(t) for t in (self.engine.eos_token_ids or ())),
             step_tokens_counts=tuple(self.step_tokens_counts),
             step_tokens_sum=self.step_tokens_sum,
+            engine=getattr(self.engine, "engine_name", "torch"),
+            vllm_version=getattr(self.engine, "vllm_version", ""),
         )
 
 
@@ -599,19 +671,21 @@ async def serve(
     drain_timeout_s: float = 30.0,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
+    tls: security.TlsConfig | None = None,
 ) -> int:
     """Run the worker's gRPC server until `stop` is set (SIGTERM), then drain and exit.
 
     Shutdown: health goes NOT_SERVING and new requests are refused; requests already holding KV
     here keep being served until the coordinator releases them or `drain_timeout_s` passes;
     whatever is left then is failed explicitly (UNAVAILABLE to its coordinator) and freed.
-    Returns the bound port.
+    With `tls`, the only port is mutual TLS (a client without a certificate from the CA is
+    refused at the handshake). Returns the bound port.
     """
-    server = grpc.aio.server(options=tp.CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=tp.SERVER_OPTIONS)
     pb_grpc.add_HelixWorkerServicer_to_server(worker, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = security.add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     worker.start()
@@ -622,7 +696,9 @@ async def serve(
     print(
         f"helixserve worker {worker.node}: layers [{info.start_layer}, {info.end_layer}) of "
         f"{info.num_model_layers}, {info.backend} on {info.device} ({info.dtype}), "
-        f"KV {info.kv_capacity_tokens} tokens, listening on {host}:{bound}",
+        f"KV {info.kv_capacity_tokens} tokens, listening on {host}:{bound} "
+        f"({'mutual TLS' if tls else 'plaintext, no authentication'}; "
+        f"forwards to: {worker.peer_policy.describe()})",
         flush=True,
     )
     if ready is not None:

@@ -28,12 +28,15 @@ Model (one event heap, `heapq`, ordered by time then insertion):
   next decode step to the route's first node.
 - Offline mode keeps the admission queue non-empty (the next trace request, cycled, arrives
   whenever the queue drains): the cluster stays saturated and the run measures its maximum
-  throughput. With `offline_feed="kv-feeder"` or `"closed"` requests enter as the Helix artifact's offline
-  feeder and prototype host send them instead (`SimConfig` fields `feed_*`).
+  throughput. With `offline_feed="kv-feeder"` or `"closed"` requests enter as the Helix
+  artifact's offline feeders and its prototype's host send them (`SimConfig.feed_*`).
 - KV expectation (`kv_expected_output_tokens`, Helix's scheduler): admission promises each
   request prompt + a fixed expected output on every node of its route and keeps the promises
   within `1 - kv_watermark` of each node's KV; the nodes still allocate on demand what the
   requests really hold (preempting when that runs out).
+- `layer_overhead_s` adds a fixed time to every layer an iteration runs (costs of a real
+  engine that a per-layer profile leaves out). docs/calibration.md says which of these model
+  Helix's prototype (`--engine helix-prototype`) and how much each changes.
 """
 
 from __future__ import annotations
@@ -475,21 +478,23 @@ class Simulation:
         )
 
     def _feed(self, initial: bool) -> None:
-        """One more request from the trace (cycled). An initial one waits for a route like any
-        arrival; one fed on a prompt's or a request's end is dropped when no route takes it."""
+        """One more request from the trace (cycled). An initial one (and any while requests
+        wait, e.g. preempted ones) queues for a route like an arrival; one fed on a prompt's or
+        a request's end is dropped when no route takes it at once, as Helix's host drops it."""
         if self.now > self.cfg.duration_s:
             return
         assert self.stream is not None
         prompt, output = next(self.stream)
-        self.arrived += 1
-        r = SimRequest(f"req-{self.arrived}", self.now, prompt, output)
+        r = SimRequest(f"req-{self.arrived + 1}", self.now, prompt, output)
         if initial or self.waiting:
+            self.arrived += 1
             self.waiting.append(r)
             if len(self.waiting) == 1:
                 self._admit()
-        elif not self._start_request(r):
+        elif self._start_request(r):
+            self.arrived += 1
+        else:
             self.feed_dropped += 1
-            self.arrived -= 1
 
     def _free(self, r: SimRequest) -> None:
         """Release the KV `r` holds on its route (it finished or was preempted)."""

@@ -96,12 +96,14 @@ class WorkItem(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., step_id: _Optional[int] = ..., hop_index: _Optional[int] = ..., route: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., compute_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StreamHello(_message.Message):
-    __slots__ = ("coordinator_id", "sender")
+    __slots__ = ("coordinator_id", "sender", "coordinator_token")
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_TOKEN_FIELD_NUMBER: _ClassVar[int]
     coordinator_id: str
     sender: str
-    def __init__(self, coordinator_id: _Optional[str] = ..., sender: _Optional[str] = ...) -> None: ...
+    coordinator_token: str
+    def __init__(self, coordinator_id: _Optional[str] = ..., sender: _Optional[str] = ..., coordinator_token: _Optional[str] = ...) -> None: ...
 
 class WorkBatch(_message.Message):
     __slots__ = ("hello", "items")
@@ -166,10 +168,14 @@ class ResultBatch(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[WorkResult, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_ids",)
+    __slots__ = ("request_ids", "coordinator_id", "coordinator_token")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    coordinator_id: str
+    coordinator_token: str
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., coordinator_id: _Optional[str] = ..., coordinator_token: _Optional[str] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("released",)
@@ -182,7 +188,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("node", "model", "num_model_layers", "start_layer", "end_layer", "backend", "device", "dtype", "hidden_size", "kv_block_size", "kv_total_blocks", "kv_used_blocks", "kv_capacity_tokens", "queue_len", "last_batch_size", "busy_fraction", "steps", "active_requests", "draining", "eos_token_ids", "items_run", "step_tokens_counts", "step_tokens_sum")
+    __slots__ = ("node", "model", "num_model_layers", "start_layer", "end_layer", "backend", "device", "dtype", "hidden_size", "kv_block_size", "kv_total_blocks", "kv_used_blocks", "kv_capacity_tokens", "queue_len", "last_batch_size", "busy_fraction", "steps", "active_requests", "draining", "eos_token_ids", "items_run", "step_tokens_counts", "step_tokens_sum", "engine", "vllm_version")
     NODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_MODEL_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +212,8 @@ class InfoReply(_message.Message):
     ITEMS_RUN_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_COUNTS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_SUM_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
     node: str
     model: str
     num_model_layers: int
@@ -229,17 +237,21 @@ class InfoReply(_message.Message):
     items_run: int
     step_tokens_counts: _containers.RepeatedScalarFieldContainer[int]
     step_tokens_sum: int
-    def __init__(self, node: _Optional[str] = ..., model: _Optional[str] = ..., num_model_layers: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., queue_len: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., items_run: _Optional[int] = ..., step_tokens_counts: _Optional[_Iterable[int]] = ..., step_tokens_sum: _Optional[int] = ...) -> None: ...
+    engine: str
+    vllm_version: str
+    def __init__(self, node: _Optional[str] = ..., model: _Optional[str] = ..., num_model_layers: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., queue_len: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., items_run: _Optional[int] = ..., step_tokens_counts: _Optional[_Iterable[int]] = ..., step_tokens_sum: _Optional[int] = ..., engine: _Optional[str] = ..., vllm_version: _Optional[str] = ...) -> None: ...
 
 class LoadRangeRequest(_message.Message):
-    __slots__ = ("start_layer", "end_layer", "coordinator_id")
+    __slots__ = ("start_layer", "end_layer", "coordinator_id", "coordinator_token")
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
     END_LAYER_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_TOKEN_FIELD_NUMBER: _ClassVar[int]
     start_layer: int
     end_layer: int
     coordinator_id: str
-    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., coordinator_id: _Optional[str] = ...) -> None: ...
+    coordinator_token: str
+    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., coordinator_id: _Optional[str] = ..., coordinator_token: _Optional[str] = ...) -> None: ...
 
 class LoadRangeReply(_message.Message):
     __slots__ = ("start_layer", "end_layer", "load_s", "switch_s", "requests_moved", "layers_loaded")

@@ -44,6 +44,13 @@ class DemoStack:
         held = {n.name for n in load_placement(self.workdir / "placement.json").nodes}
         return {n.name: str(n.address) for n in cluster.nodes if n.name in held}
 
+    def coordinator_tls(self):  # -> helixserve.runtime.security.TlsConfig
+        """The dev credentials the demo generated for its coordinator (launch.py)."""
+        from helixserve.runtime.security import load_tls
+
+        tls = self.workdir / "logs" / "tls"
+        return load_tls(tls / "coordinator.crt", tls / "coordinator.key", tls / "ca.crt")
+
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

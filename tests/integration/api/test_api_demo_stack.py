@@ -18,6 +18,7 @@ from api_demo_lib import API_KEY, processes_mentioning
 from prometheus_client.parser import text_string_to_metric_families
 
 from helixserve.bench.datasets import load_azure_conv
+from helixserve.runtime import security
 from helixserve.runtime.proto import helix_pb2, helix_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -36,12 +37,32 @@ def client(demo) -> openai.OpenAI:
 
 def worker_infos(demo) -> dict[str, helix_pb2.InfoReply]:
     out = {}
+    tls = demo.coordinator_tls()
     for node, address in demo.worker_addresses().items():
-        with grpc.insecure_channel(address) as channel:
+        with security.sync_channel(address, tls) as channel:
             out[node] = helix_pb2_grpc.HelixWorkerStub(channel).Info(
                 helix_pb2.InfoRequest(), timeout=10
             )
     return out
+
+
+def test_worker_ports_refuse_clients_without_credentials(demo):
+    """The demo runs mutual TLS by default: plaintext, and TLS without a client certificate,
+    get nothing from any worker port; the demo's own credentials do."""
+    addresses = demo.worker_addresses()
+    tls = demo.coordinator_tls()
+    no_client_cert = grpc.ssl_channel_credentials(root_certificates=tls.ca_pem)
+    refused = 0
+    for address in addresses.values():
+        for channel in (grpc.insecure_channel(address),
+                        grpc.secure_channel(address, no_client_cert)):
+            with channel:
+                with pytest.raises(grpc.RpcError) as err:
+                    helix_pb2_grpc.HelixWorkerStub(channel).Info(helix_pb2.InfoRequest(), timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                refused += 1
+    assert refused == 2 * len(addresses) >= 4
+    assert set(worker_infos(demo)) == set(addresses)
 
 
 def scrape(demo) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

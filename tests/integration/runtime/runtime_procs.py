@@ -45,18 +45,24 @@ def free_port() -> int:
 
 def start_worker(model: Path, name: str, start: int, end: int, tmp: Path,
                  extra: list[str] | None = None, placement: Path | None = None,
-                 port: int | None = None, log_name: str | None = None) -> WorkerProc:
+                 port: int | None = None, log_name: str | None = None,
+                 peers: str | None = "127.0.0.1:*",
+                 env: dict[str, str] | None = None) -> WorkerProc:
     """With `placement`, the worker finds its range there (`--placement P --node N`, as the
     Kubernetes manifests run it); else `--layers start:end`."""
     port = port or free_port()
     log_path = tmp / f"{log_name or name}.log"
     where = ["--placement", str(placement)] if placement else ["--layers", f"{start}:{end}"]
+    # Plaintext, and forwarding to any loopback port (the tests route through proxies whose
+    # ports appear later): the runtime tests exercise routing and faults; TLS and the peer
+    # allowlist are tested in test_abuse.py and through the local stacks (launch.py).
     cmd = [sys.executable, "-m", "helixserve", "worker", "--model", str(model),
            *where, "--node", name, "--port", str(port),
+           *(["--peers", peers] if peers else []),
            "--kv-cache-bytes", str(KV_CACHE_BYTES), "--num-threads", "1", *(extra or [])]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     out = log_path.open("w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=full_env)
     return WorkerProc(name, start, end, port, proc, log_path)
 
 

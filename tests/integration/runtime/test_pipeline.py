@@ -26,7 +26,13 @@ from runtime_procs import (
 
 from helixserve.engine import ShardEngine, WorkItem
 from helixserve.request import SamplingParams
-from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest, NoRouteError
+from helixserve.runtime import (
+    Coordinator,
+    CoordinatorConfig,
+    GenerationRequest,
+    NoRouteError,
+    security,
+)
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
@@ -210,6 +216,10 @@ def test_no_route_when_workers_do_not_cover_the_model(workers, demo_model):
     asyncio.run(main())
 
 
+#: a coordinator identity for the raw-stub tests (workers refuse a hello without its token)
+TESTER_ID, TESTER_TOKEN = security.new_coordinator_identity()
+
+
 def _bad_item(worker: WorkerProc, **changes: Any) -> pb.WorkItem:
     """A decode item for n1 ([10,20)) with hidden states, then `changes` applied."""
     hidden = torch.zeros(1, 576)
@@ -217,7 +227,7 @@ def _bad_item(worker: WorkerProc, **changes: Any) -> pb.WorkItem:
         tp.WireHop("n0", "x", 0, 10), tp.WireHop("n1", worker.address, 10, 20),
         tp.WireHop("n2", "y", 20, 30),
     ]
-    item = tp.WireItem(request_id="bad", coordinator_id="tester", step_id=7, hop_index=1,
+    item = tp.WireItem(request_id="bad", coordinator_id=TESTER_ID, step_id=7, hop_index=1,
                        route=tuple(route), position=0, token_ids=[1], hidden=hidden,
                        sampling=GREEDY, sample=True)
     msg = tp.item_to_pb(item)
@@ -253,7 +263,8 @@ def test_bad_tensors_are_rejected(workers, changes, message):
             msg = _bad_item(workers["n1"], **changes)
 
             async def requests() -> Any:
-                yield tp.work_batch_pb([msg], coordinator_id="tester", sender="test")
+                yield tp.work_batch_pb([msg], coordinator_id=TESTER_ID, sender="test",
+                                       coordinator_token=TESTER_TOKEN)
 
             call = stub.Work(requests())
             batch = await asyncio.wait_for(call.__aiter__().__anext__(), 10)

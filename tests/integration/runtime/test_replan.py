@@ -29,7 +29,7 @@ from runtime_procs import (
     wait_ready,
 )
 
-from helixserve.engine import SamplingParams
+from helixserve.request import SamplingParams
 from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest, NoRouteError
 from helixserve.runtime.replan import RecoveryConfig
 

@@ -252,6 +252,14 @@ def test_models_tokenize_detokenize_version_health(server, tokenizer):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_openapi_operation_ids_are_unique(server):
+    """One id per operation (GET and HEAD /health once shared one: FastAPI's duplicate
+    operation id warning, and schema tools that key on the id see one operation)."""
+    spec = httpx.get(server.url + "/openapi.json").json()
+    ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)) >= 8, ids
+
+
 def test_client_disconnect_closes_the_coordinator_generator(server, fake):
     body = {
         "model": MODEL,

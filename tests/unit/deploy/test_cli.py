@@ -31,7 +31,7 @@ def test_deploy_k8s_writes_the_manifests(geo_cluster: Path, tmp_path: Path) -> N
     assert "[40, 60)" in table["n12"] and "Tesla-T4" in table["n12"]
     assert f"kubectl apply -k {out}" in proc.stdout
     # every layer is held by two nodes (two full pipelines): no single point of failure
-    assert proc.stderr == ""
+    assert "no other node holds" not in proc.stderr and "--api-key-secret" in proc.stderr
     # a second run with the same inputs changes nothing
     again = helixserve("deploy", "k8s", "--cluster", str(geo_cluster), "--placement",
                        str(placement), "--model-path", "/models/llama-2-70b", "--image",

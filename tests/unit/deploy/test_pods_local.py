@@ -3,10 +3,11 @@
 No Kubernetes here, so this test plays the kubelet for a two-worker CPU placement of the demo
 model: it "mounts" the ConfigMap (its files in a temp dir) and the model volume (the demo
 model's parent directory), "resolves" each worker's stable DNS name to 127.0.0.1 and a free
-port, runs every container's `command` exactly as rendered (paths and ports substituted, the
-container's env applied), waits on the rendered readiness probes (gRPC health on the worker
-port, HTTP GET on the coordinator's named port), and sends a chat request through the
-coordinator. It fails if a rendered flag, path, probe or address does not work with the real
+port, "mounts" each pod's items of the TLS Secret (certificates from `helixserve certs create`),
+runs every container's `command` exactly as rendered (paths and ports substituted, the
+container's env applied), waits on the rendered readiness probes (the exec'd `helixserve
+certs check` over mutual TLS on the worker port, HTTP GET on the coordinator's named port),
+and sends a chat request through the coordinator. It fails if a rendered flag, path, probe or address does not work with the real
 `worker` and `serve` commands. Marked integration: it starts real processes (~20 s on 2 CPUs).
 """
 
@@ -28,7 +29,7 @@ import yaml
 from k8s_testlib import load_docs, opts, write_cluster, write_placement
 
 from helixserve.deploy import render_k8s
-from helixserve.deploy.k8s import CONFIG_DIR, model_mount_dir
+from helixserve.deploy.k8s import CONFIG_DIR, TLS_DIR, model_mount_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -100,6 +101,16 @@ class Kubelet:
                                 start_new_session=True)
         self.procs.append((name, proc))
 
+    def exec_probe(self, command: list[str], mounts: dict[str, Path], ports: dict[str, int]) -> bool:
+        """Run an exec probe's command as the kubelet would (inside the pod's mounts)."""
+        cmd = [self.mount(arg, mounts) for arg in command]
+        for port_in_pod, local in ports.items():
+            cmd = [a.replace(f"127.0.0.1:{port_in_pod}", f"127.0.0.1:{local}") for a in cmd]
+        assert cmd[0] == "helixserve"
+        proc = subprocess.run([sys.executable, "-m", "helixserve", *cmd[1:]],
+                              capture_output=True, text=True, timeout=30)
+        return proc.returncode == 0
+
     def wait(self, name: str, check: Any) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         proc = dict(self.procs)[name]
@@ -163,19 +174,38 @@ def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterato
         (config_dir / key).write_text(value)
     mounts = {CONFIG_DIR: config_dir, model_mount_dir(o): demo_model.parent}
 
+    # The Secret, as docs/security.md creates it, and each pod's projection of its items.
+    from helixserve.runtime.security import create_dev_credentials
+
+    secret = create_dev_credentials(tmp / "certs", ["w0", "w1"]).directory
+
+    def pod_mounts(obj: dict[str, Any], pod: str) -> dict[str, Path]:
+        (vol,) = [v for v in obj["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+        tls_dir = tmp / f"tls-{pod}"
+        tls_dir.mkdir()
+        for item in vol["secret"]["items"]:
+            (tls_dir / item["path"]).write_bytes((secret / item["key"]).read_bytes())
+        return {**mounts, TLS_DIR: tls_dir}
+
     kubelet = Kubelet(tmp, demo_model.parent)
     try:
+        worker_mounts = {}
+        for node in ("w0", "w1"):
+            obj = objs[f"worker-{node}.yaml"]
+            worker_mounts[node] = pod_mounts(obj, node)
+            kubelet.run(node, _container(obj), worker_mounts[node], {"50051": worker_ports[node]})
         for node in ("w0", "w1"):
             c = _container(objs[f"worker-{node}.yaml"])
-            kubelet.run(node, c, mounts, {"50051": worker_ports[node]})
-        for node in ("w0", "w1"):
-            c = _container(objs[f"worker-{node}.yaml"])
-            probe_port = c["readinessProbe"]["grpc"]["port"]
-            assert probe_port == c["ports"][0]["containerPort"]
-            kubelet.wait(node, lambda n=node: _grpc_ready(worker_ports[n]))
-        c = _container(objs["coordinator-deployment.yaml"])
+            probe = c["readinessProbe"]["exec"]["command"]
+            assert f"127.0.0.1:{c['ports'][0]['containerPort']}" in probe
+            kubelet.wait(node, lambda n=node, p=probe: kubelet.exec_probe(
+                p, worker_mounts[n], {"50051": worker_ports[n]}))
+            # the port is TLS only: the plaintext gRPC check a native probe makes is refused
+            assert not _grpc_ready(worker_ports[node])
+        obj = objs["coordinator-deployment.yaml"]
+        c = _container(obj)
         api_port = _free_port()
-        kubelet.run("coordinator", c, mounts, {"8000": api_port})
+        kubelet.run("coordinator", c, pod_mounts(obj, "coordinator"), {"8000": api_port})
         probe = c["readinessProbe"]["httpGet"]
         named = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert named[probe["port"]] == 8000

@@ -77,8 +77,18 @@ def test_one_statefulset_per_placement_node(geo_cluster: Path, geo_placement: Pa
         # T4 has no bfloat16 units
         assert flag(cmd, "--dtype") == ("float16" if spec.gpu == "T4" else "bfloat16")
         assert c["ports"] == [{"name": "grpc", "containerPort": 50051, "protocol": "TCP"}]
+        # TLS by default: certificate from the Secret, peers from the cluster file, and the
+        # gRPC health check over mutual TLS (the native gRPC probe is plaintext only)
+        assert flag(cmd, "--cluster") == "/etc/helixserve/cluster.yaml"
+        tls = ["--tls-cert", "/etc/helixserve-tls/tls.crt", "--tls-key",
+               "/etc/helixserve-tls/tls.key", "--tls-ca", "/etc/helixserve-tls/ca.crt"]
+        assert cmd[-6:] == tls
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"] == {"port": 50051}, probe
+            assert c[probe]["exec"]["command"] == [
+                "helixserve", "certs", "check", "--address", "127.0.0.1:50051", *tls], probe
+        (secret,) = [v["secret"] for v in pod["volumes"] if v["name"] == "tls"]
+        assert secret["secretName"] == "helixserve-tls"
+        assert {i["key"] for i in secret["items"]} == {"ca.crt", f"{node}.crt", f"{node}.key"}
         startup = c["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 1800
         (spread,) = pod["affinity"]["podAntiAffinity"][
@@ -330,3 +340,41 @@ def test_rendered_commands_parse_with_the_real_cli(geo_cluster: Path, tmp_path: 
     assert parsed["worker-box.yaml"].device == "cpu"
     serve = parsed["coordinator-deployment.yaml"]
     assert (str(serve.cluster), serve.port) == ("/etc/helixserve/cluster.yaml", 8000)
+
+
+def test_network_policy_admits_only_coordinator_and_workers(geo_cluster: Path,
+                                                            geo_placement: Path) -> None:
+    objs = objects(render_k8s(geo_cluster, geo_placement, opts()).files)
+    policy = objs["workers-networkpolicy.yaml"]
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    worker_labels = next(o for o in objs.values() if o["kind"] == "StatefulSet")[
+        "spec"]["template"]["metadata"]["labels"]
+    coordinator_labels = objs["coordinator-deployment.yaml"]["spec"]["template"]["metadata"][
+        "labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= worker_labels.items()
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
+    selectors = [f["podSelector"]["matchLabels"] for f in rule["from"]]
+    assert len(selectors) == 2
+    assert any(s.items() <= coordinator_labels.items() for s in selectors)
+    assert any(s.items() <= worker_labels.items() for s in selectors)
+    # nothing but those two may match: no namespaceSelector / ipBlock rules
+    assert all(set(f) == {"podSelector"} for f in rule["from"])
+
+
+def test_coordinator_tls_and_open_api_flags(geo_cluster: Path, geo_placement: Path) -> None:
+    objs = objects(render_k8s(geo_cluster, geo_placement, opts()).files)
+    c = container(objs["coordinator-deployment.yaml"])
+    assert flag(c["command"], "--tls-cert") == "/etc/helixserve-tls/tls.crt"
+    assert "--allow-unauthenticated" in c["command"]  # no API key Secret: an explicit choice
+    pod = objs["coordinator-deployment.yaml"]["spec"]["template"]["spec"]
+    (secret,) = [v["secret"] for v in pod["volumes"] if v["name"] == "tls"]
+    assert {i["key"] for i in secret["items"]} == {"ca.crt", "coordinator.crt", "coordinator.key"}
+    keyed = objects(render_k8s(geo_cluster, geo_placement, opts(api_key_secret="k")).files)
+    assert "--allow-unauthenticated" not in container(keyed["coordinator-deployment.yaml"])[
+        "command"]
+    plain = render_k8s(geo_cluster, geo_placement, opts(tls_secret=None, network_policy=False))
+    plain_objs = objects(plain.files)
+    assert "workers-networkpolicy.yaml" not in plain_objs
+    assert "--tls-cert" not in container(plain_objs["coordinator-deployment.yaml"])["command"]
+    assert any("plaintext" in w for w in plain.warnings)

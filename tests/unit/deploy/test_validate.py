@@ -124,7 +124,7 @@ def test_validator_rejects_a_broken_manifest(tmp_path: Path, geo_cluster: Path) 
     write_manifests(render_k8s(geo_cluster, write_placement(
         tmp_path / "p.json", GEO_RANGES, "helix-geo-24"), opts()), out)
     good = (out / "worker-n0.yaml").read_text()
-    (out / "worker-n0.yaml").write_text(good.replace("port: 50051", "port: grpc"))
+    (out / "worker-n0.yaml").write_text(good.replace("containerPort: 50051", "containerPort: grpc"))
     cmd = [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", "1.30.0",
            str(out / "worker-n0.yaml")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

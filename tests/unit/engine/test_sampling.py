@@ -10,7 +10,12 @@ import torch
 from engine_testlib import GREEDY
 
 from helixserve.engine import ShardEngine, WorkItem
-from helixserve.engine.sampling import RequestHistory, apply_penalties, sample_rows
+from helixserve.engine.sampling import (
+    RequestHistory,
+    apply_penalties,
+    filter_support,
+    sample_rows,
+)
 from helixserve.errors import UserError
 from helixserve.request import SamplingParams
 
@@ -68,6 +73,35 @@ def test_filters_restrict_support(params, support):
     assert set(seen) == support
     if len(support) > 1:  # the draw follows the distribution: the top token most often
         assert seen.most_common(1)[0][0] == 0
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 0.0])
+def test_tiny_top_p_keeps_the_top_token(top_p):
+    """top_p 5e-324 (the API's smallest float > 0) is 0 once it crossed the wire as float32;
+    the top token must stay, not leave softmax all NaN (the API answered 500)."""
+    params = SamplingParams(seed=3, temperature=1.0, top_p=top_p)
+    assert set(_support(params, draws=50)) == {0}
+    row = filter_support(LOGITS.clone(), params)
+    assert torch.isfinite(row[0]) and torch.isinf(row[1:]).all()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(seed=3, repetition_penalty=0.0),  # 5e-324 after the float32 wire
+        SamplingParams(seed=3, repetition_penalty=1e-45),
+        SamplingParams(seed=3, temperature=1e-45),
+        SamplingParams(seed=3, repetition_penalty=0.0, top_p=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=0.0),
+    ],
+)
+def test_underflowed_parameters_still_sample(params):
+    """Values the API takes as > 0 that arrive as 0 or denormal make the logits +inf or NaN;
+    the sampler must still draw a token (the top one here), not raise (the API said 500)."""
+    hist = RequestHistory(prompt_ids={0, 1})
+    rows = (LOGITS + 10)[None].repeat(20, 1)  # positive logits: the penalty divides them
+    results = sample_rows(rows, [params] * 20, [hist] * 20)
+    assert {r.token_id for r in results} <= {0, 1}
 
 
 def test_temperature_sharpens():

