@@ -320,3 +320,32 @@ def test_no_plan_covers_the_model_is_a_503_with_retry_after(trio, demo_model):
     assert err.retry_after_s == RECOVERY.retry_after_s
     assert took_s < RECOVERY.wait_s / 2  # refused at once, not after waiting
     assert stats["recovery"]["failed_replans"] >= 1
+
+
+def test_load_range_is_refused_without_a_coordinators_token(trio):
+    """LoadRange changes what a worker serves: a caller that is not a coordinator (no token,
+    or a token that is not the secret behind the id it claims) is refused, range unchanged;
+    a bad range is refused by name."""
+    import grpc
+
+    from helixserve.runtime.proto import helix_pb2 as pb
+    from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
+    from helixserve.runtime.security import new_coordinator_identity
+
+    cid, token = new_coordinator_identity()
+    other_id, _ = new_coordinator_identity()
+    with grpc.insecure_channel(trio["b"].address) as channel:
+        stub = pb_grpc.HelixWorkerStub(channel)
+        for claimed, secret in (("", ""), (other_id, token), (cid, "0" * 64)):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.LoadRange(pb.LoadRangeRequest(start_layer=0, end_layer=30,
+                                                   coordinator_id=claimed,
+                                                   coordinator_token=secret), timeout=30)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.RpcError) as err:
+            stub.LoadRange(pb.LoadRangeRequest(start_layer=20, end_layer=40, coordinator_id=cid,
+                                               coordinator_token=token), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "[20, 40)" in err.value.details()
+        info = stub.Info(pb.InfoRequest(), timeout=10)
+    assert (info.start_layer, info.end_layer) == (10, 30)
