@@ -54,6 +54,9 @@ def main() -> int:
                    help="requests per burst (default: 6 and 3 with --quick, 16 and 8 without)")
     p.add_argument("--speed", choices=SPEED_MODES, default="slowdown",
                    help="slowdown (worker --slowdown, default) or cgroup (CPU quotas; root)")
+    p.add_argument("--insecure", action="store_true",
+                   help="plaintext gRPC between coordinator and workers (default: mutual TLS "
+                   "with dev credentials, as local stacks run)")
     p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir")
     p.add_argument("--reprofile", action="store_true", help="profile again even if cached")
     p.add_argument("--max-seconds", type=float, default=3600.0,
@@ -73,6 +76,7 @@ def main() -> int:
         speed=args.speed,
         reprofile=args.reprofile,
         max_seconds=args.max_seconds,
+        tls=not args.insecure,
         log=lambda msg: print(msg, flush=True),
     )
     # SIGTERM unwinds like Ctrl-C, so every stack's finally stops its processes

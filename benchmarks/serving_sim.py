@@ -20,7 +20,7 @@ The engine also sets the memory each GPU keeps outside weights and KV, for plann
 simulating alike (`--gpu-reserve-gb` overrides): 4.5 GB for `vllm`, fitted to the KV blocks
 vLLM 0.4.0 allocated in Helix's measurements (1 GiB, the cost model's default, before
 2026-12-03 and for `reserve`).
-`milp-serving` is `helixserve.planner.serving.select_placement` over the milp placement,
+`milp-serving` is `helixserve.simulator.selection.select_placement` over the milp placement,
 the cluster's best stacked tilings and, with two or more regions, its regional pipelines
 (picked by a 1200 s offline simulation with the same engine model; the reported numbers
 come from the runs here).
@@ -45,13 +45,13 @@ from typing import Any
 
 from helixserve.costmodel import CostModel
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement, plan
-from helixserve.planner.placement import COORDINATOR
-from helixserve.planner.serving import SelectionConfig, select_placement
 from helixserve.simulator.engines import ENGINES, engine_gpu_reserve_gb
 from helixserve.simulator.metrics import summarize
+from helixserve.simulator.selection import SelectionConfig, select_placement
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace
 from helixserve.spec import ClusterSpec, ModelSpec, load_cluster, load_model, load_profiles
+from helixserve.spec.cluster import COORDINATOR
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"

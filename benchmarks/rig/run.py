@@ -50,6 +50,8 @@ class RigOptions:
     max_seconds: float = 3600.0
     log: Callable[[str], None] = print
     sim_engines: tuple[str, ...] = SIM_ENGINES
+    #: mutual TLS between coordinator and workers (the runtime's default for local stacks)
+    tls: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -104,7 +106,7 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
         opts.log(f"  {pname}: {layout}; max flow {placement.throughput_tokens_per_s:.1f} tok/s")
         stack = RigStack(cluster, cluster_path, gpus_path, placement_path, model_dir, ends,
                          kv_cache_bytes(spec, model, cost, placement), speed,
-                         work / f"logs-{pname}", opts.max_seconds)
+                         work / f"logs-{pname}", opts.max_seconds, tls=opts.tls)
         probe = probe_ms(model_dir)
         host_ratio = probe / probe_at_profile if probe == probe and probe_at_profile else 1.0
         cost_now = CostModel(model, load_profiles(scaled_profiles(
@@ -164,6 +166,7 @@ def run_rig(opts: RigOptions) -> dict[str, Any]:
     return {
         "format": "helixserve.rig/v1",
         "speed": opts.speed,
+        "tls": opts.tls,
         "sim_engine": opts.sim_engines[0],
         "wall_s": round(time.monotonic() - t0, 1),
         "results": results,

@@ -123,6 +123,7 @@ class RigStack:
         speed: SpeedControl,
         workdir: Path,
         max_seconds: float = 1800.0,
+        tls: bool = True,
     ) -> None:
         self.cluster = cluster
         self.cluster_path = cluster_path
@@ -134,6 +135,9 @@ class RigStack:
         self.speed = speed
         self.workdir = workdir
         self.max_seconds = max_seconds
+        #: mutual TLS between coordinator and workers with fresh dev credentials (as local
+        #: stacks run by default, docs/security.md); False: plaintext gRPC
+        self.tls = tls
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.pid_map = workdir / "pids.json"
         self.api_host = "127.0.0.1"
@@ -186,6 +190,15 @@ class RigStack:
         if proxy.stdout.readline().strip() != b"ready":
             raise RuntimeError(f"rig proxy did not start; log {self.workdir / 'proxy.log'}")
         by_name = {m.name: m for m in self.cluster.machines}
+        node_flags: dict[str, list[str]] = {r.name: [] for r in placement.nodes}
+        server_flags: list[str] = []
+        if self.tls:
+            from helixserve.runtime.security import create_dev_credentials
+
+            hosts = sorted({a.rsplit(":", 1)[0] for a in self.ends.public.values()})
+            creds = create_dev_credentials(self.workdir / "tls", list(node_flags), hosts)
+            node_flags = {n: creds.nodes[n].flags() for n in node_flags}
+            server_flags = creds.coordinator.flags()
         pids: dict[int, str] = {}
         for r in placement.nodes:
             m = by_name[r.name]
@@ -198,7 +211,7 @@ class RigStack:
                 "--kv-cache-bytes", str(self.kv_cache_bytes[m.name]),
                 # next hops: the (proxied) addresses the coordinator reads from the cluster
                 "--peers", ",".join(str(n.address) for n in spec.nodes if n.address),
-                *self.speed.worker_args(m.slowdown),
+                *node_flags[m.name], *self.speed.worker_args(m.slowdown),
             ]  # fmt: skip
             proc = self._spawn(f"worker-{m.name}", cmd, self.speed.preexec(m.name, m.slowdown))
             pids[proc.pid] = m.name
@@ -209,7 +222,7 @@ class RigStack:
             "--cluster", str(self.cluster_path), "--gpus", str(self.gpus_path),
             "--placement", str(self.placement_path), "--model", str(self.model_dir),
             "--host", self.api_host, "--port", str(self.api_port),
-            "--max-seconds", str(self.max_seconds),
+            "--max-seconds", str(self.max_seconds), *server_flags,
         ]  # fmt: skip
         self._spawn("server", server)
         self._wait_api(timeout_s=240.0)

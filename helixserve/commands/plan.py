@@ -133,6 +133,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="milp (default), petals, swarm, separate or uniform")
     p.add_argument("--time-limit", type=finite_float, default=60.0, metavar="SECONDS",
                    help="wall-clock budget of the milp planner (default 60)")
+    p.add_argument("--work-limit", type=finite_float, default=None, metavar="UNITS",
+                   help="plan to a budget of work instead of time: every search stops after "
+                   "this many units (one unit is 400 max-flow evaluations, or 20 branch-and-bound "
+                   "nodes of a relaxation or MILP), so the same command "
+                   "gives the same placement on any machine, under any load and with any "
+                   "--jobs (which then only runs the seeds side by side). Overrides "
+                   "--time-limit")
     p.add_argument("--seed", type=int, default=0, help="seed of the local search")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="processes for milp's annealing searches, each with its own seed, "
@@ -180,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.time_limit <= 0:
         raise UserError(f"--time-limit: bad value {args.time_limit!r}; must be > 0")
+    if args.work_limit is not None and args.work_limit <= 0:
+        raise UserError(f"--work-limit: bad value {args.work_limit!r}; must be > 0")
     if args.serve_duration <= 0:
         raise UserError(f"--serve-duration: bad value {args.serve_duration!r}; must be > 0")
     if not 0.0 <= args.max_loss <= 1.0:
@@ -203,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         placement = plan(args.planner, cluster, model, cost, time_limit_s=args.time_limit,
                          seed=args.seed, progress=progress, partial_inference=partial,
-                         jobs=args.jobs)
+                         jobs=args.jobs, work_limit=args.work_limit)
     if requests is not None:
         placement = _select_by_serving(args, cluster, model, cost, placement, requests, progress)
         # the chosen candidate came out of the planning and the selection together
@@ -214,11 +223,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"cluster {cluster.name}: {len(cluster.nodes)} nodes; model {model.name}: "
           f"{model.num_layers} layers; planner {placement.planner}")
     print(format_table(node_rows(cluster, cost, placement, result.flows), unused))
-    line = f"throughput {result.throughput_tokens_per_s:,.1f} tokens/s"
-    if placement.upper_bound_tokens_per_s:
-        gap = 1 - result.throughput_tokens_per_s / placement.upper_bound_tokens_per_s
-        line += f"; upper bound {placement.upper_bound_tokens_per_s:,.1f} (gap {gap:.1%})"
-    print(line + f"; solved in {placement.solve_time_s or 0:.1f}s")
+    print(summary_line(result.throughput_tokens_per_s, placement.upper_bound_tokens_per_s,
+                       placement.solve_time_s))
     if current is not None:
         from helixserve.planner.incremental import changes
 
@@ -235,6 +241,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def summary_line(throughput: float, bound: float | None, solve_time_s: float | None) -> str:
+    """Throughput, the proven upper bound and the gap between them. The gap says how far the
+    optimum can be above this placement, at most; a large gap may be a weak bound as much as
+    a weak placement (docs/planner.md, "Bounds and gaps")."""
+    line = f"throughput {throughput:,.1f} tokens/s"
+    if bound:
+        gap = 1 - throughput / bound
+        line += f"; proven upper bound {bound:,.1f} (gap {gap:.1%})"
+    else:
+        line += "; no proven upper bound for this placement"
+    return line + f"; solved in {solve_time_s or 0:.1f}s"
+
+
 def _replan(args: argparse.Namespace, cluster: Any, model: Any, cost: Any, current: Any,
             progress: Any, partial: bool) -> Any:
     """--from: the incremental placement or the full re-plan (planner/incremental.py)."""
@@ -242,7 +261,7 @@ def _replan(args: argparse.Namespace, cluster: Any, model: Any, cost: Any, curre
 
     check_current(current, model.num_layers, args.from_placement)  # names the file
     out = replan(cluster, model, cost, current, args.planner, args.time_limit, args.seed,
-                 progress, partial, args.jobs, args.max_loss)
+                 progress, partial, args.jobs, args.max_loss, work_limit=args.work_limit)
     inc, full = out.incremental, out.full
     full_value = full.throughput_tokens_per_s or 0.0
     share = inc.throughput_tokens_per_s / full_value if full_value else 1.0
@@ -274,8 +293,8 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
     """The planned placement, a stacked tiling or regional pipelines (each, across regions,
     also routed within regions), whichever serves `requests` best."""
     from helixserve.planner.report import format_selection
-    from helixserve.planner.serving import SelectionConfig, select_placement
     from helixserve.simulator.engines import engine_config
+    from helixserve.simulator.selection import SelectionConfig, select_placement
 
     config = SelectionConfig.from_engine(
         engine_config(args.serve_engine),

@@ -44,6 +44,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="time limit of the planner when --placement names one (default 60)",
     )
     p.add_argument(
+        "--plan-work-limit",
+        type=finite_float,
+        default=None,
+        metavar="UNITS",
+        help="plan to this budget of work instead of --plan-time-limit (as `plan "
+        "--work-limit`): the same placement on any machine, so the same simulation",
+    )
+    p.add_argument(
         "--trace",
         default=None,
         help="Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)",
@@ -268,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.placement in PLANNERS:
         print(f"planning with {args.placement} ...", file=sys.stderr)
-        placement = plan(args.placement, cluster, model, cost, time_limit_s=args.plan_time_limit)
+        placement = plan(args.placement, cluster, model, cost, time_limit_s=args.plan_time_limit,
+                         work_limit=args.plan_work_limit)
     elif Path(args.placement).exists() or args.placement.endswith(".json"):
         placement = load_placement(args.placement)
         if not placement.flows or placement.throughput_tokens_per_s is None:

@@ -24,8 +24,9 @@ from typing import Any
 from helixserve.commands.args import finite_float
 from helixserve.commands.certs import add_tls_arguments, tls_from_args
 from helixserve.errors import UserError
+from helixserve.spec.model import DTYPE_BYTES
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = tuple(DTYPE_BYTES)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

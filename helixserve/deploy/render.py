@@ -24,14 +24,16 @@ from helixserve.deploy import k8s
 from helixserve.deploy.gpu_labels import CPU_GPU, check_label_value, gpu_product_label
 from helixserve.deploy.network import worker_network_policy
 from helixserve.errors import UserError
-from helixserve.planner.placement import COORDINATOR, Placement, load_placement
+from helixserve.planner.placement import Placement, load_placement
 from helixserve.spec import load_cluster, load_gpu_catalog
+from helixserve.spec.cluster import COORDINATOR
+from helixserve.spec.model import DTYPE_BYTES
 
 #: first line of every file the renderer writes; `write_manifests` only ever deletes files
 #: that start with it
 HEADER = "# Rendered by `helixserve deploy k8s`; re-render instead of editing."
 KUSTOMIZATION = "kustomization.yaml"
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPES = ("auto", *sorted(DTYPE_BYTES))
 # A ConfigMap holds at most 1 MiB.
 CONFIG_MAP_MAX_BYTES = 1024 * 1024
 # DNS-1123 label: object names that become pod host names.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 from helixserve.planner.flow import FlowNetwork
+from helixserve.spec import group_machines, machine_type
 
 Ranges = dict[int, tuple[int, int]]
 
@@ -108,10 +109,8 @@ def swarm(net: FlowNetwork) -> Ranges:
 
 def separate(net: FlowNetwork) -> Ranges:
     L = net.model.num_layers
-    groups: dict[tuple[str, int, float | None], list[int]] = {}
-    for i in usable(net):
-        nd = net.cluster.nodes[i]
-        groups.setdefault((nd.gpu, nd.num_gpus, nd.memory_gb), []).append(i)
+    nodes = net.cluster.nodes
+    groups = group_machines(nodes, lambda i: machine_type(nodes[i]), usable(net))
     out: Ranges = {}
     for members in groups.values():
         k = int(net.max_layers[members[0]])

@@ -27,15 +27,16 @@ plain model does not reach (helix-mix-10, LLaMA-30B: 824.0 in ~5 s at c = 825, a
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pulp
 
+from helixserve.planner import clock
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.solver import SolveInfo, quiet_pulp, solve
+from helixserve.spec import group_machines
 
 
 @dataclass
@@ -46,14 +47,8 @@ class CoverageResult:
 
 def machine_types(net: FlowNetwork) -> dict[tuple[float, ...], list[int]]:
     """Usable nodes grouped by their T(k) curve (exactly equal floats)."""
-    groups: dict[tuple[float, ...], list[int]] = {}
-    for i in range(len(net.names)):
-        K = int(net.max_layers[i])
-        if K <= 0:
-            continue
-        key = tuple(net.node_cap(i, k) for k in range(1, K + 1))
-        groups.setdefault(key, []).append(i)
-    return groups
+    return group_machines(net.cluster.nodes, net.curve,
+                          [i for i in range(len(net.names)) if int(net.max_layers[i]) > 0])
 
 
 #: seconds per constraint nonzero to build a relaxation in PuLP, hand it to HiGHS and presolve
@@ -112,12 +107,12 @@ def fill_search(net: FlowNetwork, lo: float, hi: float, deadline_s: float,
     rng = random.Random(seed)
     groups = machine_types(net)
     best: Ranges | None = None
-    while hi - lo > 0.002 * hi and time.perf_counter() < deadline_s:
+    while hi - lo > 0.002 * hi and clock.now() < deadline_s:
         mid = (lo + hi) / 2
         found = None
         for _ in range(tries):
             found = greedy_fill(net, mid, rng, groups)
-            if found is not None or time.perf_counter() >= deadline_s:
+            if found is not None or clock.now() >= deadline_s:
                 break
         if found is not None:
             best, lo = found, mid

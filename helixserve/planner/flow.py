@@ -21,11 +21,12 @@ from scipy.sparse.csgraph import maximum_flow
 
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
-from helixserve.planner.placement import COORDINATOR, Flow, Placement
-from helixserve.spec import ClusterSpec, ModelSpec
+from helixserve.planner import clock
+from helixserve.planner.placement import Flow, Placement
+from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec
+from helixserve.spec.cluster import COORDINATOR
 
 #: bytes per token on a coordinator link: one int32 token id (plus framing, ignored)
-TOKEN_ID_BYTES = 4
 
 
 @dataclass
@@ -67,6 +68,11 @@ class FlowNetwork:
             for nd, K in zip(cluster.nodes, self.max_layers, strict=True)
         ]
 
+    def curve(self, i: int) -> tuple[float, ...]:
+        """Node i's T(k) for k = 1..max_layers: machines with equal curves are one type to
+        the relaxations and the tiling."""
+        return tuple(self.node_cap(i, k) for k in range(1, int(self.max_layers[i]) + 1))
+
     def node_cap(self, i: int, k: int) -> float:
         if k <= 0 or k > self.loadable[i]:
             return 0.0
@@ -81,6 +87,7 @@ class FlowNetwork:
         with_flows: bool = False,
     ) -> tuple[float, list[Flow]]:
         """Max flow for node index -> [start, end); flows only when `with_flows`."""
+        clock.charge_evaluation()
         L = self.model.num_layers
         held = sorted(ranges)
         if not held:
@@ -185,6 +192,7 @@ class FlowNetwork:
     def max_flow_value(self, s: np.ndarray, k: np.ndarray, partial_inference: bool = True,
                        caps: np.ndarray | None = None) -> float:
         """Max flow of starts `s` and sizes `k` (k=0: unused), vectorized for local search."""
+        clock.charge_evaluation()
         L = self.model.num_layers
         held = np.flatnonzero(k > 0)
         m = len(held)

@@ -35,11 +35,13 @@ import numpy as np
 
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
+from helixserve.planner import clock
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.pinned import fill_gaps
+from helixserve.planner.pipeline import Progress
 from helixserve.planner.placement import NodeRange, Placement
-from helixserve.planner.registry import Progress, plan
+from helixserve.planner.registry import plan
 from helixserve.planner.search import local_search
 from helixserve.spec import ClusterSpec, ModelSpec
 
@@ -114,7 +116,7 @@ def _weakest_first(net: FlowNetwork, ranges: Ranges, candidates: list[int]) -> l
 def incremental(net: FlowNetwork, current: Placement, deadline_s: float, seed: int = 0,
                 partial_inference: bool = True, target: float = 0.0) -> Incremental:
     """The incremental placement described in the module docstring, searched until
-    `deadline_s` (perf_counter). Below `target` tokens/s, it un-pins kept machines in rounds
+    `deadline_s` (planner clock, clock.py). Below `target` tokens/s, it un-pins kept machines in rounds
     (1, 2, 4, ... of them, nearest the layer of least capacity first) until it gets there;
     each round starts from the last one's best."""
     check_current(current, net.model.num_layers, "--from")
@@ -152,7 +154,7 @@ def incremental(net: FlowNetwork, current: Placement, deadline_s: float, seed: i
     for n, size in enumerate(sizes):
         if n > 0 and value >= target:
             break
-        now = time.perf_counter()
+        now = clock.now()
         if now >= deadline_s:
             break
         if size > 0:
@@ -208,20 +210,36 @@ class Replan:
 def replan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, current: Placement,
            planner: str = "milp", time_limit_s: float = 60.0, seed: int = 0,
            progress: Progress | None = None, partial_inference: bool = True,
-           jobs: int | None = None, max_loss: float = 0.05) -> Replan:
+           jobs: int | None = None, max_loss: float = 0.05,
+           work_limit: float | None = None) -> Replan:
     """A full re-plan (1 - INCREMENTAL_SHARE of the time), then the incremental placement
     (the rest), aiming at `1 - max_loss` of the full one's throughput; the incremental one is
-    returned when `choose` says so, else the full one."""
+    returned when `choose` says so, else the full one. `work_limit`: units of work on the
+    planner's work clock (clock.py) instead of `time_limit_s` seconds."""
+    if work_limit is not None:
+        with clock.work_clock():
+            return _replan(cluster, model, cost, current, planner, work_limit, seed, progress,
+                           partial_inference, jobs, max_loss, counted=True)
+    return _replan(cluster, model, cost, current, planner, time_limit_s, seed, progress,
+                   partial_inference, jobs, max_loss, counted=False)
+
+
+def _replan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, current: Placement,
+            planner: str, time_limit_s: float, seed: int, progress: Progress | None,
+            partial_inference: bool, jobs: int | None, max_loss: float,
+            counted: bool) -> Replan:
     if not 0.0 <= max_loss <= 1.0:
         raise UserError(f"--max-loss: bad value {max_loss}; must be a fraction in [0, 1]")
     check_current(current, model.num_layers, "--from")
     started = time.perf_counter()
-    full = plan(planner, cluster, model, cost,
-                time_limit_s=(1 - INCREMENTAL_SHARE) * time_limit_s, seed=seed,
-                progress=progress, partial_inference=partial_inference, jobs=jobs)
+    clock_start = clock.now()
+    full_limit = (1 - INCREMENTAL_SHARE) * time_limit_s
+    full = plan(planner, cluster, model, cost, time_limit_s=full_limit, seed=seed,
+                progress=progress, partial_inference=partial_inference, jobs=jobs,
+                work_limit=full_limit if counted else None)
     full_value = full.throughput_tokens_per_s or 0.0
     net = FlowNetwork(cluster, model, cost)
-    inc = incremental(net, current, started + time_limit_s - 0.02 * time_limit_s, seed,
+    inc = incremental(net, current, clock_start + time_limit_s - 0.02 * time_limit_s, seed,
                       partial_inference, target=(1.0 - max_loss) * full_value)
     if progress is not None:
         progress(f"incremental: {inc.throughput_tokens_per_s:,.1f} tokens/s, "

@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from helixserve.errors import UserError
+from helixserve.planner import clock
 
 R = TypeVar("R")
 
@@ -47,11 +48,13 @@ MIN_PARALLEL_S = 2.0
 WORKER_MARGIN_S = 1.0
 #: how long a search waits for its workers once its own run is over (+5% of its time)
 WORKER_WAIT_S = 2.0
+#: seeds of each annealing search on the work clock (plan --work-limit), whatever --jobs
+WORK_SEEDS = 2
 #: --jobs default: the cores this process may use, at most this many
 MAX_DEFAULT_JOBS = 8
 #: the modules a worker needs, imported once in the forkserver
 _PRELOAD = ["helixserve.planner.search", "helixserve.planner.stages",
-            "helixserve.planner.pinned", "helixserve.planner.serving",
+            "helixserve.planner.pinned", "helixserve.simulator.selection",
             "helixserve.simulator.sim"]
 
 
@@ -131,14 +134,75 @@ def _run_worker(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, A
     return fn(*args, **kwargs)
 
 
+def _run_counted(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 start: float) -> tuple[R, float]:
+    """`fn` on a work clock from `start` (its deadline is in units of work too); the result
+    and where the clock ended."""
+    with clock.work_clock(start):
+        result = fn(*args, **kwargs)
+        return result, clock.now()
+
+
+def _run_seeds_counted(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any],
+                       deadline_s: float, seed: int, jobs: int, seeds: int,
+                       progress: Callable[[str], None] | None,
+                       worker_kwargs: dict[str, Any] | None) -> list[R]:
+    """run_seeds on the work clock: `seeds` seeds, whatever `jobs` (which only says how many
+    run side by side), each from the same clock reading with the same work deadline, so the
+    results do not depend on the cores or the load. A worker that fails or cannot start is
+    run here instead: a lost seed would change the answer."""
+    start = clock.now()
+    remote = {k: v for k, v in kwargs.items() if k != "on_improve"} | (worker_kwargs or {})
+    calls = [dict(remote, deadline_s=deadline_s, seed=seed + SEED_STRIDE * w)
+             for w in range(1, seeds)]
+    futures: list[Future[tuple[R, float]] | None] = [None] * len(calls)
+    executor = None
+    if jobs > 1 and calls:
+        executor = ProcessPoolExecutor(max_workers=min(jobs - 1, len(calls)),
+                                       mp_context=_mp_context())
+    try:
+        if executor is not None:
+            try:
+                with _main_module_hidden():  # workers start in submit()
+                    for w, call in enumerate(calls):
+                        futures[w] = executor.submit(_run_counted, fn, args, call, start)
+            except OSError as exc:
+                if progress is not None:
+                    progress(f"search workers could not start ({exc}); running the seeds "
+                             "here, one after another")
+        results = [fn(*args, **kwargs, deadline_s=deadline_s, seed=seed)]
+        ends = [clock.now()]
+        for w, call in enumerate(calls):
+            fut = futures[w]
+            try:
+                if fut is None:
+                    raise RuntimeError("not started")
+                result, end = fut.result()
+            except Exception:  # noqa: BLE001 - the seed runs here instead
+                result, end = _run_counted(fn, args, call, start)
+            results.append(result)
+            ends.append(end)
+        clock.charge(max(ends) - clock.now())
+        return results
+    finally:
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+
 def run_seeds(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any],
               deadline_s: float, seed: int, jobs: int,
               progress: Callable[[str], None] | None = None,
-              worker_kwargs: dict[str, Any] | None = None) -> list[R]:
+              worker_kwargs: dict[str, Any] | None = None, seeds: int | None = None) -> list[R]:
     """`fn(*args, **kwargs, deadline_s=..., seed=...)` for `jobs` seeds at once; the result
     of `seed` (run in this process) first, then the workers' in seed order. `fn` must be a
     module-level function; `kwargs` may hold callbacks only for the in-process run, under
-    the key "on_improve" (workers get none); `worker_kwargs` go to the workers only."""
+    the key "on_improve" (workers get none); `worker_kwargs` go to the workers only.
+    On the work clock (clock.py) it runs `seeds` seeds (default WORK_SEEDS) whatever
+    `jobs` is, so that the plan does not depend on the cores."""
+    if clock.counting():
+        return _run_seeds_counted(fn, args, kwargs, deadline_s, seed, jobs,
+                                  WORK_SEEDS if seeds is None else seeds, progress,
+                                  worker_kwargs)
     left_s = deadline_s - time.perf_counter()
     if jobs <= 1 or left_s < MIN_PARALLEL_S:
         return [fn(*args, **kwargs, deadline_s=deadline_s, seed=seed)]

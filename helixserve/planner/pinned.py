@@ -29,13 +29,13 @@ milp.py, so a variant that does not pay off costs only its time.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
+from helixserve.planner import clock
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.search import local_search
+from helixserve.spec import group_machines, machine_type
 
 #: size changes tried for the group, in this order
 DELTAS = (-1, 1)
@@ -48,10 +48,8 @@ STALL = 200
 
 def strongest_group(net: FlowNetwork, ranges: Ranges) -> list[int]:
     """Held machines of the `T(k)` class with the most total layer work, by start layer."""
-    classes: dict[tuple[object, ...], list[int]] = {}
-    for i in ranges:
-        nd = net.cluster.nodes[i]
-        classes.setdefault((nd.gpu, nd.num_gpus, nd.memory_gb), []).append(i)
+    nodes = net.cluster.nodes
+    classes = group_machines(nodes, lambda i: machine_type(nodes[i]), ranges)
     if not classes:
         return []
 
@@ -163,7 +161,7 @@ def pinned_search(net: FlowNetwork, best: Ranges, deadline_s: float, seed: int =
         variants = [max(variants, key=lambda v: v[0])]
     found: list[tuple[Ranges, float]] = []
     for n, (weight, start) in enumerate(variants):
-        now = time.perf_counter()
+        now = clock.now()
         share = (deadline_s - now) * weight / sum(w for w, _ in variants[n:])
         if share <= 0.2:
             break

@@ -16,7 +16,6 @@ from typing import Any
 from helixserve.errors import UserError, read_user_file
 
 FORMAT = "helixserve.placement/v1"
-COORDINATOR = "coordinator"
 
 
 @dataclass(frozen=True)

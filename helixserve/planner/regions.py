@@ -34,6 +34,7 @@ import pulp
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.solver import SolveInfo, quiet_pulp, solve
+from helixserve.spec import group_machines
 
 
 @dataclass
@@ -44,14 +45,9 @@ class RegionResult:
 
 def region_types(net: FlowNetwork) -> dict[tuple[str, tuple[float, ...]], list[int]]:
     """Usable nodes grouped by (region, T(k) curve)."""
-    groups: dict[tuple[str, tuple[float, ...]], list[int]] = {}
-    for i, nd in enumerate(net.cluster.nodes):
-        K = int(net.max_layers[i])
-        if K <= 0:
-            continue
-        curve = tuple(net.node_cap(i, k) for k in range(1, K + 1))
-        groups.setdefault((nd.region, curve), []).append(i)
-    return groups
+    nodes = net.cluster.nodes
+    return group_machines(nodes, lambda i: (nodes[i].region, net.curve(i)),
+                          [i for i in range(len(nodes)) if int(net.max_layers[i]) > 0])
 
 
 def num_regions(net: FlowNetwork) -> int:

@@ -4,25 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
+from helixserve.planner import clock
 from helixserve.planner.baselines import BASELINES, Ranges
+from helixserve.planner.bounds import layer_work_bound
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.parallel import check_jobs
+from helixserve.planner.pipeline import PlanOutcome, Progress, StageReport, run_portfolio
 from helixserve.planner.placement import NodeRange, Placement
 from helixserve.spec import ClusterSpec, ModelSpec
-
-Progress = Callable[[str], None]
-
-
-@dataclass
-class PlanOutcome:
-    ranges: Ranges
-    #: proven upper bound on the throughput (tokens/s), when the planner has one
-    upper_bound_tokens_per_s: float | None = None
 
 
 class Planner(Protocol):
@@ -34,7 +27,11 @@ class Planner(Protocol):
 def _baseline(fn: Callable[[FlowNetwork], Ranges]) -> Planner:
     def run(net: FlowNetwork, time_limit_s: float, seed: int,
             progress: Progress | None, jobs: int, partial_inference: bool) -> PlanOutcome:
-        return PlanOutcome(fn(net))
+        ranges = fn(net)
+        # the layer-work bound holds for every placement within the weight cap: the gap of a
+        # baseline is stated like milp's (none for a baseline beyond the cap)
+        within = all(e - s <= net.max_layers[i] for i, (s, e) in ranges.items())
+        return PlanOutcome(ranges, layer_work_bound(net) if within else None)
 
     run.__name__ = fn.__name__
     return run
@@ -42,11 +39,9 @@ def _baseline(fn: Callable[[FlowNetwork], Ranges]) -> Planner:
 
 def _milp(net: FlowNetwork, time_limit_s: float, seed: int,
           progress: Progress | None, jobs: int, partial_inference: bool) -> PlanOutcome:
-    from helixserve.planner.milp import solve_milp
-
     # the searches and the MILP's edges follow the graph the placement is evaluated on
-    return solve_milp(net, time_limit_s=time_limit_s, seed=seed, progress=progress,
-                      partial_inference=partial_inference, jobs=jobs)
+    return run_portfolio(net, time_limit_s=time_limit_s, seed=seed, progress=progress,
+                         partial_inference=partial_inference, jobs=jobs)
 
 
 PLANNERS: dict[str, Planner] = {"milp": _milp} | {
@@ -64,10 +59,15 @@ def plan(
     progress: Progress | None = None,
     partial_inference: bool = True,
     jobs: int | None = None,
+    stages: list[StageReport] | None = None,
+    work_limit: float | None = None,
 ) -> Placement:
     """Run planner `name`; the Placement comes back with flows and throughput filled.
     `jobs`: processes for milp's searches, one seed each (parallel.py); None: the cores
-    this process may use (at most 8)."""
+    this process may use (at most 8). `stages`: when given, what each stage of milp's
+    portfolio did (pipeline.StageReport) is appended to it. `work_limit`: plan on the work
+    clock (clock.py) with this many units instead of `time_limit_s` seconds: the same
+    inputs then give the same placement on any machine and with any `jobs`."""
     planner = PLANNERS.get(name)
     if planner is None:
         raise UserError(f"--planner: unknown planner {name!r}; known: {', '.join(PLANNERS)}")
@@ -75,9 +75,18 @@ def plan(
     started = time.perf_counter()
     net = FlowNetwork(cluster, model, cost)
     net.check_servable()  # an error naming the links, not a plan of 0 tokens/s
-    # the time limit covers building the flow network too (about 1 s on 100 machines)
-    outcome = planner(net, max(0.5, time_limit_s - (time.perf_counter() - started)), seed,
-                      progress, check_jobs(jobs), partial_inference)
+    if work_limit is not None:
+        if not work_limit > 0:
+            raise UserError(f"--work-limit: bad value {work_limit}; must be > 0 (units of work)")
+        with clock.work_clock():
+            outcome = planner(net, work_limit, seed, progress, check_jobs(jobs),
+                              partial_inference)
+    else:
+        # the time limit covers building the flow network too (about 1 s on 100 machines)
+        outcome = planner(net, max(0.5, time_limit_s - (time.perf_counter() - started)), seed,
+                          progress, check_jobs(jobs), partial_inference)
+    if stages is not None:
+        stages.extend(outcome.stages)
     nodes = [NodeRange(net.names[i], s, e) for i, (s, e) in sorted(outcome.ranges.items())]
     value, flows = net.max_flow(outcome.ranges, partial_inference, with_flows=True)
     bound = outcome.upper_bound_tokens_per_s

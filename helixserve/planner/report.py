@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from helixserve.costmodel import CostModel
-from helixserve.planner.placement import COORDINATOR, Flow, Placement
+from helixserve.planner.placement import Flow, Placement
 from helixserve.spec import ClusterSpec
+from helixserve.spec.cluster import COORDINATOR
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def format_table(rows: list[NodeRow], unused: list[str]) -> str:
 
 
 def format_selection(report: list[dict[str, Any]]) -> str:
-    """The serving selection's candidates (`planner.serving.select_placement`'s report)."""
+    """The serving selection's candidates (`simulator.selection.select_placement`'s report)."""
     head = f"  {'max flow':>10} {'served tok/s':>12}  {'candidate':<34} stages"
     lines = [head, "-" * len(head)]
     for r in report:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections.abc import Callable
 
 import numpy as np
 
+from helixserve.planner import clock
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 
@@ -85,7 +85,7 @@ def local_search(  # noqa: C901 - one annealing loop reads best in one piece
     max_stall: int = 4000,
     fixed: frozenset[int] = frozenset(),
 ) -> tuple[Ranges, float, int]:
-    """Best placement found before `deadline_s` (perf_counter); returns (ranges, flow, evals).
+    """Best placement found before `deadline_s` (planner clock, clock.py); returns (ranges, flow, evals).
     Nodes in `fixed` keep the range they have in the start (pinned.py uses this)."""
     rng = random.Random(seed)
     scorer = Scorer(net, partial_inference)
@@ -103,10 +103,10 @@ def local_search(  # noqa: C901 - one annealing loop reads best in one piece
     cur_s, cur_k, cur = best_s.copy(), best_k.copy(), best
     stall = 0
     temp0 = 0.02
-    t_start = time.perf_counter()
+    t_start = clock.now()
     span = max(deadline_s - t_start, 1e-3)
 
-    while time.perf_counter() < deadline_s and usable:
+    while clock.now() < deadline_s and usable:
         s, k = cur_s.copy(), cur_k.copy()
         i = rng.choice(usable)
         move = rng.random()
@@ -144,7 +144,7 @@ def local_search(  # noqa: C901 - one annealing loop reads best in one piece
             k[i] = 0
         if not covers(s, k, L):
             continue
-        progress = (time.perf_counter() - t_start) / span
+        progress = (clock.now() - t_start) / span
         temp = temp0 * max(0.0, 1.0 - progress) * max(cur[0], 1.0)
         # the worst flow this step may still accept; below it, min cover suffices to reject
         threshold = rng.random()

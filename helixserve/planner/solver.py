@@ -18,11 +18,14 @@ from typing import Any
 
 import pulp
 
+from helixserve.planner import clock
+
 
 @dataclass
 class SolveInfo:
     solver: str
-    #: "optimal", "time_limit", "infeasible", "no_solution", ...
+    #: "optimal", "time_limit", "work_limit" (node limit of the work clock), "infeasible",
+    #: "no_solution", ...
     status: str
     #: objective of the best solution in the model's own sense (None: no solution)
     objective: float | None
@@ -89,6 +92,12 @@ def solve(
     """
     started = time.perf_counter()
     sense = -1.0 if prob.sense == pulp.LpMaximize else 1.0
+    # on the work clock (clock.py) the limit is units of work: a node limit, one thread
+    # (HiGHS's result then depends on nothing but the model), and the nodes it used are
+    # charged
+    work_units = time_limit_s if clock.counting() else None
+    if work_units is not None:
+        threads = _one_thread()
     if not _highs_available():
         with quiet_pulp():  # PULP_CBC_CMD is deprecated in PuLP 3.3 but still bundled
             cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1.0, time_limit_s),
@@ -131,16 +140,33 @@ def solve(
                 h.setCallback(on_callback, None)
                 h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
             self.callSolver(lp)
-            status, sol_status = self.findSolutionValues(lp)
+            try:
+                status, sol_status = self.findSolutionValues(lp)
+            except KeyError:
+                # a node limit (work clock) ends in a status PuLP does not map: read the
+                # values back as PuLP does for a time limit
+                solution = h.getSolution()
+                found = h.getInfo().primal_solution_status == 2
+                for var in lp.variables():
+                    var.varValue = solution.col_value[var.index] if found else None
+                status = pulp.LpStatusOptimal if found else pulp.LpStatusNotSolved
+                sol_status = (pulp.LpSolutionIntegerFeasible if found
+                              else pulp.LpSolutionNoSolutionFound)
             lp.assignStatus(status, sol_status)
             return int(status)
 
-    solver = _Highs(msg=False, timeLimit=max(0.5, time_limit_s), threads=threads, gapRel=gap_rel)
+    options: dict[str, Any] = {}
+    if work_units is not None:
+        options["mip_max_nodes"] = max(1, int(work_units * clock.NODES_PER_UNIT))
+    solver = _Highs(msg=False, timeLimit=None if work_units is not None else max(0.5, time_limit_s),
+                    threads=threads, gapRel=gap_rel, **options)
     with quiet_pulp():
         prob.solve(solver)
     h = prob.solverModel
     model_status = h.modelStatusToString(h.getModelStatus()).lower()
     info = h.getInfo()
+    if work_units is not None:
+        clock.charge_nodes(info.mip_node_count)
     has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
     obj = sense * info.objective_function_value if has_sol else None
     is_mip = any(v.cat == pulp.LpInteger for v in prob.variables())
@@ -155,6 +181,8 @@ def solve(
             bound = obj
     elif "time limit" in model_status:
         status = "time_limit"
+    elif "limit" in model_status:  # the node limit of the work clock
+        status = "work_limit"
     elif "infeasible" in model_status:
         status = "infeasible"
     else:
@@ -162,6 +190,17 @@ def solve(
     if obj is None and status != "infeasible":
         status = "no_solution" if status == "optimal" else status
     return SolveInfo("highs", status, obj, bound, time.perf_counter() - started)
+
+
+def _one_thread() -> int:
+    """1, for a HiGHS run on one thread. HiGHS keeps one thread pool per process and fails
+    a run whose `threads` differs from it, so the pool is reset first (cheap: the planner
+    solves one model at a time)."""
+    if _highs_available():
+        import highspy
+
+        highspy.Highs.resetGlobalScheduler(True)
+    return 1
 
 
 class HighsModel:
@@ -174,6 +213,8 @@ class HighsModel:
         _silence_banner()
         self.prob = prob
         self.sense = -1.0 if prob.sense == pulp.LpMaximize else 1.0
+        if clock.counting():  # one thread: the result depends on nothing but the model
+            threads = _one_thread()
         builder = pulp.HiGHS(msg=False, threads=threads)
         with quiet_pulp():
             builder.createAndConfigureSolver(prob)
@@ -188,11 +229,17 @@ class HighsModel:
     def run(self, time_limit_s: float, start: list[float] | None = None
             ) -> tuple[float | None, list[float]]:
         """Objective (model sense) and column values; None when no solution was found."""
-        self.h.setOptionValue("time_limit", max(0.1, time_limit_s))
+        counting = clock.counting()
+        if counting:  # units of work (clock.py): a node limit; the nodes used are charged
+            self.h.setOptionValue("mip_max_nodes", max(1, int(time_limit_s * clock.NODES_PER_UNIT)))
+        else:
+            self.h.setOptionValue("time_limit", max(0.1, time_limit_s))
         if start is not None:
             self.h.setSolution(len(start), list(range(len(start))), start)
         self.h.run()
         info = self.h.getInfo()
+        if counting:
+            clock.charge_nodes(info.mip_node_count)
         if info.primal_solution_status != 2:
             return None, []
         return self.sense * info.objective_function_value, list(self.h.getSolution().col_value)

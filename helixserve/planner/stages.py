@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import math
 import random
-import time
 
 import numpy as np
 
+from helixserve.planner import clock
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.search import Scorer, to_ranges
@@ -173,7 +173,7 @@ def _propose(st: _State, kmax: np.ndarray, rng: random.Random) -> _State | None:
 
 def stage_search(net: FlowNetwork, starts: list[Ranges], deadline_s: float, seed: int = 0,
                  partial_inference: bool = True) -> tuple[Ranges, float] | None:
-    """Best stage-structured placement found by `deadline_s` (perf_counter), annealing from
+    """Best stage-structured placement found by `deadline_s` (planner clock), annealing from
     the best of `starts` that is stage-structured, or from `chain_start`; None when the
     cluster cannot hold the model."""
     L = net.model.num_layers
@@ -198,10 +198,10 @@ def stage_search(net: FlowNetwork, starts: list[Ranges], deadline_s: float, seed
         return None
     rng = random.Random(seed)
     cur, cur_value = best, best_value
-    t0 = time.perf_counter()
+    t0 = clock.now()
     span = max(deadline_s - t0, 1e-3)
     temp0 = TEMPERATURE * max(best_value, 1.0)
-    while (now := time.perf_counter()) < deadline_s:
+    while (now := clock.now()) < deadline_s:
         cand = _propose(cur, kmax, rng)
         if cand is None:
             continue

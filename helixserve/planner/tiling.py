@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 import numpy as np
 import pulp
 
+from helixserve.planner import clock
 from helixserve.planner.baselines import Ranges
+from helixserve.planner.bounds import layer_work_bound
 from helixserve.planner.coverage import machine_types
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.solver import quiet_pulp, solve
+from helixserve.spec import group_machines
 
 MAX_ROWS = 3
 #: most configurations kept per target (the smallest machine use per layer first)
@@ -60,7 +62,7 @@ def _configs(curves: list[list[float]], target: float,
     for size in range(2, MAX_ROWS + 1):
         combos = itertools.combinations_with_replacement(small, size)
         for n, combo in enumerate(combos):
-            if n % 4096 == 0 and time.perf_counter() > deadline_s:
+            if n % 4096 == 0 and clock.now() > deadline_s:
                 break
             total = sum(thr for _, thr in combo)
             if total >= target and total - min(thr for _, thr in combo) < target:
@@ -73,7 +75,7 @@ def _configs(curves: list[list[float]], target: float,
 def _feasible(curves: list[list[float]], counts: list[int], L: int, target: float,
               time_limit_s: float) -> list[tuple[tuple[Row, ...], int, list[int]]] | None:
     # half the time to enumerate, the rest to build and solve
-    configs = _configs(curves, target, time.perf_counter() + time_limit_s / 2)
+    configs = _configs(curves, target, clock.now() + time_limit_s / 2)
     if not configs:
         return None
     with quiet_pulp():
@@ -163,7 +165,7 @@ def tiling_search(net: FlowNetwork, lo: float, hi: float, deadline_s: float,
     L = net.model.num_layers
     best: tuple[Ranges, float] | None = None
     while hi - lo > 0.002 * hi:
-        left_s = deadline_s - time.perf_counter()
+        left_s = deadline_s - clock.now()
         if left_s <= 0.2:
             break
         mid = (lo + hi) / 2
@@ -184,21 +186,19 @@ def regional_tiling(net: FlowNetwork, deadline_s: float,
     """Tile every region that can hold the whole model on its own, each as a separate
     cluster, and run them side by side: slow links between regions then carry nothing
     but token ids from and to the coordinator. None when no region holds the model."""
-    from helixserve.planner.milp import layer_work_bound  # milp imports this module
     from helixserve.spec import ClusterSpec
 
     L = net.model.num_layers
-    regions: dict[str, list[int]] = {}
-    for i, node in enumerate(net.cluster.nodes):
-        if net.max_layers[i] > 0:
-            regions.setdefault(node.region, []).append(i)
+    nodes = net.cluster.nodes
+    regions = group_machines(nodes, lambda i: nodes[i].region,
+                             [i for i in range(len(nodes)) if net.max_layers[i] > 0])
     able = [members for members in regions.values()
             if sum(int(net.max_layers[i]) for i in members) >= L]
     if len(able) < 2:
         return None  # one region (or none) alone: the plain tiling covers it
     out: Ranges = {}
     for rank, members in enumerate(able):
-        left_s = deadline_s - time.perf_counter()
+        left_s = deadline_s - clock.now()
         if left_s <= 0.2:
             break
         cluster = net.cluster
@@ -211,7 +211,7 @@ def regional_tiling(net: FlowNetwork, deadline_s: float,
             explicit=cluster.explicit, source=cluster.source)
         sub_net = FlowNetwork(sub, net.model, net.cost)
         found = tiling_search(sub_net, 0.0, layer_work_bound(sub_net),
-                              time.perf_counter() + left_s / (len(able) - rank),
+                              clock.now() + left_s / (len(able) - rank),
                               partial_inference)
         if found is not None:
             for j, rng in found[0].items():

@@ -49,10 +49,10 @@ from helixserve.runtime.config import CoordinatorConfig
 from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
 from helixserve.runtime.replan import Recovery
-from helixserve.runtime.transport import WireHop, WireItem, WireResult
+from helixserve.runtime.transport import WireItem, WireResult
 
 if TYPE_CHECKING:
-    from helixserve.planner.placement import Placement
+    from helixserve.planner.placement import NodeRange, Placement
     from helixserve.scheduler import RouterOptions
     from helixserve.spec import ClusterSpec
 
@@ -82,7 +82,9 @@ class _Active:
 
     req: GenerationRequest
     internal_id: str
-    route_hops: tuple[WireHop, ...] = ()
+    route_hops: tuple[NodeRange, ...] = ()
+    #: each hop's worker address (host:port)
+    route_addresses: tuple[str, ...] = ()
     results: asyncio.Queue[WireResult | NodeFailure] = field(default_factory=asyncio.Queue)
     generated: list[int] = field(default_factory=list)
     reroutes: int = 0
@@ -282,7 +284,7 @@ class Coordinator:
     async def _install_placement(self, placement: Any) -> None:
         """Route over `placement` from now on (a re-plan, a worker back with another range).
         Running requests whose route is still valid keep it, with their KV promises."""
-        from helixserve.scheduler import Hop, Route, make_router
+        from helixserve.scheduler import Route, make_router
 
         options = await asyncio.get_running_loop().run_in_executor(
             None, _routing_inputs, self.cluster, placement, self.model_dir, True)
@@ -291,8 +293,7 @@ class Coordinator:
             if not n.alive and placement.range_of(name) is not None:
                 router.node_down(name)
         for act in self.active.values():
-            route = Route(tuple(Hop(h.node, h.start_layer, h.end_layer) for h in act.route_hops))
-            router.adopt(act.internal_id, route, act.kv_promise)
+            router.adopt(act.internal_id, Route(act.route_hops), act.kv_promise)
         self.placement, self.router = placement, router
         log.warning("routing over %s", ", ".join(
             f"{r.name} [{r.start_layer}, {r.end_layer})" for r in placement.nodes))
@@ -308,7 +309,7 @@ class Coordinator:
         if self.kv_allocation == "on-demand":
             for act in self.active.values():
                 for h in act.route_hops:
-                    grown[h.node] += len(act.generated) - act.admitted_at
+                    grown[h.name] += len(act.generated) - act.admitted_at
         return {
             name: NodeState(
                 name,
@@ -408,7 +409,7 @@ class Coordinator:
         self.down_reasons[node] = reason
         self.router.node_down(node)
         for act in self.active.values():
-            if any(h.node == node for h in act.route_hops):
+            if any(h.name == node for h in act.route_hops):
                 act.results.put_nowait(NodeFailure(node, reason))
         if self.recovery is not None and not self._covered():
             self.recovery.trigger(f"node {node} down ({reason}), layers without a live holder")
@@ -537,10 +538,8 @@ class Coordinator:
         act.admitted_at = len(act.generated)
         act.kv_promise = info.kv_tokens if info.kv_tokens is not None else need
         act.epoch = self.epoch
-        act.route_hops = tuple(
-            WireHop(h.node, self.nodes[h.node].address, h.start_layer, h.end_layer)
-            for h in route.hops
-        )
+        act.route_hops = route.hops
+        act.route_addresses = tuple(self.nodes[h.name].address for h in route.hops)
         key = route.nodes
         self.hop_counts[key] = self.hop_counts.get(key, 0) + 1
         self.active[act.internal_id] = act
@@ -583,6 +582,7 @@ class Coordinator:
             step_id=next(self._steps),
             hop_index=0,
             route=act.route_hops,
+            addresses=act.route_addresses,
             position=position,
             token_ids=token_ids,
             hidden=None,
@@ -591,7 +591,7 @@ class Coordinator:
             num_prompt_tokens=num_prompt_tokens,
         )
         act.pending.add(item.step_id)
-        self.nodes[act.route_hops[0].node].send(item)
+        self.nodes[act.route_hops[0].name].send(item)
 
     async def _next_token(self, act: _Active) -> WireResult:
         """Wait for the next sampled token, skipping prefill acks; re-route on node failure."""
@@ -637,7 +637,7 @@ class Coordinator:
         log.warning("re-routing %s: %s", act.internal_id, reason)
         # Which hop failed? A worker reports an unreachable next hop before this coordinator's
         # own stream to it breaks: ask every hop, so the new route avoids the dead one.
-        await asyncio.gather(*(self.nodes[h.node].check_alive() for h in act.route_hops))
+        await asyncio.gather(*(self.nodes[h.name].check_alive() for h in act.route_hops))
         self.reroutes += 1
         await self._replay(act)
 
@@ -674,11 +674,11 @@ class Coordinator:
         self._release_kv(act.internal_id, act.route_hops)
         self._spawn(self._notify_admit())
 
-    def _release_kv(self, internal_id: str, hops: tuple[WireHop, ...]) -> None:
+    def _release_kv(self, internal_id: str, hops: tuple[NodeRange, ...]) -> None:
         # Also on nodes believed down: if only the stream broke, the worker still holds the KV
         # (a dead one fails the call at once).
         for h in hops:
-            task = self._spawn(self.nodes[h.node].release([internal_id]))
+            task = self._spawn(self.nodes[h.name].release([internal_id]))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 

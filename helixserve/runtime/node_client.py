@@ -66,7 +66,7 @@ class NodeClient:
         self._outgoing: asyncio.Queue[pb.WorkItem | None] = asyncio.Queue()
         self._stream_task: asyncio.Task[None] | None = None
         self._last_revive = 0.0
-        self._route_pb_cache: dict[tuple[tp.WireHop, ...], list[pb.Hop]] = {}
+        self._route_pb_cache: dict[tuple[object, ...], list[pb.Hop]] = {}
         #: an Info call is under way; Info calls in a row that got no answer in time
         self.refreshing = False
         self.missed_answers = 0
@@ -178,11 +178,12 @@ class NodeClient:
             self.on_down(self.name, reason)
 
     def send(self, item: tp.WireItem) -> None:
-        route_pb = self._route_pb_cache.get(item.route)
+        key = (item.route, item.addresses)
+        route_pb = self._route_pb_cache.get(key)
         if route_pb is None:
             if len(self._route_pb_cache) > 1024:
                 self._route_pb_cache.clear()
-            route_pb = self._route_pb_cache[item.route] = tp.route_to_pb(item.route)
+            route_pb = self._route_pb_cache[key] = tp.route_to_pb(item.route, item.addresses)
         self._outgoing.put_nowait(tp.item_to_pb(item, route_pb))
 
     # ---- unary calls -----------------------------------------------------------------------

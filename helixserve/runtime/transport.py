@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from helixserve.planner.placement import NodeRange
 from helixserve.request import PromptLogprob, SamplingParams
 from helixserve.runtime.proto import helix_pb2 as pb
+from helixserve.spec.model import DTYPE_BYTES
 
 if TYPE_CHECKING:
     # Only the tensor functions need torch, and they import it when called: the coordinator
@@ -68,7 +70,7 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = channel_options()
 SERVER_OPTIONS: list[tuple[str, Any]] = server_options()
 
 #: the float dtypes on the wire, by name, and their bytes per element
-_ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+_ITEMSIZE = DTYPE_BYTES
 
 OK = grpc.StatusCode.OK.value[0]
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -173,14 +175,6 @@ def hidden_from_pb(msg: pb.Tensor, where: str, num_tokens: int, expect: Expected
 # ---- work items -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class WireHop:
-    node: str
-    address: str
-    start_layer: int
-    end_layer: int
-
-
 @dataclass
 class WireItem:
     """One unit of work for one hop: a prefill chunk or one decode token of one request."""
@@ -189,7 +183,9 @@ class WireItem:
     coordinator_id: str
     step_id: int
     hop_index: int
-    route: tuple[WireHop, ...]
+    #: the request's pipeline (scheduler.Route's hops) and each hop's worker (host:port)
+    route: tuple[NodeRange, ...]
+    addresses: tuple[str, ...]
     #: position of token_ids[0] in the request's sequence
     position: int
     token_ids: list[int]
@@ -202,7 +198,7 @@ class WireItem:
     num_prompt_tokens: int | None = None
 
     @property
-    def hop(self) -> WireHop:
+    def hop(self) -> NodeRange:
         return self.route[self.hop_index]
 
     @property
@@ -231,10 +227,10 @@ class WireResult:
         return self.status_code == OK
 
 
-def route_to_pb(route: Sequence[WireHop]) -> list[pb.Hop]:
+def route_to_pb(route: Sequence[NodeRange], addresses: Sequence[str]) -> list[pb.Hop]:
     return [
-        pb.Hop(node=h.node, address=h.address, start_layer=h.start_layer, end_layer=h.end_layer)
-        for h in route
+        pb.Hop(node=h.name, address=a, start_layer=h.start_layer, end_layer=h.end_layer)
+        for h, a in zip(route, addresses, strict=True)
     ]
 
 
@@ -284,7 +280,7 @@ def item_to_pb(item: WireItem, route_pb: list[pb.Hop] | None = None) -> pb.WorkI
         coordinator_id=item.coordinator_id,
         step_id=item.step_id,
         hop_index=item.hop_index,
-        route=route_pb if route_pb is not None else route_to_pb(item.route),
+        route=route_pb if route_pb is not None else route_to_pb(item.route, item.addresses),
         position=item.position,
         token_ids=item.token_ids,
         sample=item.sample,
@@ -325,10 +321,7 @@ def item_from_pb(msg: pb.WorkItem, expect: ExpectedInput, where: str = "item") -
     if not msg.request_id:
         raise WireError(f"{where}.request_id: empty")
     where = f"{where}[{msg.request_id}]"
-    route = tuple(
-        WireHop(node=h.node, address=h.address, start_layer=h.start_layer, end_layer=h.end_layer)
-        for h in msg.route
-    )
+    route = tuple(NodeRange(h.node, h.start_layer, h.end_layer) for h in msg.route)
     if not route:
         raise WireError(f"{where}.route: empty")
     if msg.hop_index >= len(route):
@@ -372,6 +365,7 @@ def item_from_pb(msg: pb.WorkItem, expect: ExpectedInput, where: str = "item") -
         step_id=msg.step_id,
         hop_index=msg.hop_index,
         route=route,
+        addresses=tuple(h.address for h in msg.route),
         position=msg.position,
         token_ids=list(msg.token_ids),
         hidden=hidden,

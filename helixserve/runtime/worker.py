@@ -428,12 +428,12 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 )
                 self.deliver(tp.result_to_pb(result), item.coordinator_id, job.origin)
             else:
-                nxt = item.route[item.hop_index + 1]
+                nxt = item.addresses[item.hop_index + 1]
                 # hidden: [num_tokens, hidden_size] leaves for the next hop
                 msg = tp.forward_item_pb(job.msg, out.hidden, compute_s)
-                peer = self.peers.get(nxt.address)
+                peer = self.peers.get(nxt)
                 if peer is None or peer.task.done():
-                    peer = self.peers[nxt.address] = _Peer(self, nxt.address)
+                    peer = self.peers[nxt] = _Peer(self, nxt)
                 peer.queue.put_nowait(msg)
 
     def deliver(self, result: pb.WorkResult, coordinator_id: str, origin: _Stream | None) -> None:
@@ -606,9 +606,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
         if owner is not None and owner != item.coordinator_id:
             return f"{where}.request_id: {item.request_id!r} belongs to another coordinator"
         if not item.is_last_hop:
-            nxt = item.route[item.hop_index + 1]
-            if not self.peer_policy.allows(nxt.address):
-                return (f"{where}.route[{item.hop_index + 1}].address: {nxt.address!r} is not a "
+            nxt = item.addresses[item.hop_index + 1]
+            if not self.peer_policy.allows(nxt):
+                return (f"{where}.route[{item.hop_index + 1}].address: {nxt!r} is not a "
                         f"peer of this worker (peers: {self.peer_policy.describe()}); refused, "
                         "nothing connected")
         return ""

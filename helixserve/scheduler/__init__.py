@@ -21,7 +21,7 @@ from helixserve.scheduler.base import GraphRouter
 from helixserve.scheduler.baselines import RandomRouter, ShortestQueueRouter, SwarmRouter
 from helixserve.scheduler.maxflow import MaxFlowRouter
 from helixserve.scheduler.options import CLUSTER_FACTS, RouterOptions, router_options
-from helixserve.scheduler.types import Hop, NodeState, RequestInfo, Route, Router
+from helixserve.scheduler.types import NodeState, RequestInfo, Route, Router
 
 #: routing policies by name; each takes (placement, seed=..., **options)
 ROUTERS: dict[str, Callable[..., GraphRouter]] = {
@@ -65,7 +65,6 @@ __all__ = [
     "CLUSTER_FACTS",
     "ROUTERS",
     "GraphRouter",
-    "Hop",
     "MaxFlowRouter",
     "NodeState",
     "RandomRouter",

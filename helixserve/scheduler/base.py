@@ -32,8 +32,9 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 
 from helixserve.errors import UserError
-from helixserve.planner.placement import COORDINATOR, NodeRange, Placement
-from helixserve.scheduler.types import Hop, NodeState, RequestInfo, Route
+from helixserve.planner.placement import NodeRange, Placement
+from helixserve.scheduler.types import NodeState, RequestInfo, Route
+from helixserve.spec.cluster import COORDINATOR
 
 
 class GraphRouter:
@@ -107,7 +108,7 @@ class GraphRouter:
         layer = 0
         for j in path:
             end = self.ranges[j].end_layer
-            hops.append(Hop(j, layer, end))
+            hops.append(NodeRange(j, layer, end))
             layer = end
         route = Route(tuple(hops))
         self._commit(route, req, state)
@@ -123,7 +124,7 @@ class GraphRouter:
         when the placement changes under running requests), with its KV promise; False when
         a hop of `route` is not a range of this placement (the request must be re-routed)."""
         for h in route.hops:
-            r = self.ranges.get(h.node)
+            r = self.ranges.get(h.name)
             if r is None or not r.start_layer <= h.start_layer < h.end_layer <= r.end_layer:
                 return False
         self.routes[request_id] = route

@@ -41,10 +41,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from helixserve.errors import UserError
-from helixserve.planner.placement import COORDINATOR, Placement
+from helixserve.planner.placement import Placement
 from helixserve.scheduler.base import GraphRouter
 from helixserve.scheduler.spread import spread_flows
 from helixserve.scheduler.types import NodeState, RequestInfo, Route
+from helixserve.spec.cluster import COORDINATOR
 
 
 class MaxFlowRouter(GraphRouter):

@@ -15,11 +15,9 @@ from collections.abc import Iterable, Mapping
 from typing import TypedDict
 
 from helixserve.costmodel import CostModel
-from helixserve.planner.placement import COORDINATOR, Placement
-from helixserve.spec import ClusterSpec, ModelSpec
-
-#: bytes of one token id on a coordinator link (int32), as in the planner's flow graph
-TOKEN_ID_BYTES = 4
+from helixserve.planner.placement import Placement
+from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec
+from helixserve.spec.cluster import COORDINATOR
 
 
 class RouterOptions(TypedDict, total=False):

@@ -32,7 +32,8 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from helixserve.planner.placement import COORDINATOR, Placement
+from helixserve.planner.placement import Placement
+from helixserve.spec.cluster import COORDINATOR
 
 _SINK = "\0sink"  # the coordinator as a receiver (it is also the source)
 

@@ -11,27 +11,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from helixserve.request import KV_ALLOCATIONS as KV_ALLOCATIONS
-
-
-@dataclass(frozen=True)
-class Hop:
-    node: str
-    start_layer: int
-    end_layer: int
-
-    @property
-    def num_layers(self) -> int:
-        return self.end_layer - self.start_layer
+from helixserve.planner.placement import NodeRange
 
 
 @dataclass(frozen=True)
 class Route:
-    hops: tuple[Hop, ...]
+    """A request's pipeline: each hop is the node and the layers it runs for this request
+    (a `NodeRange`, the same type as a placement's node: a hop may run fewer layers than its
+    node holds, with partial inference)."""
+
+    hops: tuple[NodeRange, ...]
 
     @property
     def nodes(self) -> tuple[str, ...]:
-        return tuple(h.node for h in self.hops)
+        return tuple(h.name for h in self.hops)
 
     def covers(self, num_layers: int) -> bool:
         """True when the hops run layers 0..num_layers-1 in order, each exactly once."""

@@ -51,16 +51,14 @@ from typing import Any
 
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
-from helixserve.planner.placement import COORDINATOR, Placement
+from helixserve.planner.placement import Placement
 from helixserve.request import KV_ALLOCATIONS
 from helixserve.scheduler import NodeState, RequestInfo, make_router
 from helixserve.scheduler.options import router_options
 from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.workload import TraceRequest, offline_stream
-from helixserve.spec import ClusterSpec, ModelSpec, NodeSpec
-
-#: bytes of one token id on a coordinator link (int32), as in the planner's flow graph
-TOKEN_ID_BYTES = 4
+from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec, NodeSpec
+from helixserve.spec.cluster import COORDINATOR
 
 _ARRIVE, _DONE, _DELIVER, _FEED = 0, 1, 2, 3
 #: values of `SimConfig.offline_feed`
@@ -438,7 +436,7 @@ class Simulation:
         route = self.router.route(info, self.states)
         if route is None:
             return False
-        nodes = tuple(self.nodes[h.node] for h in route.hops)
+        nodes = tuple(self.nodes[h.name] for h in route.hops)
         need = r.prompt if self.on_demand else r.prompt + r.output
         if self.expected is not None and any(n.kv_used + need > n.kv_cap for n in nodes):
             # promised within the expectation, but the requests there grew past theirs

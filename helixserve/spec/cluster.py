@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -50,6 +51,28 @@ class NodeSpec:
     address: str | None = None
     #: memory budget of the whole node; None = catalog memory_gb x num_gpus
     memory_gb: float | None = None
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+def machine_type(node: NodeSpec) -> tuple[str, int, float | None]:
+    """What the cluster file says makes two machines alike: GPU, GPU count, memory budget."""
+    return (node.gpu, node.num_gpus, node.memory_gb)
+
+
+def group_machines(
+    nodes: Sequence[NodeSpec],
+    key: Callable[[int], K],
+    indices: Iterable[int] | None = None,
+) -> dict[K, list[int]]:
+    """Indices of `nodes` (all, or `indices` in their order) grouped by `key(index)`, groups
+    in order of first member. The one way the planner and the serving selection group
+    machines; `key` is `machine_type` of the node, or its T(k) curve, its region, ..."""
+    groups: dict[K, list[int]] = {}
+    for i in range(len(nodes)) if indices is None else indices:
+        groups.setdefault(key(i), []).append(i)
+    return groups
 
 
 @dataclass

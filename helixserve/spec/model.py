@@ -14,6 +14,12 @@ from typing import Any
 
 from helixserve.errors import UserError, read_user_file
 
+#: bytes of one token id on a coordinator link (int32): the flow graph's coordinator edges,
+#: the router's link capacities and the simulator's transfers all count this
+TOKEN_ID_BYTES = 4
+#: the float types a worker serves in (and hidden states travel in), with bytes per element
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 
 @dataclass(frozen=True)
 class ModelSpec:

@@ -227,8 +227,9 @@ def _rig_pids(tag: str) -> list[int]:
 
 
 def test_rig_stack_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    """A 2-machine stack (proxy, 2 real workers, coordinator + API) answers a request through
-    the proxy, then stop() leaves no process, no listening port and no cgroup."""
+    """A 2-machine stack (proxy, 2 real workers, coordinator + API, mutual TLS) answers a
+    request through the proxy, then stop() leaves no process, no listening port and no
+    cgroup."""
     import urllib.request
 
     from benchmarks.rig.clusters import LAN, Machine, RigCluster
@@ -265,6 +266,8 @@ def test_rig_stack_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
         with urllib.request.urlopen(req, timeout=120) as resp:
             answer = json.loads(resp.read())
         assert answer["usage"]["completion_tokens"] == 4
+        # mutual TLS by default, with dev credentials made for this stack
+        assert (tmp_path / "logs" / "tls" / "ca.crt").is_file() and stack.tls
         if mode == "cgroup":
             assert speed.groups and all(g.is_dir() for g in speed.groups)
     # the workers' and the coordinator's traffic went through the proxy, link by link

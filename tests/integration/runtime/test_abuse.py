@@ -24,6 +24,7 @@ import pytest
 import torch
 from runtime_procs import free_port, make_placement, start_worker, stop_workers, wait_ready
 
+from helixserve.planner.placement import NodeRange
 from helixserve.request import SamplingParams
 from helixserve.runtime import Coordinator, GenerationRequest, security
 from helixserve.runtime import transport as tp
@@ -109,11 +110,17 @@ def _refused_at_handshake(address: str, make_channel: Any) -> int:
     return len(calls)
 
 
-def _forged_item(request_id: str, coordinator_id: str, route: list[tp.WireHop],
+def wire_hop(name: str, address: str, start_layer: int, end_layer: int) -> tuple[NodeRange, str]:
+    """One hop of a forged route: the layers and the worker address it names."""
+    return NodeRange(name, start_layer, end_layer), address
+
+
+def _forged_item(request_id: str, coordinator_id: str, route: list[tuple[NodeRange, str]],
                  hop_index: int = 0, hidden_size: int = 576) -> pb.WorkItem:
     hidden = torch.zeros(1, hidden_size) if hop_index > 0 else None
     item = tp.WireItem(request_id=request_id, coordinator_id=coordinator_id, step_id=1,
-                       hop_index=hop_index, route=tuple(route), position=0, token_ids=[1],
+                       hop_index=hop_index, route=tuple(h for h, _ in route),
+                       addresses=tuple(a for _, a in route), position=0, token_ids=[1],
                        hidden=hidden, sampling=GREEDY, sample=True)
     return tp.item_to_pb(item)
 
@@ -166,10 +173,10 @@ async def _attack(creds: Any, cluster: ClusterSpec, coord: Coordinator, other_ca
 
     # 4: forged next hops, from hop 0 on n0 and from n1 (the placement's last hop)
     forged = [
-        (n0, [tp.WireHop("n0", n0, 0, 15), tp.WireHop("x", listener.address, 15, 30)], 0),
-        (n0, [tp.WireHop("n0", n0, 0, 10), tp.WireHop("n1", "127.0.0.2:9", 10, 30)], 0),
-        (n1, [tp.WireHop("n0", n0, 0, 15), tp.WireHop("n1", n1, 15, 20),
-              tp.WireHop("x", listener.address, 20, 30)], 1),
+        (n0, [wire_hop("n0", n0, 0, 15), wire_hop("x", listener.address, 15, 30)], 0),
+        (n0, [wire_hop("n0", n0, 0, 10), wire_hop("n1", "127.0.0.2:9", 10, 30)], 0),
+        (n1, [wire_hop("n0", n0, 0, 15), wire_hop("n1", n1, 15, 20),
+              wire_hop("x", listener.address, 20, 30)], 1),
     ]
     for address, route, hop in forged:
         batch = tp.work_batch_pb([_forged_item("forged", own_id, route, hop)],
@@ -211,7 +218,7 @@ async def _attack(creds: Any, cluster: ClusterSpec, coord: Coordinator, other_ca
     # 7: items on the attacker's own stream naming the victim's coordinator (result
     # injection) or the victim's request id (KV corruption), and a first-hop item from a
     # stream that is not a coordinator's
-    route = [tp.WireHop("n0", n0, 0, 15), tp.WireHop("n1", n1, 15, 30)]
+    route = [wire_hop("n0", n0, 0, 15), wire_hop("n1", n1, 15, 30)]
     for item, hello in (
         (_forged_item("inject", coord.coordinator_id, route), (own_id, own_token)),
         (_forged_item(victim_rid, own_id, route), (own_id, own_token)),

@@ -25,6 +25,7 @@ from runtime_procs import (
 )
 
 from helixserve.engine import ShardEngine, WorkItem
+from helixserve.planner.placement import NodeRange
 from helixserve.request import SamplingParams
 from helixserve.runtime import (
     Coordinator,
@@ -223,12 +224,10 @@ TESTER_ID, TESTER_TOKEN = security.new_coordinator_identity()
 def _bad_item(worker: WorkerProc, **changes: Any) -> pb.WorkItem:
     """A decode item for n1 ([10,20)) with hidden states, then `changes` applied."""
     hidden = torch.zeros(1, 576)
-    route = [
-        tp.WireHop("n0", "x", 0, 10), tp.WireHop("n1", worker.address, 10, 20),
-        tp.WireHop("n2", "y", 20, 30),
-    ]
+    route = (NodeRange("n0", 0, 10), NodeRange("n1", 10, 20), NodeRange("n2", 20, 30))
     item = tp.WireItem(request_id="bad", coordinator_id=TESTER_ID, step_id=7, hop_index=1,
-                       route=tuple(route), position=0, token_ids=[1], hidden=hidden,
+                       route=route, addresses=("x", worker.address, "y"), position=0,
+                       token_ids=[1], hidden=hidden,
                        sampling=GREEDY, sample=True)
     msg = tp.item_to_pb(item)
     for key, value in changes.items():
@@ -236,7 +235,7 @@ def _bad_item(worker: WorkerProc, **changes: Any) -> pb.WorkItem:
             msg.hidden.CopyFrom(value)
         elif key == "route":
             del msg.route[:]
-            msg.route.extend(tp.route_to_pb(value))
+            msg.route.extend(tp.route_to_pb(value, ["x"] * len(value)))
         else:
             setattr(msg, key, value)
     return msg
@@ -251,8 +250,8 @@ def _bad_item(worker: WorkerProc, **changes: Any) -> pb.WorkItem:
         ({"hidden": pb.Tensor(dtype="float32", shape=[2, 576], data=bytes(4608))}, "shape"),
         ({"hidden": pb.Tensor(dtype="float32", shape=[1, 576], data=bytes(100))}, "bytes"),
         ({"hidden": pb.Tensor(dtype="pickle", shape=[1, 576], data=bytes(100))}, "dtype"),
-        ({"route": [tp.WireHop("n0", "x", 0, 15), tp.WireHop("n1", "x", 15, 30)]}, "not held"),
-        ({"route": [tp.WireHop("n0", "x", 0, 10), tp.WireHop("n1", "x", 10, 20)]}, "covers"),
+        ({"route": [NodeRange("n0", 0, 15), NodeRange("n1", 15, 30)]}, "not held"),
+        ({"route": [NodeRange("n0", 0, 10), NodeRange("n1", 10, 20)]}, "covers"),
         ({"hop_index": 5}, "hop_index"),
     ],
 )

@@ -1,1 +1,1 @@
-from planner_factories import llama70b, measured_cost  # noqa: F401  (fixtures)
+from planner_factories import counted, llama70b, measured_cost  # noqa: F401  (fixtures)

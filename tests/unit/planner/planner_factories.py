@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from helixserve.costmodel import CostModel
+from helixserve.planner import clock
 from helixserve.spec import ClusterSpec, LinkSpec, ModelSpec, NodeSpec, load_model, load_profiles
 
 SHARED = Path(__file__).resolve().parents[2] / "data" / "shared"
@@ -33,3 +35,16 @@ def llama70b() -> ModelSpec:
 @pytest.fixture(scope="session")
 def measured_cost(llama70b: ModelSpec) -> CostModel:
     return CostModel(llama70b, load_profiles(SHARED / "profiles" / "helix-measured.csv"))
+
+
+@pytest.fixture
+def counted() -> Iterator[None]:
+    """Run the test on the planner's work clock (planner/clock.py): the searches stop after
+    counted work, not at a deadline, so a busy machine cannot change what they find."""
+    with clock.work_clock():
+        yield
+
+
+def work(units: float) -> float:
+    """A deadline `units` of work from now, for a search run inside `counted`."""
+    return clock.now() + units

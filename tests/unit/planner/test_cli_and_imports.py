@@ -92,3 +92,18 @@ def test_plan_serve_flags_are_checked(tmp_path, capsys):
                  str(tmp_path / "missing.csv")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing.csv" in err[0]
+
+
+def test_planner_imports_neither_simulator_nor_scheduler():
+    # the layering of docs/architecture.md: the serving selection sits above the planner
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import helixserve.planner as p\n"
+        "for m in pkgutil.iter_modules(p.__path__):\n"
+        "    importlib.import_module('helixserve.planner.' + m.name)\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('helixserve.simulator',"
+        " 'helixserve.scheduler')))\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

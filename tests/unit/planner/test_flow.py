@@ -12,7 +12,7 @@ from planner_factories import make_cluster, tiny_model
 
 from helixserve.costmodel import CostModel
 from helixserve.planner import FlowNetwork, NodeRange, Placement, evaluate, load_placement
-from helixserve.planner.placement import COORDINATOR
+from helixserve.spec.cluster import COORDINATOR
 
 
 def hand_network(caps: list[float], link: float = 1e9) -> FlowNetwork:

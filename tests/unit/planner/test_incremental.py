@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
-from planner_factories import make_cluster
+from planner_factories import make_cluster, work
 
 from helixserve.cli import main
 from helixserve.errors import UserError
@@ -31,10 +30,10 @@ def _covers(ranges: dict[int, tuple[int, int]], num_layers: int) -> bool:
 
 
 def test_kept_machines_keep_their_range_and_new_ones_take_the_lost_layers(llama70b,
-                                                                          measured_cost):
+                                                                          measured_cost, counted):
     # t4-3 is gone, l4-2 is new; layers 54-79 had no holder at all
     net = FlowNetwork(make_cluster(a100=2, l4=3, t4=3), llama70b, measured_cost)
-    inc = incremental(net, CURRENT, time.perf_counter() + 2.0)
+    inc = incremental(net, CURRENT, work(2.0))
     assert inc.gone == ["t4-3"] and inc.new == ["l4-2"] and inc.freed == []
     for r in CURRENT.nodes:
         if r.name != "t4-3":
@@ -43,18 +42,18 @@ def test_kept_machines_keep_their_range_and_new_ones_take_the_lost_layers(llama7
     assert inc.throughput_tokens_per_s == pytest.approx(net.max_flow(inc.ranges)[0])
 
 
-def test_a_range_that_no_longer_fits_is_freed(llama70b, measured_cost):
+def test_a_range_that_no_longer_fits_is_freed(llama70b, measured_cost, counted):
     # t4-0 holds 8 layers: more than a T4's 4 for this model (say its GPU was swapped)
     current = _placement({**{r.name: (r.start_layer, r.end_layer) for r in CURRENT.nodes},
                           "t4-0": (36, 44)})
     net = FlowNetwork(make_cluster(a100=2, l4=2, t4=4), llama70b, measured_cost)
-    inc = incremental(net, current, time.perf_counter() + 1.0)
+    inc = incremental(net, current, work(1.0))
     assert inc.freed == ["t4-0"] and "t4-0" not in inc.kept
     s, e = inc.ranges[net.index["t4-0"]]
     assert e - s <= net.max_layers[net.index["t4-0"]]
 
 
-def test_lost_sole_holder_without_a_new_machine_unpins_neighbours(llama70b, measured_cost):
+def test_lost_sole_holder_without_a_new_machine_unpins_neighbours(llama70b, measured_cost, counted):
     # a full cover, then t4-3 (sole holder of 74-77) is lost and nothing replaces it; its
     # neighbours l4-3 (5 of 7 layers) and t4-4 (2 of 4) can grow into its layers
     current = _placement({
@@ -65,9 +64,9 @@ def test_lost_sole_holder_without_a_new_machine_unpins_neighbours(llama70b, meas
     cluster = make_cluster(a100=3, l4=4, t4=5)
     cluster = replace(cluster, nodes=[n for n in cluster.nodes if n.name != "t4-3"])
     net = FlowNetwork(cluster, llama70b, measured_cost)
-    pinned_only = incremental(net, current, time.perf_counter() + 1.0)
+    pinned_only = incremental(net, current, work(1.0))
     assert pinned_only.throughput_tokens_per_s == 0.0  # nothing free: 74-77 stay uncovered
-    inc = incremental(net, current, time.perf_counter() + 6.0, target=1.0)
+    inc = incremental(net, current, work(6.0), target=1.0)
     assert inc.throughput_tokens_per_s > 0 and _covers(inc.ranges, 80)
     # the first rounds un-pin only the machines nearest layers 74-77: the chain's start stays
     assert {"a100-0", "a100-1", "l4-0"} <= set(inc.kept)

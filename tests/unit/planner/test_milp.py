@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from planner_factories import make_cluster, tiny_model
+from planner_factories import make_cluster, tiny_model, work
 
 from helixserve.costmodel import CostModel
 from helixserve.planner import PLANNERS, FlowNetwork, plan
 from helixserve.planner.baselines import BASELINES
-from helixserve.planner.milp import _extract, build_milp, layer_work_bound
+from helixserve.planner.bounds import layer_work_bound
+from helixserve.planner.milp import build_milp, extract
 from helixserve.planner.solver import solve
 from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec
 
@@ -54,7 +55,7 @@ def test_milp_equals_brute_force(partial, monkeypatch):
     info = solve(prob, 30.0)
     assert info.status == "optimal"
     assert info.objective == pytest.approx(optimum, rel=1e-4)
-    assert net.max_flow(_extract(net, variables), partial)[0] == pytest.approx(optimum, rel=1e-4)
+    assert net.max_flow(extract(net, variables), partial)[0] == pytest.approx(optimum, rel=1e-4)
     # the whole planner reaches it too, and its bound is a real bound; but here `separate`
     # beats every placement within the weight cap: one machine per type holding all 4
     # layers beyond the cap needs none of the slow links, and the planner never returns
@@ -70,11 +71,11 @@ def test_milp_equals_brute_force(partial, monkeypatch):
     assert placement.upper_bound_tokens_per_s is None
     # without that baseline (and the whole-model replicas, the same placement here) the
     # planner's answer is the optimum within the cap, bounded
-    import helixserve.planner.milp as milp_module
+    import helixserve.planner.pipeline as pipeline
 
-    monkeypatch.setattr(milp_module, "BASELINES",
+    monkeypatch.setattr(pipeline, "BASELINES",
                         {k: v for k, v in BASELINES.items() if k != "separate"})
-    monkeypatch.setattr(milp_module, "EXTRA_CANDIDATES", {})
+    monkeypatch.setattr(pipeline, "EXTRA_CANDIDATES", {})
     placement = plan("milp", net.cluster, model, net.cost, time_limit_s=10,
                      partial_inference=partial)
     assert placement.throughput_tokens_per_s == pytest.approx(optimum, rel=1e-3)
@@ -130,7 +131,7 @@ def test_separate_is_one_pipeline_per_type_as_helix_built_it(llama70b, measured_
 def test_milp_stays_within_the_weight_cap_when_that_beats_separate(llama70b, measured_cost):
     cluster = make_cluster(a100=4, l4=8, t4=12)
     separate = plan("separate", cluster, llama70b, measured_cost)
-    placement = plan("milp", cluster, llama70b, measured_cost, time_limit_s=6)
+    placement = plan("milp", cluster, llama70b, measured_cost, work_limit=6)
     assert placement.throughput_tokens_per_s > 1.5 * separate.throughput_tokens_per_s
     for r in placement.nodes:
         assert r.num_layers <= measured_cost.max_layers(cluster.node(r.name))
@@ -140,13 +141,13 @@ def test_milp_never_worse_than_best_baseline(llama70b, measured_cost):
     cluster = make_cluster(a100=2, l4=4, t4=8)
     best = max(plan(n, cluster, llama70b, measured_cost).throughput_tokens_per_s
                for n in BASELINES)
-    placement = plan("milp", cluster, llama70b, measured_cost, time_limit_s=4)
+    placement = plan("milp", cluster, llama70b, measured_cost, work_limit=4)
     assert placement.throughput_tokens_per_s >= best * (1 - 1e-9)
     assert placement.upper_bound_tokens_per_s >= placement.throughput_tokens_per_s
     assert set(PLANNERS) == {"milp", "petals", "swarm", "separate", "uniform"}
 
 
-def test_lns_reaches_the_brute_force_optimum():
+def test_lns_reaches_the_brute_force_optimum(counted):
     from helixserve.planner.milp import lns
 
     model = tiny_model(num_layers=4)
@@ -155,22 +156,18 @@ def test_lns_reaches_the_brute_force_optimum():
     start = {0: (0, 1), 1: (1, 3), 2: (3, 4)}  # a plain chain, far from the best
     assert net.max_flow(start)[0] < optimum * 0.99  # there is something to find
     prob, variables, _ = build_milp(net, layer_work_bound(net), True)
-    import time
-
-    ranges, value = lns(net, prob, variables, start, time.perf_counter() + 6, 0, True)
+    ranges, value = lns(net, prob, variables, start, work(6), 0, True)
     assert value == pytest.approx(optimum, rel=1e-3)
     assert net.max_flow(ranges)[0] == pytest.approx(value)
 
 
-def test_tiling_beats_every_baseline_on_a_helix_like_cluster(llama70b, measured_cost):
-    import time
-
+def test_tiling_beats_every_baseline_on_a_helix_like_cluster(llama70b, measured_cost, counted):
     from helixserve.planner.tiling import tiling_search
 
     cluster = make_cluster(a100=4, l4=8, t4=12)
     net = FlowNetwork(cluster, llama70b, measured_cost)
     best_base = max(net.max_flow(fn(net))[0] for fn in BASELINES.values())
-    found = tiling_search(net, best_base, layer_work_bound(net), time.perf_counter() + 20)
+    found = tiling_search(net, best_base, layer_work_bound(net), work(20))
     assert found is not None
     ranges, value = found
     assert net.max_flow(ranges)[0] == pytest.approx(value)
@@ -191,8 +188,7 @@ def test_cbc_fallback_finds_the_same_optimum(monkeypatch):
     assert info.objective == pytest.approx(optimum, rel=1e-3)
 
 
-def test_regional_tiling_runs_regions_side_by_side(llama70b, measured_cost):
-    import time
+def test_regional_tiling_runs_regions_side_by_side(llama70b, measured_cost, counted):
 
     from helixserve.planner.tiling import regional_tiling, tiling_search
 
@@ -202,13 +198,13 @@ def test_regional_tiling_runs_regions_side_by_side(llama70b, measured_cost):
     cluster = ClusterSpec("two", nodes, default_link=LinkSpec(10.0, 1.0),
                           between_regions={frozenset(("east", "west")): weak})
     net = FlowNetwork(cluster, llama70b, measured_cost)
-    found = regional_tiling(net, time.perf_counter() + 20)
+    found = regional_tiling(net, work(20))
     assert found is not None
     ranges, value = found
     assert {net.cluster.nodes[i].region for i in ranges} == {"east", "west"}
     one = ClusterSpec("one", nodes[:8], default_link=LinkSpec(10.0, 1.0))
     one_net = FlowNetwork(one, llama70b, measured_cost)
-    alone = tiling_search(one_net, 0.0, layer_work_bound(one_net), time.perf_counter() + 20)
+    alone = tiling_search(one_net, 0.0, layer_work_bound(one_net), work(20))
     assert alone is not None
     assert value >= 1.95 * alone[1]
 

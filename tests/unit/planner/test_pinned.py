@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
-from planner_factories import make_cluster, tiny_model
+from planner_factories import make_cluster, tiny_model, work
 
 from helixserve.planner import FlowNetwork
 from helixserve.planner.pinned import fill_gaps, pinned_search, resize, strongest_group
@@ -65,7 +63,7 @@ def test_resize_moves_the_receivers_with_the_chain():
     assert out == {0: (0, 11), 1: (11, 22), 2: (22, 26), 3: (22, 26), 4: (26, 33)}
 
 
-def test_local_search_keeps_fixed_nodes(llama70b, measured_cost):
+def test_local_search_keeps_fixed_nodes(llama70b, measured_cost, counted):
     net = FlowNetwork(make_cluster(a100=2, l4=4, t4=8), llama70b, measured_cost)
     start = {0: (0, 11), 1: (11, 22)}
     pos = 22
@@ -74,13 +72,13 @@ def test_local_search_keeps_fixed_nodes(llama70b, measured_cost):
         start[i] = (min(pos, 80 - k), min(pos, 80 - k) + k)
         pos += k
     assert _covers(start, 80)
-    ranges, value, _ = local_search(net, [start], time.perf_counter() + 1.5, seed=0,
+    ranges, value, _ = local_search(net, [start], work(1.5), seed=0,
                                     fixed=frozenset({0, 1}))
     assert ranges[0] == (0, 11) and ranges[1] == (11, 22)
     assert value == pytest.approx(net.max_flow(ranges)[0])
 
 
-def test_pinned_search_returns_valid_resized_placements(llama70b, measured_cost):
+def test_pinned_search_returns_valid_resized_placements(llama70b, measured_cost, counted):
     net = FlowNetwork(make_cluster(a100=4, l4=8, t4=12), llama70b, measured_cost)
     best = {i: (12 * i, 12 * i + 12) for i in range(4)}  # the A100 chain of 4 x 12 layers
     pos = 48
@@ -90,7 +88,7 @@ def test_pinned_search_returns_valid_resized_placements(llama70b, measured_cost)
         best[i] = (start, start + k)
         pos += k
     assert strongest_group(net, best) == [0, 1, 2, 3]
-    found = pinned_search(net, best, time.perf_counter() + 3, seed=0)
+    found = pinned_search(net, best, work(3), seed=0)
     assert len(found) == 1  # the A100s are at their limit: only the 11-layer variant
     ranges, value = found[0]
     assert [ranges[i] for i in range(4)] == [(0, 11), (11, 22), (22, 33), (33, 44)]

@@ -71,16 +71,16 @@ def plan_value(tmp_path: Path, argv: list[str], planner: str,
 def test_milp_plans_for_the_graph_without_partial_inference(tmp_path, monkeypatch) -> None:
     """It used to search with partial inference and be evaluated without: on a mixed
     cluster with slow links that lost to the swarm baseline (0 tokens/s against 1,775)."""
-    import helixserve.planner.milp as milp_module
+    import helixserve.planner.registry as registry
 
     seen: list[bool] = []
-    real = milp_module.solve_milp
+    real = registry.run_portfolio
 
     def spy(*args, **kwargs):
         seen.append(kwargs["partial_inference"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(milp_module, "solve_milp", spy)
+    monkeypatch.setattr(registry, "run_portfolio", spy)
     cluster = write_cluster(tmp_path, [
         "{name: n0, gpu: V100-32GB}", "{name: n1, gpu: H100-80GB}",
         "{name: n2, gpu: A100-40GB, num_gpus: 2}", "{name: n3, gpu: A100-40GB}",
@@ -307,7 +307,7 @@ def test_links_that_let_no_route_cover_the_model_are_an_error(tmp_path, capsys) 
              "    - {a: r1, b: r2, bandwidth_gbps: 0}\ncoordinator: {region: r1}\n")
     cluster = write_cluster(tmp_path, nodes, links)
     line = one_line_error(["plan", "--cluster", cluster, "--model", str(LLAMA30),
-                           "--planner", "milp", "--time-limit", "5", "--jobs", "1", "--quiet",
+                           "--planner", "milp", "--work-limit", "60", "--jobs", "1", "--quiet",
                            "--out", str(tmp_path / "p.json")], capsys)
     assert "odd.yaml: links: no placement can serve" in line
     assert not (tmp_path / "p.json").exists()

@@ -10,8 +10,9 @@ from test_milp import brute_force
 
 from helixserve.costmodel import CostModel
 from helixserve.planner import FlowNetwork, plan
+from helixserve.planner.bounds import layer_work_bound
 from helixserve.planner.coverage import solve_coverage
-from helixserve.planner.milp import layer_work_bound
+from helixserve.planner.pipeline import StageReport
 from helixserve.planner.regions import solve_regions
 from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec
 
@@ -74,13 +75,12 @@ def test_region_bound_is_tighter_than_the_old_bounds_when_a_slow_link_binds():
 
 def test_milp_closes_the_gap_on_a_slow_link():
     net, link = two_halves()
-    said: list[str] = []
+    stages: list[StageReport] = []
     placement = plan("milp", net.cluster, net.model, net.cost, time_limit_s=10,
-                     progress=said.append)
+                     stages=stages)
     assert placement.throughput_tokens_per_s == pytest.approx(link, rel=1e-3)
     assert placement.upper_bound_tokens_per_s == pytest.approx(link, rel=1e-3)
     # the region relaxation ran inside `milp` and proved the link's capacity
-    region = [m for m in said if m.startswith("region relaxation")]
-    assert len(region) == 1
-    assert float(region[0].rsplit("bound ", 1)[1].split()[0].replace(",", "")) == \
-        pytest.approx(link, rel=1e-3)
+    region = [s for s in stages if s.stage == "regions"]
+    assert len(region) == 1 and region[0].ran
+    assert region[0].bound_tokens_per_s == pytest.approx(link, rel=1e-3)

@@ -3,12 +3,14 @@
 import pytest
 import torch
 
+from helixserve.planner.placement import NodeRange
 from helixserve.request import SamplingParams
 from helixserve.runtime import transport as tp
 
 EXPECT = tp.ExpectedInput(start_layer=10, end_layer=20, num_model_layers=30, hidden_size=8,
                           dtype=torch.float32)
-ROUTE = (tp.WireHop("a", "h:1", 0, 10), tp.WireHop("b", "h:2", 10, 20), tp.WireHop("c", "h:3", 20, 30))
+ROUTE = (NodeRange("a", 0, 10), NodeRange("b", 10, 20), NodeRange("c", 20, 30))
+ADDRESSES = ("h:1", "h:2", "h:3")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -55,7 +57,7 @@ def test_hidden_in_another_float_dtype_is_cast():
 
 
 def _item(**kw):
-    base = dict(request_id="r", coordinator_id="c", step_id=3, hop_index=1, route=ROUTE,
+    base = dict(request_id="r", coordinator_id="c", step_id=3, hop_index=1, route=ROUTE, addresses=ADDRESSES,
                 position=5, token_ids=[1, 2], hidden=torch.randn(2, 8),
                 sampling=SamplingParams(temperature=0.5, top_k=4, seed=9, logprobs=2,
                                         prompt_logprobs=0), sample=True)
@@ -69,6 +71,7 @@ def test_item_round_trip():
     assert (back.request_id, back.step_id, back.hop_index, back.position, back.token_ids) == (
         "r", 3, 1, 5, [1, 2])
     assert back.route == ROUTE and back.hop == ROUTE[1] and not back.is_last_hop
+    assert back.addresses == ADDRESSES
     assert torch.equal(back.hidden, item.hidden)
     assert back.sampling == item.sampling
 
@@ -87,8 +90,10 @@ def test_forwarded_item_goes_to_the_next_hop():
     [
         ({"hop_index": 0, "hidden": None}, "not held by this worker"),
         ({"hop_index": 3}, "hop_index"),
-        ({"route": (tp.WireHop("a", "", 0, 10), tp.WireHop("b", "", 12, 30))}, "do not continue"),
-        ({"route": (tp.WireHop("a", "", 0, 10), tp.WireHop("b", "", 10, 20))}, "covers layers"),
+        ({"route": (NodeRange("a", 0, 10), NodeRange("b", 12, 30)), "addresses": ("", "")},
+         "do not continue"),
+        ({"route": (NodeRange("a", 0, 10), NodeRange("b", 10, 20)), "addresses": ("", "")},
+         "covers layers"),
         ({"hidden": None}, "hidden: missing"),
         ({"hidden": torch.randn(3, 8)}, "shape"),
         ({"token_ids": []}, "token_ids: empty"),

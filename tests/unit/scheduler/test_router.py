@@ -7,8 +7,9 @@ import random
 import pytest
 
 from helixserve.errors import UserError
-from helixserve.planner.placement import COORDINATOR, Flow, NodeRange, Placement
+from helixserve.planner.placement import Flow, NodeRange, Placement
 from helixserve.scheduler import ROUTERS, NodeState, RequestInfo, make_router
+from helixserve.spec.cluster import COORDINATOR
 
 
 def placement(
@@ -54,7 +55,7 @@ def test_partial_inference_route_covers_all_layers() -> None:
     for name in ROUTERS:
         r = make_router(name, p).route(req(0), states({"a": 100, "b": 100}))
         assert r is not None and r.covers(8), name
-        assert [(h.node, h.start_layer, h.end_layer) for h in r.hops] == [("a", 0, 4), ("b", 4, 8)]
+        assert [(h.name, h.start_layer, h.end_layer) for h in r.hops] == [("a", 0, 4), ("b", 4, 8)]
 
 
 def test_iwrr_work_converges_to_flow_weights_and_interleaves() -> None:
@@ -290,7 +291,7 @@ def test_routes_stay_in_their_region_where_the_flow_continues_there() -> None:
     assert plain.weights["a"] == {"b": 1.0, "x": 1.0}
     assert kept.weights["a"] == {"b": 1.0} and kept.weights["y"] == {"c": 1.0}
     assert kept.weights[C] == plain.weights[C]  # the coordinator's first hops are free
-    seconds = {r.hops[1].node for r in (kept.route(req(i), kv) for i in range(20)) if r}
+    seconds = {r.hops[1].name for r in (kept.route(req(i), kv) for i in range(20)) if r}
     assert seconds == {"b", "c"}  # never a -> x
     # router_options passes the regions only for a placement that asks for it
     from helixserve.scheduler.options import router_options

@@ -39,7 +39,11 @@ from helixserve.errors import UserError
 from helixserve.planner.flow import evaluate
 from helixserve.planner.parallel import check_jobs, map_in_workers
 from helixserve.planner.placement import NodeRange, Placement
-from helixserve.spec import ClusterSpec, ModelSpec
+from helixserve.scheduler import make_router
+from helixserve.scheduler.options import router_options
+from helixserve.simulator.metrics import summarize
+from helixserve.simulator.sim import SimConfig, Simulation
+from helixserve.spec import ClusterSpec, ModelSpec, group_machines
 
 #: the loaded decode round trip over its batch-1 floor, ~ 1 + depth / ROUND_TRIP_DEPTH: a
 #: rough fit to docs/simulator.md's diagnosis (2.3-2.9 for 10-14 stages, 5 for a 22-stage
@@ -101,9 +105,9 @@ def stage_summary(p: Placement) -> str:
 
 def _types(cluster: ClusterSpec, cost: CostModel) -> list[tuple[str, list[str]]]:
     """Machines grouped by (gpu, num_gpus, memory), fastest batch-1 decode layer first."""
-    groups: dict[tuple[str, int, float], list[str]] = {}
-    for n in cluster.nodes:
-        groups.setdefault((n.gpu, n.num_gpus, cost.memory_bytes(n)), []).append(n.name)
+    nodes = cluster.nodes
+    groups = {key: [nodes[i].name for i in members] for key, members in group_machines(
+        nodes, lambda i: (nodes[i].gpu, nodes[i].num_gpus, cost.memory_bytes(nodes[i]))).items()}
 
     def speed(key: tuple[str, int, float]) -> tuple[float, str]:
         return (cost.layer_time_ms(key[0], key[1], 0, 1), key[0])
@@ -248,8 +252,6 @@ def simulate_candidate(
     config: SelectionConfig,
 ) -> float:
     """Offline decode tokens/s of `placement` under `config` (flows filled when missing)."""
-    from helixserve.simulator.metrics import summarize
-    from helixserve.simulator.sim import SimConfig, Simulation
 
     _fill_flows(cluster, model, cost, placement)
     cfg = SimConfig(
@@ -279,8 +281,6 @@ def _routing_differs(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, a:
     """Whether `scheduler` routes the two placements (the same ranges and flows) differently:
     `route_within_regions` only removes maxflow edges, so equal edge weights (or a router
     without any) mean the same simulation."""
-    from helixserve.scheduler import make_router
-    from helixserve.scheduler.options import router_options
 
     ra, rb = (make_router(scheduler, p, **router_options(cluster, model, p, cost)) for p in (a, b))
     return getattr(ra, "weights", None) != getattr(rb, "weights", None)

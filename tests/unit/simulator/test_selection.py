@@ -1,4 +1,4 @@
-"""helixserve.planner.serving: rule-generated stacked tilings and selection by simulation."""
+"""helixserve.simulator.selection: rule-generated stacked tilings and selection by simulation."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from helixserve.errors import UserError
 from helixserve.planner.placement import NodeRange, Placement
-from helixserve.planner.serving import (
+from helixserve.simulator.selection import (
     SelectionConfig,
     select_placement,
     simulate_candidate,
@@ -78,7 +78,7 @@ def test_regional_pipelines_keep_every_route_inside_a_region(shared_data) -> Non
 
     from helixserve.costmodel import CostModel
     from helixserve.planner import plan
-    from helixserve.planner.serving import regional_pipelines
+    from helixserve.simulator.selection import regional_pipelines
     from helixserve.spec import load_cluster, load_model, load_profiles
 
     model = load_model(shared_data / "models" / "llama-2-70b")
