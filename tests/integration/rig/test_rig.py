@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import subprocess
@@ -161,14 +162,16 @@ def test_slowdown_stretches_engine_steps() -> None:
     assert slowed.start_layer == 10 and slowed.factor == 3.0  # delegates the rest
     hidden = torch.randn(16, engine.hidden_size)
     engine.step([WorkItem("r", 10, 13, 0, [0] * 16, hidden, sampling=None, sample=False)])
-    times: dict[str, float] = {"plain": 0.0, "slowed": 0.0}
+    # the fastest of 16 steps each: other processes on the host only ever add time, so the
+    # minimum is the step's own cost (a sum or mean follows the host's load)
+    times: dict[str, float] = {"plain": math.inf, "slowed": math.inf}
     for i in range(16):
         for name, eng in (("plain", engine), ("slowed", slowed)):
             item = WorkItem("r", 10, 13, 16 + 2 * i + (name == "slowed"), [0],
                             torch.randn(1, engine.hidden_size), sampling=None, sample=False)
             t0 = time.perf_counter()
             eng.step([item])
-            times[name] += time.perf_counter() - t0
+            times[name] = min(times[name], time.perf_counter() - t0)
     ratio = times["slowed"] / times["plain"]
     assert 2.0 < ratio < 4.5, times
     with pytest.raises(ValueError, match="--slowdown: bad value 0.5"):
