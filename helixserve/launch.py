@@ -38,15 +38,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGTERM this child when the parent dies (Linux only; no-op elsewhere)."""
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        import ctypes
+#: set for a worker started by WorkerProcesses: the pid it must not outlive
+PARENT_PID_ENV = "HELIXSERVE_PARENT_PID"
 
-        pr_set_pdeathsig = 1
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+def die_with_parent() -> None:
+    """In a worker started by WorkerProcesses: SIGTERM this process when its parent dies
+    (PR_SET_PDEATHSIG; Linux only), and at once if it already has. Called by the worker
+    itself at start-up, not in a `preexec_fn`: the supervisor restarts workers from a process
+    full of gRPC threads, where running Python between fork and exec can crash the child."""
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the parent died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass
@@ -81,6 +91,7 @@ class WorkerProcesses:
         self.num_threads = num_threads
         self.extra_args = extra_args or []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.stopping = False  # set by stop(): a supervisor must not start workers again
         #: helixserve.runtime.security.DevCredentials, or None for plaintext (`insecure`)
         self.credentials = credentials
         self.insecure = insecure
@@ -110,36 +121,46 @@ class WorkerProcesses:
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        for w in self.workers:
+            (self.log_dir / f"worker-{w.node}.log").unlink(missing_ok=True)
+            self.start_one(w.node)
+
+    def start_one(self, node: str) -> None:
+        """Start (or start again, same address and flags) the worker of `node`; its log is
+        appended to."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         creds = self.ensure_credentials()
         peers = ",".join(w.address for w in self.workers)
-        env = dict(os.environ)
+        env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
         if self.num_threads:
             # also caps the BLAS pools torch does not control through set_num_threads
             env["OMP_NUM_THREADS"] = str(self.num_threads)
-        for w in self.workers:
-            cmd = [
-                sys.executable, "-m", "helixserve", "worker",
-                "--model", str(self.model_dir),
-                "--placement", str(self.placement_path),
-                "--node", w.node,
-                "--host", w.host,
-                "--port", str(w.port),
-            ]  # fmt: skip
-            if self.num_threads:
-                cmd += ["--num-threads", str(self.num_threads)]
-            cmd += ["--peers", peers]
-            if creds is not None:
-                cmd += creds.nodes[w.node].flags()
-            cmd += self.extra_args
-            log = (self.log_dir / f"worker-{w.node}.log").open("wb")
-            self.procs[w.node] = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 (no threads exist yet at start)
-            )
-            log.close()
+        if self.stopping:
+            return
+        w = next(w for w in self.workers if w.node == node)
+        cmd = [
+            sys.executable, "-m", "helixserve", "worker",
+            "--model", str(self.model_dir),
+            "--placement", str(self.placement_path),
+            "--node", w.node,
+            "--host", w.host,
+            "--port", str(w.port),
+        ]  # fmt: skip
+        if self.num_threads:
+            cmd += ["--num-threads", str(self.num_threads)]
+        cmd += ["--peers", peers]
+        if creds is not None:
+            cmd += creds.nodes[w.node].flags()
+        cmd += self.extra_args
+        log = (self.log_dir / f"worker-{w.node}.log").open("ab")
+        self.procs[w.node] = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # a Ctrl-C at the terminal reaches only the parent
+        )
+        log.close()
 
     def log_tail(self, node: str, num_chars: int = 2000) -> str:
         path = self.log_dir / f"worker-{node}.log"
@@ -186,6 +207,7 @@ class WorkerProcesses:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM all (they drain), then SIGKILL whatever is still alive after `grace_s`."""
+        self.stopping = True
         for proc in self.procs.values():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

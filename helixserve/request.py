@@ -146,3 +146,6 @@ class TokenEvent:
     #: first token of a request whose sampling asked for prompt_logprobs: prompt tokens 1..
     #: given the tokens before each
     prompt_logprobs: list[PromptLogprob] | None = None
+    #: first token only: seconds the request waited for its first route (admission queue,
+    #: or the model being covered again after losing a worker)
+    queue_s: float | None = None

@@ -138,7 +138,10 @@ def prepare_demo(
     from helixserve.spec import load_model
 
     workdir.mkdir(parents=True, exist_ok=True)
-    log("demo: preparing the demo model (SmolLM2-135M-Instruct; first run converts the GGUF)")
+    from helixserve.engine.demo import demo_model_dir, is_prepared
+
+    if not is_prepared(demo_model_dir()):
+        log("demo: converting the demo model (SmolLM2-135M-Instruct GGUF, first run only)")
     model_dir = prepare_demo_model()
     profiles_path = workdir / "profiles.csv"
     profiles: Path | None = profiles_path
@@ -155,17 +158,20 @@ def prepare_demo(
         bits_per_token = load_model(model_dir).activation_bytes_per_token * 8
         gbps = worker_link_fraction * placement.throughput_tokens_per_s * bits_per_token / 1e9
         log(
-            f"demo: modelling worker-to-worker links at {gbps * 1000:.3g} Mbit/s "
-            f"({worker_link_fraction:g} x the fast-network plan's "
-            f"{placement.throughput_tokens_per_s:.0f} tokens/s) and planning again"
+            "demo: planning again as if the workers were machines in different regions "
+            f"(links between them modelled at {worker_link_fraction:g} x what the pipeline "
+            "computes), so the max flow spreads over more than one route; the sockets are "
+            "loopback and nothing is throttled"
         )
         write_local_cluster(cluster_path, "local-demo", workers, memory_gb, round(gbps, 9))
         plan_placement(model_dir, cluster_path, profiles, placement_path)
     return DemoFiles(workdir, model_dir, profiles, cluster_path, placement_path, workers)
 
 
-def describe_placement(placement: Any, cluster: Any) -> str:
-    """Human-readable placement: one line per node, then the flow's throughput."""
+def describe_placement(placement: Any, cluster: Any, predicted: bool = True) -> str:
+    """Human-readable placement: one line per node, then the routes of the max flow with
+    their tokens/s and the total (`predicted`), or with their share of the flow only (the
+    demo: its network is modelled, so its tokens/s are not what this machine delivers)."""
     lines = [f"placement ({placement.planner}) of {placement.model} over {cluster.name}:"]
     by_name = {n.name: n for n in cluster.nodes}
     for r in placement.nodes:
@@ -173,9 +179,13 @@ def describe_placement(placement: Any, cluster: Any) -> str:
         bar = "." * r.start_layer + "#" * r.num_layers + "." * (placement.num_layers - r.end_layer)
         where = f"{node.address} mem {node.memory_gb} GB" if node else ""
         lines.append(f"  {r.name:<4} layers [{r.start_layer:>2}, {r.end_layer:>2})  {bar}  {where}")
-    for route, tokens_per_s in flow_routes(placement.flows):
-        lines.append(f"  route {' -> '.join(route)}: {tokens_per_s:.1f} tokens/s of the max flow")
-    if placement.throughput_tokens_per_s is not None:
+    routes = flow_routes(placement.flows)
+    total = sum(t for _, t in routes) or 1.0
+    for route, tokens_per_s in routes:
+        share = (f"{tokens_per_s:.1f} tokens/s of the max flow" if predicted
+                 else f"{tokens_per_s / total:.0%} of the requests")
+        lines.append(f"  route {' -> '.join(route)}: {share}")
+    if predicted and placement.throughput_tokens_per_s is not None:
         lines.append(f"  max-flow throughput: {placement.throughput_tokens_per_s:.1f} tokens/s")
     return "\n".join(lines)
 
@@ -216,6 +226,10 @@ def usage_examples(host: str, port: int, model: str, api_key: str | None) -> str
     return f"""\
 API ready at {url}/v1   (model {model!r}; metrics at {url}/metrics; Ctrl-C stops everything)
 
+  measure what this machine delivers (16 concurrent streams of 64 tokens):
+  helixserve bench --url {url} --dataset random --num-prompts 64 --max-concurrency 16 \\
+    --random-input-len 32 --random-output-len 64{' --api-key ' + api_key if api_key else ''}
+
   curl {url}/v1/chat/completions -H "Content-Type: application/json"{auth} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
 
@@ -245,9 +259,12 @@ async def run_stack(
     log_level: str = "warning",
     kv_allocation: str = "on-demand",
     kv_watermark: float = 0.01,
+    recovery: Any = None,
     tls: Any = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM. With `workers`, start them first and stop them last.
+    """Serve until SIGINT/SIGTERM. With `workers`, start them first, restart any that exits
+    (helixserve/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live
+    when layers lose their last holder (runtime/replan.py); None: requests fail while they do.
     `tls` (runtime.security.TlsConfig): the coordinator's credentials for worker traffic;
     with `workers` and no `tls`, theirs (dev credentials unless they run insecure)."""
     from helixserve.api.app import create_app
@@ -263,15 +280,21 @@ async def run_stack(
             f"{cluster_path}: nodes {', '.join(missing)} hold layers in {placement_path} "
             "but have no address"
         )
+    from helixserve.supervisor import Supervisor
+
+    supervisor = None
     try:
         if workers is not None:
             workers.start()
             workers.wait_ready()
+            supervisor = Supervisor(workers)
+            supervisor.start()
             if tls is None:
                 tls = workers.coordinator_tls
         coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(
-            scheduler=scheduler, kv_allocation=kv_allocation, kv_watermark=kv_watermark),
-            tls=tls)
+            scheduler=scheduler, kv_allocation=kv_allocation, kv_watermark=kv_watermark,
+            recovery=recovery), tls=tls)
+        coord.process_stats = None if supervisor is None else supervisor.stats
         try:
             app = create_app(coord, served_model_name, api_key)
             await serve_app(
@@ -285,6 +308,8 @@ async def run_stack(
         finally:
             await coord.close()
     finally:
+        if supervisor is not None:
+            supervisor.stop()
         if workers is not None:
             workers.stop()
 

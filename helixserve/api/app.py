@@ -164,6 +164,19 @@ async def _with_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise _ClientGone()
 
 
+HEALTH_NODE_FIELDS = ("alive", "start_layer", "end_layer", "in_placement", "queue_len",
+                      "active_requests", "process_up", "restarts", "last_exit_code",
+                      "last_down_reason")
+
+
+def health_detail(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """/health's body: per node what an operator checks first, and the recovery state."""
+    nodes = {name: {k: n[k] for k in HEALTH_NODE_FIELDS if k in n}
+             for name, n in sorted((stats.get("nodes") or {}).items())}
+    return {"nodes": nodes, "recovery": stats.get("recovery"),
+            "down_events": stats.get("down_events", 0)}
+
+
 def uncovered_layers(stats: Mapping[str, Any]) -> str:
     """Layers no live node holds, as 'a-b, c' ('' when all are covered or stats say nothing).
     The model's layer count is taken as the largest end_layer of any node, live or not."""
@@ -493,15 +506,23 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         # 503 while the live workers leave a layer uncovered: a readiness probe then takes
-        # this replica out of rotation instead of sending it requests it must refuse
-        uncovered = uncovered_layers(coordinator.stats())
+        # this replica out of rotation instead of sending it requests it must refuse. The
+        # body says why, per node (up, layers, restarts, last failure) and the re-plan state.
+        stats = coordinator.stats()
+        detail = health_detail(stats)
+        uncovered = uncovered_layers(stats)
         if uncovered:
-            raise APIError(
+            recovering = (detail.get("recovery") or {}).get("state") in ("planning", "loading")
+            err = APIError(
                 503,
-                f"no route covers the model: layers {uncovered} have no live worker",
+                f"no route covers the model: layers {uncovered} have no live worker"
+                + ("; re-planning onto the live workers" if recovering else ""),
                 code="no_route",
+                headers={"Retry-After": "5"} if recovering else None,
             )
-        return Response(status_code=200)
+            return JSONResponse({**err.body(), **detail}, status_code=503,
+                                headers=err.headers or None)
+        return JSONResponse({"status": "ok", **detail})
 
     @app.get("/version")
     async def version() -> dict[str, str]:

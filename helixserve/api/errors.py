@@ -42,8 +42,11 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         err_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        #: extra response headers (Retry-After on a 503 that will pass)
+        self.headers = dict(headers or {})
         self.status = status
         self.message = message
         self.param = param
@@ -61,7 +64,7 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}

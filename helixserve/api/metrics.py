@@ -8,7 +8,14 @@ Everything lives in the app's own `CollectorRegistry`, so several apps (tests, t
 can exist in one process.
 
 vLLM conventions kept: a `model_name` label on every vLLM series; `kv_cache_usage_perc` is a
-fraction in [0, 1] despite its name.
+fraction in [0, 1] despite its name. Request phases as vLLM splits them: queue (arrival to the
+first route: admission wait, or waiting for the model to be covered again), prefill (first
+route to first token), decode (first to last token). `iteration_tokens_total` is the tokens of
+every engine step of every worker (label `node`), counted by the workers themselves.
+
+Per-node series describe live nodes: a node that is down keeps only `node_up` 0 (and its
+restart count), so a dead worker's last queue, KV and busy values do not linger; a node that
+is down and out of the placement (a re-plan moved its layers away) keeps nothing but that.
 """
 
 from __future__ import annotations
@@ -17,7 +24,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 # vLLM's buckets (seconds), so histograms line up with vLLM's dashboards.
@@ -34,6 +47,13 @@ E2E_BUCKETS_S = (
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+# vLLM's request-phase buckets (seconds)
+PHASE_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+#: helixserve:recovery_state values
+RECOVERY_STATES = ("idle", "planning", "loading", "uncoverable")
 
 
 def _num(value: Any, default: float = 0.0) -> float:
@@ -117,8 +137,37 @@ class _StateCollector(Collector):
                 "helixserve:node_up", "1 when the coordinator reaches the node.", labels=labels
             ),
         }
+        restarts = CounterMetricFamily(
+            "helixserve:node_restarts",
+            "Times the local supervisor restarted the node's worker process.",
+            labels=labels,
+        )
+        process_up = GaugeMetricFamily(
+            "helixserve:node_process_up",
+            "1 while the local supervisor's worker process of the node runs.",
+            labels=labels,
+        )
+        iteration = HistogramMetricFamily(
+            "vllm:iteration_tokens_total",
+            "Tokens per engine step, per worker (counted by the worker).",
+            labels=labels,
+        )
+        cache_info = InfoMetricFamily(
+            "vllm:cache_config",
+            "KV cache configuration of each live worker.",
+            labels=labels,
+        )
         for name, n in sorted(nodes.items()):
             key = [self.model_name, name]
+            up = n.get("alive") is not False
+            if "restarts" in n:
+                restarts.add_metric(key, _num(n.get("restarts")))
+                process_up.add_metric(key, 1.0 if n.get("process_up") else 0.0)
+            if not up and n.get("in_placement") is False:
+                continue  # gone: nothing to say but its restarts
+            families["up"].add_metric(key, 1.0 if up else 0.0)
+            if not up:
+                continue  # its last stats are stale
             layers = _num(n.get("end_layer")) - _num(n.get("start_layer"))
             families["layers"].add_metric(key, _num(n.get("layers"), layers))
             families["queue"].add_metric(key, _num(n.get("queue_len")))
@@ -127,8 +176,30 @@ class _StateCollector(Collector):
             node_kv = _num(n.get("kv_used_blocks")) / node_total if node_total else 0.0
             families["kv"].add_metric(key, node_kv)
             families["busy"].add_metric(key, _num(n.get("busy_fraction")))
-            families["up"].add_metric(key, 0.0 if n.get("alive") is False else 1.0)
+            counts = n.get("step_tokens_counts") or []
+            if counts:
+                from helixserve.runtime.transport import STEP_TOKEN_BUCKETS
+
+                bounds = [*(str(float(b)) for b in STEP_TOKEN_BUCKETS), "+Inf"]
+                cumulative, total = [], 0.0
+                for bound, count in zip(bounds, counts, strict=False):
+                    total += _num(count)
+                    cumulative.append((bound, total))
+                iteration.add_metric(key, cumulative, _num(n.get("step_tokens_sum")))
+            if node_total:
+                cache_info.add_metric(key, {
+                    "block_size": str(int(_num(n.get("kv_block_size")))),
+                    "num_gpu_blocks": str(int(node_total)),
+                    "cache_dtype": str(n.get("dtype") or "auto"),
+                    "kv_allocation": str(stats.get("kv_allocation") or ""),
+                    "backend": str(n.get("backend") or ""),
+                })
         yield from families.values()
+        yield restarts
+        yield process_up
+        yield iteration
+        yield cache_info
+        yield from _recovery_families(self.model_name, stats)
 
         routes = CounterMetricFamily(
             "helixserve:route_requests",
@@ -147,6 +218,51 @@ class _StateCollector(Collector):
             hops.add_metric([self.model_name, src, dst], count)
         yield routes
         yield hops
+
+
+def _recovery_families(model_name: str, stats: Mapping[str, Any]) -> Iterator[Metric]:
+    lm = [model_name]
+    down = CounterMetricFamily(
+        "helixserve:node_down_events",
+        "Times a node was declared down (stream broke, no answer, drained).",
+        labels=["model_name"],
+    )
+    down.add_metric(lm, _num(stats.get("down_events")))
+    yield down
+    rec = stats.get("recovery")
+    if not isinstance(rec, Mapping):
+        return
+    replans = CounterMetricFamily(
+        "helixserve:replans",
+        "Live re-plans that covered the model again after layers lost their last holder.",
+        labels=["model_name"],
+    )
+    replans.add_metric(lm, _num(rec.get("replans")))
+    yield replans
+    failed = CounterMetricFamily(
+        "helixserve:replan_failures",
+        "Live re-plans that found no placement covering the model with the live workers.",
+        labels=["model_name"],
+    )
+    failed.add_metric(lm, _num(rec.get("failed_replans")))
+    yield failed
+    state = GaugeMetricFamily(
+        "helixserve:recovery_state",
+        "1 for the coordinator's recovery state (idle, planning, loading, uncoverable).",
+        labels=["model_name", "state"],
+    )
+    for name in RECOVERY_STATES:
+        state.add_metric([model_name, name], 1.0 if rec.get("state") == name else 0.0)
+    yield state
+    last = rec.get("last")
+    if isinstance(last, Mapping):
+        duration = GaugeMetricFamily(
+            "helixserve:replan_last_duration_seconds",
+            "Seconds the last re-plan took from its start to serving again (plan + load).",
+            labels=["model_name"],
+        )
+        duration.add_metric(lm, _num(last.get("total_s")))
+        yield duration
 
 
 def _route_counts(raw: Any) -> list[tuple[tuple[str, ...], float]]:
@@ -232,6 +348,27 @@ class ServingMetrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         ).labels(model_name)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time from arrival to the first route (waiting for KV room or a re-plan).",
+            lm,
+            buckets=PHASE_BUCKETS_S,
+            registry=r,
+        ).labels(model_name)
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Time from the first route to the first token.",
+            lm,
+            buckets=PHASE_BUCKETS_S,
+            registry=r,
+        ).labels(model_name)
+        self.decode_time = Histogram(
+            "vllm:request_decode_time_seconds",
+            "Time from the first token to the last.",
+            lm,
+            buckets=PHASE_BUCKETS_S,
+            registry=r,
+        ).labels(model_name)
         r.register(_StateCollector(model_name, stats_fn))
 
     def observe_finished(
@@ -241,6 +378,7 @@ class ServingMetrics:
         generated_tokens: int,
         e2e_s: float,
         ttft_s: float | None,
+        queue_s: float | None = None,
     ) -> None:
         self.request_success.labels(self.model_name, finish_reason).inc()
         self.request_prompt_tokens.observe(prompt_tokens)
@@ -248,6 +386,11 @@ class ServingMetrics:
         self.e2e.observe(e2e_s)
         if ttft_s is not None and generated_tokens > 1:
             self.tpot.observe((e2e_s - ttft_s) / (generated_tokens - 1))
+        if ttft_s is not None:
+            self.decode_time.observe(e2e_s - ttft_s)
+            if queue_s is not None:
+                self.queue_time.observe(queue_s)
+                self.prefill_time.observe(max(0.0, ttft_s - queue_s))
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

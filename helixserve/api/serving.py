@@ -63,7 +63,9 @@ def map_error(exc: BaseException) -> APIError:
     if isinstance(exc, ServerShuttingDown):
         return APIError(503, "server shutting down", code="server_shutting_down")
     if isinstance(exc, NoRouteError):
-        return APIError(503, f"no route covers the model: {exc}", code="no_route")
+        retry = getattr(exc, "retry_after_s", None)
+        return APIError(503, f"no route covers the model: {exc}", code="no_route",
+                        headers=None if retry is None else {"Retry-After": str(retry)})
     if isinstance(exc, QueueFullError):
         return APIError(503, f"server busy, queue full: {exc}", code="queue_full")
     if isinstance(exc, RequestFailedError):
@@ -108,6 +110,8 @@ class Choice:
     start_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     last_token_s: float | None = None
+    #: seconds waiting for a route before the prefill began (TokenEvent.queue_s)
+    queue_s: float | None = None
 
 
 @dataclass
@@ -419,6 +423,7 @@ class Serving:
                 if ev.token_id is not None and ev.token_id >= 0:
                     if c.first_token_s is None:
                         c.first_token_s = now
+                        c.queue_s = getattr(ev, "queue_s", None)
                         self.metrics.ttft.observe(now - c.start_s)
                     elif c.last_token_s is not None:
                         self.metrics.itl.observe(now - c.last_token_s)
@@ -449,6 +454,7 @@ class Serving:
             generated_tokens=len(c.token_ids),
             e2e_s=time.perf_counter() - c.start_s,
             ttft_s=None if c.first_token_s is None else c.first_token_s - c.start_s,
+            queue_s=c.queue_s,
         )
 
     async def collect(self, batch: Batch) -> None:

@@ -14,7 +14,12 @@ from pathlib import Path
 
 from helixserve.commands.args import finite_float
 from helixserve.commands.certs import add_tls_arguments, tls_from_args
-from helixserve.commands.serve import add_kv_arguments, check_kv_arguments
+from helixserve.commands.serve import (
+    add_kv_arguments,
+    add_recovery_arguments,
+    check_kv_arguments,
+    recovery_config,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,6 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="KV cache budget per worker in MiB (default 128: thousands of tokens)",
     )
     add_kv_arguments(p)
+    add_recovery_arguments(p)
     add_tls_arguments(p, local_default=True)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
@@ -148,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or None
 
     def started(cluster: object, placement: object) -> None:
-        print(describe_placement(placement, cluster))
+        print(describe_placement(placement, cluster, predicted=False))
         name = args.served_model_name or files.model_dir.name
         print(usage_examples(args.host, args.port, name, api_key), flush=True)
 
@@ -168,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
                 log_level=args.log_level,
                 kv_allocation=args.kv_allocation,
                 kv_watermark=args.kv_watermark,
+                recovery=recovery_config(args, files.profiles_path),
             )
         )
     except KeyboardInterrupt:

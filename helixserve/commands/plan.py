@@ -69,6 +69,28 @@ def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None
                        "measured profiles (overrides --cluster/--model/--profiles)")
 
 
+def bundled_models() -> list[Path]:
+    """Model configs shipped with helixserve (data/example/*/config.json)."""
+    return sorted(d for d in EXAMPLE_DIR.iterdir() if (d / "config.json").is_file())
+
+
+def check_model_path(model: str) -> None:
+    """--model names a directory (or a file) that does not exist: point to the bundled
+    example models, by name when it is one of them (`--model llama-2-70b`)."""
+    from helixserve.errors import UserError
+
+    if Path(model).exists():
+        return
+    bundled = bundled_models()
+    match = next((d for d in bundled if d.name == Path(model).name.lower()), None)
+    if match is not None:
+        raise UserError(f"--model: no directory {model!r} here; helixserve bundles the config "
+                        f"of {match.name}: --model {match} (or --example for the whole example)")
+    known = ", ".join(str(d) for d in bundled) or "none"
+    raise UserError(f"--model: no such directory {model!r}; give a Hugging Face model directory "
+                    f"(config.json is enough to plan); bundled: {known}")
+
+
 def load_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(cluster, model, cost model) from the parsed flags; UserError on bad input."""
     from helixserve.costmodel import CostModel
@@ -90,6 +112,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                         + (" (or --example)" if hasattr(args, "example") else ""))
     catalog = load_gpu_catalog(args.gpus)
     cluster = load_cluster(args.cluster, catalog=catalog)
+    check_model_path(args.model)
     model = load_model(args.model, name=args.model_name)
     profiles = load_profiles(args.profiles) if args.profiles else ProfileTable.empty()
     return cluster, model, CostModel(model, profiles, catalog,

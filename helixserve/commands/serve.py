@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 from helixserve.commands.args import finite_float
 from helixserve.commands.certs import add_tls_arguments, tls_from_args
@@ -45,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduler", default="maxflow", help="routing policy (default maxflow)")
     p.add_argument("--served-model-name", default=None, help="model name clients use")
     add_kv_arguments(p)
+    add_recovery_arguments(p)
     add_tls_arguments(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
@@ -96,6 +98,39 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
+    """Live re-planning flags (serve and demo); see helixserve/runtime/replan.py."""
+    p.add_argument(
+        "--no-replan",
+        action="store_true",
+        help="do not re-plan when layers lose their last live worker (requests then fail "
+        "with 503 until a worker comes back)",
+    )
+    p.add_argument(
+        "--recovery-wait-s",
+        type=finite_float,
+        default=60.0,
+        help="longest a request waits for a re-plan or a restarted worker (default 60)",
+    )
+    p.add_argument(
+        "--hang-timeout-s",
+        type=finite_float,
+        default=10.0,
+        help="declare a worker down (hung) when two Info calls in a row, this long each, get "
+        "no answer (default 10)",
+    )
+
+
+def recovery_config(args: argparse.Namespace, profiles_path: Any = None) -> Any:
+    """The coordinator's RecoveryConfig from the flags; None with --no-replan."""
+    if args.no_replan:
+        return None
+    from helixserve.runtime.replan import RecoveryConfig
+
+    return RecoveryConfig(wait_s=args.recovery_wait_s, hang_timeout_s=args.hang_timeout_s,
+                          profiles_path=profiles_path)
+
+
 def check_kv_arguments(args: argparse.Namespace) -> None:
     from helixserve.errors import UserError
 
@@ -141,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             kv_allocation=args.kv_allocation,
             kv_watermark=args.kv_watermark,
+            recovery=recovery_config(args),
             tls=tls,
         )
     )

@@ -113,6 +113,9 @@ def resolve_range(args: argparse.Namespace) -> tuple[str, int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from helixserve.launch import die_with_parent
+
+    die_with_parent()  # started by a local stack: never outlive it
     node, start, end = resolve_range(args)
     tls = tls_from_args(args)
     peers = peer_policy(args)
@@ -137,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from helixserve.engine import load_engine
+    from helixserve.engine import ShardEngine, load_engine
     from helixserve.engine.slowdown import slowed
     from helixserve.runtime.worker import Worker, serve
 
@@ -150,8 +153,17 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"--layers: range [{start}, {end}) is outside the model's {engine.num_model_layers} layers"
         )
+
+    reload = None
+    if engine_name == "torch":  # vllm's stage cannot change its range while serving
+
+        def reload(old: Any, start: int, end: int) -> tuple[Any, int]:
+            new, layers_read = ShardEngine.load_beside(old, args.model, start, end)
+            return slowed(new, args.slowdown), layers_read
+
     worker = Worker(slowed(engine, args.slowdown), node=node, model=args.model.name,
-                    backend=engine_name, device=device, tls=tls, peers=peers)
+                    backend=engine_name, device=device, tls=tls, peers=peers, reload=reload,
+                    kv_cache_bytes=args.kv_cache_bytes)
     version = engine_version(engine_name)
     if version:
         print(f"helixserve worker {node}: engine {engine_name} {version}", flush=True)

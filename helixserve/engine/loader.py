@@ -88,6 +88,11 @@ def wanted_names(args: ModelArgs, start: int, end: int) -> list[str]:
     return names
 
 
+def _wanted(args: ModelArgs, start: int, end: int, skip_layers: frozenset[int]) -> list[str]:
+    skip = tuple(f"model.layers.{i}." for i in skip_layers)
+    return [n for n in wanted_names(args, start, end) if not n.startswith(skip)]
+
+
 def find_gguf(model_path: Path) -> Path | None:
     if model_path.is_file() and model_path.suffix == ".gguf":
         return model_path
@@ -106,9 +111,11 @@ def load_args(model_path: Path) -> ModelArgs:
 
 
 def load_range(
-    model_path: Path, start: int, end: int, dtype: torch.dtype, device: torch.device
+    model_path: Path, start: int, end: int, dtype: torch.dtype, device: torch.device,
+    skip_layers: frozenset[int] = frozenset(),
 ) -> RangeWeights:
-    """Read the tensors of layers [start, end) (+ embedding / head as the range needs)."""
+    """Read the tensors of layers [start, end) (+ embedding / head as the range needs).
+    `skip_layers`: layers not to read (a worker changing its range keeps those it has)."""
     model_path = Path(model_path)
     if not model_path.exists():
         raise UserError(f"--model: no such file or directory '{model_path}'")
@@ -116,10 +123,10 @@ def load_range(
     if gguf_path is not None:
         reader = _gguf_reader(gguf_path)
         args = _gguf_args(reader, str(gguf_path))
-        source = _gguf_tensors(reader, args, set(wanted_names(args, start, end)))
+        source = _gguf_tensors(reader, args, set(_wanted(args, start, end, skip_layers)))
     else:
         args = ModelArgs.from_dir(model_path)
-        source = _safetensors(model_path, wanted_names(args, start, end))
+        source = _safetensors(model_path, _wanted(args, start, end, skip_layers))
     _check_range(args, start, end)
     out = RangeWeights(args)
     for name, tensor in source:

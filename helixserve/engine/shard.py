@@ -169,6 +169,8 @@ class ShardEngine:
         dtype: torch.dtype,
         kv_cache_bytes: int | None = None,
         block_size: int = 16,
+        reuse_layers: dict[int, LayerWeights] | None = None,
+        allocate_kv: bool = True,
     ) -> None:
         self.args = args
         self.num_model_layers = args.num_layers
@@ -190,21 +192,26 @@ class ShardEngine:
         if lm_head is not None:
             self.lm_head = Linear(lm_head, single=True)
         del embed, lm_head
-        self.layers = [LayerWeights.from_tensors(w, i, args) for i in range(start_layer, end_layer)]
+        reuse = reuse_layers or {}
+        self.layers = [reuse[i] if i in reuse else LayerWeights.from_tensors(w, i, args)
+                       for i in range(start_layer, end_layer)]
         self.rope = Rope(args, device, dtype)
-        layout = KVCacheLayout(
+        self._kv_layout = KVCacheLayout(
             num_layers=end_layer - start_layer,
             num_kv_heads=args.num_kv_heads,
             head_dim=args.head_dim,
             block_size=block_size,
             dtype=dtype,
         )
-        budget = default_kv_budget_bytes(device) if kv_cache_bytes is None else kv_cache_bytes
-        self.kv = PagedKVCache(layout, layout.num_blocks_for(budget), device)
         self._seq_len: dict[str, int] = {}
         self._history: dict[str, RequestHistory] = {}
         self._dense: DenseContexts | None = None
         """Dense decode contexts of the last all-decode step; valid only for the very next step."""
+        self.kv: PagedKVCache
+        if allocate_kv:
+            self.allocate_kv(kv_cache_bytes)
+        else:  # a placeholder of one block until `allocate_kv`
+            self.kv = PagedKVCache(self._kv_layout, 1, device)
         self.last_logits: torch.Tensor | None = None
         """Logits of the rows sampled in the last step, [num_sampled, vocab] (tests, debugging)."""
 
@@ -237,6 +244,51 @@ class ShardEngine:
         )
         _release_freed_heap()
         return engine
+
+    @classmethod
+    def load_beside(
+        cls,
+        old: ShardEngine,
+        model_dir: str | Path,
+        start_layer: int,
+        end_layer: int,
+    ) -> tuple[ShardEngine, int]:
+        """A shard of [start_layer, end_layer) of the same model, loaded while `old` keeps
+        serving: layers both ranges hold are shared with `old` (not read again), the others
+        are read from `model_dir`. Its KV cache is not allocated yet: `allocate_kv` once `old`
+        has freed its own (so the two caches never coexist). Returns (engine, layers read)."""
+        kept = {i: old.layers[i - old.start_layer]
+                for i in range(max(start_layer, old.start_layer), min(end_layer, old.end_layer))}
+        loaded = load_range(Path(model_dir), start_layer, end_layer, old.dtype, old.device,
+                            skip_layers=frozenset(kept))
+        if loaded.args.num_layers != old.num_model_layers:
+            raise UserError(f"{model_dir}: {loaded.args.num_layers} layers, the running shard's "
+                            f"model has {old.num_model_layers}")
+        engine = cls(loaded.args, loaded.tensors, start_layer, end_layer, old.device, old.dtype,
+                     block_size=old.kv.block_size, reuse_layers=kept, allocate_kv=False)
+        _release_freed_heap()
+        return engine, end_layer - start_layer - len(kept)
+
+    def allocate_kv(self, kv_cache_bytes: int | None = None) -> None:
+        """(Re)allocate the paged KV cache: `kv_cache_bytes`, or the default share of the
+        memory free now. Drops every request's KV."""
+        self.kv = PagedKVCache(self._kv_layout, 1, self.device)  # the old cache freed first
+        budget = (default_kv_budget_bytes(self.device) if kv_cache_bytes is None
+                  else kv_cache_bytes)
+        self.kv = PagedKVCache(self._kv_layout, self._kv_layout.num_blocks_for(budget),
+                               self.device)
+        self._seq_len, self._history, self._dense = {}, {}, None
+
+    def release_memory(self) -> None:
+        """Drop the KV cache and the weights this shard holds alone (shared layers live on
+        in the shard that took them over); the engine is unusable afterwards."""
+        self.kv = PagedKVCache(self._kv_layout, 1, self.device)
+        self.layers = []
+        self.embed = self.lm_head = self.final_norm = None
+        self._seq_len, self._history, self._dense = {}, {}, None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        _release_freed_heap()
 
     # ---- bookkeeping -------------------------------------------------------------------
     def kv_stats(self) -> dict[str, int]:

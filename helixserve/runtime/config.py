@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from helixserve.errors import UserError
 from helixserve.request import KV_ALLOCATIONS
+from helixserve.runtime.replan import RecoveryConfig
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class CoordinatorConfig:
     "reserve" (admit when prompt + max_tokens fit on every hop; never runs out)."""
     kv_watermark: float = 0.01
     """on-demand: fraction of each worker's KV kept free at admission, 0 <= value < 1."""
+    recovery: RecoveryConfig | None = None
+    """Live re-planning when layers lose their last live worker (runtime/replan.py); None:
+    requests fail with NoRouteError while no route covers the model."""
 
     def check(self) -> CoordinatorConfig:
         def bad(name: str, value: object, need: str) -> UserError:

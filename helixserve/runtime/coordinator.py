@@ -24,6 +24,9 @@ Faults: the coordinator keeps one Work stream per worker. When a stream breaks, 
 marked down in the router and every request routed through it is re-routed over surviving
 nodes and re-prefilled with its prompt + the tokens generated so far; the client's stream
 continues without a gap or duplicate. A request fails only when no route covers the model.
+With `recovery` (runtime/replan.py) a lost layer range is re-planned onto the live workers and
+requests wait for it (bounded) instead of failing; a worker that stops answering is declared
+down after `hang_timeout_s`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import dataclasses
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +48,7 @@ from helixserve.runtime import security
 from helixserve.runtime.config import CoordinatorConfig
 from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
+from helixserve.runtime.replan import Recovery
 from helixserve.runtime.transport import WireItem, WireResult
 
 if TYPE_CHECKING:
@@ -56,7 +60,12 @@ log = logging.getLogger("helixserve.coordinator")
 
 
 class NoRouteError(RuntimeError):
-    """No route over the live workers covers the whole model (the API answers 503)."""
+    """No route over the live workers covers the whole model (the API answers 503, with
+    Retry-After when `retry_after_s` is set)."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class QueueFullError(RuntimeError):
@@ -83,6 +92,10 @@ class _Active:
     pending: set[int] = field(default_factory=set)
     #: tokens generated when the current route was admitted (on-demand KV: what grew since)
     admitted_at: int = 0
+    #: KV tokens the router promised on each hop of the current route
+    kv_promise: int = 0
+    #: the coordinator's placement epoch when the current route was made (replan.py)
+    epoch: int = 0
 
 
 class Coordinator:
@@ -122,6 +135,17 @@ class Coordinator:
         self.preemptions = 0  # on-demand KV: requests recomputed after a worker ran out of KV
         #: preempted requests waiting to be admitted again: new requests wait behind them
         self._preempted_waiting = 0
+        #: bumped when a re-plan starts and when it ends: a re-route of a request routed
+        #: before then is not counted against max_reroutes
+        self.epoch = 0
+        self.recovery: Recovery | None = None
+        self.model_spec: Any = None
+        self.cluster: Any = None
+        self.scheduler = "maxflow"
+        self.down_events = 0  # nodes declared down (stream broke, hung, drained)
+        self.down_reasons: dict[str, str] = {}
+        #: per node: process_up, restarts, last_exit_code, from a local supervisor if any
+        self.process_stats: Callable[[], dict[str, dict[str, Any]]] | None = None
 
     @classmethod
     async def create(
@@ -141,6 +165,9 @@ class Coordinator:
         self = cls(placement, model_dir, router, cfg.max_queue, cfg.max_reroutes,
                    cfg.stats_interval_s, cfg.kv_allocation, cfg.kv_watermark)
         self.model_name = placement.model or self.model_dir.name
+        self.cluster, self.scheduler = cluster, cfg.scheduler
+        if cfg.recovery is not None:
+            self.recovery = Recovery(self, cluster, cfg.recovery)
         addresses = {n.name: getattr(n, "address", None) for n in cluster.nodes}
         for i, nr in enumerate(placement.nodes):
             address = addresses.get(nr.name)
@@ -180,6 +207,9 @@ class Coordinator:
                                   + "; ".join(unreachable))
         for line in unreachable:
             log.warning("starting without %s", line)
+        if self.recovery is not None:
+            # workers restarted with other ranges since the placement file was written
+            await self.recovery.install_actual()
         self.step_timeout_s = cfg.step_timeout_s
         self.tokenizer = await tokenizer_task
         any_info = next(n.info for n in self.nodes.values() if n.info is not None)
@@ -214,16 +244,25 @@ class Coordinator:
     # ---- live state -----------------------------------------------------------------------
 
     async def _poll_stats(self) -> None:
+        hang_s = self.recovery.config.hang_timeout_s if self.recovery is not None else None
         while True:
             await asyncio.sleep(self.stats_interval_s)
-            await asyncio.gather(*(n.refresh_info() for n in self.nodes.values() if n.alive),
-                                 return_exceptions=True)
+            if hang_s is None:
+                await asyncio.gather(*(n.refresh_info() for n in self.nodes.values() if n.alive),
+                                     return_exceptions=True)
+            else:
+                # one task per node: a hung worker must not hold up the others' stats
+                for n in self.nodes.values():
+                    if n.alive and not n.refreshing:
+                        self._spawn(n.refresh_info(timeout_s=hang_s))
+                    n.check_answering(hang_s)
             for n in self.nodes.values():
                 if not n.alive and n.reconnectable():
                     self._spawn(self._try_revive(n))
 
     async def _try_revive(self, node: NodeClient) -> None:
-        if await node.revive(self.placement.num_layers):
+        if await node.revive(self.placement.num_layers,
+                             check_range=self.recovery is None):
             try:
                 check_vllm_versions({n.name: n.info for n in self.nodes.values()
                                      if n.info and (n.alive or n is node)})
@@ -231,10 +270,33 @@ class Coordinator:
                 log.error("not taking node %s back: %s", node.name, exc)
                 await node.close()
                 return
-            self.router.node_up(node.name)
             log.info("node %s is back", node.name)
+            self.router.node_up(node.name)
+            if self.recovery is not None:
+                try:
+                    await self.recovery.rejoin(node)
+                except Exception as exc:  # keep serving over the placement we have
+                    log.exception("node %s rejoined, but routing over it failed: %s",
+                                  node.name, exc)
             async with self._admit:
                 self._admit.notify_all()
+
+    async def _install_placement(self, placement: Any) -> None:
+        """Route over `placement` from now on (a re-plan, a worker back with another range).
+        Running requests whose route is still valid keep it, with their KV promises."""
+        from helixserve.scheduler import Route, make_router
+
+        options = await asyncio.get_running_loop().run_in_executor(
+            None, _routing_inputs, self.cluster, placement, self.model_dir, True)
+        router = make_router(self.scheduler, placement, seed=self.epoch, **options)
+        for name, n in self.nodes.items():
+            if not n.alive and placement.range_of(name) is not None:
+                router.node_down(name)
+        for act in self.active.values():
+            router.adopt(act.internal_id, Route(act.route_hops), act.kv_promise)
+        self.placement, self.router = placement, router
+        log.warning("routing over %s", ", ".join(
+            f"{r.name} [{r.start_layer}, {r.end_layer})" for r in placement.nodes))
 
     def _node_states(self) -> dict[str, Any]:
         from helixserve.scheduler import NodeState
@@ -289,14 +351,21 @@ class Coordinator:
                     covered[layer] = True
         return all(covered)
 
+    def recovery_state(self) -> dict[str, Any] | None:
+        return None if self.recovery is None else self.recovery.snapshot()
+
     def stats(self) -> dict[str, Any]:
         """Snapshot for metrics: requests running/waiting, per node, per route."""
         nodes = {}
+        procs = self.process_stats() if self.process_stats is not None else {}
         for name, n in self.nodes.items():
             info = n.info
             nodes[name] = {
                 "address": n.address,
                 "alive": n.alive,
+                "in_placement": self.placement.range_of(name) is not None,
+                "last_down_reason": self.down_reasons.get(name, ""),
+                **procs.get(name, {}),
                 "start_layer": n.start_layer,
                 "end_layer": n.end_layer,
                 "layers": n.end_layer - n.start_layer,
@@ -309,6 +378,10 @@ class Coordinator:
                 "active_requests": info.active_requests if info else 0,
                 "steps": info.steps if info else 0,
                 "items_run": info.items_run if info else 0,
+                "step_tokens_counts": list(info.step_tokens_counts) if info else [],
+                "step_tokens_sum": info.step_tokens_sum if info else 0,
+                "dtype": info.dtype if info else "",
+                "backend": info.backend if info else "",
             }
         return {
             "running": len(self.active),
@@ -319,6 +392,8 @@ class Coordinator:
             "kv_allocation": self.kv_allocation,
             "nodes": nodes,
             "routes": {"->".join(r): c for r, c in self.hop_counts.items()},
+            "down_events": self.down_events,
+            "recovery": self.recovery_state(),
         }
 
     # ---- results from the node streams --------------------------------------------------
@@ -330,10 +405,14 @@ class Coordinator:
 
     def _on_node_down(self, node: str, reason: str) -> None:
         log.warning("node %s down: %s", node, reason)
+        self.down_events += 1
+        self.down_reasons[node] = reason
         self.router.node_down(node)
         for act in self.active.values():
             if any(h.name == node for h in act.route_hops):
                 act.results.put_nowait(NodeFailure(node, reason))
+        if self.recovery is not None and not self._covered():
+            self.recovery.trigger(f"node {node} down ({reason}), layers without a live holder")
 
     # ---- one request ----------------------------------------------------------------------
 
@@ -362,7 +441,9 @@ class Coordinator:
             ignore_eos=req.ignore_eos,
             max_model_len=self.max_model_len,
         )
+        arrived_s = asyncio.get_running_loop().time()
         await self._route(act)
+        queue_s: float | None = asyncio.get_running_loop().time() - arrived_s
         try:
             self._send_prefill(act, req.prompt_token_ids)
             while True:
@@ -376,7 +457,8 @@ class Coordinator:
                     req.sampling = dataclasses.replace(req.sampling, prompt_logprobs=None)
                 yield TokenEvent(r.token_id, step.text, r.logprob, r.top_logprobs,
                                  step.finish_reason, r.compute_s, len(act.route_hops),
-                                 r.prompt_logprobs)
+                                 r.prompt_logprobs, queue_s)
+                queue_s = None
                 if step.finish_reason is not None:
                     return
                 self._send(act, position=len(req.prompt_token_ids) + len(act.generated) - 1,
@@ -420,21 +502,21 @@ class Coordinator:
         # Either way a request must fit alone on the roomiest route, or it could never end.
         need = info.prompt_tokens + info.max_new_tokens
         fits = self._largest_route_kv_tokens()
-        if need > fits and self._covered():
+        switching = self.recovery is not None and self.recovery.state == "loading"
+        if need > fits and self._covered() and not switching:
             raise UserError(
                 f"prompt + max_tokens: {need} tokens of KV cache needed, but no route can hold "
                 f"more than {fits}; lower max_tokens"
             )
         waited = False
+        uncovered_since: float | None = None
         if preempted:
             self._preempted_waiting += 1
         try:
             while True:
                 if not self._covered():
-                    raise NoRouteError(
-                        f"no route covers the model's {self.placement.num_layers} layers over "
-                        f"the live workers ({', '.join(n for n, c in self.nodes.items() if c.alive) or 'none'})"
-                    )
+                    uncovered_since = uncovered_since or asyncio.get_running_loop().time()
+                    self._check_recovering(uncovered_since, replay=bool(act.generated))
                 # preempted requests go first: a new one does not take the KV they wait for
                 route = (self.router.route(info, self._node_states())
                          if preempted or not self._preempted_waiting else None)
@@ -454,11 +536,33 @@ class Coordinator:
             if preempted:
                 self._preempted_waiting -= 1
         act.admitted_at = len(act.generated)
+        act.kv_promise = info.kv_tokens if info.kv_tokens is not None else need
+        act.epoch = self.epoch
         act.route_hops = route.hops
         act.route_addresses = tuple(self.nodes[h.name].address for h in route.hops)
         key = route.nodes
         self.hop_counts[key] = self.hop_counts.get(key, 0) + 1
         self.active[act.internal_id] = act
+
+    def _check_recovering(self, uncovered_since: float, replay: bool) -> None:
+        """While no route covers the model: raise NoRouteError, unless a re-plan or a restart
+        may still cover it within `wait_s` (then the caller waits)."""
+        live = ", ".join(n for n, c in self.nodes.items() if c.alive) or "none"
+        message = (f"no route covers the model's {self.placement.num_layers} layers over the "
+                   f"live workers ({live})")
+        rec = self.recovery
+        if rec is None:
+            raise NoRouteError(message)
+        waited_s = asyncio.get_running_loop().time() - uncovered_since
+        if waited_s > rec.config.wait_s:
+            raise NoRouteError(f"{message}; waited {waited_s:.0f} s for a re-plan or a restart",
+                               retry_after_s=rec.config.retry_after_s)
+        if rec.uncoverable and not replay:
+            # a running request still waits for a restart; a new one is told to come back
+            raise NoRouteError(f"{message}, and no placement over them covers it",
+                               retry_after_s=rec.config.retry_after_s)
+        if not rec.busy and not rec.uncoverable:
+            rec.trigger("layers without a live holder")
 
     def _send_prefill(self, act: _Active, token_ids: list[int]) -> None:
         """Prompt (+ tokens generated so far, on a re-route) in chunks, all sent at once."""
@@ -521,10 +625,15 @@ class Coordinator:
                 return r
 
     async def _reroute(self, act: _Active, reason: str) -> None:
-        if act.reroutes >= self.max_reroutes:
+        # routed before a re-plan, or while one switches workers' ranges: not this request's
+        # bad luck, so not counted against max_reroutes
+        stale = act.epoch < self.epoch or (self.recovery is not None
+                                           and self.recovery.state == "loading")
+        if act.reroutes >= self.max_reroutes and not stale:
             raise RequestFailedError(f"request {act.req.request_id}: {reason} "
                                      f"(gave up after {act.reroutes} re-routes)")
-        act.reroutes += 1
+        if not stale:
+            act.reroutes += 1
         log.warning("re-routing %s: %s", act.internal_id, reason)
         # Which hop failed? A worker reports an unreachable next hop before this coordinator's
         # own stream to it breaks: ask every hop, so the new route avoids the dead one.
@@ -623,10 +732,12 @@ __all__ = [
 ]
 
 
-def _routing_inputs(cluster: ClusterSpec, placement: Placement, model_dir: Path) -> RouterOptions:
+def _routing_inputs(cluster: ClusterSpec, placement: Placement, model_dir: Path,
+                    live: bool = False) -> RouterOptions:
     """The links the router may use (so it never spreads work over a missing or slow link),
     and the flows it routes over: evaluated here when the placement file has none
-    (FORMATS.md lets an input placement omit them)."""
+    (FORMATS.md lets an input placement omit them). `live`: ranges workers actually hold,
+    which a memory check must not refuse."""
     from helixserve.scheduler.options import router_options
     from helixserve.spec import load_model
 
@@ -635,7 +746,16 @@ def _routing_inputs(cluster: ClusterSpec, placement: Placement, model_dir: Path)
         from helixserve.costmodel import CostModel
         from helixserve.planner import evaluate
 
-        result = evaluate(cluster, model, CostModel(model), placement)
+        try:
+            result = evaluate(cluster, model, CostModel(model), placement)
+        except UserError:
+            if not live:
+                raise
+            # a worker holds more layers than the cluster file says its memory fits: it
+            # does, so evaluate the flow without the memory check
+            cluster = dataclasses.replace(cluster, nodes=[
+                dataclasses.replace(n, memory_gb=1e6) for n in cluster.nodes])
+            result = evaluate(cluster, model, CostModel(model), placement)
         placement.flows = result.flows
         placement.throughput_tokens_per_s = result.throughput_tokens_per_s
     return router_options(cluster, model, placement)

@@ -67,11 +67,17 @@ class NodeClient:
         self._stream_task: asyncio.Task[None] | None = None
         self._last_revive = 0.0
         self._route_pb_cache: dict[tuple[object, ...], list[pb.Hop]] = {}
+        #: an Info call is under way; Info calls in a row that got no answer in time
+        self.refreshing = False
+        self.missed_answers = 0
 
     # ---- connection ------------------------------------------------------------------------
 
-    async def connect(self, num_model_layers: int, timeout_s: float) -> None:
-        """Wait until the worker is SERVING, check it holds the placement's range, open the stream."""
+    async def connect(self, num_model_layers: int, timeout_s: float,
+                      check_range: bool = True) -> None:
+        """Wait until the worker is SERVING, check it holds the placement's range (unless
+        `check_range` is False: live re-planning takes whatever range it holds), open the
+        stream."""
         self._channel = security.aio_channel(self.address, self.tls, tp.CHANNEL_OPTIONS)
         self._stub = pb_grpc.HelixWorkerStub(self._channel)
         health = health_pb2_grpc.HealthStub(self._channel)
@@ -94,7 +100,9 @@ class NodeClient:
         await self.refresh_info(raise_errors=True)
         info = self.info
         assert info is not None
-        if (info.start_layer, info.end_layer) != (self.start_layer, self.end_layer) and not (
+        if not check_range:
+            self.start_layer, self.end_layer = info.start_layer, info.end_layer
+        elif (info.start_layer, info.end_layer) != (self.start_layer, self.end_layer) and not (
             info.start_layer <= self.start_layer and self.end_layer <= info.end_layer
         ):
             raise ConnectionError(
@@ -108,6 +116,7 @@ class NodeClient:
             )
         self._outgoing = asyncio.Queue()
         self._stream_task = asyncio.get_running_loop().create_task(self._run_stream())
+        self.missed_answers = 0
         self.alive = True
 
     async def close(self) -> None:
@@ -122,12 +131,14 @@ class NodeClient:
     def reconnectable(self) -> bool:
         return time.monotonic() - self._last_revive > REVIVE_INTERVAL_S
 
-    async def revive(self, num_model_layers: int) -> bool:
+    async def revive(self, num_model_layers: int, check_range: bool = True) -> bool:
         self._last_revive = time.monotonic()
+        if self._stream_task is not None:  # a hung worker's stream may still be open
+            self._stream_task.cancel()
         if self._channel is not None:
             await self._channel.close()
         try:
-            await self.connect(num_model_layers, timeout_s=1.0)
+            await self.connect(num_model_layers, timeout_s=1.0, check_range=check_range)
         except (ConnectionError, grpc.aio.AioRpcError):
             return False
         return True
@@ -193,13 +204,40 @@ class NodeClient:
             self.on_down(self.name, reason)
         return ok
 
-    async def refresh_info(self, raise_errors: bool = False) -> None:
+    async def refresh_info(self, raise_errors: bool = False, timeout_s: float = 5.0) -> None:
         assert self._stub is not None
+        self.refreshing = True
         try:
-            self.info = tp.info_from_pb(await self._stub.Info(pb.InfoRequest(), timeout=5.0))
-        except grpc.aio.AioRpcError:
+            self.info = tp.info_from_pb(await self._stub.Info(pb.InfoRequest(),
+                                                              timeout=timeout_s))
+            self.missed_answers = 0
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.missed_answers += 1
             if raise_errors:
                 raise
+        finally:
+            self.refreshing = False
+
+    def check_answering(self, hang_timeout_s: float, max_missed: int = 2) -> None:
+        """A live worker that let `max_missed` Info calls in a row pass their deadline
+        (`hang_timeout_s` each) is down: hung (a stopped process keeps its sockets open, so
+        no stream breaks). Two, so that one slow answer on a starved machine is not a death."""
+        if self.alive and self.missed_answers >= max_missed:
+            self.alive = False
+            self.on_down(self.name, f"no answer to {self.missed_answers} Info calls of "
+                                    f"{hang_timeout_s:g} s each (hung?)")
+
+    async def load_range(self, start_layer: int, end_layer: int,
+                         timeout_s: float) -> pb.LoadRangeReply:
+        """Ask the worker to hold [start_layer, end_layer) (LoadRange); returns once it does."""
+        assert self._stub is not None
+        reply: pb.LoadRangeReply = await self._stub.LoadRange(
+            pb.LoadRangeRequest(start_layer=start_layer, end_layer=end_layer,
+                                coordinator_id=self.coordinator_id,
+                                coordinator_token=self.coordinator_token), timeout=timeout_s)
+        self.start_layer, self.end_layer = reply.start_layer, reply.end_layer
+        return reply
 
     async def release(self, request_ids: list[str]) -> int:
         assert self._stub is not None

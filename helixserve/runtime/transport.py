@@ -462,6 +462,10 @@ def release_pb(request_ids: Sequence[str], coordinator_id: str = "",
 # ---- info -------------------------------------------------------------------------------
 
 
+#: upper bounds of the tokens-per-engine-step histogram (vLLM's iteration_tokens_total)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     node: str
@@ -485,6 +489,9 @@ class WorkerInfo:
     active_requests: int
     draining: bool
     eos_token_ids: tuple[int, ...]
+    #: engine steps per bucket of STEP_TOKEN_BUCKETS (+ one for larger), tokens over all steps
+    step_tokens_counts: tuple[int, ...] = ()
+    step_tokens_sum: int = 0
     engine: str = "torch"
     vllm_version: str = ""
 
@@ -496,10 +503,12 @@ class WorkerInfo:
 def info_to_pb(info: WorkerInfo) -> pb.InfoReply:
     fields = {k: getattr(info, k) for k in WorkerInfo.__dataclass_fields__}
     fields["eos_token_ids"] = list(info.eos_token_ids)
+    fields["step_tokens_counts"] = list(info.step_tokens_counts)
     return pb.InfoReply(**fields)
 
 
 def info_from_pb(msg: pb.InfoReply) -> WorkerInfo:
     fields = {k: getattr(msg, k) for k in WorkerInfo.__dataclass_fields__}
     fields["eos_token_ids"] = tuple(msg.eos_token_ids)
+    fields["step_tokens_counts"] = tuple(msg.step_tokens_counts)
     return WorkerInfo(**fields)

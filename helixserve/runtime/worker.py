@@ -30,12 +30,13 @@ per-item PERMISSION_DENIED and nothing is connected.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,15 @@ class _Release:
     #: (coordinator id, request id): a request's KV is freed only for the coordinator owning it
     requests: list[tuple[str, str]]
     done: Future[int]
+
+
+@dataclass
+class _Switch:
+    """Engine thread: serve `engine` (a new layer range) from now on; `done` gets
+    (requests moved off the old range, seconds the switch took)."""
+
+    engine: Any
+    done: Future[tuple[int, float]]
 
 
 class _Peer:
@@ -182,12 +192,23 @@ class Worker(pb_grpc.HelixWorkerServicer):
 
     def __init__(self, engine: Any, node: str, model: str, backend: str, device: str,
                  tls: security.TlsConfig | None = None,
-                 peers: security.PeerPolicy | None = None) -> None:
+                 peers: security.PeerPolicy | None = None,
+                 reload: Callable[[Any, int, int], tuple[Any, int]] | None = None,
+                 kv_cache_bytes: int | None = None) -> None:
         self.engine = engine
         #: credentials for the streams to next hops (None: plaintext)
         self.tls = tls
         #: where items may be forwarded; None or empty: nowhere (module doc)
         self.peer_policy = peers or security.PeerPolicy()
+        #: (engine, start, end) -> (engine of [start, end) loaded beside it, layers read);
+        #: None: this engine cannot change its range live (LoadRange is refused)
+        self._reload = reload
+        self.kv_cache_bytes = kv_cache_bytes
+        self._loading = False
+        #: ranges held before the current one (LoadRange): a stale route is UNAVAILABLE, not
+        #: a bad argument, so its coordinator replays the request on a fresh route
+        self.range_changes = 0
+        self._kv_frozen: dict[str, int] | None = None
         self.node = node
         self.model = model
         self.backend = backend
@@ -202,7 +223,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.loop: asyncio.AbstractEventLoop | None = None
         # Work arrives as one list per incoming message, so that the engine thread never wakes
         # up to run a fragment of a batch that arrived together.
-        self.inbox: queue.SimpleQueue[list[_Job] | _Release | None] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[list[_Job] | _Release | _Switch | None] = queue.SimpleQueue()
         self.coordinators: dict[str, _Stream] = {}
         self.streams: set[_Stream] = set()  # every open incoming Work stream
         self.peers: dict[str, _Peer] = {}
@@ -215,6 +236,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.steps = 0
         self.items_run = 0
         self._busy: deque[tuple[float, float]] = deque()  # (end time, step seconds)
+        #: engine steps per bucket of tokens in the step (tp.STEP_TOKEN_BUCKETS, + larger)
+        self.step_tokens_counts = [0] * (len(tp.STEP_TOKEN_BUCKETS) + 1)
+        self.step_tokens_sum = 0
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -248,7 +272,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
 
         pending: deque[_Job] = deque()
         while True:
-            msgs: list[list[_Job] | _Release | None] = []
+            msgs: list[list[_Job] | _Release | _Switch | None] = []
             if not pending:
                 msgs.append(self.inbox.get())
             while True:
@@ -263,6 +287,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     freed = self._free(m.requests)
                     if not m.done.cancelled():  # the caller may have gone away
                         m.done.set_result(freed)
+                elif isinstance(m, _Switch):
+                    self._switch(m, pending)
+                    pending = deque()
                 else:
                     pending.extend(m)
             # One item per request per step, FIFO; the rest waits (module doc).
@@ -314,9 +341,38 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     except Exception as one_exc:
                         outputs.append(one_exc)
             step_s = time.perf_counter() - t0
-            self._record_step(step_s, len(items))
+            self._record_step(step_s, len(items), sum(len(it.token_ids) for it in items))
             assert self.loop is not None
             self.loop.call_soon_threadsafe(self._dispatch, batch, outputs, step_s)
+
+    def _switch(self, m: _Switch, pending: deque[_Job]) -> None:
+        """Engine thread: every request of the old range (holding KV, or queued) is told
+        UNAVAILABLE and forgotten; the old engine's KV and unshared weights are freed before
+        the new one allocates its KV cache, so the two caches never coexist."""
+        t0 = time.perf_counter()
+        new = m.engine
+        # Info (loop thread) reports this until the new KV cache exists: between the two,
+        # either engine's cache is a one-block placeholder, not a capacity to route by
+        self._kv_frozen = self.engine.kv_stats()
+        message = (f"node {self.node}: re-planned to layers [{new.start_layer}, "
+                   f"{new.end_layer}); replay the request")
+        moved = dict(self.active)
+        moved.update((j.item.request_id, j.item.coordinator_id) for j in pending)
+        for rid, cid in moved.items():
+            self.released[(cid, rid)] = None
+        self.active.clear()
+        self.engine.release_memory()
+        new.allocate_kv(self.kv_cache_bytes)
+        self.engine = new
+        self._kv_frozen = None
+        self.expect = tp.ExpectedInput(
+            start_layer=new.start_layer, end_layer=new.end_layer,
+            num_model_layers=new.num_model_layers, hidden_size=new.hidden_size, dtype=new.dtype)
+        self.range_changes += 1
+        assert self.loop is not None
+        for rid, cid in moved.items():
+            self.loop.call_soon_threadsafe(self.report_error, rid, 0, cid, tp.UNAVAILABLE, message)
+        m.done.set_result((len(moved), time.perf_counter() - t0))
 
     def _free(self, requests: list[tuple[str, str]]) -> int:
         freed = 0
@@ -332,7 +388,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
             self.engine.free(rid)
         return freed
 
-    def _record_step(self, step_s: float, batch_size: int) -> None:
+    def _record_step(self, step_s: float, batch_size: int, num_tokens: int) -> None:
+        self.step_tokens_counts[bisect.bisect_left(tp.STEP_TOKEN_BUCKETS, num_tokens)] += 1
+        self.step_tokens_sum += num_tokens
         now = time.monotonic()
         self._busy.append((now, step_s))
         while self._busy and self._busy[0][0] < now - BUSY_WINDOW_S:
@@ -458,8 +516,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
         try:
             item = tp.item_from_pb(msg, self.expect, where)
         except tp.WireError as exc:
+            code = tp.UNAVAILABLE if self._stale_route(msg) else tp.INVALID_ARGUMENT
             self.report_error(msg.request_id, msg.step_id, msg.coordinator_id,
-                              tp.INVALID_ARGUMENT, f"node {self.node}: {exc}", stream)
+                              code, f"node {self.node}: {exc}", stream)
             return None
         refusal = self._refusal(item, stream, where)
         if refusal:
@@ -476,6 +535,65 @@ class Worker(pb_grpc.HelixWorkerServicer):
                               stream)
             return None
         return _Job(item, msg, stream)
+
+    def _stale_route(self, msg: pb.WorkItem) -> bool:
+        """An item routed here for layers this worker held before a LoadRange."""
+        if not self.range_changes or msg.hop_index >= len(msg.route):
+            return False
+        hop = msg.route[msg.hop_index]
+        return not (self.expect.start_layer <= hop.start_layer
+                    and hop.end_layer <= self.expect.end_layer)
+
+    async def LoadRange(  # noqa: N802
+        self, request: pb.LoadRangeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadRangeReply:
+        start, end = request.start_layer, request.end_layer
+        n = self.engine.num_model_layers
+        if not security.coordinator_token_ok(request.coordinator_id, request.coordinator_token):
+            log.warning("refused LoadRange [%d, %d) for coordinator %r: bad token", start, end,
+                        request.coordinator_id)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"node {self.node}: LoadRange needs a coordinator's id and token; "
+                                "range unchanged")
+        reload = self._reload
+        if reload is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"node {self.node}: the {self.backend} engine cannot change its "
+                                "layer range while serving; restart the worker with the new range")
+        assert reload is not None  # abort raised
+        if not 0 <= start < end <= n:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"node {self.node}: layers [{start}, {end}): need 0 <= start < "
+                                f"end <= {n}")
+        if (start, end) == (self.engine.start_layer, self.engine.end_layer):
+            return pb.LoadRangeReply(start_layer=start, end_layer=end)
+        if self._loading or self.draining:
+            await context.abort(grpc.StatusCode.ABORTED,
+                                f"node {self.node}: busy ({'draining' if self.draining else 'loading another range'})")
+        self._loading = True
+        try:
+            t0 = time.perf_counter()
+            new, layers_read = await asyncio.get_running_loop().run_in_executor(
+                None, reload, self.engine, start, end)
+            load_s = time.perf_counter() - t0
+            done: Future[tuple[int, float]] = Future()
+            self.inbox.put(_Switch(new, done))
+            moved, switch_s = await asyncio.wrap_future(done)
+        except Exception as exc:  # out of memory, unreadable files: the old range still serves
+            log.warning("LoadRange [%d, %d) failed: %s", start, end, exc)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED
+                                if isinstance(exc, MemoryError) else grpc.StatusCode.INTERNAL,
+                                f"node {self.node}: loading layers [{start}, {end}) failed: "
+                                f"{type(exc).__name__}: {exc}")
+        finally:
+            self._loading = False
+        print(f"helixserve worker {self.node}: now layers [{start}, {end}) "
+              f"(for {request.coordinator_id or 'a coordinator'}): {layers_read} layers read in "
+              f"{load_s:.2f} s, switched in {switch_s * 1000:.0f} ms, {moved} requests moved",
+              flush=True)
+        return pb.LoadRangeReply(start_layer=start, end_layer=end, load_s=load_s,
+                                 switch_s=switch_s, requests_moved=moved,
+                                 layers_loaded=layers_read)
 
     def _refusal(self, item: tp.WireItem, stream: _Stream, where: str) -> str:
         """Why an item may not run here ("" when it may): see the module doc, Trust."""
@@ -516,7 +634,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         return tp.info_to_pb(self.info())
 
     def info(self) -> tp.WorkerInfo:
-        kv = self.engine.kv_stats()
+        kv = self._kv_frozen or self.engine.kv_stats()
         return tp.WorkerInfo(
             node=self.node,
             model=self.model,
@@ -539,6 +657,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
             active_requests=len(self.active),
             draining=self.draining,
             eos_token_ids=tuple(int(t) for t in (self.engine.eos_token_ids or ())),
+            step_tokens_counts=tuple(self.step_tokens_counts),
+            step_tokens_sum=self.step_tokens_sum,
             engine=getattr(self.engine, "engine_name", "torch"),
             vllm_version=getattr(self.engine, "vllm_version", ""),
         )

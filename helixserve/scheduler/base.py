@@ -119,6 +119,21 @@ class GraphRouter:
             self.active[j] += 1
         return route
 
+    def adopt(self, request_id: str, route: Route, kv_tokens: int) -> bool:
+        """Take over a request another router routed (the coordinator rebuilds its router
+        when the placement changes under running requests), with its KV promise; False when
+        a hop of `route` is not a range of this placement (the request must be re-routed)."""
+        for h in route.hops:
+            r = self.ranges.get(h.name)
+            if r is None or not r.start_layer <= h.start_layer < h.end_layer <= r.end_layer:
+                return False
+        self.routes[request_id] = route
+        for j in route.nodes:
+            self._promised[j][request_id] = kv_tokens
+            self._promised_total[j] += kv_tokens
+            self.active[j] += 1
+        return True
+
     def on_finish(self, request_id: str) -> None:
         self._release(request_id)
 

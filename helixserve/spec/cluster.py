@@ -22,6 +22,8 @@ from helixserve.spec.gpus import GpuCatalog, load_gpu_catalog
 
 COORDINATOR = "coordinator"
 DEFAULT_REGION = "default"
+#: the fields of a node entry
+NODE_FIELDS = ("name", "gpu", "num_gpus", "region", "nic_gbps", "address", "memory_gb")
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
 
 
@@ -157,9 +159,14 @@ def _num(value: Any, where: str, *, allow_zero: bool = True) -> float:
 
 
 def _check_keys(raw: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    """UserError naming the first unknown key, the known ones closest to it first."""
+    import difflib
+
     unknown = sorted(str(k) for k in set(raw) - set(known))
     if unknown:
-        raise UserError(f"{where}: unknown field {unknown[0]!r}; known: {', '.join(known)}")
+        close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UserError(f"{where}: unknown field {unknown[0]!r}{hint}; known: {', '.join(known)}")
 
 
 def _link(raw: Any, where: str, ends: tuple[str, ...] = ()) -> LinkSpec:
@@ -190,6 +197,8 @@ def parse_cluster(data: Any, source: str = "cluster",
         where = f"{source}: nodes[{i}]"
         if not isinstance(raw, dict):
             raise UserError(f"{where}: expected a mapping, got {raw!r}")
+        # unknown keys first: a misspelled `gpu` must be named, not reported missing
+        _check_keys(raw, NODE_FIELDS, where)
         name = raw.get("name")
         if not isinstance(name, str) or not _NAME_RE.match(name) or name == COORDINATOR:
             raise UserError(f"{where}.name: bad value {name!r}; use [a-z0-9-], not 'coordinator'")
@@ -212,11 +221,6 @@ def parse_cluster(data: Any, source: str = "cluster",
         if address is not None and not isinstance(address, str):
             raise UserError(f"{where}.address: bad value {address!r}; expected host:port")
         mem = raw.get("memory_gb")
-        unknown = set(raw) - {"name", "gpu", "num_gpus", "region", "nic_gbps", "address",
-                              "memory_gb"}
-        if unknown:
-            raise UserError(f"{where}: unknown field {sorted(unknown)[0]!r}; known: name, gpu, "
-                            "num_gpus, region, nic_gbps, address, memory_gb")
         nodes.append(NodeSpec(
             name=name, gpu=gpu, num_gpus=num_gpus, region=region,
             nic_gbps=None if nic is None else _num(nic, f"{where}.nic_gbps", allow_zero=False),

@@ -188,7 +188,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("node", "model", "num_model_layers", "start_layer", "end_layer", "backend", "device", "dtype", "hidden_size", "kv_block_size", "kv_total_blocks", "kv_used_blocks", "kv_capacity_tokens", "queue_len", "last_batch_size", "busy_fraction", "steps", "active_requests", "draining", "eos_token_ids", "items_run", "engine", "vllm_version")
+    __slots__ = ("node", "model", "num_model_layers", "start_layer", "end_layer", "backend", "device", "dtype", "hidden_size", "kv_block_size", "kv_total_blocks", "kv_used_blocks", "kv_capacity_tokens", "queue_len", "last_batch_size", "busy_fraction", "steps", "active_requests", "draining", "eos_token_ids", "items_run", "step_tokens_counts", "step_tokens_sum", "engine", "vllm_version")
     NODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_MODEL_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,8 @@ class InfoReply(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ITEMS_RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_SUM_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
     node: str
@@ -233,6 +235,36 @@ class InfoReply(_message.Message):
     draining: bool
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     items_run: int
+    step_tokens_counts: _containers.RepeatedScalarFieldContainer[int]
+    step_tokens_sum: int
     engine: str
     vllm_version: str
-    def __init__(self, node: _Optional[str] = ..., model: _Optional[str] = ..., num_model_layers: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., queue_len: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., items_run: _Optional[int] = ..., engine: _Optional[str] = ..., vllm_version: _Optional[str] = ...) -> None: ...
+    def __init__(self, node: _Optional[str] = ..., model: _Optional[str] = ..., num_model_layers: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., queue_len: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., items_run: _Optional[int] = ..., step_tokens_counts: _Optional[_Iterable[int]] = ..., step_tokens_sum: _Optional[int] = ..., engine: _Optional[str] = ..., vllm_version: _Optional[str] = ...) -> None: ...
+
+class LoadRangeRequest(_message.Message):
+    __slots__ = ("start_layer", "end_layer", "coordinator_id", "coordinator_token")
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    start_layer: int
+    end_layer: int
+    coordinator_id: str
+    coordinator_token: str
+    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., coordinator_id: _Optional[str] = ..., coordinator_token: _Optional[str] = ...) -> None: ...
+
+class LoadRangeReply(_message.Message):
+    __slots__ = ("start_layer", "end_layer", "load_s", "switch_s", "requests_moved", "layers_loaded")
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_MOVED_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    start_layer: int
+    end_layer: int
+    load_s: float
+    switch_s: float
+    requests_moved: int
+    layers_loaded: int
+    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., load_s: _Optional[float] = ..., switch_s: _Optional[float] = ..., requests_moved: _Optional[int] = ..., layers_loaded: _Optional[int] = ...) -> None: ...

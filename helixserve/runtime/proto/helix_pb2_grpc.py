@@ -49,6 +49,11 @@ class HelixWorkerStub:
                 request_serializer=helix__pb2.InfoRequest.SerializeToString,
                 response_deserializer=helix__pb2.InfoReply.FromString,
                 _registered_method=True)
+        self.LoadRange = channel.unary_unary(
+                '/helixserve.v1.HelixWorker/LoadRange',
+                request_serializer=helix__pb2.LoadRangeRequest.SerializeToString,
+                response_deserializer=helix__pb2.LoadRangeReply.FromString,
+                _registered_method=True)
 
 
 class HelixWorkerServicer:
@@ -75,6 +80,16 @@ class HelixWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadRange(self, request, context):
+        """Hold another layer range while serving (live re-plan): the new range's weights are loaded
+        beside the old ones (layers both ranges share are kept, not reloaded), then the worker
+        switches; requests holding KV of the old range get UNAVAILABLE (their coordinator replays
+        them) and the old range is freed. Replies once the new range serves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HelixWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +107,11 @@ def add_HelixWorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=helix__pb2.InfoRequest.FromString,
                     response_serializer=helix__pb2.InfoReply.SerializeToString,
+            ),
+            'LoadRange': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadRange,
+                    request_deserializer=helix__pb2.LoadRangeRequest.FromString,
+                    response_serializer=helix__pb2.LoadRangeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +195,33 @@ class HelixWorker:
             '/helixserve.v1.HelixWorker/Info',
             helix__pb2.InfoRequest.SerializeToString,
             helix__pb2.InfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadRange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/helixserve.v1.HelixWorker/LoadRange',
+            helix__pb2.LoadRangeRequest.SerializeToString,
+            helix__pb2.LoadRangeReply.FromString,
             options,
             channel_credentials,
             insecure,

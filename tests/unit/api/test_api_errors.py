@@ -188,8 +188,16 @@ def test_health_is_503_while_a_layer_has_no_live_worker(server, fake):
     assert httpx.get(server.url + "/health").status_code == 200
     fake.dead_nodes.add("n2")  # n2 alone holds layers [12, 30)
     try:
-        err = check_error(httpx.get(server.url + "/health"), 503)
-        assert err["code"] == "no_route" and "12-29" in err["message"]
+        resp = httpx.get(server.url + "/health")
+        assert resp.status_code == 503
+        body = resp.json()
+        # the OpenAI error, and per node what an operator checks first
+        check_error(httpx.Response(503, json={"error": body["error"]}), 503)
+        assert body["error"]["code"] == "no_route" and "12-29" in body["error"]["message"]
+        assert body["nodes"]["n2"]["alive"] is False
+        assert body["nodes"]["n1"]["alive"] is True
     finally:
         fake.dead_nodes.clear()
-    assert httpx.get(server.url + "/health").status_code == 200
+    resp = httpx.get(server.url + "/health")
+    assert resp.status_code == 200
+    assert resp.json()["status"] == "ok" and resp.json()["nodes"]["n2"]["alive"] is True

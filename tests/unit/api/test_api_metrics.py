@@ -86,3 +86,57 @@ def test_state_gauges_from_coordinator_stats(server):
     assert value(samples, "vllm:num_preemptions_total") == 5
     for src, dst in (("coordinator", "n1"), ("n1", "n2"), ("n2", "coordinator")):
         assert value(samples, "helixserve:route_hop_requests_total", src=src, dst=dst) == 3
+
+
+def render(stats: dict) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples a ServingMetrics renders for these coordinator stats."""
+    from helixserve.api.metrics import ServingMetrics
+
+    text = ServingMetrics("m", lambda: stats).render()[0].decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def node(alive: bool, in_placement: bool = True, **extra) -> dict:
+    return {"alive": alive, "in_placement": in_placement, "start_layer": 0, "end_layer": 10,
+            "queue_len": 3, "batch_size": 2, "kv_used_blocks": 5, "kv_total_blocks": 10,
+            "kv_block_size": 16, "busy_fraction": 0.5, "dtype": "float32", "backend": "torch",
+            "step_tokens_counts": [4, 2] + [0] * 12, "step_tokens_sum": 20, **extra}
+
+
+def test_a_down_node_keeps_only_its_up_series_and_a_gone_one_nothing():
+    samples = render({"nodes": {"n1": node(True, restarts=0, process_up=True),
+                                "n2": node(False, restarts=2, process_up=False),
+                                "n3": node(False, in_placement=False)}})
+    per_node = {(name, dict(labels)["node"]) for name, labels in samples if
+                "node" in dict(labels)}
+    assert ("helixserve:node_queue_length", "n1") in per_node
+    # n2 is down: up = 0 and its restarts, no stale queue / KV / busy values
+    assert samples[("helixserve:node_up", (("model_name", "m"), ("node", "n2")))] == 0.0
+    assert samples[("helixserve:node_restarts_total", (("model_name", "m"), ("node", "n2")))] == 2
+    assert {n for n, who in per_node if who == "n2"} == {
+        "helixserve:node_up", "helixserve:node_restarts_total", "helixserve:node_process_up"}
+    # n3 is down and out of the placement (a re-plan moved its layers): nothing at all
+    assert not any(who == "n3" for _, who in per_node)
+
+
+def test_recovery_series_and_worker_counted_step_tokens():
+    stats = {"nodes": {"n1": node(True)}, "down_events": 3, "kv_allocation": "on-demand",
+             "recovery": {"state": "loading", "replans": 2, "failed_replans": 1,
+                          "last": {"total_s": 7.5}}}
+    s = render(stats)
+    lm = (("model_name", "m"),)
+    assert s[("helixserve:replans_total", lm)] == 2
+    assert s[("helixserve:replan_failures_total", lm)] == 1
+    assert s[("helixserve:node_down_events_total", lm)] == 3
+    assert s[("helixserve:replan_last_duration_seconds", lm)] == 7.5
+    assert s[("helixserve:recovery_state", (("model_name", "m"), ("state", "loading")))] == 1
+    assert s[("helixserve:recovery_state", (("model_name", "m"), ("state", "idle")))] == 0
+    n1 = (("model_name", "m"), ("node", "n1"))
+    # 4 steps of <= 1 token, 2 of 2..8 tokens: cumulative buckets
+    assert s[("vllm:iteration_tokens_total_bucket", (("le", "1.0"), *n1))] == 4
+    assert s[("vllm:iteration_tokens_total_bucket", (("le", "8.0"), *n1))] == 6
+    assert s[("vllm:iteration_tokens_total_count", n1)] == 6
+    assert s[("vllm:iteration_tokens_total_sum", n1)] == 20
+    info = [labels for name, labels in s if name == "vllm:cache_config_info"]
+    assert dict(info[0])["num_gpu_blocks"] == "10" and dict(info[0])["block_size"] == "16"

@@ -265,3 +265,14 @@ def test_bad_trace_file(tmp_path: Path, cluster: str, placement: dict, body: byt
     line = run_cli(["plan", "--planner", "petals", "--cluster", cluster, "--model", MODEL,
                     "--quiet", "--serve-trace", str(trace)], capsys)
     assert expected.format(file=trace) in line
+
+
+def test_a_bundled_model_name_points_to_its_config(cluster, capsys, tmp_path, monkeypatch):
+    """`--model llama-2-70b` from a directory without it: the error gives the bundled path."""
+    from helixserve.commands.plan import EXAMPLE_DIR
+
+    monkeypatch.chdir(tmp_path)
+    line = run_cli(["plan", "--cluster", cluster, "--model", "llama-2-70b"], capsys)
+    assert f"--model {EXAMPLE_DIR / 'llama-2-70b'}" in line and "--example" in line
+    line = run_cli(["plan", "--cluster", cluster, "--model", "no-such-model"], capsys)
+    assert "'no-such-model'" in line and str(EXAMPLE_DIR / "llama-2-70b") in line

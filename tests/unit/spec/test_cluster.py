@@ -76,7 +76,11 @@ def test_shared_clusters_parse_all_explicit_links():
         ("num_gpus: 2", "num_gpus: 0", r"nodes\[1\]\.num_gpus: bad value 0"),
         ("memory_gb: 12.5", "memory_gb: -1", r"nodes\[2\]\.memory_gb: bad value -1"),
         ("{name: a, gpu: A100-40GB", "{name: A_1, gpu: A100-40GB", r"nodes\[0\]\.name: bad value"),
-        ("region: r1, memory_gb", "regoin: r1, memory_gb", r"nodes\[2\]: unknown field 'regoin'"),
+        ("region: r1, memory_gb", "regoin: r1, memory_gb",
+         r"nodes\[2\]: unknown field 'regoin' \(did you mean 'region'\?\)"),
+        # a misspelled required key is named (with the close match), not reported missing
+        ("{name: a, gpu: A100-40GB", "{name: a, gpus: A100-40GB",
+         r"nodes\[0\]: unknown field 'gpus' \(did you mean 'gpu'\?\)"),
         # non-finite and absurd numbers
         ("memory_gb: 12.5", "memory_gb: .inf", r"nodes\[2\]\.memory_gb: bad value inf"),
         ("memory_gb: 12.5", "memory_gb: 1.0e+300", r"nodes\[2\]\.memory_gb: bad value 1e\+300"),
@@ -88,11 +92,12 @@ def test_shared_clusters_parse_all_explicit_links():
          r"nodes\[1\]\.num_gpus: bad value 100000000000000000000000; must be an integer from 1"),
         # unknown keys outside nodes[], wrong types, duplicates, unknown regions
         ("coordinator: {region: r1}", "coordinator: {regoin: r1}",
-         r"coordinator: unknown field 'regoin'; known: region, nic_gbps"),
-        ("name: t\n", "name: t\nnodez: []\n", r"cluster\.yaml: unknown field 'nodez'"),
+         r"coordinator: unknown field 'regoin' \(did you mean 'region'\?\); known: region, nic_gbps"),
+        ("name: t\n", "name: t\nnodez: []\n",
+         r"cluster\.yaml: unknown field 'nodez' \(did you mean 'nodes'\?\)"),
         ("  explicit:", "  explicitt:", r"links: unknown field 'explicitt'"),
         ("latency_ms: 1.0}", "latency_ms: 1.0, jitter: 2}",
-         r"links\.default: unknown field 'jitter'"),
+         r"links\.default: unknown field 'jitter'; known"),  # no close match, no hint
         ("name: t\n", "name: [a]\n", r"cluster\.yaml: name: bad value \['a'\]"),
         ("{src: c, dst: a, bandwidth_gbps: 0}",
          "{src: a, dst: c, bandwidth_gbps: 0}", r"links\.explicit\[1\]: a second link a -> c"),

@@ -1,0 +1,110 @@
+"""The pure parts of live re-planning (runtime/replan.py) and the local supervisor's restart
+rule (helixserve/supervisor.py) over real short-lived processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from helixserve.errors import UserError
+from helixserve.planner.placement import NodeRange, Placement
+from helixserve.runtime.replan import RecoveryConfig, actual_placement, live_cluster
+from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec
+from helixserve.supervisor import Supervisor
+
+
+def test_live_cluster_drops_dead_nodes_and_their_links():
+    fast = LinkSpec(10.0, 0.1)
+    cluster = ClusterSpec("c", [NodeSpec("a", "L4"), NodeSpec("b", "L4"), NodeSpec("c", "L4")],
+                          explicit={("a", "b"): fast, ("b", "c"): fast, ("coordinator", "c"): fast})
+    live = live_cluster(cluster, {"a", "c"})
+    assert live.node_names() == ["a", "c"]
+    assert set(live.explicit) == {("coordinator", "c")}
+    assert cluster.node_names() == ["a", "b", "c"]  # the original is untouched
+
+
+@dataclass
+class _Live:
+    name: str
+    start_layer: int
+    end_layer: int
+
+
+def test_actual_placement_lists_what_workers_hold_in_layer_order():
+    template = Placement("m", "c", 30, "milp", [NodeRange("a", 0, 10), NodeRange("b", 10, 30)])
+    got = actual_placement(template, [_Live("c", 10, 30), _Live("b", 0, 15)])
+    assert [(n.name, n.start_layer, n.end_layer) for n in got.nodes] == [("b", 0, 15),
+                                                                          ("c", 10, 30)]
+    assert got.planner == "milp-live" and got.flows == []
+    assert actual_placement(got, []).planner == "milp-live"  # not milp-live-live
+
+
+@pytest.mark.parametrize("name", ["wait_s", "hang_timeout_s", "plan_time_limit_s"])
+def test_recovery_config_names_a_bad_value(name):
+    with pytest.raises(UserError, match=f"{name}: bad value 0"):
+        RecoveryConfig(**{name: 0})
+
+
+@dataclass
+class _Procs:
+    """What the supervisor uses of WorkerProcesses, over real processes that exit at once
+    (or run `run_s`)."""
+
+    log_dir: Path
+    run_s: float = 0.0
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    starts: list[float] = field(default_factory=list)
+
+    @property
+    def workers(self) -> list:
+        return [type("W", (), {"node": "n1"})()]
+
+    def start_one(self, node: str) -> None:
+        self.starts.append(time.monotonic())
+        code = f"import time, sys; time.sleep({self.run_s}); sys.exit(3)"
+        self.procs[node] = subprocess.Popen([sys.executable, "-c", code])
+
+    def alive(self) -> dict[str, bool]:
+        return {n: p.poll() is None for n, p in self.procs.items()}
+
+
+def test_supervisor_restarts_with_doubling_backoff(tmp_path):
+    procs = _Procs(tmp_path)
+    procs.start_one("n1")
+    said: list[str] = []
+    sup = Supervisor(procs, initial_backoff_s=0.2, max_backoff_s=0.4, poll_interval_s=0.02,
+                     say=said.append)
+    sup.start()
+    try:
+        deadline = time.monotonic() + 30
+        while sup.stats()["n1"]["restarts"] < 3:
+            assert time.monotonic() < deadline, said
+            time.sleep(0.02)
+    finally:
+        sup.stop()
+    for p in procs.procs.values():
+        p.wait(timeout=10)
+    gaps = [b - a for a, b in zip(procs.starts, procs.starts[1:], strict=False)]
+    # backoff 0.2, then 0.4, then capped at 0.4 (each gap also holds the process's own run)
+    assert gaps[0] >= 0.2 and gaps[1] >= 0.4 and gaps[2] >= 0.4
+    assert sup.stats()["n1"]["last_exit_code"] == 3
+    assert any("exited with code 3" in line for line in said)
+    assert any("restarted worker n1 (restart 1)" in line for line in said)
+
+
+def test_supervisor_does_not_restart_after_stop(tmp_path):
+    procs = _Procs(tmp_path)
+    procs.start_one("n1")
+    sup = Supervisor(procs, initial_backoff_s=0.3, poll_interval_s=0.02, say=lambda _: None)
+    sup.start()
+    sup.stop()
+    procs.procs["n1"].wait(timeout=10)
+    sup.check()  # notes the exit, schedules a restart...
+    time.sleep(0.4)
+    sup.check()  # ...that a stopped supervisor does not make
+    assert len(procs.starts) == 1
