@@ -31,7 +31,7 @@ from vllm_procs import (
 )
 
 from helixserve.request import SamplingParams
-from helixserve.runtime import Coordinator, GenerationRequest
+from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(1500)]
 
@@ -71,7 +71,7 @@ def test_kv_exhaustion_preempts_and_every_stream_completes_token_equal(
     async def main() -> tuple[list[list[int]], int, dict[str, int]]:
         coord = await Coordinator.create(make_cluster(small_workers),
                                          chain_placement(small_workers), demo_model,
-                                         stats_interval_s=0.1)
+                                         CoordinatorConfig(stats_interval_s=0.1))
         try:
             async def one(i: int, p: list[int]) -> list[int]:
                 req = GenerationRequest(f"s{i}", p, GREEDY, max_tokens=MAX_TOKENS,

@@ -26,7 +26,7 @@ from vllm_procs import (
 )
 
 from helixserve.request import SamplingParams
-from helixserve.runtime import Coordinator, GenerationRequest
+from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(1500)]
 
@@ -85,7 +85,7 @@ def serve(route: list[Worker], demo_model: Path, prompts: list[list[int]],
 
     async def main() -> tuple[list[list[int]], dict[str, Any]]:
         coord = await Coordinator.create(make_cluster(route), placement or chain_placement(route),
-                                         demo_model, **coordinator_kw)
+                                         demo_model, CoordinatorConfig(**coordinator_kw))
         try:
             async def one(i: int, p: list[int]) -> list[int]:
                 req = GenerationRequest(f"req-{i}", p, GREEDY, max_tokens=MAX_TOKENS,
