@@ -5,18 +5,24 @@ model's tokenizer copied beside them; nothing is downloaded). A 2-stage route of
 `vllm.LLM` process over the same checkpoint.
 
 Qwen2 is written with tied embeddings (its last stage loads the embedding for lm_head) and q/k/v
-biases; Mistral untied, without a sliding window.
+biases; Mistral untied, without a sliding window. An architecture vLLM has a model for but
+no pipeline-stage support (Mamba2) is refused at worker start, naming it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm_procs import (
+    ENV,
     VLLM_MARKS,
     Worker,
     make_cluster,
@@ -42,8 +48,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def write_tiny_checkpoint(family: str, demo_model: Path, out: Path) -> Path:
     """A random-weight checkpoint of `family` (4 layers, hidden 128, head_dim 64: vLLM's CPU
     attention takes head sizes that are multiples of 32) with the demo model's vocabulary."""
-    import json
-
     import torch
     import transformers
 
@@ -124,3 +128,23 @@ def test_two_stage_vllm_route_matches_one_vllm_process(family: str, demo_model: 
     # Not degenerate: random weights still give prompt-dependent continuations.
     assert len({tuple(t) for t in reference}) > 1, reference
     assert got == reference
+
+
+def test_architecture_without_pipeline_stages_is_refused_naming_it(tmp_path: Path) -> None:
+    """vLLM's Mamba2ForCausalLM does not implement SupportsPP: a worker cannot hold a layer
+    range of it. The refusal comes before any weight is read (the config alone suffices)."""
+    model = tmp_path / "mamba2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2", "hidden_size": 64,
+        "num_hidden_layers": 4, "vocab_size": 1024, "state_size": 16, "num_heads": 2,
+        "head_dim": 64, "expand": 2, "n_groups": 1, "conv_kernel": 4,
+        "tie_word_embeddings": True, "max_position_embeddings": 2048}))
+    cmd = [sys.executable, "-m", "helixserve", "worker", "--engine", "vllm", "--model", str(model),
+           "--layers", "0:2", "--port", "0"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, **ENV))
+    assert res.returncode == 2, res.stdout + res.stderr
+    ours = [ln for ln in res.stderr.splitlines() if ln.startswith("helixserve worker: error:")]
+    assert len(ours) == 1 and res.stderr.strip().endswith(ours[0]), res.stderr
+    assert "Mamba2ForCausalLM" in ours[0] and "no pipeline-stage support" in ours[0], ours[0]
