@@ -121,13 +121,13 @@ def chain_placement(workers: list[Worker]) -> Placement:
 
 
 def vllm_reference(model: Path, prompts: list[list[int]], max_tokens: int, tmp: Path,
-                   timeout_s: float = 900.0) -> list[list[int]]:
+                   timeout_s: float = 900.0, dtype: str = "float32") -> list[list[int]]:
     """Greedy tokens of one plain `vllm.LLM` process (all layers, vLLM's own scheduler and
     sampler), run in a subprocess: vLLM's process-wide state stays out of the test process."""
     args = tmp / "reference-in.json"
     out = tmp / "reference-out.json"
     args.write_text(json.dumps({"model": str(model), "prompts": prompts,
-                                "max_tokens": max_tokens}))
+                                "max_tokens": max_tokens, "dtype": dtype}))
     cmd = [sys.executable, str(HERE / "vllm_reference.py"), str(args), str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                          env=dict(os.environ, **ENV))
