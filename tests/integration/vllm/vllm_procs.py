@@ -47,6 +47,8 @@ class Worker:
     port: int
     proc: subprocess.Popen[str]
     log_path: Path
+    cmd: list[str]
+    """The command without `--port` (a restart picks a new port)."""
 
     @property
     def address(self) -> str:
@@ -64,26 +66,39 @@ def free_port() -> int:
 
 def start_worker(model: Path, name: str, engine: str, start: int, end: int, tmp: Path,
                  extra: list[str] | None = None) -> Worker:
-    port = free_port()
     log_path = tmp / f"{name}.log"
     cmd = [sys.executable, "-m", "helixserve", "worker", "--engine", engine,
            "--model", str(model), "--layers", f"{start}:{end}", "--node", name,
-           "--port", str(port), "--kv-cache-bytes", str(KV_CACHE_BYTES), "--num-threads", "1",
+           "--kv-cache-bytes", str(KV_CACHE_BYTES), "--num-threads", "1",
            # plaintext, forwarding to any loopback port (TLS and the peer allowlist are
            # tested with the torch engine; the wire is the same)
            "--peers", "127.0.0.1:*",
            *(extra or [])]
+    port, proc = _spawn(cmd, log_path)
+    return Worker(name, engine, start, end, port, proc, log_path, cmd)
+
+
+def _spawn(cmd: list[str], log_path: Path) -> tuple[int, subprocess.Popen[str]]:
+    port = free_port()
     out = log_path.open("w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, **ENV))
-    return Worker(name, engine, start, end, port, proc, log_path)
+    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                            text=True, env=dict(os.environ, **ENV))
+    return port, proc
 
 
 def wait_ready(workers: list[Worker], timeout_s: float = 300.0) -> None:
+    """Wait until every worker listens. A worker whose port was taken between `free_port`
+    and its bind (other processes on the machine, vLLM's own sockets) is started again on
+    another port, up to 3 times."""
     deadline = time.monotonic() + timeout_s
     for w in workers:
+        retries = 3
         while "listening on" not in w.log():
             if w.proc.poll() is not None:
+                if "Failed to bind to address" in w.log() and retries > 0:
+                    retries -= 1
+                    w.port, w.proc = _spawn(w.cmd, w.log_path)
+                    continue
                 raise RuntimeError(f"worker {w.name} exited {w.proc.returncode}:\n{w.log()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"worker {w.name} not ready:\n{w.log()}")
