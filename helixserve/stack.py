@@ -86,9 +86,9 @@ def write_local_cluster(
 
 def profile_cpu(model_dir: Path, out: Path, log: Callable[[str], None]) -> Path | None:
     """Short CPU profile via `helixserve profile` (few points, 2 layers, 5 repeats: seconds,
-    not a minute; the median of 5 survives two noisy steps, where the median of 2, a mean,
-    once made batch 8 cost 5x batch 1 and the plan one chain); None (analytic cost model)
-    if it fails."""
+    not a minute). Each point is the fastest of its repeats, so a busy host's extra time
+    does not make large batches look dearer than they are (which would turn the plan into
+    one chain); None (analytic cost model) if it fails."""
     cmd = [
         sys.executable, "-m", "helixserve", "profile",
         "--model", str(model_dir), "--device", "cpu", "--out", str(out),

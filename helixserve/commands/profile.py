@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--layers", type=int, default=4, help="layers timed together (default 4)")
     p.add_argument(
-        "--repeats", type=int, default=3, help="timed steps per point; median (default 3)"
+        "--repeats", type=int, default=3, help="timed steps per point; the fastest is kept (default 3)"
     )
     p.add_argument(
         "--threads", type=int, default=0, help="torch CPU threads, as the worker will use them"

@@ -64,7 +64,7 @@ def test_milp_equals_brute_force(partial, monkeypatch):
     assert any(r.num_layers > net.cost.max_layers(net.cluster.node(r.name))
                for r in separate.nodes)
     assert separate.throughput_tokens_per_s > optimum
-    placement = plan("milp", net.cluster, model, net.cost, time_limit_s=10,
+    placement = plan("milp", net.cluster, model, net.cost, work_limit=10,
                      partial_inference=partial)
     assert placement.throughput_tokens_per_s == pytest.approx(
         separate.throughput_tokens_per_s, rel=1e-9)
@@ -76,7 +76,7 @@ def test_milp_equals_brute_force(partial, monkeypatch):
     monkeypatch.setattr(pipeline, "BASELINES",
                         {k: v for k, v in BASELINES.items() if k != "separate"})
     monkeypatch.setattr(pipeline, "EXTRA_CANDIDATES", {})
-    placement = plan("milp", net.cluster, model, net.cost, time_limit_s=10,
+    placement = plan("milp", net.cluster, model, net.cost, work_limit=10,
                      partial_inference=partial)
     assert placement.throughput_tokens_per_s == pytest.approx(optimum, rel=1e-3)
     assert placement.upper_bound_tokens_per_s >= optimum * (1 - 1e-6)

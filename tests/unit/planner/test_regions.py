@@ -76,7 +76,7 @@ def test_region_bound_is_tighter_than_the_old_bounds_when_a_slow_link_binds():
 def test_milp_closes_the_gap_on_a_slow_link():
     net, link = two_halves()
     stages: list[StageReport] = []
-    placement = plan("milp", net.cluster, net.model, net.cost, time_limit_s=10,
+    placement = plan("milp", net.cluster, net.model, net.cost, work_limit=10,
                      stages=stages)
     assert placement.throughput_tokens_per_s == pytest.approx(link, rel=1e-3)
     assert placement.upper_bound_tokens_per_s == pytest.approx(link, rel=1e-3)
