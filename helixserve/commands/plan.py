@@ -18,7 +18,7 @@ def add_reserve_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-reserve-gb", type=finite_float, default=None, metavar="GB",
                    help="memory per GPU the serving engine keeps outside weights and KV "
                    "(CUDA context, activations, graphs); more means less KV on every node. "
-                   "Default 1.07 (1 GiB); simulate --engine vllm: 4.5, fitted to the KV "
+                   "Default 1.07 (1 GiB); simulate (its default engine vllm): 4.5, fitted to the KV "
                    "vLLM 0.4.0 allocated in Helix's measurements. The weight cap per node "
                    "does not change")
     p.add_argument("--weight-fraction", type=finite_float, default=None, metavar="F",
@@ -58,9 +58,10 @@ def add_workload_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default=DEFAULT_WORKLOAD, metavar="MIX",
                    help="the request mix the max flow counts (docs/planner.md, "
                    "\"Workload-aware planning\"): a unit of flow is one output token/s of it, "
-                   "each bringing its prompt tokens' prefill and link bytes. conversation "
-                   "(the Azure conversation trace's mean lengths, 763 prompt : 232 output "
-                   "tokens), decode (Helix's decode-only flow: prompts cost nothing), "
+                   "each bringing its prompt tokens' prefill and link bytes. decode (Helix's "
+                   "decode-only flow: prompts cost nothing; measured to serve the conversation "
+                   "trace best, docs/workload.md), conversation (the Azure conversation "
+                   "trace's mean lengths, 763 prompt : 232 output tokens), "
                    "PROMPT:OUTPUT mean tokens (e.g. 2000:30, prefill-heavy) or an "
                    f"Azure-format trace CSV (its mean lengths). Default {DEFAULT_WORKLOAD}")
 

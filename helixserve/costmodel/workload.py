@@ -51,7 +51,7 @@ class Workload:
 
     @classmethod
     def conversation(cls) -> Workload:
-        """The Azure conversation mix (r = 3.28): the default of `plan`, `evaluate`, `simulate`."""
+        """The Azure conversation mix (r = 3.28), `--workload conversation`."""
         return cls(CONVERSATION_PROMPT_TOKENS, CONVERSATION_OUTPUT_TOKENS, "conversation")
 
     @classmethod
