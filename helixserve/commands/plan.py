@@ -18,8 +18,8 @@ def add_reserve_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-reserve-gb", type=finite_float, default=None, metavar="GB",
                    help="memory per GPU the serving engine keeps outside weights and KV "
                    "(CUDA context, activations, graphs); more means less KV on every node. "
-                   "Default 1.07 (1 GiB); simulate (its default engine vllm): 4.5, fitted to the KV "
-                   "vLLM 0.4.0 allocated in Helix's measurements. The weight cap per node "
+                   "Default 1.07 (1 GiB); simulate (its default engine vllm): 4.5, fitted to "
+                   "the KV vLLM 0.4.0 allocated in Helix's measurements. The weight cap per node "
                    "does not change")
     p.add_argument("--weight-fraction", type=finite_float, default=None, metavar="F",
                    help="most of a node's memory its weights may take (the weight cap; "
@@ -267,8 +267,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def throughput_text(throughput: float, mix: Any) -> str:
-    """'1,234.5 decode tokens/s (5.31 requests/s of conversation (...))', or without a
-    workload (decode-only) '1,234.5 decode tokens/s (decode-only flow)'."""
+    """'2,344.3 decode tokens/s = 10.09 requests/s of conversation (prompt 763, ...)', or
+    without a workload '7,211.5 decode tokens/s (decode-only flow: prompts not counted)'."""
     if mix is None:
         return f"{throughput:,.1f} decode tokens/s (decode-only flow: prompts not counted)"
     return (f"{throughput:,.1f} decode tokens/s = {mix.requests_per_s(throughput):,.2f} "
