@@ -13,7 +13,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "evaluate",
         help="max-flow throughput of a placement (any planner's, or Helix's own)",
         description="Recompute the flows of a placement through the cluster graph and print "
-        "the throughput (tokens/s) with a per-node table.",
+        "the throughput (decode tokens/s, and requests/s of --workload) with a per-node "
+        "table.",
     )
     add_input_args(p, example=True)
     p.add_argument("--placement", required=True, help="placement JSON")
@@ -25,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from helixserve.commands.args import Output, check_image, write_outputs
-    from helixserve.commands.plan import load_inputs
+    from helixserve.commands.plan import load_inputs, throughput_text
     from helixserve.planner import evaluate, load_placement
     from helixserve.planner.report import format_table, node_rows, plot_placement
 
@@ -36,9 +37,14 @@ def run(args: argparse.Namespace) -> int:
                       partial_inference=not args.no_partial_inference)
     placement.flows = result.flows
     placement.throughput_tokens_per_s = result.throughput_tokens_per_s
+    mix = cost.workload
     if args.json:
         print(json.dumps({
             "throughput_tokens_per_s": round(result.throughput_tokens_per_s, 6),
+            **({} if mix is None else {
+                "requests_per_s": round(mix.requests_per_s(result.throughput_tokens_per_s), 6),
+                "workload": {"source": mix.source, "prompt_tokens": round(mix.prompt_tokens, 3),
+                             "output_tokens": round(mix.output_tokens, 3)}}),
             "flows": [{"src": f.src, "dst": f.dst, "tokens_per_s": round(f.tokens_per_s, 6)}
                       for f in result.flows],
         }, indent=2))
@@ -47,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         unused = [n.name for n in cluster.nodes if n.name not in held]
         print(format_table(node_rows(cluster, cost, placement, result.flows), unused))
         covered = "" if placement.covers_all_layers() else " (layers not all covered!)"
-        print(f"throughput {result.throughput_tokens_per_s:,.1f} tokens/s{covered}")
+        print(f"throughput {throughput_text(result.throughput_tokens_per_s, mix)}{covered}")
     if plot_path is not None:
         write_outputs([Output("--plot", plot_path, lambda path: plot_placement(
             cluster, placement, result.flows, path))])

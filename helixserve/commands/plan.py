@@ -18,8 +18,8 @@ def add_reserve_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-reserve-gb", type=finite_float, default=None, metavar="GB",
                    help="memory per GPU the serving engine keeps outside weights and KV "
                    "(CUDA context, activations, graphs); more means less KV on every node. "
-                   "Default 1.07 (1 GiB); simulate --engine vllm: 4.5, fitted to the KV "
-                   "vLLM 0.4.0 allocated in Helix's measurements. The weight cap per node "
+                   "Default 1.07 (1 GiB); simulate (its default engine vllm): 4.5, fitted to "
+                   "the KV vLLM 0.4.0 allocated in Helix's measurements. The weight cap per node "
                    "does not change")
     p.add_argument("--weight-fraction", type=finite_float, default=None, metavar="F",
                    help="most of a node's memory its weights may take (the weight cap; "
@@ -51,8 +51,30 @@ def reserve_gb(args: argparse.Namespace) -> float | None:
     return value
 
 
+def add_workload_arg(p: argparse.ArgumentParser) -> None:
+    """--workload, shared by `plan`, `evaluate` and `simulate`."""
+    from helixserve.simulator.mix import DEFAULT_WORKLOAD
+
+    p.add_argument("--workload", default=DEFAULT_WORKLOAD, metavar="MIX",
+                   help="the request mix the max flow counts (docs/planner.md, "
+                   "\"Workload-aware planning\"): a unit of flow is one output token/s of it, "
+                   "each bringing its prompt tokens' prefill and link bytes. decode (Helix's "
+                   "decode-only flow: prompts cost nothing; measured to serve the conversation "
+                   "trace best, docs/workload.md), conversation (the Azure conversation "
+                   "trace's mean lengths, 763 prompt : 232 output tokens), "
+                   "PROMPT:OUTPUT mean tokens (e.g. 2000:30, prefill-heavy) or an "
+                   f"Azure-format trace CSV (its mean lengths). Default {DEFAULT_WORKLOAD}")
+
+
+def workload(args: argparse.Namespace) -> Any:
+    """The --workload value parsed (None: decode-only); UserError naming the flag."""
+    from helixserve.simulator.mix import DEFAULT_WORKLOAD, parse_workload
+
+    return parse_workload(getattr(args, "workload", None) or DEFAULT_WORKLOAD)
+
+
 def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None:
-    """--cluster/--model/--model-name/--profiles/--gpus, shared with `evaluate`."""
+    """--cluster/--model/--model-name/--profiles/--gpus/--workload, shared with `evaluate`."""
     p.add_argument("--cluster", help="cluster YAML (format: docs/planner.md)")
     p.add_argument("--model", help="model config.json, or a directory holding one")
     p.add_argument("--model-name", help="model name used to look up profiles "
@@ -61,6 +83,7 @@ def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None
                    "analytic roofline model from the GPU catalog)")
     p.add_argument("--gpus", help="GPU catalog CSV (default: the one shipped in the package)")
     add_reserve_arg(p)
+    add_workload_arg(p)
     p.add_argument("--no-partial-inference", action="store_true",
                    help="edges only where one node's range ends exactly where the next starts")
     if example:
@@ -110,6 +133,7 @@ def load_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if not args.cluster or not args.model:
         raise UserError("--cluster and --model are required"
                         + (" (or --example)" if hasattr(args, "example") else ""))
+    mix = workload(args)  # a bad value fails before the files are read
     catalog = load_gpu_catalog(args.gpus)
     cluster = load_cluster(args.cluster, catalog=catalog)
     check_model_path(args.model)
@@ -117,7 +141,8 @@ def load_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     profiles = load_profiles(args.profiles) if args.profiles else ProfileTable.empty()
     return cluster, model, CostModel(model, profiles, catalog,
                                      reserved_gb_per_gpu=reserve_gb(args),
-                                     weight_fraction=weight_fraction(args))
+                                     weight_fraction=weight_fraction(args),
+                                     workload=mix)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -224,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
           f"{model.num_layers} layers; planner {placement.planner}")
     print(format_table(node_rows(cluster, cost, placement, result.flows), unused))
     print(summary_line(result.throughput_tokens_per_s, placement.upper_bound_tokens_per_s,
-                       placement.solve_time_s))
+                       placement.solve_time_s, cost.workload))
     if current is not None:
         from helixserve.planner.incremental import changes
 
@@ -241,11 +266,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summary_line(throughput: float, bound: float | None, solve_time_s: float | None) -> str:
-    """Throughput, the proven upper bound and the gap between them. The gap says how far the
-    optimum can be above this placement, at most; a large gap may be a weak bound as much as
-    a weak placement (docs/planner.md, "Bounds and gaps")."""
-    line = f"throughput {throughput:,.1f} tokens/s"
+def throughput_text(throughput: float, mix: Any) -> str:
+    """'2,344.3 decode tokens/s = 10.09 requests/s of conversation (prompt 763, ...)', or
+    without a workload '7,211.5 decode tokens/s (decode-only flow: prompts not counted)'."""
+    if mix is None:
+        return f"{throughput:,.1f} decode tokens/s (decode-only flow: prompts not counted)"
+    return (f"{throughput:,.1f} decode tokens/s = {mix.requests_per_s(throughput):,.2f} "
+            f"requests/s of {mix.describe()}")
+
+
+def summary_line(throughput: float, bound: float | None, solve_time_s: float | None,
+                 mix: Any = None) -> str:
+    """Throughput (decode tokens/s and, with a workload, requests/s), the proven upper bound
+    and the gap between them. The gap says how far the optimum can be above this placement,
+    at most; a large gap may be a weak bound as much as a weak placement (docs/planner.md,
+    "Bounds and gaps")."""
+    line = f"throughput {throughput_text(throughput, mix)}"
     if bound:
         gap = 1 - throughput / bound
         line += f"; proven upper bound {bound:,.1f} (gap {gap:.1%})"

@@ -10,9 +10,14 @@ from typing import Any
 
 from helixserve.commands.args import finite_float
 
+#: the engine model `simulate` uses by default: the one the runtime serves with (its
+#: coordinator's on-demand KV and 512-token prefill chunks: runtime/config.py), the same as
+#: benchmarks/serving_sim.py's default
+DEFAULT_ENGINE = "vllm"
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from helixserve.commands.plan import add_reserve_arg
+    from helixserve.commands.plan import add_reserve_arg, add_workload_arg
 
     p = subparsers.add_parser(
         "simulate",
@@ -30,11 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--profiles", default=None, help="profiles CSV (default: analytic model)")
     add_reserve_arg(p)
+    add_workload_arg(p)
     p.add_argument(
         "--placement",
         required=True,
         help="placement JSON, or a planner name (milp, petals, swarm, separate, "
-        "uniform) to plan first",
+        "uniform) to plan first (for --workload's mix)",
     )
     p.add_argument(
         "--plan-time-limit",
@@ -120,14 +126,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     engine.add_argument(
         "--engine",
-        default="reserve",
+        default=DEFAULT_ENGINE,
         metavar="NAME",
-        help="reserve (the default, the simulator's own model): a request reserves prompt + "
-        "output KV on its route at admission, a node prefills whole prompts up to its "
-        "profile's largest batch; vllm (benchmarks/serving_sim.py's default): on-demand KV "
-        "with recompute preemption, chunked prefill of 512 prompt tokens an iteration, at "
-        "most 64 requests prefilling; helix-prototype: what the Helix authors' prototype "
-        "runs, with its offline feeder under --offline (docs/calibration.md)",
+        help=f"vllm (the default, as the runtime's coordinator serves and the benchmarks "
+        "simulate): on-demand KV with recompute preemption, chunked prefill of 512 prompt "
+        "tokens an iteration, at most 64 requests prefilling, 4.5 GB per GPU outside weights "
+        "and KV; reserve (the simulator's own model, the default before 2026-12-05): a "
+        "request reserves prompt + output KV on its route at admission, a node prefills "
+        "whole prompts up to its profile's largest batch, 1 GiB per GPU; helix-prototype: "
+        "what the Helix authors' prototype runs, with its offline feeder under --offline "
+        f"(docs/calibration.md). Default {DEFAULT_ENGINE}",
     )
     engine.add_argument(
         "--kv-allocation",
@@ -195,6 +203,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def finished_requests_per_s(result: Any) -> float:
+    """Requests that finished after the warmup, per second of the counted window."""
+    warmup_s = result.config.warmup_s
+    window_s = result.end_s - warmup_s
+    done = sum(1 for r in result.finished if r.finish_s >= warmup_s)
+    return done / window_s if window_s > 0 else 0.0
+
+
 def _progress_bar() -> Callable[[float], None]:
     last = [-1]
 
@@ -249,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from helixserve.commands.args import Output, check_output, write_outputs
-    from helixserve.commands.plan import reserve_gb, weight_fraction
+    from helixserve.commands.plan import reserve_gb, weight_fraction, workload
     from helixserve.costmodel import CostModel
     from helixserve.errors import UserError
     from helixserve.planner import PLANNERS, evaluate, load_placement, plan
@@ -265,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.spec import load_cluster, load_model, load_profiles
 
     engine = _engine_config(args)  # before loading and planning: a bad flag fails at once
+    mix = workload(args)
     json_path = check_output("--json", args.json) if args.json not in (None, "-") else None
     plot_dir = check_output("--plot", args.plot, directory=True) if args.plot else None
     cluster = load_cluster(args.cluster)
@@ -272,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     profiles = load_profiles(args.profiles) if args.profiles else None
     cost = CostModel(model, profiles,
                      reserved_gb_per_gpu=engine_gpu_reserve_gb(args.engine, reserve_gb(args)),
-                     weight_fraction=weight_fraction(args))
+                     weight_fraction=weight_fraction(args), workload=mix)
 
     if args.placement in PLANNERS:
         print(f"planning with {args.placement} ...", file=sys.stderr)
@@ -343,6 +360,8 @@ def run(args: argparse.Namespace) -> int:
     sim = Simulation(cluster, model, cost, placement, requests, config, progress=progress)
     result = sim.run()
     summary = summarize(result)
+    summary["requests_per_s"] = finished_requests_per_s(result)
+    summary["workload"] = args.workload
     summary["engine"] = args.engine
     summary["gpu_reserve_gb"] = round(cost.reserved_bytes_per_gpu / 1e9, 6)
     summary["engine_config"] = engine
@@ -350,6 +369,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=1))
     else:
         print(format_table(summary))
+        print(f"{'finished requests':<21}  {summary['requests_per_s']:.3f} requests/s after "
+              f"the warmup (planned for --workload {args.workload})")
     outputs = []
     if json_path is not None:
         text = json.dumps(summary, indent=1) + "\n"

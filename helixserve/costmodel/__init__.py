@@ -8,6 +8,7 @@ from helixserve.costmodel.model import (
     Efficiency,
     ServingLoad,
 )
+from helixserve.costmodel.workload import Workload
 
 __all__ = [
     "DEFAULT_CONTEXT_TOKENS",
@@ -16,4 +17,5 @@ __all__ = [
     "CostModel",
     "Efficiency",
     "ServingLoad",
+    "Workload",
 ]

@@ -25,6 +25,11 @@ a node inside a pipeline serving that load sustains, in output tokens/s:
 A request holds KV on every node of its route for its whole life but is in one node's batch
 at a time, so a node's batch is its KV's requests over the pipeline depth, not its whole KV
 (the decode-only T(k)); and every output token brings r prompt tokens to prefill.
+With a `Workload` (costmodel/workload.py, docs/planner.md "Workload-aware planning") T(k)
+is output tokens/s of that mix at the decode-only batch b(k) (P' = the mean prompt, capped
+at the node's prompt batch limit):
+      T(k)  = b / (k t_decode(b) + r b k t_prompt(P') / P')
+r = 0 gives the decode-only T(k) exactly.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from helixserve.costmodel.workload import Workload
 from helixserve.errors import UserError
 from helixserve.spec import ClusterSpec, Curve, GpuCatalog, ModelSpec, NodeSpec, ProfileTable
 from helixserve.spec.gpus import load_gpu_catalog
@@ -133,15 +139,25 @@ class CostModel:
         profiles: ProfileTable | None = None,
         catalog: GpuCatalog | None = None,
         *,
-        context_tokens: int = DEFAULT_CONTEXT_TOKENS,
+        context_tokens: int | None = None,
         serving: ServingLoad | None = None,
+        workload: Workload | None = None,
         weight_fraction: float = WEIGHT_FRACTION,
         reserved_gb_per_gpu: float | None = None,
     ) -> None:
         self.model = model
         self.profiles = profiles or ProfileTable.empty()
         self.catalog = catalog or load_gpu_catalog()
-        self.context_tokens = context_tokens
+        if serving is not None and workload is not None:
+            raise UserError("cost model: give a workload or a serving load, not both")
+        #: None: Helix's decode-only T(k) in decode tokens/s; set: T(k) in output tokens/s of
+        #: this mix (module doc), and the flow network's links scaled to the same unit
+        self.workload = workload
+        #: KV tokens per decoding sequence: given, else the workload's prompt + output, else
+        #: DEFAULT_CONTEXT_TOKENS
+        self.context_tokens = (context_tokens if context_tokens is not None
+                               else workload.kv_tokens_per_request if workload is not None
+                               else DEFAULT_CONTEXT_TOKENS)
         #: None: the decode-only T(k) of Helix; set: the serving-aware T(k) (module doc)
         self.serving = serving
         if not 0.0 < weight_fraction <= 1.0:
@@ -325,7 +341,7 @@ class CostModel:
 
     def node_throughput_tokens_per_s(self, node: NodeSpec, num_layers: int) -> float:
         """T(k): decode tokens/s through the node holding `num_layers` layers (0 if it can't
-        load them: more than `loadable_layers`)."""
+        load them: more than `loadable_layers`); with a workload, output tokens/s of its mix."""
         key = (node.gpu, node.num_gpus, node.memory_gb, num_layers)
         cached = self._throughput_cache.get(key)
         if cached is not None:
@@ -337,9 +353,21 @@ class CostModel:
             else:
                 b = self.decode_batch(node, num_layers)
                 if b > 0:
-                    value = b / self.batch_time_s(node, num_layers, 0, b)
+                    value = b / (self.batch_time_s(node, num_layers, 0, b)
+                                 + b * self.prompt_s_per_output_token(node, num_layers))
         self._throughput_cache[key] = value
         return value
+
+    def prompt_s_per_output_token(self, node: NodeSpec, num_layers: int) -> float:
+        """Seconds the node spends prefilling the r prompt tokens that come with one output
+        token of the workload (0 without one, or with r = 0), timed at a batch of the mean
+        prompt capped at the node's prompt batch limit (longer prompts are split)."""
+        w = self.workload
+        if w is None or w.prompt_tokens <= 0:
+            return 0.0
+        p = max(1, min(round(w.prompt_tokens), self.batch_limits(node)[0]))
+        return (w.prompt_tokens_per_output_token
+                * self.batch_time_s(node, num_layers, p, 0) / p)
 
     def _serving_throughput(self, node: NodeSpec, num_layers: int, load: ServingLoad) -> float:
         """T(k) of a node inside a pipeline serving `load` (module doc)."""

@@ -8,6 +8,10 @@ into in/out vertices joined by an edge of capacity T_i(k_i) (`CostModel`). Edges
                        start_j <= end_i < end_j (j runs only the tail end_i..end_j)
                                                    (activations: hidden x dtype bytes per token)
 A link's capacity in tokens/s is its bandwidth (capped by both NICs) / bytes per token.
+With a workload on the cost model (costmodel/workload.py) a unit of flow is one output
+token/s of its mix: node capacities are in that unit (`CostModel`), and each output token
+moves 1 + r tokens' bytes over an activation link and over the coordinator's link to the
+first stage (prompt tokens travel too), one token id back to the coordinator.
 Max flow by scipy's Dinic on integer capacities (tokens/s scaled by `_scale`).
 """
 
@@ -25,8 +29,6 @@ from helixserve.planner import clock
 from helixserve.planner.placement import Flow, Placement
 from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec
 from helixserve.spec.cluster import COORDINATOR
-
-#: bytes per token on a coordinator link: one int32 token id (plus framing, ignored)
 
 
 @dataclass
@@ -47,18 +49,22 @@ class FlowNetwork:
         self.index = {n: i for i, n in enumerate(self.names)}
         n = len(self.names)
         act = model.activation_bytes_per_token
+        # token positions sent per unit of flow: 1 decode-only, 1 + r with a workload
+        per_unit = (cost.workload.activation_tokens_per_output_token
+                    if cost.workload is not None else 1.0)
         #: node -> node capacity, tokens/s; 0 = no link
         self.link_cap = np.zeros((n, n))
         self.source_cap = np.zeros(n)  # coordinator -> node
         self.sink_cap = np.zeros(n)  # node -> coordinator
         for i, a in enumerate(self.names):
             self.source_cap[i] = (cluster.effective_bandwidth_gbps(COORDINATOR, a) * 1e9 / 8
-                                  / TOKEN_ID_BYTES)
+                                  / (TOKEN_ID_BYTES * per_unit))
             self.sink_cap[i] = (cluster.effective_bandwidth_gbps(a, COORDINATOR) * 1e9 / 8
                                 / TOKEN_ID_BYTES)
             for j, b in enumerate(self.names):
                 if i != j:
-                    self.link_cap[i, j] = cluster.effective_bandwidth_gbps(a, b) * 1e9 / 8 / act
+                    self.link_cap[i, j] = (cluster.effective_bandwidth_gbps(a, b) * 1e9 / 8
+                                           / (act * per_unit))
         #: most layers a planner gives node i (the weight cap); `loadable` is what it can run
         self.max_layers = np.array([cost.max_layers(nd) for nd in cluster.nodes], dtype=int)
         self.loadable = np.array([cost.loadable_layers(nd) for nd in cluster.nodes], dtype=int)

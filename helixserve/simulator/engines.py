@@ -25,7 +25,9 @@ allocated in Helix's measurements (costmodel.VLLM_RESERVED_GB_PER_GPU); `reserve
 cost model's default (1 GiB). `--gpu-reserve-gb` overrides it; the cost model that plans
 and simulates is built with it, so a placement is planned for the memory it will have.
 
-`helixserve simulate --engine` and `benchmarks/serving_sim.py --engine` both read `ENGINES`.
+`helixserve simulate --engine` and `benchmarks/serving_sim.py --engine` both read `ENGINES`,
+and both default to `vllm`, the model of what the runtime serves (its coordinator's
+on-demand KV, 1% watermark and 512-token prefill chunks: runtime/config.py).
 """
 
 from __future__ import annotations
