@@ -53,6 +53,7 @@ from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
 from helixserve.planner.placement import Placement
 from helixserve.scheduler import NodeState, make_router
+from helixserve.scheduler.batch import StepBudget, plan_step
 from helixserve.scheduler.constants import DEFAULT_KV_WATERMARK
 from helixserve.scheduler.kv import KvBook, KvPolicy, NodeKv
 from helixserve.scheduler.options import router_options
@@ -151,11 +152,19 @@ class SimRequest:
         self.chunk = 0  # prompt tokens of the current hop in the running iteration
 
 
+def _prompt_left(r: SimRequest) -> int:
+    return r.left
+
+
+def _dead(r: SimRequest) -> bool:
+    return r.dead
+
+
 class SimNode:
     __slots__ = (
         "name", "spec", "start", "end", "may_partial", "pq", "dq", "busy", "max_prompt",
         "max_decode", "kv_cap", "busy_s", "iters", "decode_iters", "prompt_iters",
-        "prompt_tokens", "decode_tokens", "busy_timeline", "kv",
+        "prompt_tokens", "decode_tokens", "busy_timeline", "kv", "budget",
     )  # fmt: skip
 
     def __init__(self, spec: NodeSpec, start: int, end: int, cost: CostModel, buckets: int):
@@ -168,6 +177,8 @@ class SimNode:
         self.busy = False
         self.max_prompt, self.max_decode = cost.batch_limits(spec)
         self.kv_cap = cost.kv_capacity_tokens(spec, end - start)
+        #: what one iteration may take (scheduler/batch.py), set by Simulation
+        self.budget: StepBudget
         #: this node's account in the run's KvBook (scheduler/kv.py), set by Simulation
         self.kv: NodeKv
         self.busy_s = 0.0
@@ -286,6 +297,8 @@ class Simulation:
                                 f"{config.max_prompt_tokens}")
             for n in self.nodes.values():
                 n.max_prompt = min(n.max_prompt, config.max_prompt_tokens)
+        for n in self.nodes.values():
+            n.budget = StepBudget(n.max_decode, n.max_prompt, config.chunked_prefill)
         for j in self.nodes.values():
             j.may_partial = any(j.start < i.end < j.end for i in self.nodes.values())
         self.expected = config.kv_expected_output_tokens
@@ -557,37 +570,16 @@ class Simulation:
             node.dq = [r for r in node.dq if not r.dead]
             while pq and pq[0].dead:
                 pq.popleft()
-        dq = node.dq
-        if len(dq) <= node.max_decode:
-            decode, node.dq = dq, []
-        else:
-            decode, node.dq = dq[: node.max_decode], dq[node.max_decode :]
+        plan = plan_step(node.dq, pq, node.budget, _prompt_left, _dead)
+        decode, node.dq = plan.decode, node.dq[len(plan.decode) :]
+        for _ in range(plan.prompts_popped):
+            pq.popleft()
         prompts: list[SimRequest] = []
-        prompt_tokens = 0
-        if self.cfg.chunked_prefill:
-            budget = node.max_prompt
-            while pq and budget > 0:
-                r = pq[0]
-                if r.dead:
-                    pq.popleft()
-                    continue
-                take = r.left if r.left <= budget else budget
-                r.chunk = take
-                r.left -= take
-                budget -= take
-                prompts.append(r)
-                prompt_tokens += take
-                if r.left:
-                    break  # the rest of this prompt in the next iteration
-                pq.popleft()
-        else:
-            while pq and (not prompts or prompt_tokens + pq[0].prompt <= node.max_prompt):
-                r = pq.popleft()
-                if r.dead:
-                    continue
-                r.chunk, r.left = r.prompt, 0
-                prompts.append(r)
-                prompt_tokens += r.prompt
+        for r, take in plan.prompts:
+            r.chunk = take
+            r.left -= take
+            prompts.append(r)
+        prompt_tokens = plan.prompt_tokens
         if not decode and not prompts:
             return
         node.state.queue_len = len(pq) + len(node.dq)
