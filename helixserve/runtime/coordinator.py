@@ -50,6 +50,8 @@ from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
 from helixserve.runtime.replan import Recovery
 from helixserve.runtime.transport import WireItem, WireResult
+from helixserve.scheduler.constants import DEFAULT_KV_WATERMARK, RUNTIME_VICTIM_RULE
+from helixserve.scheduler.kv import KvBook, KvPolicy
 
 if TYPE_CHECKING:
     from helixserve.planner.placement import NodeRange, Placement
@@ -90,10 +92,6 @@ class _Active:
     reroutes: int = 0
     #: step ids sent on the current route whose result (token or ack) has not come back
     pending: set[int] = field(default_factory=set)
-    #: tokens generated when the current route was admitted (on-demand KV: what grew since)
-    admitted_at: int = 0
-    #: KV tokens the router promised on each hop of the current route
-    kv_promise: int = 0
     #: the coordinator's placement epoch when the current route was made (replan.py)
     epoch: int = 0
 
@@ -110,7 +108,7 @@ class Coordinator:
 
     def __init__(self, placement: Any, model_dir: Path, router: Any, max_queue: int,
                  max_reroutes: int, stats_interval_s: float, kv_allocation: str = "on-demand",
-                 kv_watermark: float = 0.01) -> None:
+                 kv_watermark: float = DEFAULT_KV_WATERMARK) -> None:
         self.placement = placement
         self.model_dir = Path(model_dir)
         self.router = router
@@ -132,6 +130,11 @@ class Coordinator:
         self.reroutes = 0  # requests moved to a new route after a failure, since start
         self.kv_allocation = kv_allocation
         self.kv_watermark = kv_watermark
+        #: KV held per worker and request, admission sizes and the victim rule: the scheduling
+        #: core's ledger (scheduler/kv.py), the same the simulator keeps. Capacities are the
+        #: workers' reports (not strict: they may change under running requests)
+        self.kv = KvBook(KvPolicy(kv_allocation, kv_watermark, victim_rule=RUNTIME_VICTIM_RULE),
+                         {}, strict=False)
         self.preemptions = 0  # on-demand KV: requests recomputed after a worker ran out of KV
         #: preempted requests waiting to be admitted again: new requests wait behind them
         self._preempted_waiting = 0
@@ -293,7 +296,9 @@ class Coordinator:
             if not n.alive and placement.range_of(name) is not None:
                 router.node_down(name)
         for act in self.active.values():
-            router.adopt(act.internal_id, Route(act.route_hops), act.kv_promise)
+            hold = self.kv.holds.get(act.internal_id)
+            router.adopt(act.internal_id, Route(act.route_hops),
+                         hold.promised_tokens if hold is not None else 0)
         self.placement, self.router = placement, router
         log.warning("routing over %s", ", ".join(
             f"{r.name} [{r.start_layer}, {r.end_layer})" for r in placement.nodes))
@@ -302,25 +307,15 @@ class Coordinator:
         from helixserve.scheduler import NodeState
 
         # The router keeps its own KV promises per routed request (scheduler/base.py), so it
-        # gets each node's capacity, not its live free count. With on-demand KV it promised
-        # only the prompts: what the requests have generated since comes off here, and the
-        # watermark stays free for them to grow into.
-        grown = dict.fromkeys(self.nodes, 0)
-        if self.kv_allocation == "on-demand":
-            for act in self.active.values():
-                for h in act.route_hops:
-                    grown[h.name] += len(act.generated) - act.admitted_at
-        return {
-            name: NodeState(
-                name,
-                kv_free_tokens=n.kv_capacity_tokens - grown[name]
-                - (int(self.kv_watermark * n.kv_capacity_tokens)
-                   if self.kv_allocation == "on-demand" else 0),
-                queue_len=n.queue_len,
-                alive=n.alive,
-            )
-            for name, n in self.nodes.items()
-        }
+        # gets each node's capacity (as the worker reports it), not its live free count, less
+        # what the ledger says it may not promise (on demand: the watermark and the tokens
+        # generated since admission).
+        states = {}
+        for name, n in self.nodes.items():
+            kv = self.kv.set_capacity(name, n.kv_capacity_tokens)
+            states[name] = NodeState(name, kv_free_tokens=kv.router_free_tokens,
+                                     queue_len=n.queue_len, alive=n.alive)
+        return states
 
     def _largest_route_kv_tokens(self) -> int:
         """KV tokens the roomiest route could give one request when idle: for each layer the
@@ -450,6 +445,7 @@ class Coordinator:
                 r = await self._next_token(act)
                 assert r.token_id is not None
                 act.generated.append(r.token_id)
+                self.kv.grow(act.internal_id)  # on-demand: its next step takes one more slot
                 self.tokens_generated += 1
                 step = out.add(r.token_id)
                 if r.prompt_logprobs is not None:
@@ -486,19 +482,15 @@ class Coordinator:
             validate()  # UserError naming the bad field
 
     async def _route(self, act: _Active, replay_tokens: int = 0, preempted: bool = False) -> None:
-        from helixserve.scheduler import RequestInfo
 
         req = act.req
         prompt_tokens = len(req.prompt_token_ids) + replay_tokens
         remaining = max(1, req.max_tokens - len(act.generated))
-        # Workers allocate KV in blocks: ask the router for one block more than the tokens, so
-        # its promises (in tokens) never add up to more blocks than a worker has.
-        block = self._block_size()
-        info = RequestInfo(act.internal_id, prompt_tokens,
-                           min(remaining, self.max_model_len - prompt_tokens) + block - 1)
-        if self.kv_allocation == "on-demand":
-            # promise what the request holds at admission; it grows into the rest
-            info = dataclasses.replace(info, kv_tokens=prompt_tokens + block)
+        # Workers allocate KV in blocks: the ledger asks the router for block slack, so its
+        # promises (in tokens) never add up to more blocks than a worker has.
+        self.kv.set_block_size(self._block_size())
+        info = self.kv.request_info(act.internal_id, prompt_tokens,
+                                    min(remaining, self.max_model_len - prompt_tokens))
         # Either way a request must fit alone on the roomiest route, or it could never end.
         need = info.prompt_tokens + info.max_new_tokens
         fits = self._largest_route_kv_tokens()
@@ -535,8 +527,7 @@ class Coordinator:
                 self.waiting -= 1
             if preempted:
                 self._preempted_waiting -= 1
-        act.admitted_at = len(act.generated)
-        act.kv_promise = info.kv_tokens if info.kv_tokens is not None else need
+        self.kv.admit(info, [(h.name, h.end_layer - h.start_layer) for h in route.hops])
         act.epoch = self.epoch
         act.route_hops = route.hops
         act.route_addresses = tuple(self.nodes[h.name].address for h in route.hops)
@@ -617,6 +608,10 @@ class Coordinator:
                     await self._reroute(act, r.error)
                     continue
                 if r.status_code == RESOURCE_EXHAUSTED and self.kv_allocation == "on-demand":
+                    # the core's victim rule, RUNTIME_VICTIM_RULE: this request's step failed
+                    victim = self.kv.victim(r.node, act.internal_id) if r.node in self.kv.nodes \
+                        else act.internal_id
+                    assert victim == act.internal_id, (victim, act.internal_id)
                     await self._preempt(act, r.error)
                     continue
                 raise RequestFailedError(f"request {act.req.request_id}: {r.error}")
@@ -657,6 +652,7 @@ class Coordinator:
         old_id = act.internal_id
         self._release_kv(old_id, act.route_hops)
         self.router.on_cancel(old_id)
+        self.kv.release(old_id)
         self.active.pop(old_id, None)
         # A fresh internal id: workers drop any late item of the old one (released ids).
         act.internal_id = self._new_internal_id(act.req)
@@ -671,6 +667,7 @@ class Coordinator:
         if self.active.pop(act.internal_id, None) is None:
             return
         self.router.on_finish(act.internal_id)
+        self.kv.release(act.internal_id)
         self._release_kv(act.internal_id, act.route_hops)
         self._spawn(self._notify_admit())
 

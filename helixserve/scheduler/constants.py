@@ -25,3 +25,8 @@ DEFAULT_MAX_PREFILLING = 64
 
 #: the rules that pick which request a node out of KV preempts (scheduler/kv.py: `victim`)
 VICTIM_RULES = ("newest", "requester")
+
+#: the victim rule of the live coordinator: a worker reports KV exhaustion by failing the
+#: step of the request that needed the block, which must then be recomputed anyway; picking
+#: another victim would recompute two requests (docs/scheduler.md)
+RUNTIME_VICTIM_RULE = "requester"

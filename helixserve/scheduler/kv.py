@@ -29,7 +29,7 @@ that request's step, see docs/scheduler.md for why the runtime keeps it).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Reversible, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from helixserve.errors import UserError
 from helixserve.scheduler.constants import DEFAULT_KV_WATERMARK, KV_ALLOCATIONS, VICTIM_RULES
@@ -203,6 +203,11 @@ class KvBook:
             n.set_capacity(capacity_tokens, self.policy)
         return n
 
+    def set_block_size(self, block_size: int) -> None:
+        """The nodes' KV block size (known once workers report it)."""
+        if block_size != self.policy.block_size:
+            self.policy = replace(self.policy, block_size=block_size).check()
+
     def request_info(self, request_id: str, prompt_tokens: int,
                      remaining_output_tokens: int) -> RequestInfo:
         return self.policy.request_info(request_id, prompt_tokens, remaining_output_tokens)
@@ -238,7 +243,10 @@ class KvBook:
 
     def grow(self, request_id: str, now_s: float = 0.0) -> None:
         """On-demand: one more slot on every node of the request's route (its next token).
-        The caller has made room (see `victim`) where its capacities are exact."""
+        The caller has made room (see `victim`) where its capacities are exact. Reserve:
+        nothing (the admission took the whole request)."""
+        if not self.policy.on_demand:
+            return
         hold = self.holds[request_id]
         for n in hold.nodes:
             n.advance(now_s)
