@@ -52,6 +52,7 @@ from helixserve.runtime.replan import Recovery
 from helixserve.runtime.transport import WireItem, WireResult
 from helixserve.scheduler.constants import DEFAULT_KV_WATERMARK, RUNTIME_VICTIM_RULE
 from helixserve.scheduler.kv import KvBook, KvPolicy
+from helixserve.scheduler.queue import AdmissionQueue
 
 if TYPE_CHECKING:
     from helixserve.planner.placement import NodeRange, Placement
@@ -136,8 +137,8 @@ class Coordinator:
         self.kv = KvBook(KvPolicy(kv_allocation, kv_watermark, victim_rule=RUNTIME_VICTIM_RULE),
                          {}, strict=False)
         self.preemptions = 0  # on-demand KV: requests recomputed after a worker ran out of KV
-        #: preempted requests waiting to be admitted again: new requests wait behind them
-        self._preempted_waiting = 0
+        #: internal ids of the requests waiting for admission, in the core's order
+        self.queue: AdmissionQueue[str] = AdmissionQueue()
         #: bumped when a re-plan starts and when it ends: a re-route of a request routed
         #: before then is not counted against max_reroutes
         self.epoch = 0
@@ -444,9 +445,7 @@ class Coordinator:
             while True:
                 r = await self._next_token(act)
                 assert r.token_id is not None
-                act.generated.append(r.token_id)
-                self.kv.grow(act.internal_id)  # on-demand: its next step takes one more slot
-                self.tokens_generated += 1
+                self._on_token(act, r.token_id)
                 step = out.add(r.token_id)
                 if r.prompt_logprobs is not None:
                     # scored once: a re-prefill after a fault need not score the prompt again
@@ -461,6 +460,11 @@ class Coordinator:
                            token_ids=[r.token_id], sample=True)
         finally:
             self._finish(act)
+
+    def _on_token(self, act: _Active, token_id: int) -> None:
+        act.generated.append(token_id)
+        self.kv.grow(act.internal_id)  # on-demand: its next step takes one more slot
+        self.tokens_generated += 1
 
     def _new_internal_id(self, req: GenerationRequest) -> str:
         # Unique across coordinators and restarts: workers remember released ids and drop
@@ -502,16 +506,24 @@ class Coordinator:
             )
         waited = False
         uncovered_since: float | None = None
-        if preempted:
-            self._preempted_waiting += 1
+        # The core's admission order (scheduler/queue.py): only the head of the queue is
+        # offered to the router; a replayed request (preempted, or re-routed after a fault)
+        # waits ahead of new ones. A preempted one is first offered at the next admission
+        # point (a request finishing), as the simulator does, unless nothing is running.
+        queued = act.internal_id
+        if replay_tokens or preempted:
+            self.queue.requeue_preempted(queued)
+        else:
+            self.queue.arrive(queued)
+        hold_off = preempted and bool(self.active)
         try:
             while True:
                 if not self._covered():
                     uncovered_since = uncovered_since or asyncio.get_running_loop().time()
                     self._check_recovering(uncovered_since, replay=bool(act.generated))
-                # preempted requests go first: a new one does not take the KV they wait for
                 route = (self.router.route(info, self._node_states())
-                         if preempted or not self._preempted_waiting else None)
+                         if self.queue.may_admit(queued) and not hold_off else None)
+                hold_off = False
                 if route is not None:
                     break
                 if not waited:
@@ -523,10 +535,11 @@ class Coordinator:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._admit.wait(), self.stats_interval_s)
         finally:
+            self.queue.remove(queued)
             if waited:
                 self.waiting -= 1
-            if preempted:
-                self._preempted_waiting -= 1
+        if self.queue:
+            self._spawn(self._notify_admit())  # the next head may fit as well
         self.kv.admit(info, [(h.name, h.end_layer - h.start_layer) for h in route.hops])
         act.epoch = self.epoch
         act.route_hops = route.hops
@@ -658,8 +671,8 @@ class Coordinator:
         act.internal_id = self._new_internal_id(act.req)
         act.results = asyncio.Queue()
         act.pending.clear()
-        if preempted:
-            self._spawn(self._notify_admit())
+        if preempted and not self.active:
+            self._spawn(self._notify_admit())  # nothing running will finish and wake it
         await self._route(act, replay_tokens=len(act.generated), preempted=preempted)
         self._send_prefill(act, act.req.prompt_token_ids + act.generated)
 

@@ -57,6 +57,7 @@ from helixserve.scheduler.batch import StepBudget, plan_step
 from helixserve.scheduler.constants import DEFAULT_KV_WATERMARK
 from helixserve.scheduler.kv import KvBook, KvPolicy, NodeKv
 from helixserve.scheduler.options import router_options
+from helixserve.scheduler.queue import AdmissionQueue
 from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.workload import TraceRequest, offline_stream
 from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec, NodeSpec
@@ -125,12 +126,16 @@ class SimConfig:
     #: costs a real engine pays that a per-layer profile leaves out (e.g. Helix's prototype
     #: schedules each layer in Python, in eager mode; docs/calibration.md fits it)
     layer_overhead_s: float = 0.0
+    #: on-demand only: which request a full node preempts (scheduler/kv.py VICTIM_RULES):
+    #: "newest" admitted holding KV there (vLLM), or "requester", the one that needs the slot
+    #: (what the live coordinator does)
+    victim_rule: str = "newest"
 
 
 class SimRequest:
     __slots__ = (
         "rid", "arrival_s", "prompt", "output", "nodes", "starts", "hop", "in_prompt",
-        "generated", "admit_s", "first_s", "finish_s", "dead", "resumed", "left", "chunk",
+        "generated", "admit_s", "first_s", "finish_s", "dead", "resumed", "left", "chunk", "replayed",
     )  # fmt: skip
 
     def __init__(self, rid: str, arrival_s: float, prompt: int, output: int) -> None:
@@ -149,6 +154,7 @@ class SimRequest:
         self.dead = False  # preempted: its pending events are dropped
         self.resumed = False  # re-admitted after a preemption: `prompt` includes its output
         self.left = 0  # prompt tokens still to prefill on the current hop
+        self.replayed = 0  # generated tokens included in `prompt` (a resumed request)
         self.chunk = 0  # prompt tokens of the current hop in the running iteration
 
 
@@ -285,7 +291,7 @@ class Simulation:
         # KV accounting, admission sizes and the victim rule: the scheduling core's ledger
         self.kv = KvBook(
             KvPolicy(config.kv_allocation, config.kv_watermark,
-                     config.kv_expected_output_tokens),
+                     config.kv_expected_output_tokens, victim_rule=config.victim_rule),
             {n.name: n.kv_cap for n in self.nodes.values()},
         )
         for n in self.nodes.values():
@@ -343,12 +349,20 @@ class Simulation:
         self.heap: list[tuple[float, int, int, object, object]] = []
         self.seq = 0
         self.now = 0.0
-        self.waiting: deque[SimRequest] = deque()
+        #: requests waiting for admission (the core's rule: scheduler/queue.py)
+        self.waiting: AdmissionQueue[SimRequest] = AdmissionQueue()
         self.finished: list[SimRequest] = []
         self.in_flight = self.rejected = self.arrived = self.preemptions = 0
         self.prefilling = 0  # admitted requests without their first token
         #: requests admitted and not finished, in admission order (preemption picks the last)
         self.running: dict[str, SimRequest] = {}
+        #: when a list: the scheduling decisions in order, for the equivalence test against
+        #: the coordinator (tests/unit/runtime/test_core_equivalence.py):
+        #: ("arrive", id, prompt, output), ("wake",) when admission runs, ("admit", id,
+        #: route nodes, {node: kv_free_tokens the router saw}, prompt, output left, resumed),
+        #: ("token", id) before a decode step grows its KV, ("finish", id),
+        #: ("preempt", victim id, node, requester id), ("reject", id)
+        self.decisions: list[tuple[Any, ...]] | None = None
         self.decode_tokens = self.prompt_tokens = 0
         self.token_timeline = [0] * self.buckets
         self.next_arrival = 0
@@ -429,11 +443,16 @@ class Simulation:
         if self.next_arrival < len(self.requests):
             self._push(self.requests[self.next_arrival].arrival_s, _ARRIVE, None, None)
         self.arrived += 1
-        self.waiting.append(SimRequest(q.request_id, q.arrival_s, q.prompt_tokens, q.output_tokens))
+        self.waiting.arrive(
+            SimRequest(q.request_id, q.arrival_s, q.prompt_tokens, q.output_tokens))
+        if self.decisions is not None:
+            self.decisions.append(("arrive", q.request_id, q.prompt_tokens, q.output_tokens))
         if len(self.waiting) == 1:
             self._admit()
 
     def _admit(self) -> None:
+        if self.decisions is not None:
+            self.decisions.append(("wake",))
         waiting = self.waiting
         cap = self.cfg.max_prefilling
         while True:
@@ -444,21 +463,25 @@ class Simulation:
                     return
                 prompt, output = next(self.stream)
                 self.arrived += 1
-                waiting.append(SimRequest(f"req-{self.arrived}", self.now, prompt, output))
+                waiting.arrive(SimRequest(f"req-{self.arrived}", self.now, prompt, output))
             r = waiting[0]
             if not self._start_request(r):
                 if self.in_flight == 0:
                     # Not even an idle cluster holds it: waiting would block the queue forever.
-                    waiting.popleft()
+                    waiting.admitted()
                     self.rejected += 1
+                    if self.decisions is not None:
+                        self.decisions.append(("reject", r.rid))
                     continue
                 return
-            waiting.popleft()
+            waiting.admitted()
 
     def _start_request(self, r: SimRequest) -> bool:
         """Route `r`, allocate its KV and send its prompt; False: no route admits it now."""
         now = self.now
         info = self.kv.request_info(r.rid, r.prompt, r.output - r.generated)
+        seen = None if self.decisions is None else \
+            {name: st.kv_free_tokens for name, st in self.states.items()}
         route = self.router.route(info, self.states)
         if route is None:
             return False
@@ -476,6 +499,9 @@ class Simulation:
         r.admit_s = now
         self.running[r.rid] = r
         self.prefilling += 1
+        if self.decisions is not None:
+            self.decisions.append(("admit", r.rid, route.nodes, seen, r.prompt,
+                                   r.output - r.generated, r.resumed))
         self._send(COORDINATOR, r.nodes[0], r.prompt * TOKEN_ID_BYTES, [r])
         return True
 
@@ -502,7 +528,7 @@ class Simulation:
         r = SimRequest(f"req-{self.arrived + 1}", self.now, prompt, output)
         if initial or self.waiting:
             self.arrived += 1
-            self.waiting.append(r)
+            self.waiting.arrive(r)
             if len(self.waiting) == 1:
                 self._admit()
         elif self._start_request(r):
@@ -529,6 +555,8 @@ class Simulation:
         for n in r.nodes:
             while n.kv.full:
                 victim = self.running[self.kv.victim(n.name, r.rid)]
+                if self.decisions is not None:
+                    self.decisions.append(("preempt", victim.rid, n.name, r.rid))
                 n.kv.preempted += 1
                 self._preempt(victim)
                 if victim is r:
@@ -545,9 +573,11 @@ class Simulation:
         self._free(r)
         self.router.on_cancel(r.rid)
         self.preemptions += 1
-        q = SimRequest(r.rid, r.arrival_s, r.prompt + r.generated, r.output)
-        q.generated, q.first_s, q.resumed = r.generated, r.first_s, True
-        self.waiting.appendleft(q)
+        # its prompt plus every token generated so far (a request preempted twice must not
+        # count the tokens of its first recompute again)
+        q = SimRequest(r.rid, r.arrival_s, r.prompt - r.replayed + r.generated, r.output)
+        q.generated, q.first_s, q.resumed, q.replayed = r.generated, r.first_s, True, r.generated
+        self.waiting.requeue_preempted(q)
 
     # ---- nodes -----------------------------------------------------------------------------
 
@@ -700,6 +730,9 @@ class Simulation:
             if counted:
                 self.decode_tokens += 1
             self.token_timeline[b] += 1
+            if self.decisions is not None:
+                self.decisions.append(
+                    ("finish" if r.generated >= r.output else "token", r.rid))
             if r.generated >= r.output:
                 self._finish(r)
                 finished_any = True
