@@ -24,8 +24,8 @@ from typing import Any
 from helixserve.commands.args import finite_float
 from helixserve.commands.certs import add_tls_arguments, tls_from_args
 from helixserve.errors import UserError
-from helixserve.scheduler.constants import DEFAULT_STEP_PROMPT_TOKENS
 from helixserve.spec.model import DTYPE_BYTES
+from helixserve.spec.scheduling import DEFAULT_STEP_PROMPT_TOKENS
 
 DTYPES = tuple(DTYPE_BYTES)
 

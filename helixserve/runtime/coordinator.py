@@ -50,9 +50,9 @@ from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
 from helixserve.runtime.replan import Recovery
 from helixserve.runtime.transport import WireItem, WireResult
-from helixserve.scheduler.constants import DEFAULT_KV_WATERMARK, RUNTIME_VICTIM_RULE
 from helixserve.scheduler.kv import KvBook, KvPolicy
 from helixserve.scheduler.queue import AdmissionQueue
+from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, RUNTIME_VICTIM_RULE
 
 if TYPE_CHECKING:
     from helixserve.planner.placement import NodeRange, Placement

@@ -53,7 +53,7 @@ from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
 from helixserve.scheduler.batch import StepBudget, plan_step
-from helixserve.scheduler.constants import DEFAULT_STEP_PROMPT_TOKENS
+from helixserve.spec.scheduling import DEFAULT_STEP_PROMPT_TOKENS
 
 log = logging.getLogger("helixserve.worker")
 

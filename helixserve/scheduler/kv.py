@@ -32,8 +32,8 @@ from collections.abc import Iterable, Mapping, Reversible, Sequence
 from dataclasses import dataclass, replace
 
 from helixserve.errors import UserError
-from helixserve.scheduler.constants import DEFAULT_KV_WATERMARK, KV_ALLOCATIONS, VICTIM_RULES
 from helixserve.scheduler.types import NodeState, RequestInfo
+from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, KV_ALLOCATIONS, VICTIM_RULES
 
 
 class KvOverflowError(AssertionError):

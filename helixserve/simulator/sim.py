@@ -54,7 +54,6 @@ from helixserve.errors import UserError
 from helixserve.planner.placement import Placement
 from helixserve.scheduler import NodeState, make_router
 from helixserve.scheduler.batch import StepBudget, plan_step
-from helixserve.scheduler.constants import DEFAULT_KV_WATERMARK
 from helixserve.scheduler.kv import KvBook, KvPolicy, NodeKv
 from helixserve.scheduler.options import router_options
 from helixserve.scheduler.queue import AdmissionQueue
@@ -62,6 +61,7 @@ from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.workload import TraceRequest, offline_stream
 from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec, NodeSpec
 from helixserve.spec.cluster import COORDINATOR
+from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK
 
 _ARRIVE, _DONE, _DELIVER, _FEED = 0, 1, 2, 3
 #: values of `SimConfig.offline_feed`

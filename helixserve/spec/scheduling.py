@@ -1,5 +1,7 @@
-"""Scheduling constants, defined once: the simulator, the coordinator, the workers and the CLI
-import them from here (docs/scheduler.md lists who uses which)."""
+"""Scheduling constants, defined once: the scheduling core (helixserve/scheduler), the
+simulator, the coordinator, the workers, the engines and the CLI import them from here
+(docs/scheduler.md lists who uses which). Pure data in `spec`, the bottom layer, so that
+the engine and request modules can import them without the control plane."""
 
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ DEFAULT_KV_BLOCK_SIZE = 16
 #: prompt tokens one engine step may run besides its decode tokens (vLLM's
 #: max_num_batched_tokens of the `vllm` engine model; the workers' default step budget)
 DEFAULT_STEP_PROMPT_TOKENS = 512
+
+#: the coordinator's largest prefill chunk (smaller when the hidden size would make the
+#: message too big): one chunk fills one worker step's prompt budget
+DEFAULT_PREFILL_CHUNK_TOKENS = DEFAULT_STEP_PROMPT_TOKENS
 
 #: admitted requests still prefilling beyond which the `vllm` engine model admits no more
 DEFAULT_MAX_PREFILLING = 64
