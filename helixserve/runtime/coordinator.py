@@ -3,6 +3,12 @@
     coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(...))
     async for ev in coord.generate(GenerationRequest(...)): ...   # TokenEvent per token
 
+The scheduling decisions are the scheduling core's, the same the simulator makes
+(docs/scheduler.md): the admission order (`scheduler/queue.py`: FIFO, head-of-line,
+preempted requests first), the route (the router), the KV each request is promised and holds
+per worker (`scheduler/kv.py`'s ledger, fed with the workers' reported capacities) and the
+preemption victim (`RUNTIME_VICTIM_RULE`).
+
 One request: admit (ask the scheduler's router for a route, fed with live worker stats; wait
 in a bounded FIFO while no route has KV room) -> prefill (prompt split into chunks of at most
 `prefill_chunk_tokens`, all sent at once to the first hop; workers run a request's chunks in
@@ -15,8 +21,9 @@ KV allocation (`kv_allocation`): "reserve" admits a request when prompt + max_to
 every hop of a route and holds that much for its life, so a worker never runs out.
 "on-demand" (the default, as in vLLM) admits it when its prompt fits (less a watermark kept
 free), counts what running requests have generated since against each node, and when a
-worker still runs out of KV blocks for a request's next step, preempts that request: its KV
-is freed, it waits for room ahead of new requests, and prompt + tokens so far are prefilled
+worker still runs out of KV blocks for a request's next step, preempts that request (the
+core's "requester" victim rule: docs/scheduler.md says why): its KV is freed, it waits for
+room ahead of new requests, and prompt + tokens so far are prefilled
 again (vLLM's preemption by recompute); the client's stream goes on without a gap. Preemptions
 are counted in `stats()` and in `vllm:num_preemptions`.
 

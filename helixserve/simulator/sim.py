@@ -1,17 +1,20 @@
 """Discrete-event simulation of a placement serving a request stream with a router.
 
-Model (one event heap, `heapq`, ordered by time then insertion):
-- Admission: an arriving request joins a FIFO queue; the head is routed by the router
-  (`helixserve.scheduler`, the same code the live coordinator calls); when no route can
-  admit it, it waits until a request finishes (head-of-line, so nothing starves). A request
-  no route could hold even on an idle cluster is rejected and counted.
+Model (one event heap, `heapq`, ordered by time then insertion). Every scheduling decision
+is the scheduling core's (docs/scheduler.md), the code the live coordinator and workers
+call: the admission order (`scheduler/queue.py`), the route (`scheduler`'s routers), KV
+held, promised and grown and the preemption victim (`scheduler/kv.py`), and each node
+iteration's batch (`scheduler/batch.py`); this module only moves time, links and events.
+- Admission: an arriving request joins a FIFO queue; the head is routed by the router;
+  when no route can admit it, it waits until a request finishes (head-of-line, so nothing
+  starves). A request no route could hold even on an idle cluster is rejected and counted.
 - KV cache (`SimConfig.kv_allocation`): with "reserve" (the default) every node of the route
   allocates `prompt + output` tokens on admission (one slot per layer it runs; vLLM's block
   table is shared by the layers), freed at finish; the router is told each node's capacity
   and tracks its own promises. With "on-demand" (vLLM's paged allocation) admission needs
   only the prompt's slots (plus a watermark) and every generated token takes one more slot
-  on each node of the route; when a node is full, the most recently admitted request
-  holding KV there is preempted by recompute (its KV freed everywhere, it goes back to the
+  on each node of the route; when a node is full, a request holding KV there (the most
+  recently admitted: `SimConfig.victim_rule`) is preempted by recompute (its KV freed everywhere, it goes back to the
   head of the admission queue and later prefills its prompt plus the tokens it generated),
   as vLLM's scheduler does. Either way the simulator asserts the allocation never exceeds
   the capacity.
