@@ -248,14 +248,19 @@ class KvBook:
         if not self.policy.on_demand:
             return
         hold = self.holds[request_id]
+        # the simulator's hottest path (every token, every hop): `advance` and
+        # `router_free_tokens` inlined; the state loses the slot grown into
         for n in hold.nodes:
-            n.advance(now_s)
-            n.used_tokens += 1
+            used = n.used_tokens
+            n.area_token_s += used * (now_s - n.updated_s)
+            n.updated_s = now_s
+            used += 1
+            n.used_tokens = used
             n.grown_tokens += 1
-            if n.used_tokens > n.peak_tokens:
-                n.peak_tokens = n.used_tokens
+            if used > n.peak_tokens:
+                n.peak_tokens = used
             if n._counts_growth:
-                n._update_state()
+                n.state.kv_free_tokens -= 1
         hold.grown_tokens += 1
 
     def release(self, request_id: str, now_s: float = 0.0) -> KvHold | None:
