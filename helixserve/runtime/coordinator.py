@@ -545,8 +545,8 @@ class Coordinator:
             self.queue.remove(queued)
             if waited:
                 self.waiting -= 1
-        if self.queue:
-            self._spawn(self._notify_admit())  # the next head may fit as well
+            if self.queue:  # admitted or gone: the next head may fit now
+                self._spawn(self._notify_admit())
         self.kv.admit(info, [(h.name, h.end_layer - h.start_layer) for h in route.hops])
         act.epoch = self.epoch
         act.route_hops = route.hops

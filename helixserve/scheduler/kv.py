@@ -247,7 +247,11 @@ class KvBook:
         nothing (the admission took the whole request)."""
         if not self.policy.on_demand:
             return
-        hold = self.holds[request_id]
+        hold = self.holds.get(request_id)
+        if hold is None:
+            if self.strict:
+                raise KeyError(f"request {request_id!r} holds no KV")
+            return  # the coordinator's book only counts; a late token changes nothing
         # the simulator's hottest path (every token, every hop): `advance` and
         # `router_free_tokens` inlined; the state loses the slot grown into
         for n in hold.nodes:
