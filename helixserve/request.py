@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 
 from helixserve.errors import UserError
 
-#: how a request's KV cache is held, for the coordinator, the simulator and the router:
-#: "reserve" promises prompt + max_new_tokens at admission; "on-demand" promises the prompt
-#: and reports what requests grew into (`RequestInfo.kv_tokens`, scheduler/base.py),
-#: preempting by recompute when a worker runs out
-KV_ALLOCATIONS = ("reserve", "on-demand")
+# how a request's KV cache is held: defined in spec/scheduling.py (scheduler/kv.py uses it)
+from helixserve.spec.scheduling import KV_ALLOCATIONS
+
+__all__ = ["KV_ALLOCATIONS"]
 #: most top logprobs per token (and per prompt token), as vLLM's default
 MAX_LOGPROBS = 20
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from helixserve.errors import UserError
 from helixserve.launch import WorkerProcesses, WorkerSpec, free_port, serve_app
+from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK
 
 #: memory budgets of the demo's 3 nodes (GB). The planner lets weights use half a node's
 #: memory; SmolLM2-135M's 30 layers are ~7 MB each in bf16, so these hold at most about 10,
@@ -258,7 +259,7 @@ async def run_stack(
     on_started: Callable[[Any, Any], None] | None = None,
     log_level: str = "warning",
     kv_allocation: str = "on-demand",
-    kv_watermark: float = 0.01,
+    kv_watermark: float = DEFAULT_KV_WATERMARK,
     recovery: Any = None,
     tls: Any = None,
 ) -> None:

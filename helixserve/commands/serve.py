@@ -18,6 +18,7 @@ from typing import Any
 from helixserve.commands.args import finite_float
 from helixserve.commands.certs import add_tls_arguments, tls_from_args
 from helixserve.request import KV_ALLOCATIONS
+from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -93,8 +94,9 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-watermark",
         type=finite_float,
-        default=0.01,
-        help="on-demand: fraction of each worker's KV kept free at admission (default 0.01)",
+        default=DEFAULT_KV_WATERMARK,
+        help="on-demand: fraction of each worker's KV kept free at admission "
+        f"(default {DEFAULT_KV_WATERMARK})",
     )
 
 

@@ -25,6 +25,7 @@ from helixserve.commands.args import finite_float
 from helixserve.commands.certs import add_tls_arguments, tls_from_args
 from helixserve.errors import UserError
 from helixserve.spec.model import DTYPE_BYTES
+from helixserve.spec.scheduling import DEFAULT_STEP_PROMPT_TOKENS
 
 DTYPES = tuple(DTYPE_BYTES)
 
@@ -51,6 +52,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-block-size", type=int, default=None,
                    help="tokens per KV block (default: torch 16; vllm the platform's, 128 on CPU)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op CPU threads")
+    p.add_argument("--step-prompt-tokens", type=int, default=DEFAULT_STEP_PROMPT_TOKENS,
+                   metavar="N", help="prompt tokens one engine step may run beside its decode "
+                   f"tokens (default {DEFAULT_STEP_PROMPT_TOKENS}, as the simulator's vllm "
+                   "engine model; a chunk longer than N runs alone; 0: no limit)")
     p.add_argument("--slowdown", type=finite_float, default=1.0, metavar="F",
                    help="emulate a slower device: stretch each engine step to F x its compute "
                    "time by sleeping (benchmarks/rig; default 1, off)")
@@ -127,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--slowdown: bad value {args.slowdown}; need >= 1")
     if args.kv_block_size is not None and args.kv_block_size < 1:
         raise UserError(f"--kv-block-size: bad value {args.kv_block_size}; need >= 1")
+    if args.step_prompt_tokens < 0:
+        raise UserError(f"--step-prompt-tokens: bad value {args.step_prompt_tokens}; need >= 0")
     from helixserve.engine.registry import default_device, engine_version, resolve_engine
 
     engine_name = resolve_engine(args.engine)
@@ -163,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
 
     worker = Worker(slowed(engine, args.slowdown), node=node, model=args.model.name,
                     backend=engine_name, device=device, tls=tls, peers=peers, reload=reload,
-                    kv_cache_bytes=args.kv_cache_bytes)
+                    kv_cache_bytes=args.kv_cache_bytes,
+                    step_prompt_tokens=args.step_prompt_tokens or None)
     version = engine_version(engine_name)
     if version:
         print(f"helixserve worker {node}: engine {engine_name} {version}", flush=True)

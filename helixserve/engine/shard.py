@@ -43,6 +43,7 @@ from helixserve.engine.sampling import (
     score_tokens,
 )
 from helixserve.errors import UserError
+from helixserve.spec.scheduling import DEFAULT_KV_BLOCK_SIZE
 
 DEFAULT_CPU_KV_FRACTION = 0.25
 DEFAULT_CPU_KV_CAP_BYTES = 2 * 1024**3
@@ -168,7 +169,7 @@ class ShardEngine:
         device: torch.device,
         dtype: torch.dtype,
         kv_cache_bytes: int | None = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_KV_BLOCK_SIZE,
         reuse_layers: dict[int, LayerWeights] | None = None,
         allocate_kv: bool = True,
     ) -> None:
@@ -224,7 +225,7 @@ class ShardEngine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str | None = None,
         kv_cache_bytes: int | None = None,
-        block_size: int = 16,
+        block_size: int = DEFAULT_KV_BLOCK_SIZE,
     ) -> ShardEngine:
         """Load only the tensors of [start_layer, end_layer) from an HF dir or a GGUF file."""
         dev = resolve_device(device)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from helixserve.errors import UserError
 from helixserve.request import KV_ALLOCATIONS
 from helixserve.runtime.replan import RecoveryConfig
+from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, DEFAULT_PREFILL_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class CoordinatorConfig:
     (2048 when config.json has none)."""
     connect_timeout_s: float = 120.0
     """How long `create` waits for each worker to answer its first Info call."""
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     """Most prompt tokens per prefill item; lowered further so one chunk's hidden states
     stay under half the gRPC message limit."""
     stats_interval_s: float = 0.5
@@ -36,7 +37,7 @@ class CoordinatorConfig:
     kv_allocation: str = "on-demand"
     """"on-demand" (admit when the prompt fits; preempt by recompute when KV runs out) or
     "reserve" (admit when prompt + max_tokens fit on every hop; never runs out)."""
-    kv_watermark: float = 0.01
+    kv_watermark: float = DEFAULT_KV_WATERMARK
     """on-demand: fraction of each worker's KV kept free at admission, 0 <= value < 1."""
     recovery: RecoveryConfig | None = None
     """Live re-planning when layers lose their last live worker (runtime/replan.py); None:

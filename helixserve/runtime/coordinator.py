@@ -3,6 +3,12 @@
     coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(...))
     async for ev in coord.generate(GenerationRequest(...)): ...   # TokenEvent per token
 
+The scheduling decisions are the scheduling core's, the same the simulator makes
+(docs/scheduler.md): the admission order (`scheduler/queue.py`: FIFO, head-of-line,
+preempted requests first), the route (the router), the KV each request is promised and holds
+per worker (`scheduler/kv.py`'s ledger, fed with the workers' reported capacities) and the
+preemption victim (`RUNTIME_VICTIM_RULE`).
+
 One request: admit (ask the scheduler's router for a route, fed with live worker stats; wait
 in a bounded FIFO while no route has KV room) -> prefill (prompt split into chunks of at most
 `prefill_chunk_tokens`, all sent at once to the first hop; workers run a request's chunks in
@@ -15,8 +21,9 @@ KV allocation (`kv_allocation`): "reserve" admits a request when prompt + max_to
 every hop of a route and holds that much for its life, so a worker never runs out.
 "on-demand" (the default, as in vLLM) admits it when its prompt fits (less a watermark kept
 free), counts what running requests have generated since against each node, and when a
-worker still runs out of KV blocks for a request's next step, preempts that request: its KV
-is freed, it waits for room ahead of new requests, and prompt + tokens so far are prefilled
+worker still runs out of KV blocks for a request's next step, preempts that request (the
+core's "requester" victim rule: docs/scheduler.md says why): its KV is freed, it waits for
+room ahead of new requests, and prompt + tokens so far are prefilled
 again (vLLM's preemption by recompute); the client's stream goes on without a gap. Preemptions
 are counted in `stats()` and in `vllm:num_preemptions`.
 
@@ -50,6 +57,9 @@ from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
 from helixserve.runtime.replan import Recovery
 from helixserve.runtime.transport import WireItem, WireResult
+from helixserve.scheduler.kv import KvBook, KvPolicy
+from helixserve.scheduler.queue import AdmissionQueue
+from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, RUNTIME_VICTIM_RULE
 
 if TYPE_CHECKING:
     from helixserve.planner.placement import NodeRange, Placement
@@ -90,10 +100,6 @@ class _Active:
     reroutes: int = 0
     #: step ids sent on the current route whose result (token or ack) has not come back
     pending: set[int] = field(default_factory=set)
-    #: tokens generated when the current route was admitted (on-demand KV: what grew since)
-    admitted_at: int = 0
-    #: KV tokens the router promised on each hop of the current route
-    kv_promise: int = 0
     #: the coordinator's placement epoch when the current route was made (replan.py)
     epoch: int = 0
 
@@ -110,7 +116,7 @@ class Coordinator:
 
     def __init__(self, placement: Any, model_dir: Path, router: Any, max_queue: int,
                  max_reroutes: int, stats_interval_s: float, kv_allocation: str = "on-demand",
-                 kv_watermark: float = 0.01) -> None:
+                 kv_watermark: float = DEFAULT_KV_WATERMARK) -> None:
         self.placement = placement
         self.model_dir = Path(model_dir)
         self.router = router
@@ -132,9 +138,14 @@ class Coordinator:
         self.reroutes = 0  # requests moved to a new route after a failure, since start
         self.kv_allocation = kv_allocation
         self.kv_watermark = kv_watermark
+        #: KV held per worker and request, admission sizes and the victim rule: the scheduling
+        #: core's ledger (scheduler/kv.py), the same the simulator keeps. Capacities are the
+        #: workers' reports (not strict: they may change under running requests)
+        self.kv = KvBook(KvPolicy(kv_allocation, kv_watermark, victim_rule=RUNTIME_VICTIM_RULE),
+                         {}, strict=False)
         self.preemptions = 0  # on-demand KV: requests recomputed after a worker ran out of KV
-        #: preempted requests waiting to be admitted again: new requests wait behind them
-        self._preempted_waiting = 0
+        #: internal ids of the requests waiting for admission, in the core's order
+        self.queue: AdmissionQueue[str] = AdmissionQueue()
         #: bumped when a re-plan starts and when it ends: a re-route of a request routed
         #: before then is not counted against max_reroutes
         self.epoch = 0
@@ -293,7 +304,9 @@ class Coordinator:
             if not n.alive and placement.range_of(name) is not None:
                 router.node_down(name)
         for act in self.active.values():
-            router.adopt(act.internal_id, Route(act.route_hops), act.kv_promise)
+            hold = self.kv.holds.get(act.internal_id)
+            router.adopt(act.internal_id, Route(act.route_hops),
+                         hold.promised_tokens if hold is not None else 0)
         self.placement, self.router = placement, router
         log.warning("routing over %s", ", ".join(
             f"{r.name} [{r.start_layer}, {r.end_layer})" for r in placement.nodes))
@@ -302,25 +315,15 @@ class Coordinator:
         from helixserve.scheduler import NodeState
 
         # The router keeps its own KV promises per routed request (scheduler/base.py), so it
-        # gets each node's capacity, not its live free count. With on-demand KV it promised
-        # only the prompts: what the requests have generated since comes off here, and the
-        # watermark stays free for them to grow into.
-        grown = dict.fromkeys(self.nodes, 0)
-        if self.kv_allocation == "on-demand":
-            for act in self.active.values():
-                for h in act.route_hops:
-                    grown[h.name] += len(act.generated) - act.admitted_at
-        return {
-            name: NodeState(
-                name,
-                kv_free_tokens=n.kv_capacity_tokens - grown[name]
-                - (int(self.kv_watermark * n.kv_capacity_tokens)
-                   if self.kv_allocation == "on-demand" else 0),
-                queue_len=n.queue_len,
-                alive=n.alive,
-            )
-            for name, n in self.nodes.items()
-        }
+        # gets each node's capacity (as the worker reports it), not its live free count, less
+        # what the ledger says it may not promise (on demand: the watermark and the tokens
+        # generated since admission).
+        states = {}
+        for name, n in self.nodes.items():
+            kv = self.kv.set_capacity(name, n.kv_capacity_tokens)
+            states[name] = NodeState(name, kv_free_tokens=kv.router_free_tokens,
+                                     queue_len=n.queue_len, alive=n.alive)
+        return states
 
     def _largest_route_kv_tokens(self) -> int:
         """KV tokens the roomiest route could give one request when idle: for each layer the
@@ -449,8 +452,7 @@ class Coordinator:
             while True:
                 r = await self._next_token(act)
                 assert r.token_id is not None
-                act.generated.append(r.token_id)
-                self.tokens_generated += 1
+                self._on_token(act, r.token_id)
                 step = out.add(r.token_id)
                 if r.prompt_logprobs is not None:
                     # scored once: a re-prefill after a fault need not score the prompt again
@@ -465,6 +467,11 @@ class Coordinator:
                            token_ids=[r.token_id], sample=True)
         finally:
             self._finish(act)
+
+    def _on_token(self, act: _Active, token_id: int) -> None:
+        act.generated.append(token_id)
+        self.kv.grow(act.internal_id)  # on-demand: its next step takes one more slot
+        self.tokens_generated += 1
 
     def _new_internal_id(self, req: GenerationRequest) -> str:
         # Unique across coordinators and restarts: workers remember released ids and drop
@@ -486,19 +493,15 @@ class Coordinator:
             validate()  # UserError naming the bad field
 
     async def _route(self, act: _Active, replay_tokens: int = 0, preempted: bool = False) -> None:
-        from helixserve.scheduler import RequestInfo
 
         req = act.req
         prompt_tokens = len(req.prompt_token_ids) + replay_tokens
         remaining = max(1, req.max_tokens - len(act.generated))
-        # Workers allocate KV in blocks: ask the router for one block more than the tokens, so
-        # its promises (in tokens) never add up to more blocks than a worker has.
-        block = self._block_size()
-        info = RequestInfo(act.internal_id, prompt_tokens,
-                           min(remaining, self.max_model_len - prompt_tokens) + block - 1)
-        if self.kv_allocation == "on-demand":
-            # promise what the request holds at admission; it grows into the rest
-            info = dataclasses.replace(info, kv_tokens=prompt_tokens + block)
+        # Workers allocate KV in blocks: the ledger asks the router for block slack, so its
+        # promises (in tokens) never add up to more blocks than a worker has.
+        self.kv.set_block_size(self._block_size())
+        info = self.kv.request_info(act.internal_id, prompt_tokens,
+                                    min(remaining, self.max_model_len - prompt_tokens))
         # Either way a request must fit alone on the roomiest route, or it could never end.
         need = info.prompt_tokens + info.max_new_tokens
         fits = self._largest_route_kv_tokens()
@@ -510,16 +513,24 @@ class Coordinator:
             )
         waited = False
         uncovered_since: float | None = None
-        if preempted:
-            self._preempted_waiting += 1
+        # The core's admission order (scheduler/queue.py): only the head of the queue is
+        # offered to the router; a replayed request (preempted, or re-routed after a fault)
+        # waits ahead of new ones. A preempted one is first offered at the next admission
+        # point (a request finishing), as the simulator does, unless nothing is running.
+        queued = act.internal_id
+        if replay_tokens or preempted:
+            self.queue.requeue_preempted(queued)
+        else:
+            self.queue.arrive(queued)
+        hold_off = preempted and bool(self.active)
         try:
             while True:
                 if not self._covered():
                     uncovered_since = uncovered_since or asyncio.get_running_loop().time()
                     self._check_recovering(uncovered_since, replay=bool(act.generated))
-                # preempted requests go first: a new one does not take the KV they wait for
                 route = (self.router.route(info, self._node_states())
-                         if preempted or not self._preempted_waiting else None)
+                         if self.queue.may_admit(queued) and not hold_off else None)
+                hold_off = False
                 if route is not None:
                     break
                 if not waited:
@@ -531,12 +542,12 @@ class Coordinator:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._admit.wait(), self.stats_interval_s)
         finally:
+            self.queue.remove(queued)
             if waited:
                 self.waiting -= 1
-            if preempted:
-                self._preempted_waiting -= 1
-        act.admitted_at = len(act.generated)
-        act.kv_promise = info.kv_tokens if info.kv_tokens is not None else need
+            if self.queue:  # admitted or gone: the next head may fit now
+                self._spawn(self._notify_admit())
+        self.kv.admit(info, [(h.name, h.end_layer - h.start_layer) for h in route.hops])
         act.epoch = self.epoch
         act.route_hops = route.hops
         act.route_addresses = tuple(self.nodes[h.name].address for h in route.hops)
@@ -617,6 +628,10 @@ class Coordinator:
                     await self._reroute(act, r.error)
                     continue
                 if r.status_code == RESOURCE_EXHAUSTED and self.kv_allocation == "on-demand":
+                    # the core's victim rule, RUNTIME_VICTIM_RULE: this request's step failed
+                    victim = self.kv.victim(r.node, act.internal_id) if r.node in self.kv.nodes \
+                        else act.internal_id
+                    assert victim == act.internal_id, (victim, act.internal_id)
                     await self._preempt(act, r.error)
                     continue
                 raise RequestFailedError(f"request {act.req.request_id}: {r.error}")
@@ -657,13 +672,14 @@ class Coordinator:
         old_id = act.internal_id
         self._release_kv(old_id, act.route_hops)
         self.router.on_cancel(old_id)
+        self.kv.release(old_id)
         self.active.pop(old_id, None)
         # A fresh internal id: workers drop any late item of the old one (released ids).
         act.internal_id = self._new_internal_id(act.req)
         act.results = asyncio.Queue()
         act.pending.clear()
-        if preempted:
-            self._spawn(self._notify_admit())
+        if preempted and not self.active:
+            self._spawn(self._notify_admit())  # nothing running will finish and wake it
         await self._route(act, replay_tokens=len(act.generated), preempted=preempted)
         self._send_prefill(act, act.req.prompt_token_ids + act.generated)
 
@@ -671,6 +687,7 @@ class Coordinator:
         if self.active.pop(act.internal_id, None) is None:
             return
         self.router.on_finish(act.internal_id)
+        self.kv.release(act.internal_id)
         self._release_kv(act.internal_id, act.route_hops)
         self._spawn(self._notify_admit())
 

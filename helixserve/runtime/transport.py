@@ -20,6 +20,7 @@ from helixserve.planner.placement import NodeRange
 from helixserve.request import PromptLogprob, SamplingParams
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.spec.model import DTYPE_BYTES
+from helixserve.spec.scheduling import DEFAULT_PREFILL_CHUNK_TOKENS
 
 if TYPE_CHECKING:
     # Only the tensor functions need torch, and they import it when called: the coordinator
@@ -98,7 +99,8 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def prefill_chunk_tokens(hidden_size: int, dtype: torch.dtype | str, max_tokens: int = 512) -> int:
+def prefill_chunk_tokens(hidden_size: int, dtype: torch.dtype | str,
+                         max_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> int:
     """Tokens per prefill chunk so one chunk's hidden states stay under half the message limit.
     `dtype`: a torch dtype or its wire name ("bfloat16")."""
     name = dtype if isinstance(dtype, str) else dtype_name(dtype)

@@ -10,6 +10,10 @@ Threads and loops:
 Per step, a request contributes at most one item (its prefill chunks or a decode token arrive in
 order and must run in order: an item's KV writes must land before the next item reads them);
 later items of the same request wait for the next step, which also pipelines chunked prefills.
+Among those first items, the step is formed by the scheduling core's `plan_step`
+(helixserve/scheduler/batch.py) within the worker's `StepBudget`: every decode item (one token),
+and prompt chunks oldest first up to `step_prompt_tokens` (the first always runs); a chunk the
+coordinator cut is never split again. The rest waits, in order, for the next step.
 
 Where results go: an item names the coordinator that sent it; the coordinator keeps a Work stream
 open to every worker, so the last hop writes the sampled token straight onto that stream (one
@@ -48,6 +52,8 @@ from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
+from helixserve.scheduler.batch import StepBudget, plan_step
+from helixserve.spec.scheduling import DEFAULT_STEP_PROMPT_TOKENS
 
 log = logging.getLogger("helixserve.worker")
 
@@ -76,6 +82,10 @@ class _Job:
     item: tp.WireItem
     msg: pb.WorkItem
     origin: _Stream
+
+
+def _job_tokens(job: _Job) -> int:
+    return len(job.item.token_ids)
 
 
 @dataclass
@@ -194,8 +204,11 @@ class Worker(pb_grpc.HelixWorkerServicer):
                  tls: security.TlsConfig | None = None,
                  peers: security.PeerPolicy | None = None,
                  reload: Callable[[Any, int, int], tuple[Any, int]] | None = None,
-                 kv_cache_bytes: int | None = None) -> None:
+                 kv_cache_bytes: int | None = None,
+                 step_prompt_tokens: int | None = DEFAULT_STEP_PROMPT_TOKENS) -> None:
         self.engine = engine
+        #: what one engine step may take (module doc); None: every first item, as before
+        self.budget = StepBudget(max_prompt_tokens=step_prompt_tokens).check()
         #: credentials for the streams to next hops (None: plaintext)
         self.tls = tls
         #: where items may be forwarded; None or empty: nowhere (module doc)
@@ -292,20 +305,25 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     pending = deque()
                 else:
                     pending.extend(m)
-            # One item per request per step, FIFO; the rest waits (module doc).
-            batch: list[_Job] = []
+            # One item per request per step, FIFO, within the step budget (module doc).
+            heads: list[_Job] = []
             seen: set[str] = set()
-            later: deque[_Job] = deque()
+            live: list[_Job] = []
             for job in pending:
                 rid = job.item.request_id
                 if (job.item.coordinator_id, rid) in self.released:
                     continue
-                if rid in seen:
-                    later.append(job)
-                else:
+                live.append(job)
+                if rid not in seen:
                     seen.add(rid)
-                    batch.append(job)
-            pending = later
+                    heads.append(job)
+            plan = plan_step([j for j in heads if len(j.item.token_ids) == 1],
+                             [j for j in heads if len(j.item.token_ids) > 1],
+                             self.budget, _job_tokens)
+            chosen = {id(j) for j in plan.decode}
+            chosen.update(id(j) for j, _ in plan.prompts)
+            batch = [j for j in heads if id(j) in chosen]
+            pending = deque(j for j in live if id(j) not in chosen)
             self.queue_len = len(pending)
             if not batch:
                 continue

@@ -1,7 +1,9 @@
-"""The request router: which nodes run which layers of each request.
+"""The scheduling core (docs/scheduler.md): the request router (which nodes run which layers
+of each request; this package's top level), the KV ledger and victim rule (`kv.py`), batch
+formation (`batch.py`) and the admission queue (`queue.py`); constants in spec/scheduling.py.
 
 Pure and synchronous (no clocks, sockets or threads): the simulator and the live
-coordinator call the same code. Policies are chosen by name:
+coordinator and workers call the same code. Routing policies are chosen by name:
 
     router = make_router("maxflow", placement, seed=0)
     route = router.route(RequestInfo(...), {name: NodeState(...)})   # None: wait

@@ -36,6 +36,11 @@ from typing import Any
 
 from helixserve.costmodel.model import VLLM_RESERVED_GB_PER_GPU
 from helixserve.errors import UserError
+from helixserve.spec.scheduling import (
+    DEFAULT_KV_WATERMARK,
+    DEFAULT_MAX_PREFILLING,
+    DEFAULT_STEP_PROMPT_TOKENS,
+)
 
 #: seconds a layer and iteration that Helix's prototype spends beyond the per-layer profiles,
 #: fitted by `benchmarks/calibration.py` to its online run on Helix's single-24 placement
@@ -48,16 +53,16 @@ ENGINES: dict[str, dict[str, Any]] = {
     "vllm": {
         "kv_allocation": "on-demand",
         "chunked_prefill": True,
-        "max_prompt_tokens": 512,
-        "max_prefilling": 64,
-        "kv_watermark": 0.01,
+        "max_prompt_tokens": DEFAULT_STEP_PROMPT_TOKENS,
+        "max_prefilling": DEFAULT_MAX_PREFILLING,
+        "kv_watermark": DEFAULT_KV_WATERMARK,
     },
     "reserve": {
         "kv_allocation": "reserve",
         "chunked_prefill": False,
         "max_prompt_tokens": None,
         "max_prefilling": None,
-        "kv_watermark": 0.01,
+        "kv_watermark": DEFAULT_KV_WATERMARK,
     },
     "helix-prototype": {
         "kv_allocation": "on-demand",

@@ -1,17 +1,20 @@
 """Discrete-event simulation of a placement serving a request stream with a router.
 
-Model (one event heap, `heapq`, ordered by time then insertion):
-- Admission: an arriving request joins a FIFO queue; the head is routed by the router
-  (`helixserve.scheduler`, the same code the live coordinator calls); when no route can
-  admit it, it waits until a request finishes (head-of-line, so nothing starves). A request
-  no route could hold even on an idle cluster is rejected and counted.
+Model (one event heap, `heapq`, ordered by time then insertion). Every scheduling decision
+is the scheduling core's (docs/scheduler.md), the code the live coordinator and workers
+call: the admission order (`scheduler/queue.py`), the route (`scheduler`'s routers), KV
+held, promised and grown and the preemption victim (`scheduler/kv.py`), and each node
+iteration's batch (`scheduler/batch.py`); this module only moves time, links and events.
+- Admission: an arriving request joins a FIFO queue; the head is routed by the router;
+  when no route can admit it, it waits until a request finishes (head-of-line, so nothing
+  starves). A request no route could hold even on an idle cluster is rejected and counted.
 - KV cache (`SimConfig.kv_allocation`): with "reserve" (the default) every node of the route
   allocates `prompt + output` tokens on admission (one slot per layer it runs; vLLM's block
   table is shared by the layers), freed at finish; the router is told each node's capacity
   and tracks its own promises. With "on-demand" (vLLM's paged allocation) admission needs
   only the prompt's slots (plus a watermark) and every generated token takes one more slot
-  on each node of the route; when a node is full, the most recently admitted request
-  holding KV there is preempted by recompute (its KV freed everywhere, it goes back to the
+  on each node of the route; when a node is full, a request holding KV there (the most
+  recently admitted: `SimConfig.victim_rule`) is preempted by recompute (its KV freed everywhere, it goes back to the
   head of the admission queue and later prefills its prompt plus the tokens it generated),
   as vLLM's scheduler does. Either way the simulator asserts the allocation never exceeds
   the capacity.
@@ -52,13 +55,16 @@ from typing import Any
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
 from helixserve.planner.placement import Placement
-from helixserve.request import KV_ALLOCATIONS
-from helixserve.scheduler import NodeState, RequestInfo, make_router
+from helixserve.scheduler import NodeState, make_router
+from helixserve.scheduler.batch import StepBudget, plan_step
+from helixserve.scheduler.kv import KvBook, KvPolicy, NodeKv
 from helixserve.scheduler.options import router_options
+from helixserve.scheduler.queue import AdmissionQueue
 from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.workload import TraceRequest, offline_stream
 from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec, NodeSpec
 from helixserve.spec.cluster import COORDINATOR
+from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK
 
 _ARRIVE, _DONE, _DELIVER, _FEED = 0, 1, 2, 3
 #: values of `SimConfig.offline_feed`
@@ -88,7 +94,7 @@ class SimConfig:
     kv_allocation: str = "reserve"
     #: on-demand only: a request is admitted when its prompt leaves this fraction of each
     #: node's KV free (vLLM's watermark, 0.01), so decode growth does not preempt at once
-    kv_watermark: float = 0.01
+    kv_watermark: float = DEFAULT_KV_WATERMARK
     #: split a prompt longer than what is left of an iteration's prompt budget
     #: (`max_prompt_tokens`) over several iterations of the node (vLLM's chunked prefill);
     #: the request moves on once its whole prompt has run on the node
@@ -123,13 +129,16 @@ class SimConfig:
     #: costs a real engine pays that a per-layer profile leaves out (e.g. Helix's prototype
     #: schedules each layer in Python, in eager mode; docs/calibration.md fits it)
     layer_overhead_s: float = 0.0
+    #: on-demand only: which request a full node preempts (scheduler/kv.py VICTIM_RULES):
+    #: "newest" admitted holding KV there (vLLM), or "requester", the one that needs the slot
+    #: (what the live coordinator does)
+    victim_rule: str = "newest"
 
 
 class SimRequest:
     __slots__ = (
         "rid", "arrival_s", "prompt", "output", "nodes", "starts", "hop", "in_prompt",
-        "generated", "admit_s", "first_s", "finish_s", "dead", "resumed", "grown",
-        "left", "chunk", "promised",
+        "generated", "admit_s", "first_s", "finish_s", "dead", "resumed", "left", "chunk", "replayed",
     )  # fmt: skip
 
     def __init__(self, rid: str, arrival_s: float, prompt: int, output: int) -> None:
@@ -147,18 +156,24 @@ class SimRequest:
         self.finish_s = math.nan
         self.dead = False  # preempted: its pending events are dropped
         self.resumed = False  # re-admitted after a preemption: `prompt` includes its output
-        self.grown = 0  # on-demand KV: slots taken per node of the route since admission
         self.left = 0  # prompt tokens still to prefill on the current hop
+        self.replayed = 0  # generated tokens included in `prompt` (a resumed request)
         self.chunk = 0  # prompt tokens of the current hop in the running iteration
-        self.promised = 0  # KV slots the router promised on each node of the route
+
+
+def _prompt_left(r: SimRequest) -> int:
+    return r.left
+
+
+def _dead(r: SimRequest) -> bool:
+    return r.dead
 
 
 class SimNode:
     __slots__ = (
         "name", "spec", "start", "end", "may_partial", "pq", "dq", "busy", "max_prompt",
-        "max_decode", "kv_cap", "kv_used", "kv_peak", "kv_area", "kv_t", "busy_s", "iters",
-        "decode_iters", "prompt_iters", "prompt_tokens", "decode_tokens", "state", "busy_timeline",
-        "kv_grown", "kv_mark", "preempted", "kv_promised", "kv_promised_layers",
+        "max_decode", "kv_cap", "busy_s", "iters", "decode_iters", "prompt_iters",
+        "prompt_tokens", "decode_tokens", "busy_timeline", "kv", "budget",
     )  # fmt: skip
 
     def __init__(self, spec: NodeSpec, start: int, end: int, cost: CostModel, buckets: int):
@@ -171,21 +186,52 @@ class SimNode:
         self.busy = False
         self.max_prompt, self.max_decode = cost.batch_limits(spec)
         self.kv_cap = cost.kv_capacity_tokens(spec, end - start)
-        self.kv_used = self.kv_peak = 0
-        self.kv_area = self.kv_t = 0.0  # integral of kv_used over time, and its last update
+        #: what one iteration may take (scheduler/batch.py), set by Simulation
+        self.budget: StepBudget
+        #: this node's account in the run's KvBook (scheduler/kv.py), set by Simulation
+        self.kv: NodeKv
         self.busy_s = 0.0
         self.iters = self.decode_iters = self.prompt_iters = 0
         self.prompt_tokens = self.decode_tokens = 0
-        self.state = NodeState(spec.name, kv_free_tokens=self.kv_cap)
         self.busy_timeline = [0.0] * buckets
-        #: on-demand KV: slots taken by generated tokens (the router promised only prompts)
-        self.kv_grown = 0
-        self.kv_mark = 0  # watermark kept free at admission (on-demand)
-        self.preempted = 0  # requests preempted because this node's KV was full
-        self.kv_promised = 0  # slots the router promised to the requests routed here
-        #: the same in token-layers: a request entering mid-range counts only the layers it
-        #: runs here (the feeder's usage, as Helix's KV expectation counts it)
-        self.kv_promised_layers = 0
+
+    # read-only views of the node's KV account (metrics, tests)
+    @property
+    def kv_used(self) -> int:
+        return self.kv.used_tokens
+
+    @property
+    def kv_peak(self) -> int:
+        return self.kv.peak_tokens
+
+    @property
+    def kv_area(self) -> float:
+        return self.kv.area_token_s
+
+    @property
+    def kv_grown(self) -> int:
+        return self.kv.grown_tokens
+
+    @property
+    def preempted(self) -> int:
+        return self.kv.preempted
+
+    @property
+    def kv_promised(self) -> int:
+        return self.kv.promised_tokens
+
+    @property
+    def kv_promised_layers(self) -> int:
+        return self.kv.promised_token_layers
+
+    @property
+    def kv_mark(self) -> int:
+        return self.kv.watermark_tokens
+
+    @property
+    def state(self) -> NodeState:
+        """The router's view of this node."""
+        return self.kv.state
 
 
 @dataclass
@@ -245,32 +291,26 @@ class Simulation:
             self.nodes[r.name] = SimNode(
                 cluster.node(r.name), r.start_layer, r.end_layer, cost, self.buckets
             )
-        if config.kv_allocation not in KV_ALLOCATIONS:
-            raise UserError(
-                f"kv_allocation: {config.kv_allocation!r}; known: {', '.join(KV_ALLOCATIONS)}"
-            )
-        self.on_demand = config.kv_allocation == "on-demand"
-        if self.on_demand:
-            if not 0 <= config.kv_watermark < 1:
-                raise UserError(f"kv_watermark: must be in [0, 1), got {config.kv_watermark}")
-            for n in self.nodes.values():
-                n.kv_mark = int(config.kv_watermark * n.kv_cap)
-                n.state.kv_free_tokens = n.kv_cap - n.kv_mark
+        # KV accounting, admission sizes and the victim rule: the scheduling core's ledger
+        self.kv = KvBook(
+            KvPolicy(config.kv_allocation, config.kv_watermark,
+                     config.kv_expected_output_tokens, victim_rule=config.victim_rule),
+            {n.name: n.kv_cap for n in self.nodes.values()},
+        )
+        for n in self.nodes.values():
+            n.kv = self.kv.nodes[n.name]
+        self.on_demand = self.kv.policy.on_demand
         if config.max_prompt_tokens is not None:
             if config.max_prompt_tokens < 1:
                 raise UserError(f"max_prompt_tokens: must be >= 1, got "
                                 f"{config.max_prompt_tokens}")
             for n in self.nodes.values():
                 n.max_prompt = min(n.max_prompt, config.max_prompt_tokens)
+        for n in self.nodes.values():
+            n.budget = StepBudget(n.max_decode, n.max_prompt, config.chunked_prefill)
         for j in self.nodes.values():
             j.may_partial = any(j.start < i.end < j.end for i in self.nodes.values())
         self.expected = config.kv_expected_output_tokens
-        if self.expected is not None:
-            if not self.on_demand:
-                raise UserError("kv_expected_output_tokens: needs kv_allocation='on-demand' "
-                                f"(got {config.kv_allocation!r})")
-            if self.expected < 0:
-                raise UserError(f"kv_expected_output_tokens: must be >= 0, got {self.expected}")
         if config.layer_overhead_s < 0:
             raise UserError(f"layer_overhead_s: must be >= 0, got {config.layer_overhead_s}")
         if config.offline_feed not in OFFLINE_FEEDS:
@@ -302,7 +342,7 @@ class Simulation:
             **knobs,
             **router_options(cluster, model, placement, cost),
         )
-        self.states = {n.name: n.state for n in self.nodes.values()}
+        self.states = self.kv.states()
         self.net = Network(cluster, names)
         self.act_bytes = model.activation_bytes_per_token
         self.requests = sorted(requests, key=lambda q: q.arrival_s)
@@ -312,12 +352,20 @@ class Simulation:
         self.heap: list[tuple[float, int, int, object, object]] = []
         self.seq = 0
         self.now = 0.0
-        self.waiting: deque[SimRequest] = deque()
+        #: requests waiting for admission (the core's rule: scheduler/queue.py)
+        self.waiting: AdmissionQueue[SimRequest] = AdmissionQueue()
         self.finished: list[SimRequest] = []
         self.in_flight = self.rejected = self.arrived = self.preemptions = 0
         self.prefilling = 0  # admitted requests without their first token
         #: requests admitted and not finished, in admission order (preemption picks the last)
         self.running: dict[str, SimRequest] = {}
+        #: when a list: the scheduling decisions in order, for the equivalence test against
+        #: the coordinator (tests/unit/runtime/test_core_equivalence.py):
+        #: ("arrive", id, prompt, output), ("wake",) when admission runs, ("admit", id,
+        #: route nodes, {node: kv_free_tokens the router saw}, prompt, output left, resumed),
+        #: ("token", id) before a decode step grows its KV, ("finish", id),
+        #: ("preempt", victim id, node, requester id), ("reject", id)
+        self.decisions: list[tuple[Any, ...]] | None = None
         self.decode_tokens = self.prompt_tokens = 0
         self.token_timeline = [0] * self.buckets
         self.next_arrival = 0
@@ -365,8 +413,7 @@ class Simulation:
                 self.progress(t / end)
         self.now = end
         for n in self.nodes.values():
-            n.kv_area += n.kv_used * (end - n.kv_t)
-            n.kv_t = end
+            n.kv.advance(end)
         if self.progress is not None:
             self.progress(1.0)
         return SimResult(
@@ -399,11 +446,16 @@ class Simulation:
         if self.next_arrival < len(self.requests):
             self._push(self.requests[self.next_arrival].arrival_s, _ARRIVE, None, None)
         self.arrived += 1
-        self.waiting.append(SimRequest(q.request_id, q.arrival_s, q.prompt_tokens, q.output_tokens))
+        self.waiting.arrive(
+            SimRequest(q.request_id, q.arrival_s, q.prompt_tokens, q.output_tokens))
+        if self.decisions is not None:
+            self.decisions.append(("arrive", q.request_id, q.prompt_tokens, q.output_tokens))
         if len(self.waiting) == 1:
             self._admit()
 
     def _admit(self) -> None:
+        if self.decisions is not None:
+            self.decisions.append(("wake",))
         waiting = self.waiting
         cap = self.cfg.max_prefilling
         while True:
@@ -414,53 +466,45 @@ class Simulation:
                     return
                 prompt, output = next(self.stream)
                 self.arrived += 1
-                waiting.append(SimRequest(f"req-{self.arrived}", self.now, prompt, output))
+                waiting.arrive(SimRequest(f"req-{self.arrived}", self.now, prompt, output))
             r = waiting[0]
             if not self._start_request(r):
                 if self.in_flight == 0:
                     # Not even an idle cluster holds it: waiting would block the queue forever.
-                    waiting.popleft()
+                    waiting.admitted()
                     self.rejected += 1
+                    if self.decisions is not None:
+                        self.decisions.append(("reject", r.rid))
                     continue
                 return
-            waiting.popleft()
+            waiting.admitted()
 
     def _start_request(self, r: SimRequest) -> bool:
         """Route `r`, allocate its KV and send its prompt; False: no route admits it now."""
         now = self.now
-        if not self.on_demand:
-            info = RequestInfo(r.rid, r.prompt, r.output)
-        else:
-            promise = r.prompt if self.expected is None else r.prompt + self.expected
-            info = RequestInfo(r.rid, r.prompt, r.output - r.generated, kv_tokens=promise)
+        info = self.kv.request_info(r.rid, r.prompt, r.output - r.generated)
+        seen = None if self.decisions is None else \
+            {name: st.kv_free_tokens for name, st in self.states.items()}
         route = self.router.route(info, self.states)
         if route is None:
             return False
-        nodes = tuple(self.nodes[h.name] for h in route.hops)
-        need = r.prompt if self.on_demand else r.prompt + r.output
-        if self.expected is not None and any(n.kv_used + need > n.kv_cap for n in nodes):
+        if self.expected is not None and not self.kv.fits(info, route.nodes):
             # promised within the expectation, but the requests there grew past theirs
             self.router.on_cancel(r.rid)
             return False
+        try:
+            self.kv.admit(info, [(h.name, h.end_layer - h.start_layer) for h in route.hops], now)
+        except AssertionError as exc:
+            raise AssertionError(f"router {self.cfg.scheduler}: {exc}") from None
         self.in_flight += 1
-        r.nodes = nodes
+        r.nodes = tuple(self.nodes[h.name] for h in route.hops)
         r.starts = tuple(h.start_layer for h in route.hops)
         r.admit_s = now
-        r.promised = info.kv_tokens if info.kv_tokens is not None else need
         self.running[r.rid] = r
         self.prefilling += 1
-        for n, start in zip(r.nodes, r.starts, strict=True):
-            n.kv_area += n.kv_used * (now - n.kv_t)
-            n.kv_t = now
-            n.kv_used += need
-            n.kv_promised += r.promised
-            n.kv_promised_layers += r.promised * (n.end - start)
-            if n.kv_used > n.kv_cap:
-                raise AssertionError(
-                    f"router {self.cfg.scheduler} overfilled the KV cache of {n.name}: "
-                    f"{n.kv_used} > {n.kv_cap} tokens"
-                )
-            n.kv_peak = max(n.kv_peak, n.kv_used)
+        if self.decisions is not None:
+            self.decisions.append(("admit", r.rid, route.nodes, seen, r.prompt,
+                                   r.output - r.generated, r.resumed))
         self._send(COORDINATOR, r.nodes[0], r.prompt * TOKEN_ID_BYTES, [r])
         return True
 
@@ -471,7 +515,8 @@ class Simulation:
         spread evenly over its layers (a request entering mid-range counts the layers it runs),
         as Helix's `KVExpectation.bottleneck_usage` does."""
         return max(
-            sum(n.kv_promised_layers / (n.end - n.start) for n in g) / total if total else 1.0
+            sum(n.kv.promised_token_layers / (n.end - n.start) for n in g) / total
+            if total else 1.0
             for g, total in self.layer_groups
         )
 
@@ -486,7 +531,7 @@ class Simulation:
         r = SimRequest(f"req-{self.arrived + 1}", self.now, prompt, output)
         if initial or self.waiting:
             self.arrived += 1
-            self.waiting.append(r)
+            self.waiting.arrive(r)
             if len(self.waiting) == 1:
                 self._admit()
         elif self._start_request(r):
@@ -496,23 +541,7 @@ class Simulation:
 
     def _free(self, r: SimRequest) -> None:
         """Release the KV `r` holds on its route (it finished or was preempted)."""
-        now = self.now
-        if self.on_demand:
-            grown = r.grown  # admitted with `prompt` slots, one more per decode step since
-            need = r.prompt + grown
-        else:
-            grown, need = 0, r.prompt + r.output
-        expecting = self.expected is not None
-        for n, start in zip(r.nodes, r.starts, strict=True):
-            n.kv_area += n.kv_used * (now - n.kv_t)
-            n.kv_t = now
-            n.kv_used -= need
-            n.kv_promised -= r.promised
-            n.kv_promised_layers -= r.promised * (n.end - start)
-            if grown:
-                n.kv_grown -= grown
-                if not expecting:  # else the promise covered the growth
-                    n.state.kv_free_tokens = n.kv_cap - n.kv_mark - n.kv_grown
+        self.kv.release(r.rid, self.now)
         del self.running[r.rid]
         self.in_flight -= 1
 
@@ -524,27 +553,18 @@ class Simulation:
 
     def _grow(self, r: SimRequest) -> bool:
         """On-demand KV: one more slot on every node of `r`'s route for its next decode step,
-        preempting the most recently admitted request on a full node. False: `r` itself was
+        preempting on a full node by the core's victim rule. False: `r` itself was
         preempted."""
         for n in r.nodes:
-            while n.kv_used >= n.kv_cap:
-                victim = next(q for q in reversed(self.running.values()) if n in q.nodes)
-                n.preempted += 1
+            while n.kv.full:
+                victim = self.running[self.kv.victim(n.name, r.rid)]
+                if self.decisions is not None:
+                    self.decisions.append(("preempt", victim.rid, n.name, r.rid))
+                n.kv.preempted += 1
                 self._preempt(victim)
                 if victim is r:
                     return False
-        now = self.now
-        expecting = self.expected is not None
-        for n in r.nodes:
-            n.kv_area += n.kv_used * (now - n.kv_t)
-            n.kv_t = now
-            n.kv_used += 1
-            n.kv_grown += 1
-            if n.kv_used > n.kv_peak:
-                n.kv_peak = n.kv_used
-            if not expecting:  # else the promise covered the growth
-                n.state.kv_free_tokens = n.kv_cap - n.kv_mark - n.kv_grown
-        r.grown += 1
+        self.kv.grow(r.rid, self.now)
         return True
 
     def _preempt(self, r: SimRequest) -> None:
@@ -556,9 +576,11 @@ class Simulation:
         self._free(r)
         self.router.on_cancel(r.rid)
         self.preemptions += 1
-        q = SimRequest(r.rid, r.arrival_s, r.prompt + r.generated, r.output)
-        q.generated, q.first_s, q.resumed = r.generated, r.first_s, True
-        self.waiting.appendleft(q)
+        # its prompt plus every token generated so far (a request preempted twice must not
+        # count the tokens of its first recompute again)
+        q = SimRequest(r.rid, r.arrival_s, r.prompt - r.replayed + r.generated, r.output)
+        q.generated, q.first_s, q.resumed, q.replayed = r.generated, r.first_s, True, r.generated
+        self.waiting.requeue_preempted(q)
 
     # ---- nodes -----------------------------------------------------------------------------
 
@@ -581,37 +603,16 @@ class Simulation:
             node.dq = [r for r in node.dq if not r.dead]
             while pq and pq[0].dead:
                 pq.popleft()
-        dq = node.dq
-        if len(dq) <= node.max_decode:
-            decode, node.dq = dq, []
-        else:
-            decode, node.dq = dq[: node.max_decode], dq[node.max_decode :]
+        plan = plan_step(node.dq, pq, node.budget, _prompt_left, _dead)
+        decode, node.dq = plan.decode, node.dq[len(plan.decode) :]
+        for _ in range(plan.prompts_popped):
+            pq.popleft()
         prompts: list[SimRequest] = []
-        prompt_tokens = 0
-        if self.cfg.chunked_prefill:
-            budget = node.max_prompt
-            while pq and budget > 0:
-                r = pq[0]
-                if r.dead:
-                    pq.popleft()
-                    continue
-                take = r.left if r.left <= budget else budget
-                r.chunk = take
-                r.left -= take
-                budget -= take
-                prompts.append(r)
-                prompt_tokens += take
-                if r.left:
-                    break  # the rest of this prompt in the next iteration
-                pq.popleft()
-        else:
-            while pq and (not prompts or prompt_tokens + pq[0].prompt <= node.max_prompt):
-                r = pq.popleft()
-                if r.dead:
-                    continue
-                r.chunk, r.left = r.prompt, 0
-                prompts.append(r)
-                prompt_tokens += r.prompt
+        for r, take in plan.prompts:
+            r.chunk = take
+            r.left -= take
+            prompts.append(r)
+        prompt_tokens = plan.prompt_tokens
         if not decode and not prompts:
             return
         node.state.queue_len = len(pq) + len(node.dq)
@@ -732,6 +733,9 @@ class Simulation:
             if counted:
                 self.decode_tokens += 1
             self.token_timeline[b] += 1
+            if self.decisions is not None:
+                self.decisions.append(
+                    ("finish" if r.generated >= r.output else "token", r.rid))
             if r.generated >= r.output:
                 self._finish(r)
                 finished_any = True

@@ -247,6 +247,7 @@ def test_helix_prototype_model_lands_within_20_percent_of_the_prototype(shared_d
 
 
 def test_the_vllm_model_on_helix_placement_is_unchanged(shared_data) -> None:  # type: ignore[no-untyped-def]
-    # docs/benchmarks.md: 448.7 decode tokens/s, 600 s offline, 60 s warmup
+    # docs/benchmarks.md: 448.7 decode tokens/s, 600 s offline, 60 s warmup; 448.5 since a
+    # request preempted twice re-prefills prompt + its tokens, not its first recompute's again
     assert _helix_single_24(shared_data)("vllm", duration_s=600.0, warmup_s=60.0) == \
-        pytest.approx(448.7, abs=0.1)
+        pytest.approx(448.54, abs=0.1)
