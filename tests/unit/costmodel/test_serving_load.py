@@ -8,17 +8,9 @@ import pytest
 
 from helixserve.costmodel import CostModel, ServingLoad
 from helixserve.errors import UserError
-from helixserve.spec import NodeSpec, load_model, load_profiles
+from helixserve.spec import NodeSpec
 
 SHARED = Path(__file__).resolve().parents[2] / "data" / "shared"
-
-
-@pytest.fixture(scope="module")
-def parts():  # type: ignore[no-untyped-def]
-    if not SHARED.is_dir():
-        pytest.skip(f"shared data not found at {SHARED}")
-    return (load_model(SHARED / "models" / "llama-2-70b"),
-            load_profiles(SHARED / "profiles" / "helix-measured.csv"))
 
 
 def test_from_lengths_takes_the_means() -> None:

@@ -15,18 +15,10 @@ from helixserve.errors import UserError
 from helixserve.planner import FlowNetwork
 from helixserve.simulator.mix import parse_workload
 from helixserve.simulator.workload import load_azure_trace, prepare_trace
-from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec, load_model, load_profiles
+from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec, load_model
 
 SHARED = Path(__file__).resolve().parents[2] / "data" / "shared"
 TRACE = SHARED / "traces" / "azure-llm-conv-2023.csv"
-
-
-@pytest.fixture(scope="module")
-def parts():  # type: ignore[no-untyped-def]
-    if not SHARED.is_dir():
-        pytest.skip(f"shared data not found at {SHARED}")
-    return (load_model(SHARED / "models" / "llama-2-70b"),
-            load_profiles(SHARED / "profiles" / "helix-measured.csv"))
 
 
 def write_trace(path: Path, rows: list[tuple[int, int]]) -> Path:
