@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.rig.clusters import CLUSTERS  # noqa: E402
 from benchmarks.rig.run import (  # noqa: E402
+    ALL_PLACEMENTS,
     PLACEMENTS,
     RigOptions,
     full_workloads,
@@ -48,7 +49,8 @@ def main() -> int:
     p.add_argument("--markdown", type=Path, default=None, metavar="OUT",
                    help="also write the table as markdown (for docs/benchmarks.md)")
     p.add_argument("--clusters", default=",".join(CLUSTERS), help="comma list")
-    p.add_argument("--placements", default=",".join(PLACEMENTS), help="comma list")
+    p.add_argument("--placements", default=",".join(PLACEMENTS),
+                   help=f"comma list of {', '.join(ALL_PLACEMENTS)} (default: all but milp-flow)")
     p.add_argument("--workloads", default="conversation,prefill-heavy", help="comma list")
     p.add_argument("--requests", type=int, default=None, metavar="N",
                    help="requests per burst (default: 6 and 3 with --quick, 16 and 8 without)")
@@ -71,7 +73,7 @@ def main() -> int:
     opts = RigOptions(
         workdir=workdir,
         clusters=_names(args.clusters, tuple(CLUSTERS), "--clusters"),
-        placements=_names(args.placements, PLACEMENTS, "--placements"),
+        placements=_names(args.placements, ALL_PLACEMENTS, "--placements"),
         workloads=tuple(w for w in workloads if w.name in wanted),
         speed=args.speed,
         reprofile=args.reprofile,

@@ -192,19 +192,20 @@ def measure(api_url: str, model_name: str, workload: Workload,
 # ---- simulated -----------------------------------------------------------------------------
 
 
-def runtime_engine(num_requests: int) -> dict[str, Any]:
-    """SimConfig engine fields closest to what the runtime does today: on-demand KV with
-    the coordinator's 1% watermark; a worker step takes one item per request from
-    everything queued (runtime/worker.py), prompts travel in chunks of 512 tokens, and no
-    per-step token budget exists, so a burst of n prefilling requests runs steps of up to
-    n x 512 prompt tokens, pipelined chunk by chunk along the route; no admission cap."""
+def runtime_engine() -> dict[str, Any]:
+    """SimConfig engine fields of what the runtime does: on-demand KV with the
+    coordinator's watermark; prompts travel in chunks of the coordinator's prefill chunk,
+    and a worker step runs prompt chunks oldest first up to the worker's per-step prompt
+    budget (`--step-prompt-tokens`, the scheduling core's `plan_step`); the coordinator has
+    no cap on requests prefilling at once."""
     from helixserve.runtime.config import CoordinatorConfig
     from helixserve.simulator.engines import engine_config
+    from helixserve.spec.scheduling import DEFAULT_STEP_PROMPT_TOKENS
 
     runtime = CoordinatorConfig()
     return engine_config("vllm", chunked_prefill=True, kv_allocation=runtime.kv_allocation,
                          kv_watermark=runtime.kv_watermark,
-                         max_prompt_tokens=runtime.prefill_chunk_tokens * max(1, num_requests),
+                         max_prompt_tokens=DEFAULT_STEP_PROMPT_TOKENS,
                          max_prefilling=10**9)
 
 
@@ -217,7 +218,7 @@ def simulate(cluster_spec: Any, model: Any, cost: Any, placement: Any,
     from helixserve.simulator.workload import TraceRequest
 
     requests = [TraceRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(lengths)]
-    fields = runtime_engine(len(requests)) if engine == "runtime" else engine_config(engine)
+    fields = runtime_engine() if engine == "runtime" else engine_config(engine)
     config = SimConfig(duration_s=7200.0, scheduler="maxflow", **fields)
     result = Simulation(cluster_spec, model, cost, placement, requests, config).run()
     times = [RequestTimes(r.prompt, r.output, r.arrival_s, r.first_s, r.finish_s)

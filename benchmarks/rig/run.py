@@ -3,6 +3,12 @@
 Per cluster: write cluster.yaml + gpus.csv, profile its speed classes, plan each placement
 (milp and the baselines, with the same cost model), then per placement start the stack once
 and run each workload's burst on it, and simulate the same burst on the same placement.
+
+`milp` is what `helixserve plan --serve-trace BURST --serve-mode replay` gives for the
+workload: the max-flow MILP's placement, stacked tilings and the baselines' placements each
+serve the burst in the simulator and the fastest is kept (simulator/selection.py), so its
+placement can differ per workload (then each gets a stack of its own). `milp-flow` (not in
+the default set) is the max-flow MILP's placement alone, planned for a saturated cluster.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from benchmarks.rig.measure import (
     measure,
     prefill_heavy,
     probe_ms,
+    runtime_engine,
     scaled_profiles,
     simulate,
 )
@@ -31,6 +38,8 @@ from benchmarks.rig.speed import SpeedControl
 from benchmarks.rig.stack import Endpoints, RigStack, write_cluster_files
 
 PLACEMENTS = ("milp", "swarm", "separate", "petals")
+#: every placement --placements accepts
+ALL_PLACEMENTS = (*PLACEMENTS, "milp-flow")
 #: the runtime's dtype on CPU: the planner and simulator count fp32 bytes like the workers
 DTYPE_BYTES = 4
 
@@ -43,6 +52,8 @@ class RigOptions:
     workloads: tuple[Workload, ...] = ()
     speed: str = "slowdown"
     plan_time_limit_s: float = 20.0
+    #: the planners' work budget (plan --work-limit): the same placements on a busy host
+    plan_work_limit: float | None = 40.0
     profile_repeats: int = 3
     reprofile: bool = False
     request_timeout_s: float = 300.0
@@ -80,7 +91,6 @@ def kv_cache_bytes(cluster_spec: Any, model: Any, cost: Any, placement: Any) -> 
 def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[str, Any]]:
     from helixserve.costmodel import CostModel
     from helixserve.engine import prepare_demo_model
-    from helixserve.planner import plan
     from helixserve.spec import load_cluster, load_model, load_profiles
     from helixserve.spec.gpus import load_gpu_catalog
 
@@ -98,23 +108,23 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
     model = load_model(model_dir, dtype_bytes=DTYPE_BYTES)
     cost = CostModel(model, load_profiles(profiles_path), catalog)
     rows = []
-    for pname in opts.placements:
-        placement = plan(pname, spec, model, cost, time_limit_s=opts.plan_time_limit_s, jobs=1)
-        placement_path = work / f"placement-{pname}.json"
+    for pname, placement, workloads, selection in _placements(spec, model, cost, opts):
+        tag = pname if len(workloads) == len(opts.workloads) else f"{pname}-{workloads[0].name}"
+        placement_path = work / f"placement-{tag}.json"
         placement.save(placement_path)
         layout = ", ".join(f"{r.name}[{r.start_layer},{r.end_layer})" for r in placement.nodes)
-        opts.log(f"  {pname}: {layout}; max flow {placement.throughput_tokens_per_s:.1f} tok/s")
+        opts.log(f"  {tag}: {layout}; max flow {placement.throughput_tokens_per_s:.1f} tok/s")
         stack = RigStack(cluster, cluster_path, gpus_path, placement_path, model_dir, ends,
                          kv_cache_bytes(spec, model, cost, placement), speed,
-                         work / f"logs-{pname}", opts.max_seconds, tls=opts.tls)
+                         work / f"logs-{tag}", opts.max_seconds, tls=opts.tls)
         probe = probe_ms(model_dir)
         host_ratio = probe / probe_at_profile if probe == probe and probe_at_profile else 1.0
         cost_now = CostModel(model, load_profiles(scaled_profiles(
-            profiles_path, host_ratio, work / f"profiles-now-{pname}.csv")), catalog)
+            profiles_path, host_ratio, work / f"profiles-now-{tag}.csv")), catalog)
         t0 = time.monotonic()
         with stack:
             opts.log(f"    stack up in {time.monotonic() - t0:.1f} s")
-            for wl in opts.workloads:
+            for wl in workloads:
                 t1 = time.monotonic()
                 load_before = os.getloadavg()[0]
                 measured, times, errors = measure(stack.api_url, model_dir.name, wl,
@@ -138,6 +148,8 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
                     "errors": errors[:5], "failed": len(errors),
                     # (prompt, output) tokens of each request as served: the simulated burst
                     "lengths": lengths,
+                    # milp: every candidate's simulated score on this burst, and the kept one
+                    "selection": selection.get(wl.name),
                     "wall_s": round(time.monotonic() - t1, 1),
                     # other load on the shared host: 1-minute load average around the
                     # burst, and the probe's step time before the stack vs at profiling
@@ -150,6 +162,42 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
                          f"({row['wall_s']} s{f', {len(errors)} failed' if errors else ''})")
         rows[-1]["proxy_links"] = stack.proxy_stats
     return rows
+
+
+def _placements(spec: Any, model: Any, cost: Any, opts: RigOptions
+                ) -> list[tuple[str, Any, tuple[Workload, ...], dict[str, Any]]]:
+    """(name, placement, the workloads served on it, milp's selection report per workload).
+    A baseline serves every workload on one placement; milp plans per workload and serves
+    workloads whose plans coincide on one stack."""
+    from helixserve.planner import plan
+    from helixserve.simulator.selection import SelectionConfig, select_placement
+    from helixserve.simulator.workload import TraceRequest
+
+    out: list[tuple[str, Any, tuple[Workload, ...], dict[str, Any]]] = []
+    for pname in opts.placements:
+        planner = "milp" if pname == "milp-flow" else pname
+        planned = plan(planner, spec, model, cost, time_limit_s=opts.plan_time_limit_s,
+                       jobs=1, work_limit=opts.plan_work_limit)
+        if pname != "milp":
+            out.append((pname, planned, opts.workloads, {}))
+            continue
+        chosen: dict[tuple[tuple[str, int, int], ...], tuple[Any, list[Workload]]] = {}
+        reports: dict[str, Any] = {}
+        for wl in opts.workloads:
+            burst = [TraceRequest(f"r{i}", 0.0, p, o) for i, (p, o) in enumerate(wl.requests)]
+            config = SelectionConfig.from_engine(runtime_engine(), mode="replay",
+                                                 duration_s=7200.0)
+            best, report = select_placement(spec, model, cost, [planned], burst, config,
+                                            name="milp", jobs=1)
+            reports[wl.name] = report
+            key = tuple((r.name, r.start_layer, r.end_layer) for r in best.nodes)
+            chosen.setdefault(key, (best, []))[1].append(wl)
+            kept = next(r for r in report if r["chosen"])
+            opts.log(f"  milp for {wl.name}: kept {kept['source']} ({kept['stages']}), "
+                     f"simulated {kept['simulated_tokens_per_s']:.2f} tok/s")
+        for best, wls in chosen.values():
+            out.append(("milp", best, tuple(wls), reports))
+    return out
 
 
 def run_rig(opts: RigOptions) -> dict[str, Any]:

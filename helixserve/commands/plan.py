@@ -200,7 +200,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "with vLLM's")
     p.add_argument("--serve-duration", type=finite_float, default=1200.0, metavar="SECONDS",
                    help="simulated seconds per candidate, the first quarter (at most 300 s) "
-                   "not counted (default 1200)")
+                   "not counted (default 1200); with --serve-mode replay, the horizon after "
+                   "the trace's last arrival")
+    p.add_argument("--serve-mode", default="saturate", choices=("saturate", "replay"),
+                   help="how --serve-trace scores a candidate: saturate (default) keeps the "
+                   "queue full (the cluster's capacity under the trace's mix); replay serves "
+                   "the trace as recorded, arrivals included, and scores decode tokens over "
+                   "its makespan: for a light or bursty load, where a route's per-token "
+                   "latency bounds throughput; the swarm, separate and petals placements "
+                   "then compete too")
     p.set_defaults(func=run)
 
 
@@ -337,13 +345,18 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
         duration_s=args.serve_duration,
         warmup_s=min(300.0, args.serve_duration / 4),
         seed=args.seed,
+        mode=args.serve_mode,
     )
     progress(f"serving selection: simulating the {planned.planner} placement and the "
              f"other candidates, {config.duration_s:.0f} s each")
     chosen, report = select_placement(cluster, model, cost, [planned], requests, config,
                                       name=f"{planned.planner}-serving",
                                       jobs=args.jobs)
-    print(f"serving selection ({args.serve_engine} engine, {config.duration_s:.0f} s offline, "
-          f"the first {config.warmup_s:.0f} s not counted; * = kept):")
+    if config.mode == "replay":
+        print(f"serving selection ({args.serve_engine} engine, the trace replayed to its "
+              f"end, decode tokens over its makespan; * = kept):")
+    else:
+        print(f"serving selection ({args.serve_engine} engine, {config.duration_s:.0f} s "
+              f"offline, the first {config.warmup_s:.0f} s not counted; * = kept):")
     print(format_selection(report))
     return chosen

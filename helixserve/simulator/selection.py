@@ -24,6 +24,19 @@ and returns the one with the highest simulated offline decode throughput (the si
 with vLLM-like engine options by default: on-demand KV, chunked prefill of 512 tokens, at
 most 64 requests prefilling, the maxflow router), together with every candidate's score for the report.
 
+How a candidate is scored (`SelectionConfig.mode`):
+
+- **saturate** (default): offline, the admission queue kept full by cycling the trace; the
+  decode tokens/s after a warm-up. This is the cluster's capacity under the trace's mix, the
+  regime the max flow describes.
+- **replay**: the trace as given, with its own arrival times, run until every request has
+  finished; the score is decode tokens / (last finish - first arrival), the metric of
+  `benchmarks/rig.py`. At light load (a burst of a few requests, a handful of users) a
+  request's tokens/s is bounded by its route's per-token latency (Little's law), so a plan
+  with fewer, fatter stages can serve more than the max-flow optimum, which needs enough
+  requests in flight to keep every stage busy. Replay therefore also lets the baselines'
+  placements compete (`REPLAY_BASELINES`): they are the shallow pipelines.
+
     best, report = select_placement(cluster, model, cost, [milp], requests)
 """
 
@@ -50,10 +63,17 @@ from helixserve.spec import ClusterSpec, ModelSpec, group_machines
 #: chain, whose requests merge into waves); it only ranks tilings before they are simulated
 ROUND_TRIP_DEPTH = 8.0
 
+#: how a candidate is scored (SelectionConfig.mode; the module docstring)
+SELECTION_MODES = ("saturate", "replay")
+
+#: planners (planner.registry) whose placements also compete in replay mode
+REPLAY_BASELINES = ("swarm", "separate", "petals")
+
 
 @dataclass(frozen=True)
 class SelectionConfig:
-    """How candidates are simulated (offline, saturated) and how many tilings are tried."""
+    """How candidates are simulated (saturated or the trace replayed) and how many tilings
+    are tried."""
 
     #: long enough to get past the offline start (every admitted prompt at t = 0, then waves
     #: of requests finishing together): a 300 s window still ranks by that transient
@@ -67,12 +87,21 @@ class SelectionConfig:
     #: rule-generated tilings simulated (the best by the analytic estimate)
     tilings: int = 6
     seed: int = 0
+    #: "saturate" or "replay" (SELECTION_MODES); in replay `duration_s` is the horizon
+    #: after the last arrival and `warmup_s` is not used
+    mode: str = "saturate"
 
     @classmethod
     def from_engine(cls, engine: Mapping[str, Any], **fields: Any) -> SelectionConfig:
         """The selection run with an engine model's options (`simulator.engines.ENGINES`)."""
         keys = ("kv_allocation", "chunked_prefill", "max_prompt_tokens", "max_prefilling")
         return cls(**{k: engine[k] for k in keys}, **fields)
+
+    def check(self) -> SelectionConfig:
+        if self.mode not in SELECTION_MODES:
+            raise UserError(f"--serve-mode: unknown mode {self.mode!r}; known: "
+                            f"{', '.join(SELECTION_MODES)}")
+        return self
 
 
 @dataclass
@@ -251,13 +280,16 @@ def simulate_candidate(
     requests: Sequence[Any],
     config: SelectionConfig,
 ) -> float:
-    """Offline decode tokens/s of `placement` under `config` (flows filled when missing)."""
+    """Decode tokens/s of `placement` under `config` (flows filled when missing): offline
+    after the warm-up (saturate), or over the makespan of the trace replayed (replay)."""
 
     _fill_flows(cluster, model, cost, placement)
+    replay = config.mode == "replay"
+    last_arrival_s = max((q.arrival_s for q in requests), default=0.0)
     cfg = SimConfig(
-        duration_s=config.duration_s,
-        offline=True,
-        warmup_s=config.warmup_s,
+        duration_s=last_arrival_s + config.duration_s if replay else config.duration_s,
+        offline=not replay,
+        warmup_s=0.0 if replay else config.warmup_s,
         scheduler=config.scheduler,
         seed=config.seed,
         kv_allocation=config.kv_allocation,
@@ -265,8 +297,24 @@ def simulate_candidate(
         max_prompt_tokens=config.max_prompt_tokens,
         max_prefilling=config.max_prefilling,
     )
-    out = summarize(Simulation(cluster, model, cost, placement, list(requests), cfg).run())
+    result = Simulation(cluster, model, cost, placement, list(requests), cfg).run()
+    if replay:
+        return replay_tokens_per_s(result, requests)
+    out = summarize(result)
     return float(out["decode_throughput_tokens_per_s"])
+
+
+def replay_tokens_per_s(result: Any, requests: Sequence[Any]) -> float:
+    """Output tokens of the finished requests / (last finish - first arrival); a request
+    that did not finish within the horizon stretches the makespan to the run's end."""
+    if not result.finished:
+        return 0.0
+    first_s = min(q.arrival_s for q in requests)
+    end_s = max(r.finish_s for r in result.finished)
+    if len(result.finished) < len(requests):
+        end_s = max(end_s, result.end_s)
+    span_s = end_s - first_s
+    return sum(r.output for r in result.finished) / span_s if span_s > 0 else 0.0
 
 
 def _fill_flows(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
@@ -296,12 +344,12 @@ def select_placement(
     name: str = "milp-serving",
     jobs: int | None = None,
 ) -> tuple[Placement, list[dict[str, Any]]]:
-    """The candidate (given placements, the best stacked tilings, regional pipelines; on a
-    multi-region cluster each also with `route_within_regions`) with the highest simulated
-    offline decode throughput, renamed `name`, and every candidate's report. The
+    """The candidate (given placements, the best stacked tilings, regional pipelines, in
+    replay mode the baselines; on a multi-region cluster each also with
+    `route_within_regions`) with the highest simulated decode throughput, renamed `name`, and every candidate's report. The
     simulations run on up to `jobs` processes at once (None: the cores this process may
     use, at most 8); each is deterministic, so the answer is the same for any `jobs`."""
-    config = config or SelectionConfig()
+    config = (config or SelectionConfig()).check()
     if not requests:
         raise UserError("serving selection: needs requests to simulate (a trace)")
     prompt = sum(q.prompt_tokens for q in requests)
@@ -313,6 +361,14 @@ def select_placement(
     regional = regional_pipelines(cluster, model, cost)
     if regional is not None:
         cands.append(Candidate(regional, "regional-pipelines"))
+    if config.mode == "replay":
+        from helixserve.planner.registry import plan
+
+        for b in REPLAY_BASELINES:
+            try:
+                cands.append(Candidate(plan(b, cluster, model, cost, jobs=1), f"baseline:{b}"))
+            except UserError:
+                continue  # a baseline that cannot place this cluster is no candidate
     for c in cands:
         _fill_flows(cluster, model, cost, c.placement)
     # on a multi-region cluster each again with the router keeping requests inside their

@@ -121,3 +121,45 @@ def test_regional_pipelines_keep_every_route_inside_a_region(shared_data) -> Non
     assert all(r["simulated_tokens_per_s"] is not None for r in report)
     chosen = next(r for r in report if r["chosen"])
     assert best.route_within_regions == chosen["source"].endswith("+within-regions")
+
+
+def test_replay_scores_the_burst_over_its_makespan_and_lets_shallow_baselines_win() -> None:
+    """A burst of two requests: a request's tokens/s is bounded by its route's per-token
+    latency, so a 4-stage chain serves less than a machine holding every layer."""
+    from helixserve.simulator.selection import REPLAY_BASELINES, replay_tokens_per_s
+    from helixserve.simulator.sim import SimConfig, Simulation
+
+    s = make_setup(MACHINES)
+    chain = Placement(
+        "tiny", "analytic", 4, "given",
+        [NodeRange("f0", 0, 1), NodeRange("f1", 1, 2), NodeRange("s0", 2, 3),
+         *(NodeRange(f"s{i}", 3, 4) for i in (1, 2, 3))],
+    )  # fmt: skip
+    burst = fixed_requests(2, prompt=50, output=20)
+    cfg = SelectionConfig(duration_s=600.0, tilings=2, mode="replay")
+    best, report = select_placement(s.cluster, s.model, s.cost, [chain], burst, cfg, jobs=1)
+    sources = [r["source"] for r in report]
+    assert [f"baseline:{b}" for b in REPLAY_BASELINES if f"baseline:{b}" in sources]
+    chosen = next(r for r in report if r["chosen"])
+    given = next(r for r in report if r["source"] == "given:given")
+    assert chosen["simulated_tokens_per_s"] == max(r["simulated_tokens_per_s"] for r in report)
+    assert chosen["simulated_tokens_per_s"] > given["simulated_tokens_per_s"]
+    # fewer stages than the chain's 4: some machine holds more than one layer
+    assert max(n.num_layers for n in best.nodes) > 1
+    # the score is the burst's output tokens over its makespan, from the simulation itself
+    sim_cfg = SimConfig(duration_s=600.0, kv_allocation=cfg.kv_allocation,
+                        chunked_prefill=cfg.chunked_prefill,
+                        max_prompt_tokens=cfg.max_prompt_tokens,
+                        max_prefilling=cfg.max_prefilling)
+    result = Simulation(s.cluster, s.model, s.cost, best, list(burst), sim_cfg).run()
+    assert len(result.finished) == 2
+    span_s = max(r.finish_s for r in result.finished) - min(q.arrival_s for q in burst)
+    assert replay_tokens_per_s(result, burst) == pytest.approx(40 / span_s)
+    assert chosen["simulated_tokens_per_s"] == pytest.approx(40 / span_s)
+
+
+def test_unknown_selection_mode_is_an_error_naming_the_flag() -> None:
+    s = make_setup(MACHINES)
+    with pytest.raises(UserError, match="--serve-mode: unknown mode 'bogus'"):
+        select_placement(s.cluster, s.model, s.cost, [], fixed_requests(2, 10, 5),
+                         SelectionConfig(mode="bogus"))
