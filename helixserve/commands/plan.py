@@ -169,7 +169,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="processes for milp's annealing searches, each with its own seed, "
                    "the best kept, and for --serve-trace's simulations (default: the cores "
-                   "this process may use, at most 8; 1: one process, as before)")
+                   "this process may use, at most 8; 1: one process, the serial planner)")
     p.add_argument("--from", dest="from_placement", metavar="CURRENT.json",
                    help="the placement the cluster runs now: also build one that keeps every "
                    "machine of it that is still in the cluster and still fits as it is, "

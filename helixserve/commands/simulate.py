@@ -131,7 +131,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"vllm (the default, as the runtime's coordinator serves and the benchmarks "
         "simulate): on-demand KV with recompute preemption, chunked prefill of 512 prompt "
         "tokens an iteration, at most 64 requests prefilling, 4.5 GB per GPU outside weights "
-        "and KV; reserve (the simulator's own model, the default before 2026-12-05): a "
+        "and KV; reserve (the simulator's own, simpler model): a "
         "request reserves prompt + output KV on its route at admission, a node prefills "
         "whole prompts up to its profile's largest batch, 1 GiB per GPU; helix-prototype: "
         "what the Helix authors' prototype runs, with its offline feeder under --offline "

@@ -34,8 +34,8 @@ _ONEDNN_LINEAR: Any = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 class Linear:
     """y = x @ W.T (+ b) with the weight stored in the fastest layout(s) for the device.
 
-    Measured on the dev CPU (1 thread, 30 layers' weights streamed from DRAM, process
-    time): a weight prepacked for oneDNN (mkldnn) multiplies 8 rows 2x faster than
+    Why both (1 thread, 30 layers' weights streamed from DRAM, process time; numbers in
+    docs/benchmarks.md, "Engine"): a weight prepacked for oneDNN (mkldnn) multiplies 8 rows 2x faster than
     F.linear and 32 rows 1.35x faster, but 1 row 1.4x slower; the plain transposed layout
     (`x @ w_t`) is the fastest for 1 row. So on CPU in float32 the default
     (HELIXSERVE_CPU_MATMUL=both) keeps both and picks by row count, at twice the weight

@@ -1,8 +1,8 @@
 """Run the planner's annealing searches on several cores at once, one seed per core (--jobs).
 
 The searches of stages.py, pinned.py and search.py are single-threaded simulated annealing
-against a deadline, and where they end depends on the seed: on helix-geo-24 the same
-60-second plan ended anywhere between 5,108 and 5,914 tokens/s over seeds (docs/planner.md).
+against a deadline, and where they end depends on the seed (on helix-geo-24 by up to ~5%
+between seeds of a 60-second plan, docs/planner.md, "A budget of work instead of time").
 Independent restarts are the simplest use of more cores and shrink that spread: with `jobs`
 cores, seed `seed` runs here, in this process (so `jobs=1` is exactly the serial planner),
 and seeds `seed + SEED_STRIDE * w`, w = 1..jobs-1, run at the same time in worker processes,
