@@ -39,6 +39,7 @@ from helixserve.errors import UserError
 from helixserve.spec.scheduling import (
     DEFAULT_KV_WATERMARK,
     DEFAULT_MAX_PREFILLING,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_STEP_PROMPT_TOKENS,
 )
 
@@ -53,6 +54,7 @@ ENGINES: dict[str, dict[str, Any]] = {
     "vllm": {
         "kv_allocation": "on-demand",
         "chunked_prefill": True,
+        "prefill_chunk_tokens": DEFAULT_PREFILL_CHUNK_TOKENS,
         "max_prompt_tokens": DEFAULT_STEP_PROMPT_TOKENS,
         "max_prefilling": DEFAULT_MAX_PREFILLING,
         "kv_watermark": DEFAULT_KV_WATERMARK,
@@ -60,6 +62,7 @@ ENGINES: dict[str, dict[str, Any]] = {
     "reserve": {
         "kv_allocation": "reserve",
         "chunked_prefill": False,
+        "prefill_chunk_tokens": None,
         "max_prompt_tokens": None,
         "max_prefilling": None,
         "kv_watermark": DEFAULT_KV_WATERMARK,
@@ -67,6 +70,7 @@ ENGINES: dict[str, dict[str, Any]] = {
     "helix-prototype": {
         "kv_allocation": "on-demand",
         "chunked_prefill": False,
+        "prefill_chunk_tokens": None,
         "max_prompt_tokens": 4096,  # llm_sys/worker.py: EngineArgs(max_num_batched_tokens=4096)
         "max_prefilling": None,
         "kv_watermark": 0.15,  # promises up to KVParameters(expected_kv_hwm=0.85)

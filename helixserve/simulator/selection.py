@@ -82,6 +82,7 @@ class SelectionConfig:
     scheduler: str = "maxflow"
     kv_allocation: str = "on-demand"
     chunked_prefill: bool = True
+    prefill_chunk_tokens: int | None = 512
     max_prompt_tokens: int | None = 512
     max_prefilling: int | None = 64
     #: rule-generated tilings simulated (the best by the analytic estimate)
@@ -94,7 +95,8 @@ class SelectionConfig:
     @classmethod
     def from_engine(cls, engine: Mapping[str, Any], **fields: Any) -> SelectionConfig:
         """The selection run with an engine model's options (`simulator.engines.ENGINES`)."""
-        keys = ("kv_allocation", "chunked_prefill", "max_prompt_tokens", "max_prefilling")
+        keys = ("kv_allocation", "chunked_prefill", "prefill_chunk_tokens", "max_prompt_tokens",
+                "max_prefilling")
         return cls(**{k: engine[k] for k in keys}, **fields)
 
     def check(self) -> SelectionConfig:
@@ -294,6 +296,7 @@ def simulate_candidate(
         seed=config.seed,
         kv_allocation=config.kv_allocation,
         chunked_prefill=config.chunked_prefill,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
         max_prompt_tokens=config.max_prompt_tokens,
         max_prefilling=config.max_prefilling,
     )

@@ -99,6 +99,12 @@ class SimConfig:
     #: (`max_prompt_tokens`) over several iterations of the node (vLLM's chunked prefill);
     #: the request moves on once its whole prompt has run on the node
     chunked_prefill: bool = False
+    #: the coordinator splits each prompt into chunks of this many tokens, sent to the first
+    #: hop at once; a node passes each chunk on as soon as it has run it, so the chunks
+    #: pipeline along the route (the live coordinator's `prefill_chunk_tokens`, and how
+    #: pipeline-parallel vLLM moves a chunked prefill between stages). None: the prompt
+    #: moves as one piece, to the next hop once it has run whole on a node
+    prefill_chunk_tokens: int | None = None
     #: admit no request while this many admitted requests are still in their prefill (no
     #: first token yet); None: no limit. Keeps an admission burst of prompts from queueing
     #: on the nodes and links ahead of the decode steps of requests already running
@@ -159,6 +165,39 @@ class SimRequest:
         self.left = 0  # prompt tokens still to prefill on the current hop
         self.replayed = 0  # generated tokens included in `prompt` (a resumed request)
         self.chunk = 0  # prompt tokens of the current hop in the running iteration
+
+
+class _Chunk:
+    """One piece of a request's prompt moving along its route on its own
+    (`SimConfig.prefill_chunk_tokens`): queued, run and sent on like a prompt of `prompt`
+    tokens; the last one, back at the coordinator, is the request's first token."""
+
+    __slots__ = ("req", "prompt", "left", "chunk", "hop", "last")
+
+    def __init__(self, req: SimRequest, tokens: int, last: bool) -> None:
+        self.req = req
+        self.prompt = tokens
+        self.left = tokens
+        self.chunk = 0
+        self.hop = 0
+        self.last = last
+
+    @property
+    def dead(self) -> bool:
+        return self.req.dead
+
+    @property
+    def nodes(self) -> tuple[SimNode, ...]:
+        return self.req.nodes
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        return self.req.starts
+
+
+def _chunks(r: SimRequest, size: int) -> list[_Chunk]:
+    return [_Chunk(r, min(size, r.prompt - at), at + size >= r.prompt)
+            for at in range(0, r.prompt, size)]
 
 
 def _prompt_left(r: SimRequest) -> int:
@@ -300,6 +339,9 @@ class Simulation:
         for n in self.nodes.values():
             n.kv = self.kv.nodes[n.name]
         self.on_demand = self.kv.policy.on_demand
+        if config.prefill_chunk_tokens is not None and config.prefill_chunk_tokens < 1:
+            raise UserError(f"prefill_chunk_tokens: must be >= 1, got "
+                            f"{config.prefill_chunk_tokens}")
         if config.max_prompt_tokens is not None:
             if config.max_prompt_tokens < 1:
                 raise UserError(f"max_prompt_tokens: must be >= 1, got "
@@ -505,7 +547,9 @@ class Simulation:
         if self.decisions is not None:
             self.decisions.append(("admit", r.rid, route.nodes, seen, r.prompt,
                                    r.output - r.generated, r.resumed))
-        self._send(COORDINATOR, r.nodes[0], r.prompt * TOKEN_ID_BYTES, [r])
+        size = self.cfg.prefill_chunk_tokens
+        pieces: list[Any] = [r] if size is None or r.prompt <= size else _chunks(r, size)
+        self._send(COORDINATOR, r.nodes[0], r.prompt * TOKEN_ID_BYTES, pieces)
         return True
 
     # ---- the offline feeders (SimConfig.offline_feed) ---------------------------------------
@@ -588,7 +632,7 @@ class Simulation:
         for r in reqs:
             if r.dead:
                 continue
-            if r.in_prompt:
+            if type(r) is _Chunk or r.in_prompt:
                 r.left = r.prompt
                 node.pq.append(r)
             else:
@@ -680,6 +724,11 @@ class Simulation:
             h = r.hop + 1
             r.hop = h
             nxt = r.nodes[h] if h < len(r.nodes) else None
+            if nxt is None and type(r) is _Chunk:
+                # the last node ran a chunk: only the last one samples the first token
+                if not r.last:
+                    continue
+                r = r.req
             group = out.get(nxt)
             if group is None:
                 out[nxt] = [[r], r.prompt]

@@ -158,11 +158,13 @@ def test_engine_vllm_is_recorded_and_changes_the_simulation(
     runtime = CoordinatorConfig()
     assert vllm["engine"] == "vllm" and vllm["kv_allocation"] == runtime.kv_allocation
     assert vllm["engine_config"]["max_prompt_tokens"] == runtime.prefill_chunk_tokens
+    assert vllm["engine_config"]["prefill_chunk_tokens"] == runtime.prefill_chunk_tokens
     assert vllm["engine_config"]["kv_watermark"] == runtime.kv_watermark
     assert reserve["engine"] == "reserve" and reserve["kv_allocation"] == "reserve"
     assert reserve["engine_config"] == {
         "kv_allocation": "reserve",
         "chunked_prefill": False,
+        "prefill_chunk_tokens": None,
         "max_prompt_tokens": None,
         "max_prefilling": None,
         "kv_watermark": 0.01,
@@ -171,6 +173,7 @@ def test_engine_vllm_is_recorded_and_changes_the_simulation(
     assert vllm["engine_config"] == {
         "kv_allocation": "on-demand",
         "chunked_prefill": True,
+        "prefill_chunk_tokens": 512,
         "max_prompt_tokens": 512,
         "max_prefilling": 64,
         "kv_watermark": 0.01,
@@ -204,6 +207,7 @@ def test_engine_flags_override_the_preset(
     assert summary["engine_config"] == {
         "kv_allocation": "on-demand",
         "chunked_prefill": True,
+        "prefill_chunk_tokens": None,
         "max_prompt_tokens": 128,
         "max_prefilling": 4,
         "kv_watermark": 0.2,
