@@ -14,11 +14,21 @@ also builds the *incremental* placement:
     with the least capacity so far (a lost machine's layers first, since they have none),
     then gaps that remain are filled (pinned.fill_gaps), then the local search moves only
     the free machines (local_search with the kept ones fixed);
-  * while that is more than `max_loss` below a full re-plan (run first, 70% of the time),
-    kept machines are un-pinned in rounds of 1, 2, 4, ... up to half of them (those
-    nearest the layer of least capacity first) and searched again, each round from the
-    last one's best: losing a machine that was the only holder of some layers, with no
-    new one to take them, needs some neighbours to move.
+  * while that is more than `max_loss` below the full re-plan, kept machines are un-pinned
+    in rounds of 1, 2, 4, ... up to half of them (those nearest the layer of least capacity
+    first) and searched again, each round from the last one's best: losing a machine that
+    was the only holder of some layers, with no new one to take them, needs some neighbours
+    to move.
+
+These are stages of the planner's pipeline (pipeline.py), declared by `replan_stages`, run by
+`pipeline.run_pipeline` within one `Budget` (seconds, or units of work on the work clock:
+`plan --from --work-limit N` gives the same answer on any machine and with any --jobs):
+
+  stage               finds                                             budget (of the limit T)
+  full                the full re-plan: the planner by name             70% (1 - INCREMENTAL_SHARE)
+                      (milp: pipeline.PORTFOLIO); its bound
+  incremental         kept ranges, free machines placed around them     -
+  incremental-search  the rounds above, from the incremental placement  the rest, less 2%
 
 `choose` keeps the incremental placement when it is as good as the full re-plan, or within
 `max_loss` of its throughput while moving fewer machines; else the full re-plan. Either way
@@ -29,7 +39,7 @@ both: the bounds are over every placement within the weight cap.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,15 +48,27 @@ from helixserve.errors import UserError
 from helixserve.planner import clock
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
+from helixserve.planner.parallel import check_jobs
 from helixserve.planner.pinned import fill_gaps
-from helixserve.planner.pipeline import Progress
-from helixserve.planner.placement import NodeRange, Placement
-from helixserve.planner.registry import plan
+from helixserve.planner.pipeline import (
+    Budget,
+    Candidate,
+    Incumbent,
+    Problem,
+    Progress,
+    Stage,
+    StageReport,
+    run_pipeline,
+)
+from helixserve.planner.placement import Placement
+from helixserve.planner.registry import plan, to_placement
 from helixserve.planner.search import local_search
 from helixserve.spec import ClusterSpec, ModelSpec
 
-#: the incremental search's share of --time-limit; the full re-plan (first) gets the rest
+#: the incremental stages' share of the limit; the full re-plan (first) gets the rest
 INCREMENTAL_SHARE = 0.3
+#: what the incremental search leaves of the limit, to read the answers back within it
+MARGIN_SHARE = 0.02
 
 
 @dataclass
@@ -94,6 +116,70 @@ def check_current(current: Placement, num_layers: int, source: str) -> None:
                         f"{num_layers} layers; --from needs a placement of the same model")
 
 
+@dataclass
+class Split:
+    """The running placement against the cluster (module doc): kept, freed, gone, new."""
+
+    kept: Ranges
+    freed: list[str]
+    gone: list[str]
+    new: list[str]
+
+
+def split(net: FlowNetwork, current: Placement) -> Split:
+    check_current(current, net.model.num_layers, "--from")
+    kept: Ranges = {}
+    freed, gone = [], []
+    for r in current.nodes:
+        i = net.index.get(r.name)
+        if i is None:
+            gone.append(r.name)
+        elif r.num_layers <= net.max_layers[i]:
+            kept[i] = (r.start_layer, r.end_layer)
+        else:
+            freed.append(r.name)
+    in_current = {r.name for r in current.nodes}
+    return Split(kept, freed, gone, [n for n in net.names if n not in in_current])
+
+
+def unpin_sizes(num_kept: int) -> list[int]:
+    """Kept machines un-pinned per round: 0 (only the free machines move), then 1, 2, 4, ...
+    up to half of them, or the one there is (beyond that a full re-plan is the better
+    answer)."""
+    most = max(1, num_kept // 2) if num_kept else 0
+    sizes = [0]
+    while sizes[-1] < most:
+        sizes.append(min(most, max(1, 2 * sizes[-1])))
+    return sizes
+
+
+# ---- the stages of `REPLAN` -----------------------------------------------------------------
+
+
+def full_stage(planner: str, max_loss: float) -> Stage:
+    """The full re-plan by planner `planner` (registry.plan: for milp, the whole portfolio)
+    in 1 - INCREMENTAL_SHARE of the limit; it sets the incremental search's target."""
+
+    def run(p: Problem, budget: Budget, inc: Incumbent, say: Progress) -> StageReport:
+        limit = (1 - INCREMENTAL_SHARE) * budget.time_limit_s
+        reports: list[StageReport] = []
+        net = p.net
+        full = plan(planner, net.cluster, net.model, net.cost, time_limit_s=limit, seed=p.seed,
+                    progress=say, partial_inference=p.partial_inference, jobs=p.jobs,
+                    stages=reports, work_limit=limit if clock.counting() else None)
+        value = full.throughput_tokens_per_s or 0.0
+        inc.candidates.append(Candidate(value, "full", {
+            net.index[r.name]: (r.start_layer, r.end_layer) for r in full.nodes}))
+        bound = full.upper_bound_tokens_per_s
+        if bound is not None:
+            inc.bounds.append(bound)
+        inc.reports.extend(reports)  # the portfolio's own stages, before this one's
+        inc.target_tokens_per_s = (1.0 - max_loss) * value
+        return StageReport("full", True, planner, value, bound)
+
+    return Stage("full", run, always=True)
+
+
 def _cover(net: FlowNetwork, ranges: Ranges) -> np.ndarray:
     """Per layer, the summed T(k) of the machines holding it."""
     cover = np.zeros(net.model.num_layers)
@@ -113,67 +199,95 @@ def _weakest_first(net: FlowNetwork, ranges: Ranges, candidates: list[int]) -> l
     return sorted(candidates, key=lambda j: (distance(j), ranges[j][1] - ranges[j][0], j))
 
 
-def incremental(net: FlowNetwork, current: Placement, deadline_s: float, seed: int = 0,
-                partial_inference: bool = True, target: float = 0.0) -> Incremental:
-    """The incremental placement described in the module docstring, searched until
-    `deadline_s` (planner clock, clock.py). Below `target` tokens/s, it un-pins kept machines in rounds
-    (1, 2, 4, ... of them, nearest the layer of least capacity first) until it gets there;
-    each round starts from the last one's best."""
-    check_current(current, net.model.num_layers, "--from")
-    kept: Ranges = {}
-    freed, gone = [], []
-    for r in current.nodes:
-        i = net.index.get(r.name)
-        if i is None:
-            gone.append(r.name)
-        elif r.num_layers <= net.max_layers[i]:
-            kept[i] = (r.start_layer, r.end_layer)
-        else:
-            freed.append(r.name)
-    in_current = {r.name for r in current.nodes}
-    new = [n for n in net.names if n not in in_current]
-    free = [i for i in range(len(net.names)) if i not in kept and net.max_layers[i] > 0]
-
+def run_place(p: Problem, budget: Budget, inc: Incumbent, say: Progress) -> StageReport:
+    """The kept ranges, each free machine on the window of least capacity (the strongest
+    first), then the gaps filled: the incremental search's start."""
+    net, kept = p.net, p.kept
+    free = [i for i in range(p.num_nodes) if i not in kept and net.max_layers[i] > 0]
     ranges = dict(kept)
-    # the strongest free machines first, each where capacity is lowest
     for i in sorted(free, key=lambda j: -net.node_cap(j, int(net.max_layers[j])) *
                     int(net.max_layers[j])):
         k = int(net.max_layers[i])
         s = int(np.argmin(np.convolve(_cover(net, ranges), np.ones(k), mode="valid")))
         ranges[i] = (s, s + k)
     ranges = fill_gaps(net, ranges, set(kept))
-    value = net.max_flow(ranges, partial_inference)[0]
-    # rounds: 0 (only the free machines move), then 1, 2, 4, ... kept machines un-pinned
-    # (at most half of the kept machines, or the one there is: beyond that a full re-plan
-    # is the better answer)
-    most = max(1, len(kept) // 2) if kept else 0
-    sizes = [0]
-    while sizes[-1] < most:
-        sizes.append(min(most, max(1, 2 * sizes[-1])))
+    c = inc.add(p, "incremental", ranges)
+    return StageReport("incremental", True, f"{len(free)} free machines placed",
+                       c.value_tokens_per_s)
+
+
+def run_unpin(p: Problem, budget: Budget, inc: Incumbent, say: Progress) -> StageReport:
+    """The local search from the incremental placement, the kept machines fixed, then (while
+    below the target) rounds with more of them un-pinned; the budget left is shared evenly
+    between the rounds left."""
+    net, kept = p.net, p.kept
+    start = last(inc, "incremental")
+    ranges, value = start.ranges, start.value_tokens_per_s
+    sizes = unpin_sizes(len(kept))
+    deadline = budget.deadline_s - MARGIN_SHARE * budget.time_limit_s
     pinned = set(kept)
+    rounds = 0
     for n, size in enumerate(sizes):
-        if n > 0 and value >= target:
+        if n > 0 and value >= inc.target_tokens_per_s:
             break
         now = clock.now()
-        if now >= deadline_s:
+        if now >= deadline:
             break
+        rounds += 1
         if size > 0:
             pinned = set(kept) - set(_weakest_first(net, ranges, sorted(kept))[:size])
             # un-pinned neighbours grow into layers left without a holder (the local
             # search only accepts moves that keep every layer held)
             filled = fill_gaps(net, ranges, pinned)
-            filled_value = net.max_flow(filled, partial_inference)[0]
+            filled_value = p.value(filled)
             if filled_value >= value:
                 ranges, value = filled, filled_value
         if len(pinned) < len(ranges):
-            share = (deadline_s - now) / (len(sizes) - n)
-            found, found_value, _ = local_search(net, [ranges], now + share, seed=seed + n,
-                                                 partial_inference=partial_inference,
+            share = (deadline - now) / (len(sizes) - n)
+            found, found_value, _ = local_search(net, [ranges], now + share, seed=p.seed + n,
+                                                 partial_inference=p.partial_inference,
                                                  fixed=frozenset(pinned))
             if found_value >= value:
                 ranges, value = found, found_value
-    unchanged = sorted(net.names[i] for i, r in kept.items() if ranges.get(i) == r)
-    return Incremental(ranges, float(value), unchanged, freed, gone, new)
+    inc.add(p, "incremental-search", ranges, float(value))
+    say(f"incremental: {value:,.1f} tokens/s, "
+        f"{sum(1 for i, r in kept.items() if ranges.get(i) == r)} of the machines kept as "
+        "they were")
+    return StageReport("incremental-search", True, f"{rounds} of {len(sizes)} rounds", value)
+
+
+#: the incremental placement's stages, after the full re-plan (module doc)
+INCREMENTAL: tuple[Stage, ...] = (
+    Stage("incremental", run_place, always=True),
+    Stage("incremental-search", run_unpin, always=True),
+)
+
+
+def replan_stages(planner: str, max_loss: float) -> tuple[Stage, ...]:
+    """`plan --from`'s stages, in order (module doc)."""
+    return (full_stage(planner, max_loss), *INCREMENTAL)
+
+
+def last(inc: Incumbent, source: str) -> Candidate:
+    """The last candidate that stage `source` found."""
+    return next(c for c in reversed(inc.candidates) if c.source == source)
+
+
+def incremental(net: FlowNetwork, current: Placement, limit: float, seed: int = 0,
+                partial_inference: bool = True, target: float = 0.0) -> Incremental:
+    """The incremental placement alone (`INCREMENTAL`), aiming at `target` tokens/s within
+    `limit` (seconds, or units inside clock.work_clock)."""
+    parts = split(net, current)
+    problem = Problem(net, partial_inference, seed, kept=parts.kept)
+    inc = run_pipeline(INCREMENTAL, problem, Budget(limit), Incumbent(target_tokens_per_s=target),
+                     lambda msg: None)
+    return _incremental(net, parts, last(inc, "incremental-search"))
+
+
+def _incremental(net: FlowNetwork, parts: Split, found: Candidate) -> Incremental:
+    unchanged = sorted(net.names[i] for i, r in parts.kept.items() if found.ranges.get(i) == r)
+    return Incremental(found.ranges, found.value_tokens_per_s, unchanged, parts.freed,
+                       parts.gone, parts.new)
 
 
 def changes(old: Placement, new: Placement) -> Changes:
@@ -205,6 +319,8 @@ class Replan:
     incremental_placement: Placement
     full: Placement
     kept_incremental: bool
+    #: what each stage did (`REPLAN`; the full re-plan's portfolio stages first)
+    stages: list[StageReport] = field(default_factory=list)
 
 
 def replan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, current: Placement,
@@ -212,50 +328,42 @@ def replan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, current: Pla
            progress: Progress | None = None, partial_inference: bool = True,
            jobs: int | None = None, max_loss: float = 0.05,
            work_limit: float | None = None) -> Replan:
-    """A full re-plan (1 - INCREMENTAL_SHARE of the time), then the incremental placement
-    (the rest), aiming at `1 - max_loss` of the full one's throughput; the incremental one is
-    returned when `choose` says so, else the full one. `work_limit`: units of work on the
-    planner's work clock (clock.py) instead of `time_limit_s` seconds."""
-    if work_limit is not None:
-        with clock.work_clock():
-            return _replan(cluster, model, cost, current, planner, work_limit, seed, progress,
-                           partial_inference, jobs, max_loss, counted=True)
-    return _replan(cluster, model, cost, current, planner, time_limit_s, seed, progress,
-                   partial_inference, jobs, max_loss, counted=False)
-
-
-def _replan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, current: Placement,
-            planner: str, time_limit_s: float, seed: int, progress: Progress | None,
-            partial_inference: bool, jobs: int | None, max_loss: float,
-            counted: bool) -> Replan:
+    """Run `replan_stages` within `time_limit_s` seconds, or `work_limit` units of work on
+    the planner's work clock (clock.py: the same inputs then give the same answer on any
+    machine and with any `jobs`); the incremental placement is returned when `choose`
+    says so, else the full re-plan."""
     if not 0.0 <= max_loss <= 1.0:
         raise UserError(f"--max-loss: bad value {max_loss}; must be a fraction in [0, 1]")
     check_current(current, model.num_layers, "--from")
+    if work_limit is None:
+        return _replan(cluster, model, cost, current, planner, time_limit_s, seed, progress,
+                       partial_inference, jobs, max_loss)
+    if not work_limit > 0:
+        raise UserError(f"--work-limit: bad value {work_limit}; must be > 0 (units of work)")
+    with clock.work_clock():
+        return _replan(cluster, model, cost, current, planner, work_limit, seed, progress,
+                       partial_inference, jobs, max_loss)
+
+
+def _replan(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, current: Placement,
+            planner: str, limit: float, seed: int, progress: Progress | None,
+            partial_inference: bool, jobs: int | None, max_loss: float) -> Replan:
     started = time.perf_counter()
-    clock_start = clock.now()
-    full_limit = (1 - INCREMENTAL_SHARE) * time_limit_s
-    full = plan(planner, cluster, model, cost, time_limit_s=full_limit, seed=seed,
-                progress=progress, partial_inference=partial_inference, jobs=jobs,
-                work_limit=full_limit if counted else None)
-    full_value = full.throughput_tokens_per_s or 0.0
+    budget = Budget(limit)  # from here: building the network counts, as in plan()
+    cost.check_fits(cluster)
     net = FlowNetwork(cluster, model, cost)
-    inc = incremental(net, current, clock_start + time_limit_s - 0.02 * time_limit_s, seed,
-                      partial_inference, target=(1.0 - max_loss) * full_value)
-    if progress is not None:
-        progress(f"incremental: {inc.throughput_tokens_per_s:,.1f} tokens/s, "
-                 f"{len(inc.kept)} of the machines kept as they were")
-    value, flows = net.max_flow(inc.ranges, partial_inference, with_flows=True)
-    bound = full.upper_bound_tokens_per_s
-    inc_placement = Placement(
-        model=model.name, cluster=cluster.name, num_layers=model.num_layers,
-        planner=f"{planner}-incremental",
-        nodes=[NodeRange(net.names[i], s, e) for i, (s, e) in sorted(inc.ranges.items())],
-        flows=flows, throughput_tokens_per_s=value,
-        upper_bound_tokens_per_s=None if bound is None else max(bound, value),
-    )
-    keep = choose(full_value, inc.throughput_tokens_per_s, max_loss,
+    parts = split(net, current)
+    problem = Problem(net, partial_inference, seed, check_jobs(jobs), kept=parts.kept)
+    inc = run_pipeline(replan_stages(planner, max_loss), problem, budget, Incumbent(),
+                     progress or (lambda msg: None))
+    full_found, found = last(inc, "full"), last(inc, "incremental-search")
+    bound = min(inc.bounds, default=None)
+    full = to_placement(net, planner, full_found.ranges, bound, partial_inference)
+    inc_placement = to_placement(net, f"{planner}-incremental", found.ranges, bound,
+                                 partial_inference)
+    keep = choose(full_found.value_tokens_per_s, found.value_tokens_per_s, max_loss,
                   changes(current, full).moves, changes(current, inc_placement).moves)
     chosen = inc_placement if keep else full
     chosen.solve_time_s = time.perf_counter() - started
-    return Replan(chosen, inc, inc_placement, full, keep)
-
+    return Replan(chosen, _incremental(net, parts, found), inc_placement, full, keep,
+                  inc.reports)

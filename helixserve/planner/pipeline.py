@@ -27,6 +27,10 @@ parallel.py); every candidate is valued by the same evaluator, so the answer is 
 all of them. A candidate beyond the weight cap (separate's pipeline of a type that fits no
 other way) is never searched from: it is compared at the end, and if it wins it is the answer
 with no bound, since the bounds are over placements within the cap.
+
+`plan --from` (incremental.py, `replan_stages`) runs through the same `run_pipeline`: the full
+re-plan (this portfolio, or a baseline, by name) in 70% of the limit, then the incremental
+placement around the running machines and its search in the rest; `replan` then chooses.
 """
 
 from __future__ import annotations
@@ -106,6 +110,9 @@ class Problem:
     """Processes for the annealing stages, one seed each."""
     seeds: int | None = None
     """On the work clock: seeds per annealing stage, whatever `jobs` (None: WORK_SEEDS)."""
+    kept: Ranges = field(default_factory=dict)
+    """`plan --from`: the ranges of the running placement that the incremental stages keep
+    (incremental.py); empty for a fresh plan."""
 
     def value(self, ranges: Ranges) -> float:
         """Throughput of `ranges` by the max-flow evaluator (tokens/s); 0 for no ranges."""
@@ -175,6 +182,9 @@ class Incumbent:
     bounds: list[float] = field(default_factory=list)
     """Every proven upper bound (tokens/s); the tightest is `bound()`."""
     reports: list[StageReport] = field(default_factory=list)
+    target_tokens_per_s: float = 0.0
+    """`plan --from`: the throughput the incremental search aims at (1 - max_loss of the
+    full re-plan's); it un-pins kept machines only while below it (incremental.py)."""
 
     def best(self) -> Candidate:
         return max(self.candidates, key=lambda c: c.value_tokens_per_s)
@@ -450,6 +460,19 @@ PORTFOLIO: tuple[Stage, ...] = (
 )
 
 
+def run_pipeline(stages: tuple[Stage, ...], problem: Problem, budget: Budget, inc: Incumbent,
+               say: Progress) -> Incumbent:
+    """Run `stages` in order on `inc` (each reads what the ones before found); a stage
+    without `always` is skipped once the incumbent is closed. Returns `inc`, with one
+    report per stage appended."""
+    for stage in stages:
+        if not stage.always and inc.closed():
+            inc.reports.append(StageReport(stage.name, False, "closed: best meets the bound"))
+            continue
+        inc.reports.append(stage.run(problem, budget, inc, say))
+    return inc
+
+
 def run_portfolio(net: FlowNetwork, time_limit_s: float, seed: int = 0,
                   progress: Progress | None = None, partial_inference: bool = True,
                   jobs: int = 1) -> PlanOutcome:
@@ -462,12 +485,7 @@ def run_portfolio(net: FlowNetwork, time_limit_s: float, seed: int = 0,
     jobs = 1 if small else jobs
     warm_up(jobs)
     problem = Problem(net, partial_inference, seed, jobs, seeds=1 if small else None)
-    inc = Incumbent()
-    for stage in PORTFOLIO:
-        if not stage.always and inc.closed():
-            inc.reports.append(StageReport(stage.name, False, "closed: best meets the bound"))
-            continue
-        inc.reports.append(stage.run(problem, budget, inc, say))
+    inc = run_pipeline(PORTFOLIO, problem, budget, Incumbent(), say)
     best = inc.best()
     outside = max(inc.beyond_cap, key=lambda c: c.value_tokens_per_s, default=None)
     if outside is not None and outside.value_tokens_per_s > best.value_tokens_per_s:

@@ -87,24 +87,33 @@ def plan(
                           progress, check_jobs(jobs), partial_inference)
     if stages is not None:
         stages.extend(outcome.stages)
-    nodes = [NodeRange(net.names[i], s, e) for i, (s, e) in sorted(outcome.ranges.items())]
-    value, flows = net.max_flow(outcome.ranges, partial_inference, with_flows=True)
+    placement = to_placement(net, name, outcome.ranges, outcome.upper_bound_tokens_per_s,
+                             partial_inference)
     bound = outcome.upper_bound_tokens_per_s
-    if value <= 0 and bound is not None and bound < 1e-6:
+    if (placement.throughput_tokens_per_s or 0.0) <= 0 and bound is not None and bound < 1e-6:
         # check_servable is a relaxation; a proven bound of 0 (to the solver's tolerance)
         # is the exact answer
         raise UserError(
             f"{cluster.source}: links: no placement can serve: the {name} planner proved "
             f"that no route through linked nodes, each node used once and holding at most its "
             f"weight cap of layers, covers all {model.num_layers} layers")
+    placement.solve_time_s = time.perf_counter() - started
+    return placement
+
+
+def to_placement(net: FlowNetwork, planner: str, ranges: Ranges, bound: float | None,
+                 partial_inference: bool = True) -> Placement:
+    """`ranges` as a Placement named `planner`, with its flows and throughput by the max-flow
+    evaluator; the bound, when given, is at least that throughput."""
+    nodes = [NodeRange(net.names[i], s, e) for i, (s, e) in sorted(ranges.items())]
+    value, flows = net.max_flow(ranges, partial_inference, with_flows=True)
     return Placement(
-        model=model.name,
-        cluster=cluster.name,
-        num_layers=model.num_layers,
-        planner=name,
+        model=net.model.name,
+        cluster=net.cluster.name,
+        num_layers=net.model.num_layers,
+        planner=planner,
         nodes=nodes,
         flows=flows,
         throughput_tokens_per_s=value,
         upper_bound_tokens_per_s=None if bound is None else max(bound, value),
-        solve_time_s=time.perf_counter() - started,
     )

@@ -4,7 +4,8 @@ The coordinator's `Recovery` watches the live workers. When some layer has no li
 (a worker died, hung or was drained), it
 
 1. plans again for the machines it has: `plan --from` (planner/incremental.py) over the
-   cluster less the dead nodes, from the placement it runs now, in `plan_time_limit_s`;
+   cluster less the dead nodes, from the placement it runs now, in `plan_time_limit_s`
+   (or, with `plan_work_limit`, to a budget of work: the same plan whatever the load);
 2. tells every live worker whose range changes to load its new range over `LoadRange`
    (the worker loads the new layers beside the old ones while serving, switches, frees the
    old; requests that held KV of its old range are told UNAVAILABLE and replayed);
@@ -53,6 +54,10 @@ class RecoveryConfig:
     planner: str = "milp"
     #: the re-plan's search time (full re-plan and incremental placement together)
     plan_time_limit_s: float = 5.0
+    #: units of work instead (planner/clock.py, `plan --work-limit`): the re-plan is then
+    #: the same whatever the machine's load, and `plan_time_limit_s` does not apply; None:
+    #: the time limit
+    plan_work_limit: float | None = None
     #: one worker's LoadRange (reading its new layers and switching)
     load_timeout_s: float = 600.0
     #: longest a request waits for the model to be covered again (re-plan or restart)
@@ -78,6 +83,9 @@ class RecoveryConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise UserError(f"recovery: {name}: bad value {value}; must be > 0")
+        if self.plan_work_limit is not None and not self.plan_work_limit > 0:
+            raise UserError(f"recovery: plan_work_limit: bad value {self.plan_work_limit}; "
+                            "must be > 0 or None")
 
 
 @dataclass
@@ -237,7 +245,8 @@ class Recovery:
         except UserError:
             value = None
         result = replan(cluster, model, cost, current,
-                        planner=self.config.planner, time_limit_s=self.config.plan_time_limit_s)
+                        planner=self.config.planner, time_limit_s=self.config.plan_time_limit_s,
+                        work_limit=self.config.plan_work_limit)
         placement = result.placement
         if not placement.covers_all_layers():
             raise UserError(f"the {self.config.planner} re-plan leaves layers uncovered")

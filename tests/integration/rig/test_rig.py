@@ -253,7 +253,7 @@ def test_rig_stack_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
     model_dir = prepare_demo_model()
     model = load_model(model_dir, dtype_bytes=4)
     cost = CostModel(model, None, catalog)
-    placement = plan("separate", spec, model, cost, time_limit_s=10, jobs=1)
+    placement = plan("separate", spec, model, cost, work_limit=1.0, jobs=1)
     placement.save(tmp_path / "placement.json")
     mode = "cgroup" if cgroup_writable() else "slowdown"
     speed = SpeedControl(mode, tag=f"test{os.getpid()}")

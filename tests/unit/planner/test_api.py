@@ -11,7 +11,7 @@ from helixserve.planner import PLANNERS, evaluate, plan
 @pytest.mark.parametrize("name", sorted(PLANNERS))
 def test_every_planner_covers_all_layers(name, llama70b, measured_cost):
     cluster = make_cluster(a100=3, l4=4, t4=6)
-    placement = plan(name, cluster, llama70b, measured_cost, time_limit_s=5)
+    placement = plan(name, cluster, llama70b, measured_cost, work_limit=0.5)
     assert placement.covers_all_layers()
     assert placement.throughput_tokens_per_s and placement.throughput_tokens_per_s > 0
     again = evaluate(cluster, llama70b, measured_cost, placement)

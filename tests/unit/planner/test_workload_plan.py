@@ -33,7 +33,7 @@ def test_milp_objective_is_the_evaluators_max_flow_with_a_workload(mix: Workload
     assert info.objective == pytest.approx(optimum, rel=1e-4)
     assert net.max_flow(ranges, True)[0] == pytest.approx(info.objective, rel=1e-4)
     # the placement's throughput, re-evaluated from scratch, is in the same unit
-    placement = plan("milp", net.cluster, model, cost, time_limit_s=10)
+    placement = plan("milp", net.cluster, model, cost, work_limit=1.0)
     again = evaluate(net.cluster, model, CostModel(model, workload=mix), placement)
     assert again.throughput_tokens_per_s == pytest.approx(placement.throughput_tokens_per_s,
                                                           rel=1e-9)
@@ -43,9 +43,9 @@ def test_prefill_heavy_mix_costs_more_than_decode_alone() -> None:
     """The same cluster serves fewer output tokens/s when each brings 66 prompt tokens."""
     model = tiny_model(num_layers=4)
     cluster = tiny_cluster()
-    decode = plan("milp", cluster, model, CostModel(model), time_limit_s=10)
+    decode = plan("milp", cluster, model, CostModel(model), work_limit=1.0)
     heavy = plan("milp", cluster, model, CostModel(model, workload=Workload(2000.0, 30.0)),
-                 time_limit_s=10)
+                 work_limit=1.0)
     assert 0 < heavy.throughput_tokens_per_s < decode.throughput_tokens_per_s
 
 

@@ -8,13 +8,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from helixserve.errors import UserError
 from helixserve.planner.placement import NodeRange, Placement
-from helixserve.runtime.replan import RecoveryConfig, actual_placement, live_cluster
-from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec
+from helixserve.runtime.replan import Recovery, RecoveryConfig, actual_placement, live_cluster
+from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec, load_model
 from helixserve.supervisor import Supervisor
 
 
@@ -44,10 +45,33 @@ def test_actual_placement_lists_what_workers_hold_in_layer_order():
     assert actual_placement(got, []).planner == "milp-live"  # not milp-live-live
 
 
-@pytest.mark.parametrize("name", ["wait_s", "hang_timeout_s", "plan_time_limit_s"])
+@pytest.mark.parametrize("name", ["wait_s", "hang_timeout_s", "plan_time_limit_s",
+                                  "plan_work_limit"])
 def test_recovery_config_names_a_bad_value(name):
     with pytest.raises(UserError, match=f"{name}: bad value 0"):
         RecoveryConfig(**{name: 0})
+
+
+def test_replan_on_a_work_budget_is_the_same_placement_every_time():
+    # 8 A100s in a chain of 10 layers each, 4 L4s spare; a0, the sole holder of [0, 10), is
+    # lost. On the work clock the coordinator's re-plan does not depend on the load
+    model = load_model(Path(__file__).resolve().parents[2] / "data" / "shared" / "models"
+                       / "llama-2-70b")
+    nodes = [NodeSpec(f"a{i}", "A100-40GB") for i in range(8)]
+    cluster = ClusterSpec("c", nodes + [NodeSpec(f"l{i}", "L4") for i in range(4)],
+                          default_link=LinkSpec(8.0, 1.0))
+    current = Placement(model.name, "c", 80, "milp",
+                        [NodeRange(f"a{i}", 10 * i, 10 * i + 10) for i in range(8)])
+    coord = SimpleNamespace(model_spec=model, model_dir=None)
+    recovery = Recovery(coord, cluster, RecoveryConfig(plan_work_limit=0.3))
+    live = sorted(n.name for n in cluster.nodes if n.name != "a0")
+    first, value = recovery._plan_and_value(live, current)
+    second, _ = recovery._plan_and_value(live, current)
+    assert value is None  # `current` names a0, not in the live cluster: no max flow
+    assert first.covers_all_layers() and "a0" not in {r.name for r in first.nodes}
+    assert [(r.name, r.start_layer, r.end_layer) for r in first.nodes] == [
+        (r.name, r.start_layer, r.end_layer) for r in second.nodes]
+    assert first.throughput_tokens_per_s == second.throughput_tokens_per_s > 0
 
 
 @dataclass
