@@ -4,8 +4,9 @@ allocates KV cache and batches prompts (see docs/simulator.md).
 - `reserve`: every request reserves prompt + output KV on its route at admission, and a node
   prefills whole prompts up to its profile's largest batch (the `SimConfig` defaults).
 - `vllm`: on-demand KV allocation with recompute preemption, as vLLM's paged KV cache;
-  chunked prefill of 512 prompt tokens an iteration (vLLM's `max_num_batched_tokens`); at
-  most 64 admitted requests still prefilling (admission waits beyond that).
+  chunked prefill of 512 prompt tokens an iteration (vLLM's `max_num_batched_tokens`), the
+  prompt sent in 512-token chunks that pipeline along the route (as the coordinator sends
+  them); at most 64 admitted requests still prefilling (admission waits beyond that).
 Both keep 1% of each node's KV cache free at admission (`kv_watermark`, vLLM's default
 watermark; it matters only with on-demand allocation, where running requests grow into it).
 - `helix-prototype`: what the Helix authors' prototype runs (`llm_sys/` of
