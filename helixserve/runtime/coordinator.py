@@ -301,13 +301,21 @@ class Coordinator:
             async with self._admit:
                 self._admit.notify_all()
 
+    def cost_model(self) -> CostModel:
+        """The cost model the router and the re-plan use (runtime/costs.py): `create` builds
+        it from the config; a coordinator made otherwise gets the analytic one, once."""
+        if self.cost is None:
+            self.cost = runtime_cost_model(self.model_dir, self.placement.model)
+            self.model_spec = self.cost.model
+        return self.cost
+
     async def _install_placement(self, placement: Any) -> None:
         """Route over `placement` from now on (a re-plan, a worker back with another range).
         Running requests whose route is still valid keep it, with their KV promises."""
         from helixserve.scheduler import Route, make_router
 
         options = await asyncio.get_running_loop().run_in_executor(
-            None, _routing_inputs, self.cluster, placement, self.cost, True)
+            None, _routing_inputs, self.cluster, placement, self.cost_model(), True)
         router = make_router(self.scheduler, placement, seed=self.epoch, **options)
         for name, n in self.nodes.items():
             if not n.alive and placement.range_of(name) is not None:
@@ -758,7 +766,7 @@ __all__ = [
 ]
 
 
-def _routing_inputs(cluster: ClusterSpec, placement: Placement, cost: CostModel | None,
+def _routing_inputs(cluster: ClusterSpec, placement: Placement, cost: CostModel,
                     live: bool = False) -> RouterOptions:
     """What the router knows of the cluster, from the runtime's cost model (runtime/costs.py,
     the simulator's when the operator gives its profiles): the links it may use (so it never
@@ -768,8 +776,6 @@ def _routing_inputs(cluster: ClusterSpec, placement: Placement, cost: CostModel 
     not refuse."""
     from helixserve.scheduler.options import router_options
 
-    if cost is None:
-        raise RuntimeError("the coordinator has no cost model (use Coordinator.create)")
     model = cost.model
     if not placement.flows:
         from helixserve.planner import evaluate

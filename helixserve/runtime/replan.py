@@ -218,14 +218,13 @@ class Recovery:
         `current` does not fit the cluster file's memory)."""
         from helixserve.planner import evaluate
         from helixserve.planner.incremental import replan
-        from helixserve.runtime.costs import runtime_cost_model
 
         if not live:
             raise UserError("no live worker")
         cluster = live_cluster(self.cluster, set(live))
         # the cost model the coordinator routes with (runtime/costs.py: the operator's
         # profiles, catalog and dtype), so the re-plan's flow is the router's
-        cost = self.coord.cost or runtime_cost_model(self.coord.model_dir, current.model)
+        cost = self.coord.cost_model()
         model = cost.model
         value: float | None
         try:
