@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 from pathlib import Path
 
 
@@ -62,8 +63,14 @@ def main() -> None:
     args = p.parse_args()
     if args.gpus is None:
         p.error("--gpus: required (the rig's catalog of its speed classes)")
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args))
+    from helixserve.errors import UserError
+
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(args))
+    except UserError as exc:  # a bad --profiles/--gpus/cluster: one line, as `serve`
+        print(f"rig server: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

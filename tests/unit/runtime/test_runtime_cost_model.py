@@ -44,7 +44,7 @@ DTYPE_BYTES = 4  # the rig's: its CPU workers run fp32
 
 def _files(tmp: Path) -> dict[str, Path]:
     model_dir = tmp / "tiny"
-    model_dir.mkdir()
+    model_dir.mkdir(exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(TINY))
     gpus = tmp / "gpus.csv"
     gpus.write_text("gpu,memory_gb,memory_bandwidth_gbytes_per_s,bf16_dense_tflops,"
@@ -192,3 +192,24 @@ def test_runtime_cost_model_defaults_to_the_analytic_model(tmp_path: Path) -> No
     assert not cost.profiles.curves
     with pytest.raises(UserError, match="dtype_bytes: bad value 3"):
         CostInputs(dtype_bytes=3)
+
+
+def test_serve_hands_the_cost_inputs_to_the_stack(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import helixserve.stack
+
+    seen: dict[str, Any] = {}
+
+    async def fake_run_stack(*args: Any, **kwargs: Any) -> None:
+        seen.update(kwargs)
+
+    monkeypatch.setattr(helixserve.stack, "run_stack", fake_run_stack)
+    files = _files(tmp_path)
+    argv = _serve(tmp_path, "--host", "127.0.0.1", "--profiles", str(files["profiles"]),
+                  "--gpus", str(files["gpus"]), "--dtype-bytes", "4", "--workload", "2000:30")
+    assert main(argv) == 0
+    cost = seen["cost"]
+    assert cost.profiles == load_profiles(files["profiles"])
+    assert cost.catalog == load_gpu_catalog(files["gpus"])
+    assert cost.dtype_bytes == 4
+    assert (cost.workload.prompt_tokens, cost.workload.output_tokens) == (2000.0, 30.0)
