@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helixserve.costmodel import CostModel, ServingLoad
+from helixserve.costmodel import CostModel, Workload
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement
 from helixserve.simulator.engines import ENGINES, HELIX_PROTOTYPE_LAYER_OVERHEAD_S
 from helixserve.simulator.metrics import summarize
@@ -208,7 +208,7 @@ def ratios(b: Bench) -> list[dict[str, Any]]:
         # our evaluator (max flow) with the 4.5 GB of vLLM's memory, decode-only T(k) and the
         # serving-aware T(k) (docs/planner.md) at a 16-stage pipeline, Helix's route depth
         serving = CostModel(b.model, b.cost.profiles, reserved_gb_per_gpu=4.5,
-                            serving=ServingLoad.from_lengths(
+                            workload=Workload.from_lengths(
                                 [r.prompt_tokens for r in b.trace],
                                 [r.output_tokens for r in b.trace], pipeline_depth=16))
         for label, cost in (("evaluator_4.5gb", b.cost), ("evaluator_serving_depth16", serving)):

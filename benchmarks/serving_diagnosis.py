@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from helixserve.costmodel import CostModel, ServingLoad
+from helixserve.costmodel import CostModel, Workload
 from helixserve.planner import Placement, evaluate, load_placement
 from helixserve.planner.flow import FlowNetwork
 from helixserve.simulator.metrics import summarize
@@ -72,7 +72,7 @@ def main() -> int:
     ap.add_argument("--variants", action="store_true",
                     help="also plan milp under the opt-in cost models and simulate those")
     ap.add_argument("--serving-depths", type=float, nargs="*", default=[14.0],
-                    help="--variants: pipeline depths of the ServingLoad cost models (14: the "
+                    help="--variants: pipeline depths of the serving-aware cost models (Workload.pipeline_depth) (14: the "
                          "default milp placement's route depth; 22: the chain that gives)")
     ap.add_argument("--weight-fractions", type=float, nargs="*", default=[0.4],
                     help="--variants: weight fractions of the cost models")
@@ -117,7 +117,7 @@ def main() -> int:
         placements["helix-authors"] = load_placement(authors)
     if args.variants:
         variants = {
-            f"milp-serving-d{depth:g}": CostModel(model, profiles, serving=ServingLoad.from_lengths(
+            f"milp-serving-d{depth:g}": CostModel(model, profiles, workload=Workload.from_lengths(
                 prompts, outputs, pipeline_depth=depth))
             for depth in args.serving_depths
         }

@@ -262,18 +262,23 @@ async def run_stack(
     kv_watermark: float = DEFAULT_KV_WATERMARK,
     recovery: Any = None,
     tls: Any = None,
+    cost: Any = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. With `workers`, start them first, restart any that exits
     (helixserve/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live
     when layers lose their last holder (runtime/replan.py); None: requests fail while they do.
     `tls` (runtime.security.TlsConfig): the coordinator's credentials for worker traffic;
-    with `workers` and no `tls`, theirs (dev credentials unless they run insecure)."""
+    with `workers` and no `tls`, theirs (dev credentials unless they run insecure). `cost`
+    (runtime.costs.CostInputs): the profiles, GPU catalog (the cluster is read with it) and
+    dtype of the plan; None: the analytic model and the shipped catalog."""
     from helixserve.api.app import create_app
     from helixserve.planner import load_placement
     from helixserve.runtime import Coordinator, CoordinatorConfig
+    from helixserve.runtime.costs import CostInputs
     from helixserve.spec import load_cluster
 
-    cluster = load_cluster(cluster_path)
+    cost = cost or CostInputs()
+    cluster = load_cluster(cluster_path, catalog=cost.catalog)
     placement = load_placement(placement_path)
     missing = [n.name for n in placement.nodes if not _address(cluster, n.name)]
     if missing:
@@ -294,7 +299,7 @@ async def run_stack(
                 tls = workers.coordinator_tls
         coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(
             scheduler=scheduler, kv_allocation=kv_allocation, kv_watermark=kv_watermark,
-            recovery=recovery), tls=tls)
+            recovery=recovery, cost=cost), tls=tls)
         coord.process_stats = None if supervisor is None else supervisor.stats
         try:
             app = create_app(coord, served_model_name, api_key)

@@ -116,7 +116,8 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
         opts.log(f"  {tag}: {layout}; max flow {placement.throughput_tokens_per_s:.1f} tok/s")
         stack = RigStack(cluster, cluster_path, gpus_path, placement_path, model_dir, ends,
                          kv_cache_bytes(spec, model, cost, placement), speed,
-                         work / f"logs-{tag}", opts.max_seconds, tls=opts.tls)
+                         work / f"logs-{tag}", opts.max_seconds, tls=opts.tls,
+                         profiles_path=profiles_path, dtype_bytes=DTYPE_BYTES)
         probe = probe_ms(model_dir)
         host_ratio = probe / probe_at_profile if probe == probe and probe_at_profile else 1.0
         cost_now = CostModel(model, load_profiles(scaled_profiles(

@@ -124,6 +124,8 @@ class RigStack:
         workdir: Path,
         max_seconds: float = 1800.0,
         tls: bool = True,
+        profiles_path: Path | None = None,
+        dtype_bytes: int = 2,
     ) -> None:
         self.cluster = cluster
         self.cluster_path = cluster_path
@@ -138,6 +140,10 @@ class RigStack:
         #: mutual TLS between coordinator and workers with fresh dev credentials (as local
         #: stacks run by default, docs/security.md); False: plaintext gRPC
         self.tls = tls
+        #: the cost model the rig plans and simulates with, given to the coordinator so its
+        #: router's node throughputs and link capacities are the simulator's
+        self.profiles_path = profiles_path
+        self.dtype_bytes = dtype_bytes
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.pid_map = workdir / "pids.json"
         self.api_host = "127.0.0.1"
@@ -222,7 +228,9 @@ class RigStack:
             "--cluster", str(self.cluster_path), "--gpus", str(self.gpus_path),
             "--placement", str(self.placement_path), "--model", str(self.model_dir),
             "--host", self.api_host, "--port", str(self.api_port),
-            "--max-seconds", str(self.max_seconds), *server_flags,
+            "--max-seconds", str(self.max_seconds), "--dtype-bytes", str(self.dtype_bytes),
+            *(["--profiles", str(self.profiles_path)] if self.profiles_path else []),
+            *server_flags,
         ]  # fmt: skip
         self._spawn("server", server)
         self._wait_api(timeout_s=240.0)

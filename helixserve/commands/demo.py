@@ -94,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.commands.args import check_output
     from helixserve.errors import UserError
     from helixserve.launch import WorkerProcesses
+    from helixserve.runtime.costs import CostInputs
     from helixserve.runtime.security import DevCredentials
     from helixserve.stack import (
         default_workdir,
@@ -174,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
                 log_level=args.log_level,
                 kv_allocation=args.kv_allocation,
                 kv_watermark=args.kv_watermark,
-                recovery=recovery_config(args, files.profiles_path),
+                recovery=recovery_config(args),
+                # the profile the demo planned with: the router and re-plan use it too
+                cost=CostInputs.load(files.profiles_path),
             )
         )
     except KeyboardInterrupt:

@@ -47,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduler", default="maxflow", help="routing policy (default maxflow)")
     p.add_argument("--served-model-name", default=None, help="model name clients use")
     add_kv_arguments(p)
+    add_cost_arguments(p)
     add_recovery_arguments(p)
     add_tls_arguments(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
@@ -100,6 +101,40 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cost_arguments(p: argparse.ArgumentParser) -> None:
+    """The cost model the router and the live re-plan use (runtime/costs.py): give the files
+    the placement was planned (and simulated) with, so the live router routes as the
+    simulated one."""
+    from helixserve.commands.plan import add_reserve_arg, add_workload_arg
+    from helixserve.runtime.costs import DEFAULT_DTYPE_BYTES, DTYPE_BYTES
+
+    p.add_argument("--profiles", type=Path, default=None, metavar="CSV",
+                   help="measured per-layer times (`helixserve profile`), the ones `plan` and "
+                   "`simulate` were given: the router's node throughputs, the flow it routes "
+                   "over when the placement has none, and the live re-plan use them (default: "
+                   "the analytic model from the GPU catalog)")
+    p.add_argument("--gpus", type=Path, default=None, metavar="CSV",
+                   help="GPU catalog CSV, when the cluster's gpu names are not in the shipped "
+                   "one (as `plan --gpus`)")
+    p.add_argument("--dtype-bytes", type=int, choices=DTYPE_BYTES, default=DEFAULT_DTYPE_BYTES,
+                   help="bytes per weight/activation element the plan counted (default "
+                   f"{DEFAULT_DTYPE_BYTES}; 4 for a plan of fp32 workers)")
+    # the mix, reserve and weight cap the plan was made with: they shape each node's T(k)
+    add_reserve_arg(p)
+    add_workload_arg(p)
+
+
+def cost_inputs(args: argparse.Namespace) -> Any:
+    """The CostInputs of --profiles/--gpus/--dtype-bytes, files read now (UserError naming
+    the flag, the file and the problem)."""
+    from helixserve.commands.plan import reserve_gb, weight_fraction, workload
+    from helixserve.runtime.costs import CostInputs
+
+    return CostInputs.load(args.profiles, args.gpus, args.dtype_bytes, workload=workload(args),
+                           reserved_gb_per_gpu=reserve_gb(args),
+                           weight_fraction=weight_fraction(args))
+
+
 def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
     """Live re-planning flags (serve and demo); see helixserve/runtime/replan.py."""
     p.add_argument(
@@ -123,14 +158,14 @@ def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def recovery_config(args: argparse.Namespace, profiles_path: Any = None) -> Any:
-    """The coordinator's RecoveryConfig from the flags; None with --no-replan."""
+def recovery_config(args: argparse.Namespace) -> Any:
+    """The coordinator's RecoveryConfig from the flags; None with --no-replan. The re-plan's
+    cost model is the coordinator's (`cost_inputs`)."""
     if args.no_replan:
         return None
     from helixserve.runtime.replan import RecoveryConfig
 
-    return RecoveryConfig(wait_s=args.recovery_wait_s, hang_timeout_s=args.hang_timeout_s,
-                          profiles_path=profiles_path)
+    return RecoveryConfig(wait_s=args.recovery_wait_s, hang_timeout_s=args.hang_timeout_s)
 
 
 def check_kv_arguments(args: argparse.Namespace) -> None:
@@ -151,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     check_kv_arguments(args)
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
+    cost = cost_inputs(args)
     warning = check_exposure(args.host, args.api_key or None, args.allow_unauthenticated)
     tls = tls_from_args(args)
     if warning:
@@ -180,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
             kv_watermark=args.kv_watermark,
             recovery=recovery_config(args),
             tls=tls,
+            cost=cost,
         )
     )
     return 0

@@ -6,7 +6,6 @@ from helixserve.costmodel.model import (
     WEIGHT_FRACTION,
     CostModel,
     Efficiency,
-    ServingLoad,
 )
 from helixserve.costmodel.workload import Workload
 
@@ -16,6 +15,5 @@ __all__ = [
     "WEIGHT_FRACTION",
     "CostModel",
     "Efficiency",
-    "ServingLoad",
     "Workload",
 ]

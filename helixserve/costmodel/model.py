@@ -16,20 +16,22 @@ T(k) (docs/planner.md): decode tokens/s of the machine with the largest batch it
 and its batch limit allow, each sequence holding `context_tokens` of KV:
       b(k) = min(max_decode_tokens, kv_capacity_tokens(k) / context_tokens)
       T(k) = b(k) / (k t_decode(b(k)))
-With a `ServingLoad` (opt-in, docs/planner.md "Serving-aware capacity") T(k) is instead what
-a node inside a pipeline serving that load sustains, in output tokens/s:
-      N(k)  = kv_capacity_tokens(k) / request_kv_tokens   (requests whose KV the node holds)
-      D     = pipeline_depth                              (stages on a request's route)
-      b(k)  = min(max_decode_tokens, N(k) / D)            (requests in its batch at a time)
-      T(k)  = 1 / (k (t_decode(b)/b + r t_prompt(P)/P))   (r prompt tokens per output token)
-A request holds KV on every node of its route for its whole life but is in one node's batch
-at a time, so a node's batch is its KV's requests over the pipeline depth, not its whole KV
-(the decode-only T(k)); and every output token brings r prompt tokens to prefill.
 With a `Workload` (costmodel/workload.py, docs/planner.md "Workload-aware planning") T(k)
 is output tokens/s of that mix at the decode-only batch b(k) (P' = the mean prompt, capped
 at the node's prompt batch limit):
       T(k)  = b / (k t_decode(b) + r b k t_prompt(P') / P')
 r = 0 gives the decode-only T(k) exactly.
+With a workload that has a `pipeline_depth` (opt-in, docs/workload.md "Serving-aware
+capacity"; it was `ServingLoad`) T(k) is instead what a node inside a pipeline serving that
+mix sustains, in output tokens/s:
+      N(k)  = kv_capacity_tokens(k) / (P + O)             (requests whose KV the node holds)
+      D     = pipeline_depth                              (stages on a request's route)
+      b(k)  = min(max_decode_tokens, N(k) / D)            (requests in its batch at a time)
+      T(k)  = 1 / (k (t_decode(b)/b + r t_prompt(P)/P))   (r prompt tokens per output token)
+A request holds KV on every node of its route for its whole life but is in one node's batch
+at a time, so a node's batch is its KV's requests over the pipeline depth, not its whole KV
+(the decode-only T(k)); and every output token brings r prompt tokens to prefill. Its flow
+keeps the decode-only units (one token per link and unit, `context_tokens` default).
 """
 
 from __future__ import annotations
@@ -65,36 +67,6 @@ ANALYTIC_MAX_PROMPT_TOKENS = 8192
 ANALYTIC_MAX_DECODE_TOKENS = 512
 #: fallbacks when no measured curve is there to fit the factors to
 DEFAULT_EFFICIENCY = (0.8, 0.5, 512.0)  # (e_bw, e_f, decode context tokens)
-
-
-@dataclass(frozen=True)
-class ServingLoad:
-    """The request mix a serving-aware T(k) assumes (from a trace: `ServingLoad.from_lengths`)."""
-
-    #: KV slots a request reserves on every node of its route: mean prompt + output tokens
-    request_kv_tokens: float
-    #: prompt tokens prefilled per output token generated (the Azure conversation trace: ~3.3)
-    prompt_tokens_per_output_token: float
-    #: prompt length a prefill batch is timed at, tokens (the mean prompt)
-    prompt_batch_tokens: int
-    #: expected stages on a request's route (a node's KV is spread over that many batches)
-    pipeline_depth: float = 1.0
-    def __post_init__(self) -> None:
-        if self.request_kv_tokens <= 0 or self.prompt_batch_tokens <= 0 or self.pipeline_depth < 1:
-            raise UserError(f"serving load: request_kv_tokens and prompt_batch_tokens must be "
-                            f"> 0, pipeline_depth >= 1; got {self}")
-        if self.prompt_tokens_per_output_token < 0:
-            raise UserError(f"serving load: prompt_tokens_per_output_token: bad value "
-                            f"{self.prompt_tokens_per_output_token}; must be >= 0")
-
-    @classmethod
-    def from_lengths(cls, prompt_tokens: list[int], output_tokens: list[int],
-                     pipeline_depth: float = 1.0) -> ServingLoad:
-        """Means of a trace's request lengths (`TraceRequest.prompt_tokens` / `output_tokens`)."""
-        if not prompt_tokens or len(prompt_tokens) != len(output_tokens):
-            raise UserError("serving load: need one prompt and one output length per request")
-        p, o = statistics.fmean(prompt_tokens), statistics.fmean(output_tokens)
-        return cls(p + o, p / o, max(1, round(p)), pipeline_depth)
 
 
 @dataclass(frozen=True)
@@ -140,7 +112,6 @@ class CostModel:
         catalog: GpuCatalog | None = None,
         *,
         context_tokens: int | None = None,
-        serving: ServingLoad | None = None,
         workload: Workload | None = None,
         weight_fraction: float = WEIGHT_FRACTION,
         reserved_gb_per_gpu: float | None = None,
@@ -148,18 +119,22 @@ class CostModel:
         self.model = model
         self.profiles = profiles or ProfileTable.empty()
         self.catalog = catalog or load_gpu_catalog()
-        if serving is not None and workload is not None:
-            raise UserError("cost model: give a workload or a serving load, not both")
         #: None: Helix's decode-only T(k) in decode tokens/s; set: T(k) in output tokens/s of
-        #: this mix (module doc), and the flow network's links scaled to the same unit
+        #: this mix (module doc), and (without a pipeline depth) the flow network's links
+        #: scaled to the same unit
         self.workload = workload
+        #: the workload when it asks for the serving-aware T(k) (a pipeline depth), else None
+        self.serving = workload if workload is not None and workload.serving_aware else None
+        mix = workload if self.serving is None else None
         #: KV tokens per decoding sequence: given, else the workload's prompt + output, else
-        #: DEFAULT_CONTEXT_TOKENS
+        #: DEFAULT_CONTEXT_TOKENS (also under the serving-aware T(k), which counts its own)
         self.context_tokens = (context_tokens if context_tokens is not None
-                               else workload.kv_tokens_per_request if workload is not None
+                               else mix.kv_tokens_per_request if mix is not None
                                else DEFAULT_CONTEXT_TOKENS)
-        #: None: the decode-only T(k) of Helix; set: the serving-aware T(k) (module doc)
-        self.serving = serving
+        #: token positions whose hidden states cross a link per unit of flow: 1 + r with a
+        #: workload, 1 decode-only and under the serving-aware T(k) (module doc)
+        self.activation_tokens_per_flow_unit = (
+            mix.activation_tokens_per_output_token if mix is not None else 1.0)
         if not 0.0 < weight_fraction <= 1.0:
             raise UserError(f"cost model: weight_fraction: bad value {weight_fraction}; "
                             f"must be in (0, 1]")
@@ -362,15 +337,16 @@ class CostModel:
         """Seconds the node spends prefilling the r prompt tokens that come with one output
         token of the workload (0 without one, or with r = 0), timed at a batch of the mean
         prompt capped at the node's prompt batch limit (longer prompts are split)."""
-        w = self.workload
+        w = self.workload if self.serving is None else None  # serving-aware: its own T(k)
         if w is None or w.prompt_tokens <= 0:
             return 0.0
         p = max(1, min(round(w.prompt_tokens), self.batch_limits(node)[0]))
         return (w.prompt_tokens_per_output_token
                 * self.batch_time_s(node, num_layers, p, 0) / p)
 
-    def _serving_throughput(self, node: NodeSpec, num_layers: int, load: ServingLoad) -> float:
+    def _serving_throughput(self, node: NodeSpec, num_layers: int, load: Workload) -> float:
         """T(k) of a node inside a pipeline serving `load` (module doc)."""
+        assert load.pipeline_depth is not None
         requests = self.kv_capacity_tokens(node, num_layers) / load.request_kv_tokens
         b = min(self.batch_limits(node)[1], int(requests / load.pipeline_depth))
         if b <= 0:

@@ -50,8 +50,7 @@ class FlowNetwork:
         n = len(self.names)
         act = model.activation_bytes_per_token
         # token positions sent per unit of flow: 1 decode-only, 1 + r with a workload
-        per_unit = (cost.workload.activation_tokens_per_output_token
-                    if cost.workload is not None else 1.0)
+        per_unit = cost.activation_tokens_per_flow_unit
         #: node -> node capacity, tokens/s; 0 = no link
         self.link_cap = np.zeros((n, n))
         self.source_cap = np.zeros(n)  # coordinator -> node

@@ -3,10 +3,11 @@ model_dir, CoordinatorConfig(...))`. Torch-free, like the coordinator."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from helixserve.errors import UserError
 from helixserve.request import KV_ALLOCATIONS
+from helixserve.runtime.costs import CostInputs
 from helixserve.runtime.replan import RecoveryConfig
 from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, DEFAULT_PREFILL_CHUNK_TOKENS
 
@@ -42,6 +43,11 @@ class CoordinatorConfig:
     recovery: RecoveryConfig | None = None
     """Live re-planning when layers lose their last live worker (runtime/replan.py); None:
     requests fail with NoRouteError while no route covers the model."""
+    cost: CostInputs = field(default_factory=CostInputs)
+    """The cost model's inputs (runtime/costs.py: measured profiles, GPU catalog, dtype
+    bytes): the router's flow and node throughputs and the re-plan use it. Give the planner's
+    and simulator's so the live router routes as the simulated one; default: the analytic
+    model."""
 
     def check(self) -> CoordinatorConfig:
         def bad(name: str, value: object, need: str) -> UserError:

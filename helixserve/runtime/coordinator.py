@@ -53,6 +53,7 @@ from helixserve.errors import UserError
 from helixserve.request import GenerationRequest, SamplingParams, TokenEvent
 from helixserve.runtime import security
 from helixserve.runtime.config import CoordinatorConfig
+from helixserve.runtime.costs import runtime_cost_model
 from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
 from helixserve.runtime.replan import Recovery
@@ -62,6 +63,7 @@ from helixserve.scheduler.queue import AdmissionQueue
 from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, RUNTIME_VICTIM_RULE
 
 if TYPE_CHECKING:
+    from helixserve.costmodel import CostModel
     from helixserve.planner.placement import NodeRange, Placement
     from helixserve.scheduler import RouterOptions
     from helixserve.spec import ClusterSpec
@@ -150,6 +152,8 @@ class Coordinator:
         #: before then is not counted against max_reroutes
         self.epoch = 0
         self.recovery: Recovery | None = None
+        #: the cost model the router and the re-plan use (runtime/costs.py; `create` sets it)
+        self.cost: CostModel | None = None
         self.model_spec: Any = None
         self.cluster: Any = None
         self.scheduler = "maxflow"
@@ -171,10 +175,15 @@ class Coordinator:
         from helixserve.scheduler import make_router
 
         cfg = (config or CoordinatorConfig()).check()
+        # the planner's and simulator's cost model (runtime/costs.py): the router's flow and
+        # node throughputs, and the live re-plan, come from it
+        cost = runtime_cost_model(Path(model_dir), placement.model, cfg.cost)
+        log.info("%s", cfg.cost.describe())
         router = make_router(cfg.scheduler, placement, seed=0,
-                             **_routing_inputs(cluster, placement, Path(model_dir)))
+                             **_routing_inputs(cluster, placement, cost))
         self = cls(placement, model_dir, router, cfg.max_queue, cfg.max_reroutes,
                    cfg.stats_interval_s, cfg.kv_allocation, cfg.kv_watermark)
+        self.cost, self.model_spec = cost, cost.model
         self.model_name = placement.model or self.model_dir.name
         self.cluster, self.scheduler = cluster, cfg.scheduler
         if cfg.recovery is not None:
@@ -292,13 +301,21 @@ class Coordinator:
             async with self._admit:
                 self._admit.notify_all()
 
+    def cost_model(self) -> CostModel:
+        """The cost model the router and the re-plan use (runtime/costs.py): `create` builds
+        it from the config; a coordinator made otherwise gets the analytic one, once."""
+        if self.cost is None:
+            self.cost = runtime_cost_model(self.model_dir, self.placement.model)
+            self.model_spec = self.cost.model
+        return self.cost
+
     async def _install_placement(self, placement: Any) -> None:
         """Route over `placement` from now on (a re-plan, a worker back with another range).
         Running requests whose route is still valid keep it, with their KV promises."""
         from helixserve.scheduler import Route, make_router
 
         options = await asyncio.get_running_loop().run_in_executor(
-            None, _routing_inputs, self.cluster, placement, self.model_dir, True)
+            None, _routing_inputs, self.cluster, placement, self.cost_model(), True)
         router = make_router(self.scheduler, placement, seed=self.epoch, **options)
         for name, n in self.nodes.items():
             if not n.alive and placement.range_of(name) is not None:
@@ -749,22 +766,22 @@ __all__ = [
 ]
 
 
-def _routing_inputs(cluster: ClusterSpec, placement: Placement, model_dir: Path,
+def _routing_inputs(cluster: ClusterSpec, placement: Placement, cost: CostModel,
                     live: bool = False) -> RouterOptions:
-    """The links the router may use (so it never spreads work over a missing or slow link),
-    and the flows it routes over: evaluated here when the placement file has none
-    (FORMATS.md lets an input placement omit them). `live`: ranges workers actually hold,
-    which a memory check must not refuse."""
+    """What the router knows of the cluster, from the runtime's cost model (runtime/costs.py,
+    the simulator's when the operator gives its profiles): the links it may use (so it never
+    spreads work over a missing or slow link), each node's throughput, and the flows it
+    routes over, evaluated here when the placement file has none (FORMATS.md lets an input
+    placement omit them). `live`: ranges workers actually hold, which a memory check must
+    not refuse."""
     from helixserve.scheduler.options import router_options
-    from helixserve.spec import load_model
 
-    model = load_model(model_dir, name=placement.model)
+    model = cost.model
     if not placement.flows:
-        from helixserve.costmodel import CostModel
         from helixserve.planner import evaluate
 
         try:
-            result = evaluate(cluster, model, CostModel(model), placement)
+            result = evaluate(cluster, model, cost, placement)
         except UserError:
             if not live:
                 raise
@@ -772,7 +789,7 @@ def _routing_inputs(cluster: ClusterSpec, placement: Placement, model_dir: Path,
             # does, so evaluate the flow without the memory check
             cluster = dataclasses.replace(cluster, nodes=[
                 dataclasses.replace(n, memory_gb=1e6) for n in cluster.nodes])
-            result = evaluate(cluster, model, CostModel(model), placement)
+            result = evaluate(cluster, model, cost, placement)
         placement.flows = result.flows
         placement.throughput_tokens_per_s = result.throughput_tokens_per_s
-    return router_options(cluster, model, placement)
+    return router_options(cluster, model, placement, cost)

@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from helixserve.errors import UserError
@@ -69,8 +68,6 @@ class RecoveryConfig:
     hang_timeout_s: float = 10.0
     #: re-plans in a row while layers stay uncovered, before giving up until a worker returns
     max_attempts: int = 3
-    #: measured profiles for the re-plan's cost model (None: the analytic model)
-    profiles_path: Path | None = None
     #: a worker that comes back or joins while the model is covered: re-plan when that
     #: raises the max flow (the cost model's tokens/s) by at least this share; None: never
     join_min_gain: float | None = 0.25
@@ -227,18 +224,16 @@ class Recovery:
     def _plan_and_value(self, live: list[str], current: Any) -> tuple[Any, float | None]:
         """Blocking: (re-plan, max flow of `current` under the same cost model; None when
         `current` does not fit the cluster file's memory)."""
-        from helixserve.costmodel import CostModel
         from helixserve.planner import evaluate
         from helixserve.planner.incremental import replan
-        from helixserve.spec import load_model, load_profiles
 
         if not live:
             raise UserError("no live worker")
         cluster = live_cluster(self.cluster, set(live))
-        model = self.coord.model_spec or load_model(self.coord.model_dir, name=current.model)
-        profiles = (load_profiles(self.config.profiles_path)
-                    if self.config.profiles_path is not None else None)
-        cost = CostModel(model, profiles)
+        # the cost model the coordinator routes with (runtime/costs.py: the operator's
+        # profiles, catalog and dtype), so the re-plan's flow is the router's
+        cost = self.coord.cost_model()
+        model = cost.model
         value: float | None
         try:
             value = evaluate(cluster, model, cost, current).throughput_tokens_per_s

@@ -259,7 +259,7 @@ def test_rig_stack_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
     speed = SpeedControl(mode, tag=f"test{os.getpid()}")
     stack = RigStack(rig, cluster_path, gpus_path, tmp_path / "placement.json", model_dir, ends,
                      kv_cache_bytes(spec, model, cost, placement), speed, tmp_path / "logs",
-                     max_seconds=300)
+                     max_seconds=300, dtype_bytes=4)  # the server routes with the plan's dtype
     with stack:
         pids = [p.pid for p in stack.procs.values()]
         body = json.dumps({"model": model_dir.name, "prompt": "The capital of France is",

@@ -158,3 +158,15 @@ def test_a_4_5_gb_reserve_reproduces_the_kv_vllm_allocated(profiles):
     for r in rows:
         ours = cost.kv_capacity_tokens(NodeSpec("x", r["gpu"]), int(r["layers"]))
         assert ours == pytest.approx(int(r["kv_tokens_per_layer"]), rel=0.06), r
+
+
+def test_weight_fraction_bounds_the_layers_and_names_itself(parts) -> None:  # type: ignore[no-untyped-def]
+    model, profiles = parts
+    node = NodeSpec("x", "A100-40GB")
+    half = CostModel(model, profiles)
+    third = CostModel(model, profiles, weight_fraction=1 / 3)
+    assert half.max_layers(node) == 12
+    assert third.max_layers(node) == int(half.memory_bytes(node) / 3 // model.layer_weight_bytes)
+    assert third.max_layers(node) < half.max_layers(node)
+    with pytest.raises(UserError, match="weight_fraction"):
+        CostModel(model, profiles, weight_fraction=0.0)

@@ -107,9 +107,12 @@ async def _settle() -> None:
         await asyncio.sleep(0)
 
 
-async def _drive(s: Any, sim: Simulation) -> RecordingCoordinator:
-    router = make_router("maxflow", s.placement, seed=0,
-                         **router_options(s.cluster, s.model, s.placement, s.cost))
+async def _drive(s: Any, sim: Simulation, router: Any = None) -> RecordingCoordinator:
+    """Replay the simulator's decision log through the coordinator; `router`: the
+    coordinator's own (default: one built from the simulator's router options)."""
+    if router is None:
+        router = make_router("maxflow", s.placement, seed=0,
+                             **router_options(s.cluster, s.model, s.placement, s.cost))
     coord = RecordingCoordinator(s.placement, Path("."), router, max_queue=1000, max_reroutes=3,
                                  stats_interval_s=3600.0, kv_allocation="on-demand")
     coord.nodes = {n.name: FakeNode(n.name, n.start, n.end, n.kv_cap)  # type: ignore[misc]
