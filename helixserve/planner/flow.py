@@ -1,7 +1,11 @@
 """The flow graph of a placement and its max flow (the cluster's token throughput).
 
 Vertices: the coordinator as source and as sink, and every node that holds layers split
-into in/out vertices joined by an edge of capacity T_i(k_i) (`CostModel`). Edges:
+into in/out vertices joined by an edge of capacity T_i(k_i) (`CostModel`); a node whose
+range ends at the model's last layer also runs the head (final norm, lm_head, sampling), so
+its edge has T_i(k_i) with the head's time per token added (`holds_last_layer`). The MILP
+(milp.py) keeps one T_i(k) per size, whatever the position, so it plans without the head;
+the local search, `evaluate` and the baselines' scores count it. Edges:
   * coordinator -> i   when start_i = 0            (token ids: TOKEN_ID_BYTES per token)
   * i -> coordinator   when end_i = L              (token ids)
   * i -> j             when end_i = start_j, or with partial inference when
@@ -73,18 +77,26 @@ class FlowNetwork:
             [0.0] + [cost.node_throughput_tokens_per_s(nd, k) for k in range(1, K + 1)]
             for nd, K in zip(cluster.nodes, self.max_layers, strict=True)
         ]
+        #: the same for node i holding the last k layers: the head's time added
+        self.throughput_last = [
+            [0.0] + [cost.node_throughput_tokens_per_s(nd, k, True) for k in range(1, K + 1)]
+            for nd, K in zip(cluster.nodes, self.max_layers, strict=True)
+        ]
 
     def curve(self, i: int) -> tuple[float, ...]:
         """Node i's T(k) for k = 1..max_layers: machines with equal curves are one type to
         the relaxations and the tiling."""
         return tuple(self.node_cap(i, k) for k in range(1, int(self.max_layers[i]) + 1))
 
-    def node_cap(self, i: int, k: int) -> float:
+    def node_cap(self, i: int, k: int, holds_last_layer: bool = False) -> float:
+        """T_i(k); with `holds_last_layer` (the node's k layers end at the model's last) the
+        head's time is counted too."""
         if k <= 0 or k > self.loadable[i]:
             return 0.0
         if k > self.max_layers[i]:  # beyond the planners' weight cap (a baseline, a user's file)
-            return self.cost.node_throughput_tokens_per_s(self.cluster.nodes[i], k)
-        return self.throughput[i][k]
+            return self.cost.node_throughput_tokens_per_s(self.cluster.nodes[i], k,
+                                                          holds_last_layer)
+        return (self.throughput_last if holds_last_layer else self.throughput)[i][k]
 
     def max_flow(
         self,
@@ -103,7 +115,7 @@ class FlowNetwork:
         rows: list[int] = []
         cols: list[int] = []
         caps: list[float] = []
-        node_caps = {i: self.node_cap(i, e - s) for i, (s, e) in ranges.items()}
+        node_caps = {i: self.node_cap(i, e - s, e == L) for i, (s, e) in ranges.items()}
         total = sum(node_caps.values())
         if total <= 0:
             return 0.0, []
@@ -197,7 +209,9 @@ class FlowNetwork:
 
     def max_flow_value(self, s: np.ndarray, k: np.ndarray, partial_inference: bool = True,
                        caps: np.ndarray | None = None) -> float:
-        """Max flow of starts `s` and sizes `k` (k=0: unused), vectorized for local search."""
+        """Max flow of starts `s` and sizes `k` (k=0: unused), vectorized for local search.
+        `caps`: T_i(k_i) of every node (`node_caps`); the nodes ending at the last layer get
+        their cap with the head here."""
         clock.charge_evaluation()
         L = self.model.num_layers
         held = np.flatnonzero(k > 0)
@@ -205,10 +219,14 @@ class FlowNetwork:
         if m == 0:
             return 0.0
         node_caps = (caps if caps is not None else self.node_caps(k))[held]
+        sh, eh = s[held], s[held] + k[held]
+        last = np.flatnonzero(eh == L)
+        if len(last):
+            node_caps = node_caps.copy()
+            node_caps[last] = [self.node_cap(int(held[p]), int(k[held[p]]), True) for p in last]
         total = float(node_caps.sum())
         if total <= 0:
             return 0.0
-        sh, eh = s[held], s[held] + k[held]
         if partial_inference:
             valid = (sh[None, :] <= eh[:, None]) & (eh[:, None] < eh[None, :])
         else:

@@ -36,7 +36,8 @@ def node_rows(cluster: ClusterSpec, cost: CostModel, placement: Placement,
     for r in sorted(placement.nodes, key=lambda r: (r.start_layer, r.end_layer, r.name)):
         node = cluster.node(r.name)
         gpu = node.gpu if node.num_gpus == 1 else f"{node.gpu} x{node.num_gpus}"
-        cap = cost.node_throughput_tokens_per_s(node, r.num_layers)
+        cap = cost.node_throughput_tokens_per_s(node, r.num_layers,
+                                                r.end_layer == placement.num_layers)
         rows.append(NodeRow(r.name, gpu, r.start_layer, r.end_layer, inflow.get(r.name, 0.0), cap))
     return rows
 

@@ -70,7 +70,8 @@ def router_options(
         out["node_region"] = {n.name: cluster.node(n.name).region for n in placement.nodes}
     if cost is not None:
         out["node_throughput_tokens_per_s"] = {
-            n.name: cost.node_throughput_tokens_per_s(cluster.node(n.name), n.num_layers)
+            n.name: cost.node_throughput_tokens_per_s(cluster.node(n.name), n.num_layers,
+                                                      n.end_layer == placement.num_layers)
             for n in placement.nodes
         }
     return out
