@@ -16,12 +16,14 @@ from helixserve.spec.cluster import COORDINATOR
 
 
 def hand_network(caps: list[float], link: float = 1e9) -> FlowNetwork:
-    """A network over make_cluster nodes with node capacities set by hand (same for every k)."""
+    """A network over make_cluster nodes with node capacities set by hand (same for every k,
+    no head on the last stage)."""
     model = tiny_model(num_layers=4)
     cluster = make_cluster(l4=len(caps))
     net = FlowNetwork(cluster, model, CostModel(model))
     net.max_layers = np.full(len(caps), 4)
     net.throughput = [[0.0] + [c] * 4 for c in caps]
+    net.throughput_last = net.throughput
     net.link_cap[:] = link
     np.fill_diagonal(net.link_cap, 0.0)
     return net
@@ -63,7 +65,8 @@ def reference_max_flow(net: FlowNetwork, ranges, partial: bool) -> float:
     g = nx.DiGraph()
     L = net.model.num_layers
     for i, (s, e) in ranges.items():
-        g.add_edge(("in", i), ("out", i), capacity=net.node_cap(i, e - s))
+        # the stage holding the last layer runs the head too (flow.py)
+        g.add_edge(("in", i), ("out", i), capacity=net.node_cap(i, e - s, e == L))
         if s == 0:
             g.add_edge("src", ("in", i), capacity=net.source_cap[i])
         if e == L:
