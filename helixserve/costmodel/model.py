@@ -34,6 +34,7 @@ The head (the node holding the model's last layer also runs the final norm, the 
 sampling on one row per sequence sampled in a step; docs/calibration.md "The head"):
 `head_ms` from the profiles' part=head rows, else a roofline like a layer's
       t_head(n) = (V H + H) bytes/(BW e_bw) + 2 V H n/(F e_f)     (V vocab, H hidden, n rows)
+times, on a machine with measured layers, t_decode(n) measured / t_decode(n) analytic.
 A node's T(k) with `holds_last_layer` adds t_head(b)/b per output token (one sampled row per
 output token).
 """
@@ -214,8 +215,9 @@ class CostModel:
         """Time of the last stage's head (final norm + lm_head + sampler) in a step that
         samples `rows` rows (decode: its sequences; prompt: the sequences whose prompt ends
         in it). From the head rows of the profiles (the other phase's when this one has
-        none), else the roofline of the module doc; for a machine with measured layers but
-        not in the catalog, its decode layer time scaled by the head's share of bytes."""
+        none), else the roofline of the module doc scaled to the machine's measured layer
+        time; for a machine with measured layers but not in the catalog, its decode layer
+        time times the head's share of parameters."""
         if rows <= 0:
             return 0.0
         name = self.model.name
@@ -234,6 +236,11 @@ class CostModel:
         bw_bytes_per_s = spec.memory_bandwidth_gbytes_per_s * 1e9 * num_gpus * eff.memory_bandwidth
         flops_per_s = max(spec.dense_tflops, 1e-3) * 1e12 * num_gpus * eff.tensor_flops
         t_s = head_params * m.dtype_bytes / bw_bytes_per_s + 2.0 * head_params * rows / flops_per_s
+        if self.measured(gpu, num_gpus):
+            # the roofline says how the head compares with a layer, the measured layer how fast
+            # this machine is (the rig's slowed pseudo-GPUs share one catalog row)
+            t_s *= (self.layer_time_ms(gpu, num_gpus, 0, rows)
+                    / self._analytic_ms(gpu, num_gpus, rows, "decode", eff))
         return t_s * 1000.0
 
     def head_time_s(self, node: NodeSpec, phase: str, rows: int) -> float:

@@ -239,19 +239,20 @@ def test_helix_prototype_model_lands_within_20_percent_of_the_prototype(shared_d
     # the prototype's run: 300 s, the first 60 s not counted
     modelled = run("helix-prototype", duration_s=300.0, warmup_s=60.0)
     assert abs(modelled / PROTOTYPE_DECODE_TOKENS_PER_S - 1) <= 0.20
-    # 220.5 before the last stage's head was timed (docs/calibration.md "The head"); this
+    # 220.5 before the last stage's head was counted (docs/calibration.md "The head"); this
     # mode's kv-feeder makes it move either way by a few % with any change of step times
-    assert modelled == pytest.approx(233.1, abs=0.5)
-    # without the per-layer cost fitted to the prototype's online run, 19% too high (27%
+    assert modelled == pytest.approx(223.0, abs=0.5)
+    # without the per-layer cost fitted to the prototype's online run, 20% too high (27%
     # before the head was counted)
     unfitted = run("helix-prototype", duration_s=300.0, warmup_s=60.0, layer_overhead_s=0.0)
-    assert unfitted == pytest.approx(265.1, abs=0.5)
+    assert unfitted == pytest.approx(267.9, abs=0.5)
     assert unfitted / PROTOTYPE_DECODE_TOKENS_PER_S - 1 > 0.15
 
 
 def test_the_vllm_model_on_helix_placement_is_unchanged(shared_data) -> None:  # type: ignore[no-untyped-def]
     # docs/benchmarks.md: 448.7 decode tokens/s, 600 s offline, 60 s warmup; 448.5 since a
     # request preempted twice re-prefills prompt + its tokens, not its first recompute's again;
-    # 448.41 with the last stage's head (n4, a T4 holding [77, 80), is not the bottleneck)
+    # 449.85 with the last stage's head (n4, a T4 holding [77, 80), is not the bottleneck;
+    # the changed step times move the run's events, +0.3%)
     assert _helix_single_24(shared_data)("vllm", duration_s=600.0, warmup_s=60.0) == \
-        pytest.approx(448.41, abs=0.1)
+        pytest.approx(449.85, abs=0.1)
