@@ -61,7 +61,7 @@ def prefill_heavy(num: int, prompt: int, output: int) -> Workload:
 def profile_class(model_dir: Path, slowdown: float, out: Path, speed: SpeedControl,
                   repeats: int) -> Path:
     """`helixserve profile` of one speed class (through its slowdown or cgroup), gpu column
-    relabelled to the class's pseudo-GPU."""
+    relabelled to the class's pseudo-GPU on every row (layer and head rows alike)."""
     raw = out.with_suffix(".raw.csv")
     cmd = [
         sys.executable, "-m", "helixserve", "profile", "--model", str(model_dir),
@@ -91,16 +91,24 @@ def cluster_profiles(cluster: RigCluster, model_dir: Path, cache: Path, speed: S
     """One profiles CSV for the cluster's classes, measured just before the cluster runs
     (the host's other load drifts; a profile from another time mispredicts every row)."""
     cache.mkdir(parents=True, exist_ok=True)
-    parts = []
+    rows: list[dict[str, str]] = []
+    columns: list[str] = []
     for s in cluster.classes():
         path = cache / f"{cluster.name}-{gpu_class(s)}-{speed.mode}.csv"
         if reprofile or not path.is_file():
             log(f"  profiling {gpu_class(s)} ({speed.mode})")
             profile_class(model_dir, s, path, speed, repeats)
-        parts.append(path.read_text().splitlines())
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            columns += [c for c in reader.fieldnames or [] if c not in columns]
+            rows += list(reader)
+    # a class cached before the profiles had a `part` column (its rows are all layer rows)
+    # merges with newer ones: a missing column is written empty, which reads as its default
     out = cache / f"profiles-{cluster.name}-{speed.mode}.csv"
-    lines = parts[0][:1] + [line for p in parts for line in p[1:]]
-    out.write_text("\n".join(lines) + "\n")
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, restval="")
+        w.writeheader()
+        w.writerows(rows)
     return out
 
 
@@ -120,12 +128,16 @@ def probe_ms(model_dir: Path) -> float:
         if proc.returncode != 0:
             return float("nan")
         with out.open(newline="") as f:
-            times = [float(r["layer_ms"]) for r in csv.DictReader(f)]
+            # layer rows only: the probe is per-layer time (head rows come with them since
+            # `profile` times the head too)
+            times = [float(r["layer_ms"]) for r in csv.DictReader(f)
+                     if (r.get("part") or "layer") == "layer"]
         return math.prod(times) ** (1 / len(times))
 
 
 def scaled_profiles(path: Path, factor: float, out: Path) -> Path:
-    """The profiles CSV with every layer_ms x factor (the host's speed at another time)."""
+    """The profiles CSV with every layer_ms x factor (the host's speed at another time; head
+    rows too, they ran on the same host)."""
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     for r in rows:

@@ -1,7 +1,9 @@
-"""`helixserve profile --model DIR --device cpu --out profiles.csv [--engine vllm]`: time one layer.
+"""`helixserve profile --model DIR --device cpu --out profiles.csv [--engine vllm]`: time one
+layer and the last stage's head.
 
-Writes rows `model,gpu,num_gpus,phase,batch_tokens,layer_ms` (FORMATS.md) measured on
-this machine's device, for the planner to use instead of the analytic cost model.
+Writes rows `model,gpu,num_gpus,phase,batch_tokens,layer_ms,part` (FORMATS.md; part=head rows
+time the final norm + lm_head + sampling, engine/profiler.py) measured on this machine's
+device, for the planner to use instead of the analytic cost model.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "profile", help="measure one layer's time vs batch tokens (profiles CSV for the planner)"
+        "profile", help="measure one layer's (and the head's) time vs batch tokens (profiles CSV for the "
+        "planner)"
     )
     p.add_argument("--model", required=True, help="HF model directory or .gguf file")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -95,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
     rows = profile_model(Path(args.model), args.device, args.dtype, args.model_name, settings,
                          engine)
     write_outputs([Output("--out", out, lambda path: write_profiles_csv(rows, path))])
-    print(f"{'phase':<7} {'batch_tokens':>12} {'layer_ms':>9}")
+    print(f"{'part':<5} {'phase':<7} {'batch_tokens':>12} {'layer_ms':>9}")
     for r in rows:
-        print(f"{r.phase:<7} {r.batch_tokens:>12} {r.layer_ms:>9.3f}")
+        print(f"{r.part:<5} {r.phase:<7} {r.batch_tokens:>12} {r.layer_ms:>9.3f}")
     print(f"wrote {len(rows)} rows ({rows[0].model}, {rows[0].gpu}) to {args.out}")
     return 0

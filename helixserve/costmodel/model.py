@@ -32,6 +32,13 @@ A request holds KV on every node of its route for its whole life but is in one n
 at a time, so a node's batch is its KV's requests over the pipeline depth, not its whole KV
 (the decode-only T(k)); and every output token brings r prompt tokens to prefill. Its flow
 keeps the decode-only units (one token per link and unit, `context_tokens` default).
+The head (the node holding the model's last layer also runs the final norm, the lm_head and
+sampling on one row per sequence sampled in a step; docs/calibration.md "The head"):
+`head_ms` from the profiles' part=head rows, else a roofline like a layer's
+      t_head(n) = (V H + H) bytes/(BW e_bw) + 2 V H n/(F e_f)     (V vocab, H hidden, n rows)
+times, on a machine with measured layers, t_decode(n) measured / t_decode(n) analytic.
+A node's T(k) with `holds_last_layer` adds t_head(b)/b per output token (one sampled row per
+output token).
 """
 
 from __future__ import annotations
@@ -147,7 +154,7 @@ class CostModel:
         self.reserved_bytes_per_gpu = (RESERVED_BYTES_PER_GPU if reserved_gb_per_gpu is None
                                        else reserved_gb_per_gpu * 1e9)
         self.efficiency = self._fit_efficiency()
-        self._throughput_cache: dict[tuple[str, int, float | None, int], float] = {}
+        self._throughput_cache: dict[tuple[str, int, float | None, int, bool], float] = {}
 
     # ---- time -------------------------------------------------------------------------
     def measured(self, gpu: str, num_gpus: int) -> bool:
@@ -178,6 +185,42 @@ class CostModel:
         """Time for `node` to run the batch through `num_layers` layers."""
         ms = self.layer_time_ms(node.gpu, node.num_gpus, prompt_tokens, decode_tokens)
         return num_layers * ms / 1000.0
+
+    def head_ms(self, gpu: str, num_gpus: int, phase: str, rows: int) -> float:
+        """Time of the last stage's head (final norm + lm_head + sampler) in a step that
+        samples `rows` rows (decode: its sequences; prompt: the sequences whose prompt ends
+        in it). From the head rows of the profiles (the other phase's when this one has
+        none), else the roofline of the module doc scaled to the machine's measured layer
+        time; for a machine with measured layers but not in the catalog, its decode layer
+        time times the head's share of parameters."""
+        if rows <= 0:
+            return 0.0
+        name = self.model.name
+        other = "prompt" if phase == "decode" else "decode"
+        curve = (self.profiles.head_curve(name, gpu, num_gpus, phase)
+                 or self.profiles.head_curve(name, gpu, num_gpus, other))
+        if curve is not None:
+            return _interp(curve, rows)
+        m = self.model
+        head_params = m.vocab_size * m.hidden_size + m.hidden_size  # lm_head + final norm
+        if gpu not in self.catalog:
+            return (self.layer_time_ms(gpu, num_gpus, 0, rows)
+                    * head_params / m.layer_params)
+        spec = self.catalog.get(gpu)
+        eff = self.efficiency
+        bw_bytes_per_s = spec.memory_bandwidth_gbytes_per_s * 1e9 * num_gpus * eff.memory_bandwidth
+        flops_per_s = max(spec.dense_tflops, 1e-3) * 1e12 * num_gpus * eff.tensor_flops
+        t_s = head_params * m.dtype_bytes / bw_bytes_per_s + 2.0 * head_params * rows / flops_per_s
+        if self.measured(gpu, num_gpus):
+            # the roofline says how the head compares with a layer, the measured layer how fast
+            # this machine is (the rig's slowed pseudo-GPUs share one catalog row)
+            t_s *= (self.layer_time_ms(gpu, num_gpus, 0, rows)
+                    / self._analytic_ms(gpu, num_gpus, rows, "decode", eff))
+        return t_s * 1000.0
+
+    def head_time_s(self, node: NodeSpec, phase: str, rows: int) -> float:
+        """`head_ms` of `node`, in seconds."""
+        return self.head_ms(node.gpu, node.num_gpus, phase, rows) / 1000.0
 
     def _analytic_ms(self, gpu: str, num_gpus: int, tokens: float, phase: str,
                      eff: Efficiency) -> float:
@@ -314,22 +357,26 @@ class CostModel:
         kv_seqs = self.kv_capacity_tokens(node, num_layers) // self.context_tokens
         return max(0, min(self.batch_limits(node)[1], kv_seqs))
 
-    def node_throughput_tokens_per_s(self, node: NodeSpec, num_layers: int) -> float:
+    def node_throughput_tokens_per_s(self, node: NodeSpec, num_layers: int,
+                                     holds_last_layer: bool = False) -> float:
         """T(k): decode tokens/s through the node holding `num_layers` layers (0 if it can't
-        load them: more than `loadable_layers`); with a workload, output tokens/s of its mix."""
-        key = (node.gpu, node.num_gpus, node.memory_gb, num_layers)
+        load them: more than `loadable_layers`); with a workload, output tokens/s of its mix.
+        `holds_last_layer`: the layers end at the model's last, so the node runs the head too."""
+        key = (node.gpu, node.num_gpus, node.memory_gb, num_layers, holds_last_layer)
         cached = self._throughput_cache.get(key)
         if cached is not None:
             return cached
         value = 0.0
         if 0 < num_layers <= self.loadable_layers(node):
+            head = self.head_time_s if holds_last_layer else None
             if self.serving is not None:
-                value = self._serving_throughput(node, num_layers, self.serving)
+                value = self._serving_throughput(node, num_layers, self.serving, head is not None)
             else:
                 b = self.decode_batch(node, num_layers)
                 if b > 0:
                     value = b / (self.batch_time_s(node, num_layers, 0, b)
-                                 + b * self.prompt_s_per_output_token(node, num_layers))
+                                 + b * self.prompt_s_per_output_token(node, num_layers)
+                                 + (head(node, "decode", b) if head is not None else 0.0))
         self._throughput_cache[key] = value
         return value
 
@@ -344,7 +391,8 @@ class CostModel:
         return (w.prompt_tokens_per_output_token
                 * self.batch_time_s(node, num_layers, p, 0) / p)
 
-    def _serving_throughput(self, node: NodeSpec, num_layers: int, load: Workload) -> float:
+    def _serving_throughput(self, node: NodeSpec, num_layers: int, load: Workload,
+                            with_head: bool = False) -> float:
         """T(k) of a node inside a pipeline serving `load` (module doc)."""
         assert load.pipeline_depth is not None
         requests = self.kv_capacity_tokens(node, num_layers) / load.request_kv_tokens
@@ -354,7 +402,9 @@ class CostModel:
         decode_s_per_token = self.batch_time_s(node, num_layers, 0, b) / b
         p = load.prompt_batch_tokens
         prompt_s_per_token = self.batch_time_s(node, num_layers, p, 0) / p
-        return 1.0 / (decode_s_per_token + load.prompt_tokens_per_output_token * prompt_s_per_token)
+        head_s_per_token = self.head_time_s(node, "decode", b) / b if with_head else 0.0
+        return 1.0 / (decode_s_per_token + load.prompt_tokens_per_output_token * prompt_s_per_token
+                      + head_s_per_token)
 
     def check_fits(self, cluster: ClusterSpec) -> None:
         """Raise UserError when the whole cluster cannot hold every layer of the model."""

@@ -24,6 +24,10 @@ iteration's batch (`scheduler/batch.py`); this module only moves time, links and
   Requests whose route enters the node mid-range (partial inference) run fewer layers, so
   the time is summed over layer segments: segment `[s_k, s_k+1)` runs every request that
   starts at or before `s_k` (the cost model is per-layer additive).
+- The head: an iteration of a node whose range ends at the model's last layer also runs the
+  final norm, lm_head and sampler once, on one row per sequence sampled (every decode step,
+  and each prompt whose last chunk ran), as the worker does (engine/shard.py); its time is
+  the cost model's `head_ms` for those rows (docs/calibration.md "The head").
 - Links carry a finished batch's requests to their next hop as one transfer: activations
   (`tokens x activation_bytes_per_token`) between nodes, token ids (4 bytes each) to and
   from the coordinator; links and NICs are modelled in `network.py`.
@@ -212,7 +216,7 @@ class SimNode:
     __slots__ = (
         "name", "spec", "start", "end", "may_partial", "pq", "dq", "busy", "max_prompt",
         "max_decode", "kv_cap", "busy_s", "iters", "decode_iters", "prompt_iters",
-        "prompt_tokens", "decode_tokens", "busy_timeline", "kv", "budget",
+        "prompt_tokens", "decode_tokens", "busy_timeline", "kv", "budget", "has_head",
     )  # fmt: skip
 
     def __init__(self, spec: NodeSpec, start: int, end: int, cost: CostModel, buckets: int):
@@ -220,6 +224,8 @@ class SimNode:
         self.spec = spec
         self.start, self.end = start, end
         self.may_partial = False  # some route may enter mid-range
+        #: the range ends at the model's last layer: every iteration runs the head too
+        self.has_head = end == cost.model.num_layers
         self.pq: deque[SimRequest] = deque()  # prompts waiting
         self.dq: list[SimRequest] = []  # decode steps waiting
         self.busy = False
@@ -664,6 +670,8 @@ class Simulation:
             dt = self._partial_batch_time(node, prompts, decode)
         else:
             dt = self._time(node, node.end - node.start, prompt_tokens, len(decode))
+        if node.has_head:
+            dt += self._head_time(node, sum(1 for r in prompts if not r.left), len(decode))
         node.busy = True
         node.iters += 1
         if prompts:
@@ -699,6 +707,20 @@ class Simulation:
         if t is None:
             t = self.cost.batch_time_s(node.spec, layers, prompt_tokens, decode)
             t += self.cfg.layer_overhead_s * layers
+            self._batch_time[key] = t
+        return t
+
+    def _head_time(self, node: SimNode, prompts_done: int, decode: int) -> float:
+        """The head over one row per sequence sampled: the decode sequences and the prompts
+        whose last chunk ran (a chunk before it samples nothing). One call for all rows, as
+        the worker runs it; timed by the decode curve when decode rows are in it."""
+        rows = prompts_done + decode
+        if rows == 0:
+            return 0.0
+        key = (node.name, -1, prompts_done, decode)  # layers -1: not a layer time
+        t = self._batch_time.get(key)
+        if t is None:
+            t = self.cost.head_time_s(node.spec, "decode" if decode else "prompt", rows)
             self._batch_time[key] = t
         return t
 

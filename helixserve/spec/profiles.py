@@ -1,8 +1,14 @@
-"""Measured per-layer times (CSV `model,gpu,num_gpus,phase,batch_tokens,layer_ms`).
+"""Measured per-layer times (CSV `model,gpu,num_gpus,phase,batch_tokens,layer_ms[,part]`).
 
 A curve is the time of ONE layer as a function of the tokens in the batch, for one
 (model, gpu, num_gpus, phase). Curves are kept sorted by batch_tokens; they are not
 assumed monotone (the Helix measurements have dips).
+
+The optional column `part` says what a row times: `layer` (the default, and every row of a
+file without the column) or `head`: the last stage's final norm + lm_head + sampling, run
+once per step on the rows it samples. A head row's `batch_tokens` is the number of those
+rows (the decode batch; for a prompt step the sequences whose prompt ends in it, one row
+each) and its `layer_ms` the head's whole time for them.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from helixserve.errors import UserError, read_user_file
 
 PHASES = ("prompt", "decode")
 COLUMNS = ("model", "gpu", "num_gpus", "phase", "batch_tokens", "layer_ms")
+#: optional columns (FORMATS.md: added fields are optional; a file without them reads as before)
+PART_COLUMN = "part"
+PARTS = ("layer", "head")
 
 CurveKey = tuple[str, str, int, str]  # (model, gpu, num_gpus, phase)
 
@@ -32,6 +41,8 @@ class Curve:
 class ProfileTable:
     curves: dict[CurveKey, Curve] = field(default_factory=dict)
     source: str = "profiles"
+    #: rows with part=head: the head's time (not per layer) vs rows sampled in the step
+    head_curves: dict[CurveKey, Curve] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> ProfileTable:
@@ -39,6 +50,9 @@ class ProfileTable:
 
     def curve(self, model: str, gpu: str, num_gpus: int, phase: str) -> Curve | None:
         return self.curves.get((model, gpu, num_gpus, phase))
+
+    def head_curve(self, model: str, gpu: str, num_gpus: int, phase: str) -> Curve | None:
+        return self.head_curves.get((model, gpu, num_gpus, phase))
 
     def has(self, model: str, gpu: str, num_gpus: int) -> bool:
         """True when both phases are measured for this model on this machine."""
@@ -64,12 +78,16 @@ def load_profiles(path: str | Path) -> ProfileTable:
     if missing:
         raise UserError(f"{p}: header: missing columns {', '.join(missing)}; expected "
                         f"{','.join(COLUMNS)}")
-    points: dict[CurveKey, dict[int, float]] = {}
+    points: dict[str, dict[CurveKey, dict[int, float]]] = {part: {} for part in PARTS}
     for line_no, row in enumerate(reader, start=2):
         where = f"{p}: line {line_no}"
         phase = row["phase"]
         if phase not in PHASES:
             raise UserError(f"{where}: phase: bad value {phase!r}; known: prompt, decode")
+        part = (row.get(PART_COLUMN) or "").strip() or "layer"
+        if part not in PARTS:
+            raise UserError(f"{where}: {PART_COLUMN}: bad value {part!r}; known: "
+                            f"{', '.join(PARTS)}")
         num_gpus = _field(row, "num_gpus", int, where)
         tokens = _field(row, "batch_tokens", int, where)
         ms = _field(row, "layer_ms", float, where)
@@ -81,9 +99,10 @@ def load_profiles(path: str | Path) -> ProfileTable:
             raise UserError(f"{where}: layer_ms: bad value {row['layer_ms']!r}; must be a "
                             "finite number > 0")
         # a repeated point keeps the last value (a re-run of `helixserve profile` wins)
-        points.setdefault((row["model"], row["gpu"], num_gpus, phase), {})[tokens] = ms
-    curves = {
-        key: Curve(tuple(sorted(pts)), tuple(pts[t] for t in sorted(pts)))
-        for key, pts in points.items()
-    }
-    return ProfileTable(curves, source=str(p))
+        points[part].setdefault((row["model"], row["gpu"], num_gpus, phase), {})[tokens] = ms
+
+    def curves(part: str) -> dict[CurveKey, Curve]:
+        return {key: Curve(tuple(sorted(pts)), tuple(pts[t] for t in sorted(pts)))
+                for key, pts in points[part].items()}
+
+    return ProfileTable(curves("layer"), source=str(p), head_curves=curves("head"))

@@ -286,3 +286,32 @@ def test_rig_stack_serves_and_leaves_nothing_behind(tmp_path: Path) -> None:
         with socket.socket() as s:
             assert s.connect_ex((host, int(port))) != 0, f"{address} still listening"
     assert not speed.base.exists()
+
+
+def test_cluster_profiles_merge_cached_classes_with_and_without_head_rows(tmp_path: Path) -> None:
+    """A class profiled before the `part` column existed merges with a new one: its rows stay
+    layer rows, the new class keeps its head rows under its pseudo-GPU (no profiling here:
+    both classes are in the cache)."""
+    from types import SimpleNamespace
+
+    from benchmarks.rig.measure import cluster_profiles
+    from helixserve.spec import load_profiles
+
+    rig = next(c for c in CLUSTERS.values() if len(c.classes()) >= 2)
+    old, new = rig.classes()[:2]
+    speed = SimpleNamespace(mode="slowdown")
+    head = "model,gpu,num_gpus,phase,batch_tokens,layer_ms"
+    (tmp_path / f"{rig.name}-{gpu_class(old)}-slowdown.csv").write_text(
+        f"{head}\nm,{gpu_class(old)},1,decode,1,1.0\nm,{gpu_class(old)},1,prompt,64,5.0\n")
+    (tmp_path / f"{rig.name}-{gpu_class(new)}-slowdown.csv").write_text(
+        f"{head},part\nm,{gpu_class(new)},1,decode,1,2.0,layer\n"
+        f"m,{gpu_class(new)},1,prompt,64,9.0,layer\nm,{gpu_class(new)},1,decode,1,30.0,head\n")
+    for s in rig.classes()[2:]:  # any further class: a layer-only cache entry
+        (tmp_path / f"{rig.name}-{gpu_class(s)}-slowdown.csv").write_text(
+            f"{head}\nm,{gpu_class(s)},1,decode,1,1.0\nm,{gpu_class(s)},1,prompt,64,5.0\n")
+    out = cluster_profiles(rig, tmp_path, tmp_path, speed, 1, False, print)  # type: ignore[arg-type]
+    table = load_profiles(out)
+    assert table.has("m", gpu_class(old), 1) and table.has("m", gpu_class(new), 1)
+    assert table.head_curve("m", gpu_class(old), 1, "decode") is None
+    curve = table.head_curve("m", gpu_class(new), 1, "decode")
+    assert curve is not None and curve.layer_ms == (30.0,)

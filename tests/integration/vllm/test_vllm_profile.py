@@ -1,5 +1,5 @@
-"""`helixserve profile --engine vllm`: per-layer prefill and decode times of the vLLM stage, in
-the profiles CSV the planner reads."""
+"""`helixserve profile --engine vllm`: per-layer prefill and decode times of the vLLM stage and
+its head, in the profiles CSV the planner reads."""
 
 from __future__ import annotations
 
@@ -24,11 +24,15 @@ def test_profile_vllm_writes_prompt_and_decode_rows(demo_model, tmp_path):
                          env=dict(os.environ, **ENV))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = list(csv.DictReader(out.open()))
-    assert [(r["phase"], int(r["batch_tokens"])) for r in rows] == [
-        ("prompt", 64), ("prompt", 256), ("decode", 1), ("decode", 8)]
+    assert [(r["part"], r["phase"], int(r["batch_tokens"])) for r in rows] == [
+        ("layer", "prompt", 64), ("layer", "prompt", 256), ("layer", "decode", 1),
+        ("layer", "decode", 8), ("head", "prompt", 1), ("head", "prompt", 8),
+        ("head", "decode", 1), ("head", "decode", 8)]
     assert all(r["model"] == demo_model.name and float(r["layer_ms"]) > 0 for r in rows)
     # 4x the prompt tokens cost more than 1x: the stage really computes them
     assert float(rows[1]["layer_ms"]) > float(rows[0]["layer_ms"])
+    # the head (49152 x 576 lm_head + sampling) is timed, not a floor value
+    assert all(float(r["layer_ms"]) > 0.0001 for r in rows[4:])
 
 
 READ_RANGE = r"""

@@ -170,3 +170,30 @@ def test_weight_fraction_bounds_the_layers_and_names_itself(parts) -> None:  # t
     assert third.max_layers(node) < half.max_layers(node)
     with pytest.raises(UserError, match="weight_fraction"):
         CostModel(model, profiles, weight_fraction=0.0)
+
+
+def test_head_is_a_roofline_without_head_rows(cost70):
+    # LLaMA-2-70B: lm_head 32000 x 8192 = 262M parameters against 856M in a layer, so about
+    # 0.3 of a layer's decode time at small batches (docs/calibration.md "The head")
+    for gpu in ("A100-40GB", "L4", "T4"):
+        ratio = cost70.head_ms(gpu, 1, "decode", 2) / cost70.layer_time_ms(gpu, 1, 0, 2)
+        assert 0.25 < ratio < 0.4, gpu
+    assert cost70.head_ms("A100-40GB", 1, "decode", 64) > cost70.head_ms("A100-40GB", 1,
+                                                                         "decode", 1)
+    assert cost70.head_ms("A100-40GB", 1, "decode", 0) == 0.0
+
+
+def test_head_rows_of_the_profile_are_used(profiles):
+    from helixserve.spec import Curve, ProfileTable
+
+    heads = {("llama-2-70b", "A100-40GB", 1, "decode"): Curve((1, 9), (1.0, 2.0))}
+    table = ProfileTable(profiles.curves, head_curves=heads)
+    cost = CostModel(load_model(SHARED / "models" / "llama-2-70b"), table)
+    assert cost.head_ms("A100-40GB", 1, "decode", 5) == pytest.approx(1.5)
+    assert cost.head_ms("A100-40GB", 1, "prompt", 1) == pytest.approx(1.0)  # the other phase's
+    node = NodeSpec("x", "A100-40GB")
+    b = cost.decode_batch(node, 6)
+    plain = cost.node_throughput_tokens_per_s(node, 6)
+    last = cost.node_throughput_tokens_per_s(node, 6, holds_last_layer=True)
+    assert 1 / last == pytest.approx(1 / plain + cost.head_ms("A100-40GB", 1, "decode", b)
+                                     / 1000 / b)

@@ -2,7 +2,9 @@
 
 A `tiny` Llama (1024 hidden, 4 layers) on machines whose profiled per-layer time is a
 constant (`decode_ms` for any decode batch up to `max_decode`, `prompt_ms` for any prompt),
-so the iteration time of a batch is known exactly: layers x (prompt_ms + decode_ms).
+so the iteration time of a batch is known exactly: layers x (prompt_ms + decode_ms), plus
+`head_ms` on a machine holding the last layer when the iteration samples a row (0 unless
+given: the profiles' head rows say so, so the cost model does not estimate one).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Machine:
     prompt_ms: float = 0.0
     max_decode: int = 8
     memory_gb: float = 16.0
+    head_ms: float = 0.0
 
 
 @dataclass
@@ -59,10 +62,13 @@ def make_setup(
     """Each machine gets its own GPU type (profiles are per GPU type): pass distinct gpus."""
     model = parse_model(TINY, "tiny")
     curves = {}
+    heads = {}
     for m in machines:
         curves[("tiny", m.gpu, 1, "decode")] = Curve((1, m.max_decode), (m.decode_ms, m.decode_ms))
         curves[("tiny", m.gpu, 1, "prompt")] = Curve((1, 100_000), (m.prompt_ms, m.prompt_ms))
-    cost = CostModel(model, ProfileTable(curves, source="test"))
+        for phase in ("decode", "prompt"):
+            heads[("tiny", m.gpu, 1, phase)] = Curve((1, 100_000), (m.head_ms, m.head_ms))
+    cost = CostModel(model, ProfileTable(curves, source="test", head_curves=heads))
     cluster = parse_cluster(
         {
             "name": "analytic",

@@ -48,6 +48,36 @@ def test_two_stage_pipeline_is_limited_by_the_slower_stage() -> None:
     assert 0.45 < util["a"] < 0.75
 
 
+
+def test_the_head_runs_on_the_last_stage_only_and_the_flow_leaves_it_out() -> None:
+    # a: 2 layers x 10 ms per batch of 8 (400 tokens/s); b: 2 x 10 ms + its head 20 ms per
+    # batch (200 tokens/s). The same head on a (not holding layer 3) costs nothing. The
+    # planner's flow is per layer (Helix's T(k), the same wherever the layers sit), so it
+    # leaves the head out: 400 tokens/s.
+    s = with_flows(make_setup([Machine("a", "T4", 0, 2, decode_ms=10.0, head_ms=20.0),
+                               Machine("b", "L4", 2, 4, decode_ms=10.0, head_ms=20.0)]))
+    assert s.placement.throughput_tokens_per_s == pytest.approx(400.0, rel=0.01)
+    out = run(
+        s, fixed_requests(50, prompt=16, output=1000), offline=True, duration_s=60.0, warmup_s=10.0
+    )
+    assert out["decode_throughput_tokens_per_s"] == pytest.approx(200.0, rel=0.02)
+    assert {n["name"]: n["utilization"] for n in out["nodes"]}["b"] == pytest.approx(1.0, abs=0.02)
+
+
+def test_a_prompt_reaches_the_head_once_after_its_last_chunk() -> None:
+    # prompt of 100 in chunks of 40, 40, 20 (5 ms a layer whatever the chunk): a runs 3 x 10 ms,
+    # b 3 x 10 ms and the head (7 ms) after the last chunk only: the first token at 67 ms
+    # (a head after every chunk would give 81 ms)
+    s = with_flows(make_setup([Machine("a", "T4", 0, 2, decode_ms=1.0, prompt_ms=5.0),
+                               Machine("b", "L4", 2, 4, decode_ms=1.0, prompt_ms=5.0,
+                                       head_ms=7.0)]))
+    sim = Simulation(s.cluster, s.model, s.cost, s.placement, fixed_requests(1, 100, 1),
+                     SimConfig(scheduler="maxflow", duration_s=5.0, chunked_prefill=True,
+                               max_prompt_tokens=40))
+    sim.run()
+    (r,) = sim.finished
+    assert r.first_s - r.arrival_s == pytest.approx(0.067, abs=1e-6)  # links: ns
+
 def test_link_limited_pipeline() -> None:
     # Each token crosses a -> b as 1024 x 2 = 2048 bytes; the link carries 204,800 B/s, i.e.
     # 100 token-activations/s. Per request: 16 prompt tokens + 999 decode steps cross it for

@@ -240,17 +240,20 @@ def test_helix_prototype_model_lands_within_20_percent_of_the_prototype(shared_d
     # the prototype's run: 300 s, the first 60 s not counted
     modelled = run("helix-prototype", duration_s=300.0, warmup_s=60.0)
     assert abs(modelled / PROTOTYPE_DECODE_TOKENS_PER_S - 1) <= 0.20
-    assert modelled == pytest.approx(220.5, abs=0.5)  # benchmarks/results/calibration.json
-    # without the per-layer cost fitted to the prototype's online run, 27% too high
+    # 220.5 before the last stage's head was counted (docs/calibration.md "The head"); this
+    # mode's kv-feeder makes it move either way by a few % with any change of step times
+    assert modelled == pytest.approx(229.6, abs=0.5)
+    # without the per-layer cost fitted to the prototype's online run, 26% too high (27%
+    # before the head was counted)
     unfitted = run("helix-prototype", duration_s=300.0, warmup_s=60.0, layer_overhead_s=0.0)
-    assert unfitted == pytest.approx(284.1, abs=0.5)
-    assert unfitted / PROTOTYPE_DECODE_TOKENS_PER_S - 1 > 0.20
+    assert unfitted == pytest.approx(281.2, abs=0.5)
+    assert unfitted / PROTOTYPE_DECODE_TOKENS_PER_S - 1 > 0.15
 
 
 def test_the_vllm_model_on_helix_placement_is_unchanged(shared_data) -> None:  # type: ignore[no-untyped-def]
-    # docs/calibration.md: 453.9 decode tokens/s, 600 s offline, 60 s warmup, the prompt
-    # chunks pipelining along the route as the runtime sends them (448.5 when a prompt moved
-    # on whole; a request preempted twice re-prefills prompt + its tokens, not its first
-    # recompute's again)
+    # docs/calibration.md: 451.3 decode tokens/s, 600 s offline, 60 s warmup: the prompt
+    # chunks pipeline along the route as the runtime sends them, and the last stage runs the
+    # head (448.5 with neither; a request preempted twice re-prefills prompt + its tokens,
+    # not its first recompute's again)
     assert _helix_single_24(shared_data)("vllm", duration_s=600.0, warmup_s=60.0) == \
-        pytest.approx(453.94, abs=0.1)
+        pytest.approx(451.28, abs=0.1)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from helixserve.errors import UserError
-from helixserve.spec import load_gpu_catalog, load_model, load_profiles
+from helixserve.spec import Curve, load_gpu_catalog, load_model, load_profiles
 
 SHARED = Path(__file__).resolve().parents[2] / "data" / "shared"
 
@@ -54,11 +54,25 @@ def test_model_errors(tmp_path):
 def test_shared_profiles_load_every_curve():
     table = load_profiles(SHARED / "profiles" / "helix-measured.csv")
     assert len(table.curves) == 28  # 2 models x 7 machines x 2 phases
+    assert table.head_curves == {}  # a file without the part column: layer rows only
     assert table.has("llama-2-70b", "T4", 4)
     assert not table.has("llama-2-70b", "H100-80GB", 1)
     c = table.curve("llama-2-70b", "A100-40GB", 1, "decode")
     assert c is not None and c.batch_tokens[0] == 2 and c.layer_ms[0] == 1.4
     assert list(c.batch_tokens) == sorted(c.batch_tokens)
+
+
+def test_part_column_is_optional_and_keeps_head_rows_apart(tmp_path):
+    p = tmp_path / "p.csv"
+    p.write_text("model,gpu,num_gpus,phase,batch_tokens,layer_ms,part\n"
+                 "m,L4,1,decode,1,2.0,layer\nm,L4,1,decode,1,0.5,head\nm,L4,1,decode,8,0.7,head\n"
+                 "m,L4,1,prompt,64,3.0,\n")  # an empty part is a layer row
+    table = load_profiles(p)
+    assert table.curve("m", "L4", 1, "decode") == Curve((1,), (2.0,))
+    assert table.curve("m", "L4", 1, "prompt") == Curve((64,), (3.0,))
+    assert table.head_curve("m", "L4", 1, "decode") == Curve((1, 8), (0.5, 0.7))
+    assert table.head_curve("m", "L4", 1, "prompt") is None
+    assert table.has("m", "L4", 1)
 
 
 @pytest.mark.parametrize(
@@ -79,6 +93,8 @@ def test_shared_profiles_load_every_curve():
          "line 2: layer_ms: bad value 'inf'"),
         ("model,gpu,num_gpus,phase,batch_tokens,layer_ms\nm,L4,0,decode,2,1.0\n",
          "line 2: num_gpus: bad value 0; must be >= 1"),
+        ("model,gpu,num_gpus,phase,batch_tokens,layer_ms,part\nm,L4,1,decode,2,1.0,lm_head\n",
+         "line 2: part: bad value 'lm_head'; known: layer, head"),
     ],
 )
 def test_profile_errors(tmp_path, text, message):
