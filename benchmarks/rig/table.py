@@ -58,6 +58,9 @@ def rankings(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "same_order": [r["placement"] for r in real] == [r["placement"] for r in sim],
             "milp_vs_best_measured": (milp["measured"]["decode_tokens_per_s"] / best
                                       if milp and best else None),
+            # which candidate milp's selection kept for this burst (None: milp-flow only)
+            "milp_kept": next((c["source"] for c in (milp or {}).get("selection") or []
+                               if c.get("chosen")), None),
             "milp_vs_each_measured": {
                 r["placement"]: (milp["measured"]["decode_tokens_per_s"]
                                  / r["measured"]["decode_tokens_per_s"])
@@ -83,7 +86,8 @@ def format_summary(results: list[dict[str, Any]]) -> str:
             f"{g['cluster']:<14}{g['workload']:<15} measured: {' > '.join(g['measured_order'])}"
             f"; simulated: {' > '.join(g['simulated_order'])}"
             f"{' (same)' if g['same_order'] else ''}; milp/best measured "
-            f"{ratio:.2f}" if ratio is not None else "")
+            f"{ratio:.2f}{f' (milp kept {kept})' if (kept := g['milp_kept']) else ''}"
+            if ratio is not None else "")
     return "\n".join(lines)
 
 
