@@ -54,6 +54,9 @@ def main() -> int:
     p.add_argument("--workloads", default="conversation,prefill-heavy", help="comma list")
     p.add_argument("--requests", type=int, default=None, metavar="N",
                    help="requests per burst (default: 6 and 3 with --quick, 16 and 8 without)")
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="bursts per (placement, workload), on the same stack; each row "
+                   "reports the per-metric median and the JSON every run (default 1)")
     p.add_argument("--speed", choices=SPEED_MODES, default="slowdown",
                    help="slowdown (worker --slowdown, default) or cgroup (CPU quotas; root)")
     p.add_argument("--insecure", action="store_true",
@@ -64,6 +67,9 @@ def main() -> int:
     p.add_argument("--max-seconds", type=float, default=3600.0,
                    help="every process the rig starts stops by itself after this (default 3600)")
     args = p.parse_args()
+    if args.repeats < 1:
+        print(f"--repeats: bad value {args.repeats}; need >= 1", file=sys.stderr)
+        return 2
     if args.requests is not None and args.requests < 1:
         print(f"--requests: bad value {args.requests}; need >= 1", file=sys.stderr)
         return 2
@@ -78,6 +84,7 @@ def main() -> int:
         speed=args.speed,
         reprofile=args.reprofile,
         max_seconds=args.max_seconds,
+        repeats=args.repeats,
         tls=not args.insecure,
         log=lambda msg: print(msg, flush=True),
     )

@@ -201,6 +201,13 @@ def measure(api_url: str, model_name: str, workload: Workload,
     return metrics(times), times, errors
 
 
+def median_metrics(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per metric, the median over repeated bursts (each metric on its own)."""
+    import statistics
+
+    return {k: float(statistics.median(r[k] for r in runs)) for k in runs[0]}
+
+
 # ---- simulated -----------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from benchmarks.rig.measure import (
     cluster_profiles,
     conversation,
     measure,
+    median_metrics,
     prefill_heavy,
     probe_ms,
     runtime_engine,
@@ -52,6 +53,8 @@ class RigOptions:
     workloads: tuple[Workload, ...] = ()
     speed: str = "slowdown"
     plan_time_limit_s: float = 20.0
+    #: bursts per (placement, workload) on one stack; the row reports their median
+    repeats: int = 1
     #: the planners' work budget (plan --work-limit): the same placements on a busy host
     plan_work_limit: float | None = 40.0
     profile_repeats: int = 3
@@ -128,8 +131,13 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
             for wl in workloads:
                 t1 = time.monotonic()
                 load_before = os.getloadavg()[0]
-                measured, times, errors = measure(stack.api_url, model_dir.name, wl,
-                                                  opts.request_timeout_s)
+                # the same burst `repeats` times on this stack: one burst of a few requests
+                # varies by +-25% from run to run on this host, so the row holds the median
+                runs = [measure(stack.api_url, model_dir.name, wl, opts.request_timeout_s)
+                        for _ in range(opts.repeats)]
+                measured = median_metrics([m for m, _, _ in runs])
+                times = runs[0][1]
+                errors = [e for _, _, errs in runs for e in errs]
                 load_after = os.getloadavg()[0]
                 lengths = [(t.prompt_tokens, t.output_tokens) for t in times] or list(wl.requests)
                 simulated = {eng: simulate(spec, model, cost, placement, lengths, eng)
@@ -146,6 +154,8 @@ def run_cluster(name: str, opts: RigOptions, speed: SpeedControl) -> list[dict[s
                     "simulated_by_engine": simulated,
                     "simulated_host_scaled": sim_now,
                     "measured": measured,
+                    # every repeat's metrics ("measured" is their per-key median)
+                    "measured_runs": [m for m, _, _ in runs],
                     "errors": errors[:5], "failed": len(errors),
                     # (prompt, output) tokens of each request as served: the simulated burst
                     "lengths": lengths,

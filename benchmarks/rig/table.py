@@ -104,9 +104,11 @@ def format_markdown(results: list[dict[str, Any]]) -> str:
         def cell(key: str, fmt: str, m: dict[str, Any] = m, s: dict[str, Any] = s) -> str:
             return (f"{m[key]:{fmt}} / {s[key]:{fmt}} ({rel_error(s[key], m[key]):+.0%})")
 
+        runs = [x["decode_tokens_per_s"] for x in r.get("measured_runs") or []]
+        spread = f" [{min(runs):.1f}-{max(runs):.1f}]" if len(runs) > 1 else ""
         lines.append(
             f"| {r['cluster']} | {r['workload']} | {r['placement']} "
-            f"| {cell('decode_tokens_per_s', '.2f')} | {cell('ttft_p50_s', '.1f')} "
+            f"| {cell('decode_tokens_per_s', '.2f')}{spread} | {cell('ttft_p50_s', '.1f')} "
             f"| {cell('tpot_p50_s', '.2f')} "
             f"| {rel_error(s['ttft_p95_s'], m['ttft_p95_s']):+.0%} "
             f"| {rel_error(s['tpot_p95_s'], m['tpot_p95_s']):+.0%} "
