@@ -62,7 +62,11 @@ def test_replan_on_a_work_budget_is_the_same_placement_every_time():
                           default_link=LinkSpec(8.0, 1.0))
     current = Placement(model.name, "c", 80, "milp",
                         [NodeRange(f"a{i}", 10 * i, 10 * i + 10) for i in range(8)])
-    coord = SimpleNamespace(model_spec=model, model_dir=None)
+    # the coordinator's cost model (Coordinator.cost_model: analytic without profiles)
+    from helixserve.costmodel import CostModel
+
+    cost = CostModel(model)
+    coord = SimpleNamespace(model_spec=model, model_dir=None, cost_model=lambda: cost)
     recovery = Recovery(coord, cluster, RecoveryConfig(plan_work_limit=0.3))
     live = sorted(n.name for n in cluster.nodes if n.name != "a0")
     first, value = recovery._plan_and_value(live, current)
