@@ -39,7 +39,6 @@ down after `hang_timeout_s`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -58,8 +57,15 @@ from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
 from helixserve.runtime.replan import Recovery
 from helixserve.runtime.transport import WireItem, WireResult
+from helixserve.scheduler.core import (
+    Admission,
+    CoreRequest,
+    QueueFullError,
+    RerouteLimitError,
+    SchedulerCore,
+    SchedulerPolicy,
+)
 from helixserve.scheduler.kv import KvBook, KvPolicy
-from helixserve.scheduler.queue import AdmissionQueue
 from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, RUNTIME_VICTIM_RULE
 
 if TYPE_CHECKING:
@@ -80,10 +86,6 @@ class NoRouteError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
-class QueueFullError(RuntimeError):
-    """The bounded waiting queue is full (the API answers 503/429)."""
-
-
 class RequestFailedError(RuntimeError):
     """A worker reported an error for the request that re-routing cannot fix."""
 
@@ -99,7 +101,6 @@ class _Active:
     route_addresses: tuple[str, ...] = ()
     results: asyncio.Queue[WireResult | NodeFailure] = field(default_factory=asyncio.Queue)
     generated: list[int] = field(default_factory=list)
-    reroutes: int = 0
     #: step ids sent on the current route whose result (token or ack) has not come back
     pending: set[int] = field(default_factory=set)
     #: the coordinator's placement epoch when the current route was made (replan.py)
@@ -121,18 +122,23 @@ class Coordinator:
                  kv_watermark: float = DEFAULT_KV_WATERMARK) -> None:
         self.placement = placement
         self.model_dir = Path(model_dir)
-        self.router = router
-        self.max_queue = max_queue
-        self.max_reroutes = max_reroutes
         self.stats_interval_s = stats_interval_s
+        #: every admission, route, KV and preemption decision: the scheduling core, the one
+        #: the simulator drives (scheduler/core.py). Its capacities are the workers' reports
+        #: (they may change under running requests), so a worker says when it is out of KV
+        #: and the victim is the request whose step failed (RUNTIME_VICTIM_RULE)
+        self.core = SchedulerCore(router, SchedulerPolicy(
+            kv=KvPolicy(kv_allocation, kv_watermark, victim_rule=RUNTIME_VICTIM_RULE),
+            exact_capacities=False, max_queue=max_queue, max_reroutes=max_reroutes))
+        #: requests waiting for admission: the core's answer, by internal id
+        self._waiters: dict[str, asyncio.Future[Admission]] = {}
+        self._pump_due = False
         # the id is derived from a secret only this coordinator knows (runtime/security.py)
         self.coordinator_id, self._coordinator_token = security.new_coordinator_identity()
         self.nodes: dict[str, NodeClient] = {}
         self.active: dict[str, _Active] = {}
-        self.waiting = 0
         self._ids = itertools.count()
         self._steps = itertools.count(1)
-        self._admit = asyncio.Condition()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._releases: set[asyncio.Task[Any]] = set()
         self.hop_counts: dict[tuple[str, ...], int] = {}
@@ -140,14 +146,6 @@ class Coordinator:
         self.reroutes = 0  # requests moved to a new route after a failure, since start
         self.kv_allocation = kv_allocation
         self.kv_watermark = kv_watermark
-        #: KV held per worker and request, admission sizes and the victim rule: the scheduling
-        #: core's ledger (scheduler/kv.py), the same the simulator keeps. Capacities are the
-        #: workers' reports (not strict: they may change under running requests)
-        self.kv = KvBook(KvPolicy(kv_allocation, kv_watermark, victim_rule=RUNTIME_VICTIM_RULE),
-                         {}, strict=False)
-        self.preemptions = 0  # on-demand KV: requests recomputed after a worker ran out of KV
-        #: internal ids of the requests waiting for admission, in the core's order
-        self.queue: AdmissionQueue[str] = AdmissionQueue()
         #: bumped when a re-plan starts and when it ends: a re-route of a request routed
         #: before then is not counted against max_reroutes
         self.epoch = 0
@@ -161,6 +159,24 @@ class Coordinator:
         self.down_reasons: dict[str, str] = {}
         #: per node: process_up, restarts, last_exit_code, from a local supervisor if any
         self.process_stats: Callable[[], dict[str, dict[str, Any]]] | None = None
+
+    @property
+    def router(self) -> Any:
+        return self.core.router
+
+    @property
+    def kv(self) -> KvBook:
+        """The core's KV ledger."""
+        return self.core.kv
+
+    @property
+    def waiting(self) -> int:
+        return self.core.waiting
+
+    @property
+    def preemptions(self) -> int:
+        """On-demand KV: requests recomputed after a worker ran out of KV."""
+        return self.core.preemptions
 
     @classmethod
     async def create(
@@ -211,7 +227,7 @@ class Coordinator:
         for node, res in zip(self.nodes.values(), results, strict=True):
             if isinstance(res, ConnectionError) and node.info is None:
                 unreachable.append(f"{node.name}: {res}")
-                self.router.node_down(node.name)
+                self.core.node_down(node.name)
             elif isinstance(res, BaseException):
                 await asyncio.gather(*(n.close() for n in self.nodes.values()),
                                      return_exceptions=True)
@@ -236,6 +252,8 @@ class Coordinator:
         assert any_info is not None
         self.prefill_chunk_tokens = _chunk_tokens(any_info, cfg.prefill_chunk_tokens)
         self.max_model_len = cfg.max_model_len or _config_max_len(self.model_dir) or 2048
+        self.core.policy = dataclasses.replace(self.core.policy,
+                                               max_model_len=self.max_model_len)
         eos: set[int] = set()
         for n in self.nodes.values():
             if n.info is not None and n.end_layer == placement.num_layers:
@@ -291,15 +309,14 @@ class Coordinator:
                 await node.close()
                 return
             log.info("node %s is back", node.name)
-            self.router.node_up(node.name)
+            self.core.node_up(node.name)
             if self.recovery is not None:
                 try:
                     await self.recovery.rejoin(node)
                 except Exception as exc:  # keep serving over the placement we have
                     log.exception("node %s rejoined, but routing over it failed: %s",
                                   node.name, exc)
-            async with self._admit:
-                self._admit.notify_all()
+            self._pump()
 
     def cost_model(self) -> CostModel:
         """The cost model the router and the re-plan use (runtime/costs.py): `create` builds
@@ -312,53 +329,34 @@ class Coordinator:
     async def _install_placement(self, placement: Any) -> None:
         """Route over `placement` from now on (a re-plan, a worker back with another range).
         Running requests whose route is still valid keep it, with their KV promises."""
-        from helixserve.scheduler import Route, make_router
+        from helixserve.scheduler import make_router
 
         options = await asyncio.get_running_loop().run_in_executor(
             None, _routing_inputs, self.cluster, placement, self.cost_model(), True)
         router = make_router(self.scheduler, placement, seed=self.epoch, **options)
-        for name, n in self.nodes.items():
-            if not n.alive and placement.range_of(name) is not None:
-                router.node_down(name)
-        for act in self.active.values():
-            hold = self.kv.holds.get(act.internal_id)
-            router.adopt(act.internal_id, Route(act.route_hops),
-                         hold.promised_tokens if hold is not None else 0)
-        self.placement, self.router = placement, router
+        # running requests keep their routes and KV; one the new ranges do not hold fails
+        # its next step on the worker that moved, and is re-routed then
+        self.core.install(router)
+        self.placement = placement
         log.warning("routing over %s", ", ".join(
             f"{r.name} [{r.start_layer}, {r.end_layer})" for r in placement.nodes))
 
-    def _node_states(self) -> dict[str, Any]:
-        from helixserve.scheduler import NodeState
-
-        # The router keeps its own KV promises per routed request (scheduler/base.py), so it
-        # gets each node's capacity (as the worker reports it), not its live free count, less
-        # what the ledger says it may not promise (on demand: the watermark and the tokens
-        # generated since admission).
-        states = {}
+    def _sync_nodes(self) -> None:
+        """Hand the core the workers' latest reports: KV capacity (tokens), queue, liveness,
+        block size (the ledger asks the router for block slack, so its promises in tokens
+        never add up to more blocks than a worker has)."""
+        self.core.set_block_size(self._block_size())
         for name, n in self.nodes.items():
-            kv = self.kv.set_capacity(name, n.kv_capacity_tokens)
-            states[name] = NodeState(name, kv_free_tokens=kv.router_free_tokens,
-                                     queue_len=n.queue_len, alive=n.alive)
-        return states
-
-    def _largest_route_kv_tokens(self) -> int:
-        """KV tokens the roomiest route could give one request when idle: for each layer the
-        largest capacity among live nodes holding it, minimised over layers."""
-        best = [0] * self.placement.num_layers
-        for n in self.nodes.values():
-            if n.alive:
-                for layer in range(n.start_layer, n.end_layer):
-                    best[layer] = max(best[layer], n.kv_capacity_tokens)
-        return min(best)
+            self.core.report(name, n.kv_capacity_tokens, n.queue_len, n.alive)
 
     def max_new_tokens(self, prompt_tokens: int) -> int | None:
         """Most tokens a request of this prompt length could generate on the roomiest route
-        of the live workers (its KV must hold prompt + output, plus the block slack `_route`
-        asks for); None while no route covers the model or before the workers reported."""
+        of the live workers; None while no route covers the model or before the workers
+        reported."""
         if not self._covered():
             return None
-        return self._largest_route_kv_tokens() - prompt_tokens - (self._block_size() - 1)
+        self._sync_nodes()
+        return self.core.max_new_tokens(prompt_tokens)
 
     def _block_size(self) -> int:
         return max((n.info.kv_block_size for n in self.nodes.values() if n.info), default=1)
@@ -427,7 +425,7 @@ class Coordinator:
         log.warning("node %s down: %s", node, reason)
         self.down_events += 1
         self.down_reasons[node] = reason
-        self.router.node_down(node)
+        self.core.node_down(node)
         for act in self.active.values():
             if any(h.name == node for h in act.route_hops):
                 act.results.put_nowait(NodeFailure(node, reason))
@@ -487,7 +485,7 @@ class Coordinator:
 
     def _on_token(self, act: _Active, token_id: int) -> None:
         act.generated.append(token_id)
-        self.kv.grow(act.internal_id)  # on-demand: its next step takes one more slot
+        self.core.on_token(act.internal_id)  # on-demand: its next step takes one more slot
         self.tokens_generated += 1
 
     def _new_internal_id(self, req: GenerationRequest) -> str:
@@ -509,68 +507,67 @@ class Coordinator:
         if validate is not None:
             validate()  # UserError naming the bad field
 
-    async def _route(self, act: _Active, replay_tokens: int = 0, preempted: bool = False) -> None:
-
-        req = act.req
-        prompt_tokens = len(req.prompt_token_ids) + replay_tokens
-        remaining = max(1, req.max_tokens - len(act.generated))
-        # Workers allocate KV in blocks: the ledger asks the router for block slack, so its
-        # promises (in tokens) never add up to more blocks than a worker has.
-        self.kv.set_block_size(self._block_size())
-        info = self.kv.request_info(act.internal_id, prompt_tokens,
-                                    min(remaining, self.max_model_len - prompt_tokens))
-        # Either way a request must fit alone on the roomiest route, or it could never end.
-        need = info.prompt_tokens + info.max_new_tokens
-        fits = self._largest_route_kv_tokens()
-        switching = self.recovery is not None and self.recovery.state == "loading"
-        if need > fits and self._covered() and not switching:
-            raise UserError(
-                f"prompt + max_tokens: {need} tokens of KV cache needed, but no route can hold "
-                f"more than {fits}; lower max_tokens"
-            )
-        waited = False
+    async def _route(self, act: _Active) -> None:
+        """Wait until the core admits the request (a new one is queued here; a replayed one
+        was requeued by `_replay`), then take its route. While no route covers the model it
+        waits for a re-plan or a restart (`_check_recovering`), or fails."""
+        if act.internal_id not in self.core.requests:
+            switching = self.recovery is not None and self.recovery.state == "loading"
+            self._sync_nodes()
+            # NeverFitsError (a UserError): a request that must fit alone on the roomiest
+            # route, or could never end, unless the ranges are changing under us
+            self.core.arrive(CoreRequest(act.internal_id, len(act.req.prompt_token_ids),
+                                         act.req.max_tokens),
+                             check_fit=self._covered() and not switching)
+        loop = asyncio.get_running_loop()
+        admitted: asyncio.Future[Admission] = loop.create_future()
+        self._waiters[act.internal_id] = admitted
         uncovered_since: float | None = None
-        # The core's admission order (scheduler/queue.py): only the head of the queue is
-        # offered to the router; a replayed request (preempted, or re-routed after a fault)
-        # waits ahead of new ones. A preempted one is first offered at the next admission
-        # point (a request finishing), as the simulator does, unless nothing is running.
-        queued = act.internal_id
-        if replay_tokens or preempted:
-            self.queue.requeue_preempted(queued)
-        else:
-            self.queue.arrive(queued)
-        hold_off = preempted and bool(self.active)
         try:
-            while True:
+            self._pump()
+            while not admitted.done():
                 if not self._covered():
-                    uncovered_since = uncovered_since or asyncio.get_running_loop().time()
+                    uncovered_since = uncovered_since or loop.time()
                     self._check_recovering(uncovered_since, replay=bool(act.generated))
-                route = (self.router.route(info, self._node_states())
-                         if self.queue.may_admit(queued) and not hold_off else None)
-                hold_off = False
-                if route is not None:
-                    break
-                if not waited:
-                    if self.waiting >= self.max_queue and not preempted:
-                        raise QueueFullError(f"waiting queue full ({self.max_queue} requests)")
-                    self.waiting += 1
-                    waited = True
-                async with self._admit:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._admit.wait(), self.stats_interval_s)
-        finally:
-            self.queue.remove(queued)
-            if waited:
-                self.waiting -= 1
-            if self.queue:  # admitted or gone: the next head may fit now
-                self._spawn(self._notify_admit())
-        self.kv.admit(info, [(h.name, h.end_layer - h.start_layer) for h in route.hops])
+                await asyncio.wait({admitted}, timeout=self.stats_interval_s)
+                if not admitted.done():
+                    self.core.wake()  # worker reports may have made room
+                    self._pump()
+            d = admitted.result()
+        except BaseException:
+            # given up (no route, queue full, cancelled): out of the queue, or its KV freed if
+            # it was admitted as it gave up; the next head may fit now
+            self._waiters.pop(act.internal_id, None)
+            self.core.finish(act.internal_id)
+            self._pump()
+            raise
         act.epoch = self.epoch
-        act.route_hops = route.hops
-        act.route_addresses = tuple(self.nodes[h.name].address for h in route.hops)
-        key = route.nodes
+        act.route_hops = d.route.hops
+        act.route_addresses = tuple(self.nodes[h.name].address for h in d.route.hops)
+        key = d.route.nodes
         self.hop_counts[key] = self.hop_counts.get(key, 0) + 1
         self.active[act.internal_id] = act
+
+    def _pump_soon(self) -> None:
+        """`_pump` once the results already received have been taken in (a step's tokens
+        come together; the simulator too admits after a batch's last token)."""
+        if not self._pump_due:
+            self._pump_due = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        """Carry out the core's decisions: wake the requests it admitted, fail those it
+        refused."""
+        self._pump_due = False
+        self._sync_nodes()
+        for d in self.core.schedule():
+            waiter = self._waiters.pop(d.request_id, None)
+            if waiter is None or waiter.done():
+                continue
+            if isinstance(d, Admission):
+                waiter.set_result(d)
+            else:
+                waiter.set_exception(QueueFullError(d.reason))
 
     def _check_recovering(self, uncovered_since: float, replay: bool) -> None:
         """While no route covers the model: raise NoRouteError, unless a re-plan or a restart
@@ -646,8 +643,7 @@ class Coordinator:
                     continue
                 if r.status_code == RESOURCE_EXHAUSTED and self.kv_allocation == "on-demand":
                     # the core's victim rule, RUNTIME_VICTIM_RULE: this request's step failed
-                    victim = self.kv.victim(r.node, act.internal_id) if r.node in self.kv.nodes \
-                        else act.internal_id
+                    victim = self.core.kv_full(r.node, act.internal_id)
                     assert victim == act.internal_id, (victim, act.internal_id)
                     await self._preempt(act, r.error)
                     continue
@@ -661,52 +657,49 @@ class Coordinator:
         # bad luck, so not counted against max_reroutes
         stale = act.epoch < self.epoch or (self.recovery is not None
                                            and self.recovery.state == "loading")
-        if act.reroutes >= self.max_reroutes and not stale:
-            raise RequestFailedError(f"request {act.req.request_id}: {reason} "
-                                     f"(gave up after {act.reroutes} re-routes)")
-        if not stale:
-            act.reroutes += 1
+        if not stale and not self.core.may_reroute(act.internal_id):
+            raise RequestFailedError(f"request {act.req.request_id}: {reason} (gave up after "
+                                     f"{self.core.requests[act.internal_id].reroutes} re-routes)")
         log.warning("re-routing %s: %s", act.internal_id, reason)
         # Which hop failed? A worker reports an unreachable next hop before this coordinator's
         # own stream to it breaks: ask every hop, so the new route avoids the dead one.
         await asyncio.gather(*(self.nodes[h.name].check_alive() for h in act.route_hops))
         self.reroutes += 1
+        try:
+            self.core.reroute(act.internal_id, counted=not stale)
+        except RerouteLimitError as exc:
+            raise RequestFailedError(f"request {act.req.request_id}: {reason} ({exc})") from None
         await self._replay(act)
 
     async def _preempt(self, act: _Active, reason: str) -> None:
-        """On-demand KV: a hop had no block left for this request's next token. Free its KV
-        everywhere, wait for room ahead of new requests, and recompute prompt + tokens so far
-        (vLLM's preemption by recompute). Not a fault, so not counted against max_reroutes."""
-        self.preemptions += 1
+        """On-demand KV: a hop had no block left for this request's next token, and the core
+        preempted it (`kv_full`): recompute prompt + tokens so far once it is admitted again,
+        ahead of new requests (vLLM's preemption by recompute). Not a fault, so not counted
+        against max_reroutes."""
         log.info("preempting %s (%d tokens generated): %s", act.internal_id, len(act.generated),
                  reason)
-        await self._replay(act, preempted=True)
+        await self._replay(act)
 
-    async def _replay(self, act: _Active, preempted: bool = False) -> None:
-        """Take the request off its route (KV released, router promise cancelled), admit it
-        again and prefill prompt + tokens so far. A preempted request's freed KV may let
-        waiting ones in, and it is admitted ahead of new requests."""
+    async def _replay(self, act: _Active) -> None:
+        """The core has freed the request's KV and queued it again: free the workers' KV, wait
+        for admission under a fresh id and prefill prompt + tokens so far."""
         old_id = act.internal_id
         self._release_kv(old_id, act.route_hops)
-        self.router.on_cancel(old_id)
-        self.kv.release(old_id)
         self.active.pop(old_id, None)
         # A fresh internal id: workers drop any late item of the old one (released ids).
         act.internal_id = self._new_internal_id(act.req)
+        self.core.rename(old_id, act.internal_id)
         act.results = asyncio.Queue()
         act.pending.clear()
-        if preempted and not self.active:
-            self._spawn(self._notify_admit())  # nothing running will finish and wake it
-        await self._route(act, replay_tokens=len(act.generated), preempted=preempted)
+        await self._route(act)
         self._send_prefill(act, act.req.prompt_token_ids + act.generated)
 
     def _finish(self, act: _Active) -> None:
         if self.active.pop(act.internal_id, None) is None:
             return
-        self.router.on_finish(act.internal_id)
-        self.kv.release(act.internal_id)
+        self.core.finish(act.internal_id)
         self._release_kv(act.internal_id, act.route_hops)
-        self._spawn(self._notify_admit())
+        self._pump_soon()
 
     def _release_kv(self, internal_id: str, hops: tuple[NodeRange, ...]) -> None:
         # Also on nodes believed down: if only the stream broke, the worker still holds the KV
@@ -717,8 +710,9 @@ class Coordinator:
             task.add_done_callback(self._releases.discard)
 
     async def _notify_admit(self) -> None:
-        async with self._admit:
-            self._admit.notify_all()
+        """An admission point from outside (a re-plan installed, a worker back)."""
+        self.core.wake()
+        self._pump()
 
 
 def _load_tokenizer(model_dir: Path) -> Any:

@@ -215,7 +215,7 @@ class Recovery:
         try:
             await coord.nodes[name].load_range(start, end, self.config.load_timeout_s)
         finally:
-            coord.router.node_down(name)
+            coord.core.node_down(name)
 
     def _plan(self, live: list[str], current: Any) -> Any:
         """Blocking: the incremental re-plan over the live workers (a thread runs it)."""

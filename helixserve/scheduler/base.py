@@ -9,21 +9,16 @@ itself: the search is a depth-first search in the policy's preference order with
 vertices memoised, O(edges) per request. The policy only orders candidates (`_order`) and
 learns which route was taken (`_commit`).
 
-KV bookkeeping: the router promises `prompt_tokens + max_new_tokens` KV slots (per layer it
-runs there) on every node of a route, keyed by request id, and releases them in
-`on_finish` / `on_cancel`. A node admits a request when
+The router keeps no ledger: the scheduling core (scheduler/core.py) owns the KV book and
+which nodes are up, and passes its view, one `NodeState` per node. A node admits a request
+when it is alive and
 
-    state[node].kv_free_tokens - promised_total[node] >= prompt_tokens + max_new_tokens
+    state[node].kv_free_tokens >= req.promise_tokens
 
-so `NodeState.kv_free_tokens` should be the node's free KV *not counting* requests this
-router has routed (the simulator passes the capacity). A caller that passes the live free
-KV of a worker that already holds routed requests gets conservative (never over-full)
-admission.
-
-On-demand KV (`RequestInfo.kv_tokens`): a caller whose engine allocates KV as tokens are
-generated promises only what a request needs at admission (its prompt) and passes
-`kv_free_tokens` = capacity less the slots its routed requests have grown into since (less
-any watermark it keeps); the check above then admits a request when the prompt fits now.
+where `kv_free_tokens` is what may still be promised there (capacity less the watermark,
+less growth not covered by promises, less every promise: scheduler/kv.py). Policies order
+candidates by the view (queue length, requests routed through the node) and by their own
+state (maxflow's IWRR credits, learned in `_commit`).
 """
 
 from __future__ import annotations
@@ -66,29 +61,19 @@ class GraphRouter:
                 self._at_layer[layer].append(n.name)
         #: allowed directed edges (None: every pair; the network is complete)
         self._edges: set[tuple[str, str]] | None = set(edges) if edges is not None else None
-        self.down: set[str] = set()
-        self.routes: dict[str, Route] = {}
-        self._promised: dict[str, dict[str, int]] = {n: {} for n in self.ranges}
-        self._promised_total: dict[str, int] = dict.fromkeys(self.ranges, 0)
-        #: requests currently routed through each node
-        self.active: dict[str, int] = dict.fromkeys(self.ranges, 0)
 
     # ---- the Router protocol -------------------------------------------------------------
 
     def route(self, req: RequestInfo, state: Mapping[str, NodeState]) -> Route | None:
-        if req.request_id in self.routes:
-            raise ValueError(f"request {req.request_id!r} is already routed")
-        need = req.prompt_tokens + req.max_new_tokens if req.kv_tokens is None else req.kv_tokens
+        need = req.promise_tokens
         dead: set[str] = set()
         path: list[str] = []
 
         def admissible(j: str) -> bool:
-            if j in self.down or j in dead:
+            if j in dead:
                 return False
             s = state.get(j)
-            if s is None or not s.alive:
-                return False
-            return s.kv_free_tokens - self._promised_total[j] >= need
+            return s is not None and s.alive and s.kv_free_tokens >= need
 
         def search(vertex: str, layer: int) -> bool:
             if layer == self.num_layers:
@@ -112,45 +97,16 @@ class GraphRouter:
             layer = end
         route = Route(tuple(hops))
         self._commit(route, req, state)
-        self.routes[req.request_id] = route
-        for j in path:
-            self._promised[j][req.request_id] = need
-            self._promised_total[j] += need
-            self.active[j] += 1
         return route
 
-    def adopt(self, request_id: str, route: Route, kv_tokens: int) -> bool:
-        """Take over a request another router routed (the coordinator rebuilds its router
-        when the placement changes under running requests), with its KV promise; False when
-        a hop of `route` is not a range of this placement (the request must be re-routed)."""
+    def accepts(self, route: Route) -> bool:
+        """Whether every hop runs layers its node holds here (a route made over another
+        placement, kept across a re-plan; partial inference allowed)."""
         for h in route.hops:
             r = self.ranges.get(h.name)
             if r is None or not r.start_layer <= h.start_layer < h.end_layer <= r.end_layer:
                 return False
-        self.routes[request_id] = route
-        for j in route.nodes:
-            self._promised[j][request_id] = kv_tokens
-            self._promised_total[j] += kv_tokens
-            self.active[j] += 1
         return True
-
-    def on_finish(self, request_id: str) -> None:
-        self._release(request_id)
-
-    def on_cancel(self, request_id: str) -> None:
-        self._release(request_id)
-
-    def node_down(self, node: str) -> None:
-        self.down.add(node)
-
-    def node_up(self, node: str) -> None:
-        self.down.discard(node)
-
-    # ---- bookkeeping queries -------------------------------------------------------------
-
-    def promised_kv_tokens(self, node: str) -> int:
-        """KV slots (per layer) promised on `node` to requests still running."""
-        return self._promised_total.get(node, 0)
 
     # ---- for subclasses -------------------------------------------------------------------
 
@@ -173,12 +129,3 @@ class GraphRouter:
 
     def _edge_ok(self, src: str, dst: str) -> bool:
         return self._edges is None or (src, dst) in self._edges
-
-    def _release(self, request_id: str) -> None:
-        route = self.routes.pop(request_id, None)
-        if route is None:
-            return  # finishing twice, or a request we never routed: nothing to release
-        for j in route.nodes:
-            need = self._promised[j].pop(request_id, 0)
-            self._promised_total[j] -= need
-            self.active[j] -= 1

@@ -51,7 +51,7 @@ class ShortestQueueRouter(GraphRouter):
         req: RequestInfo,
         state: Mapping[str, NodeState],
     ) -> list[str]:
-        keyed = [(state[j].queue_len, self.active[j], self.rng.random(), j) for j in cands]
+        keyed = [(state[j].queue_len, state[j].active_requests, self.rng.random(), j) for j in cands]
         return [k[-1] for k in sorted(keyed)]
 
 
@@ -89,7 +89,7 @@ class SwarmRouter(GraphRouter):
         # Weighted sampling without replacement (Efraimidis-Spirakis keys u^(1/w), as logs).
         keyed = []
         for j in cands:
-            w = self.throughput.get(j, 1.0) / (1.0 + state[j].queue_len + self.active[j])
+            w = self.throughput.get(j, 1.0) / (1.0 + state[j].queue_len + state[j].active_requests)
             u = 1.0 - self.rng.random()  # in (0, 1]
             keyed.append((math.log(u) / w if w > 0 else -math.inf, j))
         keyed.sort(reverse=True)

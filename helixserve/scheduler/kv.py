@@ -132,7 +132,8 @@ class NodeKv:
         self.preempted = 0  # requests preempted because this node was full
         #: request ids holding KV here, in admission order (the "newest" rule takes the last)
         self.holders: dict[str, None] = {}
-        #: the router's view: capacity less watermark less growth not covered by promises
+        #: the router's view of this node (its `kv_free_tokens`: what may still be promised
+        #: here, capacity less watermark less growth not covered by promises less promises)
         self.state = NodeState(name, kv_free_tokens=0)
         self._counts_growth = policy.on_demand and policy.expected_output_tokens is None
         self.watermark_tokens = 0
@@ -146,7 +147,8 @@ class NodeKv:
 
     @property
     def router_free_tokens(self) -> int:
-        """`NodeState.kv_free_tokens` for the router (which subtracts its own promises)."""
+        """What the router may promise here when nothing is promised: capacity less the
+        watermark less growth not covered by promises."""
         grown = self.grown_tokens if self._counts_growth else 0
         return self.capacity_tokens - self.watermark_tokens - grown
 
@@ -155,7 +157,8 @@ class NodeKv:
         return self.used_tokens >= self.capacity_tokens
 
     def _update_state(self) -> None:
-        self.state.kv_free_tokens = self.router_free_tokens
+        self.state.kv_free_tokens = self.router_free_tokens - self.promised_tokens
+        self.state.active_requests = len(self.holders)
 
     def advance(self, now_s: float) -> None:
         self.area_token_s += self.used_tokens * (now_s - self.updated_s)
@@ -233,6 +236,8 @@ class KvBook:
             n.promised_tokens += promised
             n.promised_token_layers += promised * layers
             n.holders[info.request_id] = None
+            n.state.kv_free_tokens -= promised
+            n.state.active_requests += 1
             if n.used_tokens > n.capacity_tokens and self.strict:
                 raise KvOverflowError(f"admission overfilled the KV cache of {n.name}: "
                                       f"{n.used_tokens} > {n.capacity_tokens} tokens")
@@ -279,6 +284,8 @@ class KvBook:
             n.promised_tokens -= hold.promised_tokens
             n.promised_token_layers -= hold.promised_tokens * layers
             del n.holders[request_id]
+            n.state.kv_free_tokens += hold.promised_tokens
+            n.state.active_requests -= 1
             if hold.grown_tokens:
                 n.grown_tokens -= hold.grown_tokens
                 if n._counts_growth:

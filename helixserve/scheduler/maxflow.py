@@ -174,7 +174,7 @@ class MaxFlowRouter(GraphRouter):
     ) -> list[str]:
         w = self.weights.get(vertex, {})
         flow = [j for j in cands if j in w]
-        spill = sorted((self.active[j], j) for j in cands if j not in w)
+        spill = sorted((state[j].active_requests, j) for j in cands if j not in w)
         self._seen[vertex] = flow
         projected = self._projected(vertex, flow, req)
         return sorted(flow, key=lambda j: (-projected[j], j)) + [j for _, j in spill]

@@ -45,11 +45,16 @@ class RequestInfo:
     #: tokens the request may still generate (max_tokens, or an expected output length)
     max_new_tokens: int
     #: KV slots to promise on every node of the route at admission; None: the whole
-    #: request, prompt_tokens + max_new_tokens. A caller whose engine allocates KV as tokens
-    #: are generated (vLLM's paged allocation, with preemption when a node runs out) passes
-    #: the prompt and reports the slots its requests grew into through
-    #: `NodeState.kv_free_tokens` (see scheduler/base.py)
+    #: request, prompt_tokens + max_new_tokens. On-demand KV (vLLM's paged allocation, with
+    #: preemption when a node runs out) promises the prompt, and the ledger reports the
+    #: slots requests grew into through `NodeState.kv_free_tokens` (scheduler/kv.py)
     kv_tokens: int | None = None
+
+    @property
+    def promise_tokens(self) -> int:
+        """The KV slots admission promises on every node of the route."""
+        return self.prompt_tokens + self.max_new_tokens if self.kv_tokens is None \
+            else self.kv_tokens
 
 
 @dataclass
@@ -57,26 +62,25 @@ class NodeState:
     """Live state of one node, as the router sees it (from worker stats or the simulator)."""
 
     name: str
-    #: KV cache tokens free on this node, per layer held (a token needs one slot per layer),
-    #: NOT counting requests this router has routed: the router subtracts its own promises
-    #: (see scheduler/base.py), so pass the capacity, or the capacity less foreign use
+    #: KV cache tokens (per layer held: a token needs one slot per layer) the router may
+    #: still promise here: the core's ledger keeps it (scheduler/kv.py: capacity less the
+    #: watermark, less growth not covered by promises, less every promise)
     kv_free_tokens: int
     #: work items waiting in the node's queue
     queue_len: int = 0
     alive: bool = True
+    #: requests admitted through this node and not yet released
+    active_requests: int = 0
 
 
 class Router(Protocol):
-    """A routing policy: pure and synchronous; no clocks, sockets or threads."""
+    """A routing policy: pure ordering over the core's view of the nodes (scheduler/core.py
+    keeps the KV ledger and which nodes are up); no clocks, sockets or threads."""
 
     def route(self, req: RequestInfo, state: Mapping[str, NodeState]) -> Route | None:
         """The request's pipeline, or None when no route can admit it now (it waits)."""
         ...
 
-    def on_finish(self, request_id: str) -> None: ...
-
-    def on_cancel(self, request_id: str) -> None: ...
-
-    def node_down(self, node: str) -> None: ...
-
-    def node_up(self, node: str) -> None: ...
+    def accepts(self, route: Route) -> bool:
+        """Whether every hop of `route` runs layers its node holds in this placement."""
+        ...

@@ -61,9 +61,16 @@ from helixserve.errors import UserError
 from helixserve.planner.placement import Placement
 from helixserve.scheduler import NodeState, make_router
 from helixserve.scheduler.batch import StepBudget, plan_step
-from helixserve.scheduler.kv import KvBook, KvPolicy, NodeKv
+from helixserve.scheduler.core import (
+    Admission,
+    CoreRequest,
+    NeverFitsError,
+    Preempted,
+    SchedulerCore,
+    SchedulerPolicy,
+)
+from helixserve.scheduler.kv import KvPolicy, NodeKv
 from helixserve.scheduler.options import router_options
-from helixserve.scheduler.queue import AdmissionQueue
 from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.workload import TraceRequest, offline_stream
 from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec, NodeSpec
@@ -336,15 +343,10 @@ class Simulation:
             self.nodes[r.name] = SimNode(
                 cluster.node(r.name), r.start_layer, r.end_layer, cost, self.buckets
             )
-        # KV accounting, admission sizes and the victim rule: the scheduling core's ledger
-        self.kv = KvBook(
-            KvPolicy(config.kv_allocation, config.kv_watermark,
-                     config.kv_expected_output_tokens, victim_rule=config.victim_rule),
-            {n.name: n.kv_cap for n in self.nodes.values()},
-        )
-        for n in self.nodes.values():
-            n.kv = self.kv.nodes[n.name]
-        self.on_demand = self.kv.policy.on_demand
+        kv_policy = KvPolicy(config.kv_allocation, config.kv_watermark,
+                             config.kv_expected_output_tokens,
+                             victim_rule=config.victim_rule).check()
+        self.on_demand = kv_policy.on_demand
         if config.prefill_chunk_tokens is not None and config.prefill_chunk_tokens < 1:
             raise UserError(f"prefill_chunk_tokens: must be >= 1, got "
                             f"{config.prefill_chunk_tokens}")
@@ -358,7 +360,6 @@ class Simulation:
             n.budget = StepBudget(n.max_decode, n.max_prompt, config.chunked_prefill)
         for j in self.nodes.values():
             j.may_partial = any(j.start < i.end < j.end for i in self.nodes.values())
-        self.expected = config.kv_expected_output_tokens
         if config.layer_overhead_s < 0:
             raise UserError(f"layer_overhead_s: must be >= 0, got {config.layer_overhead_s}")
         if config.offline_feed not in OFFLINE_FEEDS:
@@ -383,14 +384,29 @@ class Simulation:
         names = [COORDINATOR, *self.nodes]
         # the spread is the maxflow policy's knob; the other policies route without a flow
         knobs = {"spread": config.router_spread} if config.scheduler == "maxflow" else {}
-        self.router = make_router(
+        router = make_router(
             config.scheduler,
             placement,
             seed=config.seed,
             **knobs,
             **router_options(cluster, model, placement, cost),
         )
-        self.states = self.kv.states()
+        if config.max_prefilling is not None and config.max_prefilling < 1:
+            raise UserError(f"max_prefilling: must be >= 1, got {config.max_prefilling}")
+        #: every scheduling decision (admission, route, KV, preemption): the core the live
+        #: coordinator drives too. The simulator's capacities are exact, so the ledger decides
+        #: when a node is full; a request no route holds on an idle cluster is rejected
+        self.core = SchedulerCore(
+            router,
+            SchedulerPolicy(kv=kv_policy, exact_capacities=True,
+                            max_prefilling=config.max_prefilling,
+                            reject_unroutable_when_idle=True),
+            {n.name: n.kv_cap for n in self.nodes.values()},
+        )
+        self.kv = self.core.kv
+        self.router = router
+        for n in self.nodes.values():
+            n.kv = self.kv.nodes[n.name]
         self.net = Network(cluster, names)
         self.act_bytes = model.activation_bytes_per_token
         self.requests = sorted(requests, key=lambda q: q.arrival_s)
@@ -400,20 +416,12 @@ class Simulation:
         self.heap: list[tuple[float, int, int, object, object]] = []
         self.seq = 0
         self.now = 0.0
-        #: requests waiting for admission (the core's rule: scheduler/queue.py)
-        self.waiting: AdmissionQueue[SimRequest] = AdmissionQueue()
+        #: requests waiting for admission in the core's queue, by id
+        self.waiting: dict[str, SimRequest] = {}
         self.finished: list[SimRequest] = []
-        self.in_flight = self.rejected = self.arrived = self.preemptions = 0
-        self.prefilling = 0  # admitted requests without their first token
-        #: requests admitted and not finished, in admission order (preemption picks the last)
+        self.in_flight = self.rejected = self.arrived = 0
+        #: requests admitted and not finished, by id
         self.running: dict[str, SimRequest] = {}
-        #: when a list: the scheduling decisions in order, for the equivalence test against
-        #: the coordinator (tests/unit/runtime/test_core_equivalence.py):
-        #: ("arrive", id, prompt, output), ("wake",) when admission runs, ("admit", id,
-        #: route nodes, {node: kv_free_tokens the router saw}, prompt, output left, resumed),
-        #: ("token", id) before a decode step grows its KV, ("finish", id),
-        #: ("preempt", victim id, node, requester id), ("reject", id)
-        self.decisions: list[tuple[Any, ...]] | None = None
         self.decode_tokens = self.prompt_tokens = 0
         self.token_timeline = [0] * self.buckets
         self.next_arrival = 0
@@ -482,11 +490,21 @@ class Simulation:
             events=events,
             wall_s=time.perf_counter() - wall0,
             max_flow_tokens_per_s=self.placement.throughput_tokens_per_s,
-            extra={"kv_allocation": self.cfg.kv_allocation, "preemptions": self.preemptions,
+            extra={"kv_allocation": self.cfg.kv_allocation, "preemptions": self.core.preemptions,
                    **({"feed_dropped": self.feed_dropped} if self.feeder else {})},
         )
 
     # ---- admission -------------------------------------------------------------------------
+
+    @property
+    def decisions(self) -> list[tuple[Any, ...]] | None:
+        """The core's decision log (scheduler/core.py `SchedulerCore.log`); set to [] to keep
+        one."""
+        return self.core.log
+
+    @decisions.setter
+    def decisions(self, log: list[tuple[Any, ...]] | None) -> None:
+        self.core.log = log
 
     def _arrive(self) -> None:
         q = self.requests[self.next_arrival]
@@ -494,69 +512,45 @@ class Simulation:
         if self.next_arrival < len(self.requests):
             self._push(self.requests[self.next_arrival].arrival_s, _ARRIVE, None, None)
         self.arrived += 1
-        self.waiting.arrive(
-            SimRequest(q.request_id, q.arrival_s, q.prompt_tokens, q.output_tokens))
-        if self.decisions is not None:
-            self.decisions.append(("arrive", q.request_id, q.prompt_tokens, q.output_tokens))
-        if len(self.waiting) == 1:
-            self._admit()
+        self._queue(SimRequest(q.request_id, q.arrival_s, q.prompt_tokens, q.output_tokens))
+        self._admit()
+
+    def _queue(self, r: SimRequest) -> None:
+        """`r` waits in the core's queue (or is rejected at once: it could never fit)."""
+        try:
+            self.core.arrive(CoreRequest(r.rid, r.prompt, r.output))
+        except NeverFitsError:
+            self.rejected += 1
+            return
+        self.waiting[r.rid] = r
 
     def _admit(self) -> None:
-        if self.decisions is not None:
-            self.decisions.append(("wake",))
-        waiting = self.waiting
-        cap = self.cfg.max_prefilling
-        while True:
-            if cap is not None and self.prefilling >= cap:
-                return
-            if not waiting:
-                if self.stream is None or self.feeder:
-                    return
-                prompt, output = next(self.stream)
-                self.arrived += 1
-                waiting.arrive(SimRequest(f"req-{self.arrived}", self.now, prompt, output))
-            r = waiting[0]
-            if not self._start_request(r):
-                if self.in_flight == 0:
-                    # Not even an idle cluster holds it: waiting would block the queue forever.
-                    waiting.admitted()
+        """Carry out the core's admissions at an admission point; offline, keep the queue
+        non-empty from the trace (cycled) while routes are found."""
+        core = self.core
+        while core.at_admission_point:
+            for d in core.schedule(self.now):
+                r = self.waiting.pop(d.request_id)
+                if type(d) is Admission:
+                    self._launch(r, d)
+                else:
                     self.rejected += 1
-                    if self.decisions is not None:
-                        self.decisions.append(("reject", r.rid))
-                    continue
+            if self.stream is None or self.feeder or core.queue or core.prefill_capped:
                 return
-            waiting.admitted()
+            prompt, output = next(self.stream)
+            self.arrived += 1
+            self._queue(SimRequest(f"req-{self.arrived}", self.now, prompt, output))
 
-    def _start_request(self, r: SimRequest) -> bool:
-        """Route `r`, allocate its KV and send its prompt; False: no route admits it now."""
-        now = self.now
-        info = self.kv.request_info(r.rid, r.prompt, r.output - r.generated)
-        seen = None if self.decisions is None else \
-            {name: st.kv_free_tokens for name, st in self.states.items()}
-        route = self.router.route(info, self.states)
-        if route is None:
-            return False
-        if self.expected is not None and not self.kv.fits(info, route.nodes):
-            # promised within the expectation, but the requests there grew past theirs
-            self.router.on_cancel(r.rid)
-            return False
-        try:
-            self.kv.admit(info, [(h.name, h.end_layer - h.start_layer) for h in route.hops], now)
-        except AssertionError as exc:
-            raise AssertionError(f"router {self.cfg.scheduler}: {exc}") from None
+    def _launch(self, r: SimRequest, d: Admission) -> None:
+        """Send `r`'s prompt along the route the core admitted it on."""
         self.in_flight += 1
-        r.nodes = tuple(self.nodes[h.name] for h in route.hops)
-        r.starts = tuple(h.start_layer for h in route.hops)
-        r.admit_s = now
+        r.nodes = tuple(self.nodes[h.name] for h in d.route.hops)
+        r.starts = tuple(h.start_layer for h in d.route.hops)
+        r.admit_s = self.now
         self.running[r.rid] = r
-        self.prefilling += 1
-        if self.decisions is not None:
-            self.decisions.append(("admit", r.rid, route.nodes, seen, r.prompt,
-                                   r.output - r.generated, r.resumed))
         size = self.cfg.prefill_chunk_tokens
         pieces: list[Any] = [r] if size is None or r.prompt <= size else _chunks(r, size)
         self._send(COORDINATOR, r.nodes[0], r.prompt * TOKEN_ID_BYTES, pieces)
-        return True
 
     # ---- the offline feeders (SimConfig.offline_feed) ---------------------------------------
 
@@ -579,58 +573,47 @@ class Simulation:
         assert self.stream is not None
         prompt, output = next(self.stream)
         r = SimRequest(f"req-{self.arrived + 1}", self.now, prompt, output)
-        if initial or self.waiting:
+        if initial or self.core.queue:
             self.arrived += 1
-            self.waiting.arrive(r)
-            if len(self.waiting) == 1:
-                self._admit()
-        elif self._start_request(r):
-            self.arrived += 1
-        else:
+            self._queue(r)
+            self._admit()
+            return
+        d = self.core.admit_now(CoreRequest(r.rid, r.prompt, r.output), self.now)
+        if d is None:
             self.feed_dropped += 1
-
-    def _free(self, r: SimRequest) -> None:
-        """Release the KV `r` holds on its route (it finished or was preempted)."""
-        self.kv.release(r.rid, self.now)
-        del self.running[r.rid]
-        self.in_flight -= 1
+        else:
+            self.arrived += 1
+            self._launch(r, d)
 
     def _finish(self, r: SimRequest) -> None:
         r.finish_s = self.now
-        self._free(r)
-        self.router.on_finish(r.rid)
+        self.core.finish(r.rid, self.now)
+        del self.running[r.rid]
+        self.in_flight -= 1
         self.finished.append(r)
 
     def _grow(self, r: SimRequest) -> bool:
-        """On-demand KV: one more slot on every node of `r`'s route for its next decode step,
-        preempting on a full node by the core's victim rule. False: `r` itself was
+        """On-demand KV: one more slot on every node of `r`'s route for its next decode step;
+        the core preempts on a full node by its victim rule. False: `r` itself was
         preempted."""
-        for n in r.nodes:
-            while n.kv.full:
-                victim = self.running[self.kv.victim(n.name, r.rid)]
-                if self.decisions is not None:
-                    self.decisions.append(("preempt", victim.rid, n.name, r.rid))
-                n.kv.preempted += 1
-                self._preempt(victim)
-                if victim is r:
-                    return False
-        self.kv.grow(r.rid, self.now)
-        return True
+        out = self.core.on_token(r.rid, self.now)
+        if type(out) is not Preempted:
+            return True
+        for rid in out.victims:
+            self._preempted(self.running[rid])
+        return r.rid not in out.victims
 
-    def _preempt(self, r: SimRequest) -> None:
-        """Recompute preemption: free `r`'s KV and requeue it at the head of the admission
-        queue; re-admitted, it prefills its prompt and the tokens it generated so far."""
+    def _preempted(self, r: SimRequest) -> None:
+        """The core preempted `r` by recompute (KV freed, requeued at the head): its pending
+        events are dropped; re-admitted, it prefills its prompt and the tokens it generated."""
         r.dead = True
-        if r.in_prompt:
-            self.prefilling -= 1
-        self._free(r)
-        self.router.on_cancel(r.rid)
-        self.preemptions += 1
+        del self.running[r.rid]
+        self.in_flight -= 1
         # its prompt plus every token generated so far (a request preempted twice must not
         # count the tokens of its first recompute again)
         q = SimRequest(r.rid, r.arrival_s, r.prompt - r.replayed + r.generated, r.output)
         q.generated, q.first_s, q.resumed, q.replayed = r.generated, r.first_s, True, r.generated
-        self.waiting.requeue_preempted(q)
+        self.waiting[r.rid] = q
 
     # ---- nodes -----------------------------------------------------------------------------
 
@@ -783,18 +766,14 @@ class Simulation:
         counted = now >= self.cfg.warmup_s
         b = min(int(now / self.bucket_s), self.buckets - 1)
         out: dict[SimNode, list[SimRequest]] = {}
-        finished_any = False
         finished = 0
         on_demand = self.on_demand
-        first_any = False
         feeds = 0  # the feeder's triggers: a first prompt done, a request finished
         for r in reqs:
             if r.dead:
                 continue
             if r.in_prompt:
                 r.in_prompt = False
-                self.prefilling -= 1
-                first_any = True
                 if r.first_s != r.first_s:  # NaN: the first token (not a resumed request's)
                     r.first_s = now
                     feeds += 1
@@ -804,15 +783,11 @@ class Simulation:
             if counted:
                 self.decode_tokens += 1
             self.token_timeline[b] += 1
-            if self.decisions is not None:
-                self.decisions.append(
-                    ("finish" if r.generated >= r.output else "token", r.rid))
             if r.generated >= r.output:
                 self._finish(r)
-                finished_any = True
                 finished += 1
                 feeds += 1
-            elif not on_demand or self._grow(r):
+            elif self._grow(r):
                 r.hop = 0
                 out.setdefault(r.nodes[0], []).append(r)
         for first, group in out.items():
@@ -821,12 +796,7 @@ class Simulation:
                 if not group:
                     continue
             self._send(COORDINATOR, first, TOKEN_ID_BYTES * len(group), group)
-        if (
-            finished_any
-            or self.in_flight == 0
-            or (first_any and self.cfg.max_prefilling is not None)
-        ) and (self.waiting or self.stream is not None):
-            self._admit()
+        self._admit()  # at an admission point only (a finish, a first token under the cap...)
         if self.kv_feeder:
             for _ in range(feeds):
                 if self._bottleneck_kv_usage() <= self.cfg.feed_kv_fraction:

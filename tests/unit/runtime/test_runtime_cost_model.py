@@ -29,7 +29,7 @@ from helixserve.scheduler.options import router_options
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest
 from helixserve.spec import load_gpu_catalog, load_model, load_profiles, parse_cluster
-from tests.unit.runtime.test_core_equivalence import _decisions, _drive
+from tests.unit.runtime.test_loops_agree import _decisions, _drive
 from tests.unit.simulator.conftest import TINY
 
 #: (node, gpu, layers, per-layer decode ms, GB): four speeds, overlapping ranges
@@ -132,7 +132,8 @@ def _simulate(sim: _Sim) -> Simulation:
 
 def _live_routes(sim: _Sim, run: Simulation, router: Any) -> list[tuple[Any, ...]]:
     coord = asyncio.run(_drive(sim, run, router))
-    return coord.decisions
+    assert coord.core.log is not None
+    return _decisions(coord.core.log)
 
 
 def test_live_router_routes_as_the_simulators_on_branching_routes(tmp_path: Path) -> None:

@@ -82,7 +82,7 @@ def test_kv_expectation_admits_on_prompt_plus_expected_output_within_the_waterma
     # promises of prompt + 200 stay within 85% of the KV, whatever the requests generate
     fit = (cap - int(0.15 * cap)) // (prompt + expected)
     assert sim.in_flight == fit
-    assert sim.router.promised_kv_tokens("a") == fit * (prompt + expected)
+    assert sim.kv.nodes["a"].promised_tokens == fit * (prompt + expected)
     node = sim.nodes["a"]
     assert node.kv_used == fit * prompt  # the node holds only what the requests hold
     assert node.kv_promised == fit * (prompt + expected)

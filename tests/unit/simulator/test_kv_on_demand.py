@@ -59,7 +59,7 @@ def test_on_demand_every_request_finishes_with_exactly_its_tokens() -> None:
     assert sim.prompt_tokens == 20 * 500
     node = sim.nodes["a"]
     assert node.kv_used == 0 and node.kv_grown == 0
-    assert sim.router.promised_kv_tokens("a") == 0
+    assert sim.kv.nodes["a"].promised_tokens == 0
 
 
 def test_on_demand_frees_a_preempted_request_on_every_node_of_its_route() -> None:
@@ -78,7 +78,7 @@ def test_on_demand_frees_a_preempted_request_on_every_node_of_its_route() -> Non
     assert out["requests_finished"] == 30
     for n in sim.nodes.values():
         assert n.kv_used == 0 and n.kv_peak <= n.kv_cap
-        assert sim.router.promised_kv_tokens(n.name) == 0
+        assert sim.kv.nodes[n.name].promised_tokens == 0
 
 
 def test_on_demand_with_ample_kv_matches_reservation() -> None:
@@ -140,11 +140,11 @@ def test_max_prefilling_staggers_admission() -> None:
     assert free["requests_in_flight"] == 20
     sim, capped = simulate(s, reqs, duration_s=0.2, max_prefilling=3)
     assert capped["requests_in_flight"] == 3 and capped["requests_waiting"] == 17
-    assert sim.prefilling == 3
+    assert sim.core.prefilling == 3
     # Later, as first tokens come back, more are admitted, never more than 3 prefilling.
     sim, later = simulate(s, reqs, duration_s=5.0, max_prefilling=3)
     assert later["requests_in_flight"] + later["requests_finished"] > 3
-    assert 0 <= sim.prefilling <= 3
+    assert 0 <= sim.core.prefilling <= 3
 
 
 @pytest.mark.parametrize("scheduler", ["maxflow", "shortest-queue", "swarm"])

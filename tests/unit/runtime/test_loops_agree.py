@@ -1,16 +1,15 @@
-"""One scheduling core: the simulator and the live Coordinator make the same admission, route
-and preemption decisions, step by step, on the same trace.
+"""The two loops around the scheduling core agree: the simulator and the live Coordinator,
+fed the same events, make the same admissions, routes and preemptions.
 
-The simulator runs a small trace with its decision log on (`Simulation.decisions`). The
-same events then drive the real `Coordinator` class (its `_route` admission loop,
-`_node_states`, token accounting, `_finish`, and the KV-full path of `_next_token` ->
-`_preempt` -> `_replay`), over fake node clients that report the simulated nodes' KV
-capacities and accept items without running them (no torch, no gRPC, no clock: the
-simulator's event order is the clock). What is compared: the order in which requests are
-admitted, each admission's route and the per-node free KV the router saw, and each
-preemption's victim. What is not: the timing of steps (the simulator's cost model decides
-when tokens come; here the coordinator is handed them in the simulator's order), the
-workers' batching and their real paged KV (tests/integration/runtime covers those).
+Both drive one `SchedulerCore` (scheduler/core.py), whose transitions and policies
+tests/unit/scheduler/test_core.py covers. What this checks is the loops: that each turns its
+events into the same core calls. The simulator runs a small trace with the core's decision
+log on. The same events then drive the real `Coordinator` (its `_route` admission wait,
+`_pump`, token accounting, `_finish`, and the KV-full path of `_next_token` -> `_preempt` ->
+`_replay`), over fake node clients that report the simulated nodes' KV capacities and accept
+items without running them (no torch, no gRPC, no clock: the simulator's event order is the
+clock). Compared: each admission's request, route and the per-node free KV the router saw,
+and each preemption's victim, in order.
 """
 
 from __future__ import annotations
@@ -57,29 +56,6 @@ class FakeNode:
         self.alive = False
 
 
-class RecordingCoordinator(Coordinator):
-    """The real coordinator, logging what it decides."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.decisions: list[tuple[Any, ...]] = []
-        self._seen: dict[str, int] = {}
-
-    def _node_states(self) -> dict[str, Any]:
-        states = super()._node_states()
-        self._seen = {name: s.kv_free_tokens for name, s in states.items()}
-        return states
-
-    async def _route(self, act: _Active, replay_tokens: int = 0, preempted: bool = False) -> None:
-        await super()._route(act, replay_tokens, preempted)
-        self.decisions.append(("admit", act.req.request_id, tuple(h.name for h in act.route_hops),
-                               self._seen))
-
-    async def _preempt(self, act: _Active, reason: str) -> None:
-        self.decisions.append(("preempt", act.req.request_id))
-        await super()._preempt(act, reason)
-
-
 def _setup():  # type: ignore[no-untyped-def]
     # a is the small first stage (its KV fills first); b and c can both run layers [2, 4)
     return with_flows(make_setup([
@@ -103,21 +79,22 @@ def _simulate(s: Any, victim_rule: str) -> Simulation:
 
 
 async def _settle() -> None:
-    for _ in range(200):  # let woken admission loops and spawned notifies run
+    for _ in range(50):  # let woken admission waits and spawned tasks run
         await asyncio.sleep(0)
 
 
-async def _drive(s: Any, sim: Simulation, router: Any = None) -> RecordingCoordinator:
+async def _drive(s: Any, sim: Simulation, router: Any = None) -> Coordinator:
     """Replay the simulator's decision log through the coordinator; `router`: the
     coordinator's own (default: one built from the simulator's router options)."""
     if router is None:
         router = make_router("maxflow", s.placement, seed=0,
                              **router_options(s.cluster, s.model, s.placement, s.cost))
-    coord = RecordingCoordinator(s.placement, Path("."), router, max_queue=1000, max_reroutes=3,
-                                 stats_interval_s=3600.0, kv_allocation="on-demand")
+    coord = Coordinator(s.placement, Path("."), router, max_queue=1000, max_reroutes=3,
+                        stats_interval_s=3600.0, kv_allocation="on-demand")
     coord.nodes = {n.name: FakeNode(n.name, n.start, n.end, n.kv_cap)  # type: ignore[misc]
                    for n in sim.nodes.values()}
     coord.max_model_len, coord.prefill_chunk_tokens, coord.step_timeout_s = 10**6, 10**6, 3600.0
+    coord.core.log = []
     acts: dict[str, _Active] = {}
     tasks: list[asyncio.Task[Any]] = []
     assert sim.decisions is not None
@@ -131,7 +108,7 @@ async def _drive(s: Any, sim: Simulation, router: Any = None) -> RecordingCoordi
     return coord
 
 
-async def _replay_log(coord: RecordingCoordinator, log: list[tuple[Any, ...]],
+async def _replay_log(coord: Coordinator, log: list[tuple[Any, ...]],
                       acts: dict[str, _Active], tasks: list[asyncio.Task[Any]]) -> None:
     for ev in log:
         kind = ev[0]
@@ -141,13 +118,13 @@ async def _replay_log(coord: RecordingCoordinator, log: list[tuple[Any, ...]],
             act = acts[rid] = _Active(req=req, internal_id=coord._new_internal_id(req))
             tasks.append(asyncio.create_task(coord._route(act)))
             await _settle()
-        elif kind == "wake":
-            await _settle()
         elif kind == "token":
             coord._on_token(acts[ev[1]], 7)
         elif kind == "finish":
             coord._on_token(acts[ev[1]], 7)
             coord._finish(acts[ev[1]])
+        elif kind == "wake":  # the simulator admits after the last token of a batch
+            await _settle()
         elif kind == "preempt":
             _, _victim, node, requester = ev
             act = acts[requester]
@@ -160,12 +137,14 @@ async def _replay_log(coord: RecordingCoordinator, log: list[tuple[Any, ...]],
 
 
 def _decisions(log: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Admissions (request, route, free KV seen) and preemption victims, with the
+    coordinator's internal ids (`request#coordinator.n`) mapped back to request ids."""
     out: list[tuple[Any, ...]] = []
     for ev in log:
         if ev[0] == "admit":
-            out.append(ev[:4])
+            out.append((ev[0], ev[1].split("#")[0], *ev[2:4]))
         elif ev[0] == "preempt":
-            out.append(ev[:2])
+            out.append((ev[0], ev[1].split("#")[0]))
     return out
 
 
@@ -181,7 +160,8 @@ def test_simulator_and_coordinator_decide_the_same_step_by_step() -> None:
     assert sum(d[0] == "preempt" for d in simulated) >= 2
     assert len(sim.finished) == 20
     coord = asyncio.run(_drive(s, sim))
-    live = coord.decisions
+    assert coord.core.log is not None
+    live = _decisions(coord.core.log)
     for i, (a, b) in enumerate(zip(simulated, live, strict=False)):
         assert a == b, f"decision {i} differs: simulator {a}, coordinator {b}"
     assert len(live) == len(simulated)
@@ -190,7 +170,7 @@ def test_simulator_and_coordinator_decide_the_same_step_by_step() -> None:
 
 
 @pytest.mark.parametrize("rule", ["newest", "requester"])
-def test_victim_rules_are_the_cores(rule: str) -> None:
+def test_simulator_victims_follow_the_rule(rule: str) -> None:
     """The simulator's victims follow the core's rule: the requester itself, or the most
     recently admitted request holding KV on the full node."""
     sim = _simulate(_setup(), victim_rule=rule)
