@@ -18,19 +18,8 @@ iteration's batch (`scheduler/batch.py`); this module only moves time, links and
   head of the admission queue and later prefills its prompt plus the tokens it generated),
   as vLLM's scheduler does. Either way the simulator asserts the allocation never exceeds
   the capacity.
-- Nodes run continuous batching: when idle with work queued, an iteration takes the decode
-  steps queued (up to `max_decode` sequences) and prompts in FIFO order (up to `max_prompt`
-  tokens; one longer prompt runs alone) and lasts the cost model's time for that mixed batch.
-  Requests whose route enters the node mid-range (partial inference) run fewer layers, so
-  the time is summed over layer segments: segment `[s_k, s_k+1)` runs every request that
-  starts at or before `s_k` (the cost model is per-layer additive).
-- The head: an iteration of a node whose range ends at the model's last layer also runs the
-  final norm, lm_head and sampler once, on one row per sequence sampled (every decode step,
-  and each prompt whose last chunk ran), as the worker does (engine/shard.py); its time is
-  the cost model's `head_ms` for those rows (docs/calibration.md "The head").
-- Links carry a finished batch's requests to their next hop as one transfer: activations
-  (`tokens x activation_bytes_per_token`) between nodes, token ids (4 bytes each) to and
-  from the coordinator; links and NICs are modelled in `network.py`.
+- Nodes: continuous batching, partial inference and the head, timed by the cost model
+  (`nodes.py`).
 - The coordinator takes no time: it counts the token, finishes the request or sends the
   next decode step to the route's first node.
 - Offline mode keeps the admission queue non-empty (the next trace request, cycled, arrives
@@ -49,9 +38,7 @@ iteration's batch (`scheduler/batch.py`); this module only moves time, links and
 from __future__ import annotations
 
 import heapq
-import math
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,231 +46,24 @@ from typing import Any
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
 from helixserve.planner.placement import Placement
-from helixserve.scheduler import NodeState, make_router
-from helixserve.scheduler.batch import StepBudget, plan_step
+from helixserve.scheduler import make_router
+from helixserve.scheduler.batch import StepBudget
 from helixserve.scheduler.core import (
     Admission,
     CoreRequest,
     NeverFitsError,
     Preempted,
     SchedulerCore,
-    SchedulerPolicy,
 )
-from helixserve.scheduler.kv import KvPolicy, NodeKv
 from helixserve.scheduler.options import router_options
+from helixserve.simulator.config import SimConfig
 from helixserve.simulator.network import Network, SimLink
+from helixserve.simulator.nodes import Batch, NodeSteps, SimNode, SimRequest, chunks
 from helixserve.simulator.workload import TraceRequest, offline_stream
-from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec, NodeSpec
+from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec
 from helixserve.spec.cluster import COORDINATOR
-from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK
 
 _ARRIVE, _DONE, _DELIVER, _FEED = 0, 1, 2, 3
-#: values of `SimConfig.offline_feed`
-OFFLINE_FEEDS = ("saturate", "kv-feeder", "closed")
-
-
-@dataclass
-class SimConfig:
-    #: simulated seconds to run
-    duration_s: float = 600.0
-    #: keep the cluster saturated (ignore arrival times) instead of replaying arrivals
-    offline: bool = False
-    #: tokens and latencies are counted from this simulated time on (pipeline fill excluded)
-    warmup_s: float = 0.0
-    #: routing policy name (helixserve.scheduler.ROUTERS)
-    scheduler: str = "maxflow"
-    seed: int = 0
-    #: time buckets of the throughput and utilisation timelines
-    timeline_buckets: int = 100
-    #: prompt tokens one iteration of a node may prefill (None: the profile's largest batch);
-    #: a smaller budget keeps a big prefill batch from stalling every decode step riding in
-    #: the same iteration (vLLM's max_num_batched_tokens); a longer prompt still runs alone
-    max_prompt_tokens: int | None = None
-    #: "reserve": a request holds prompt + output KV slots on its route from admission;
-    #: "on-demand": slots are taken as tokens are generated, preempting (recompute) on a full
-    #: node, as vLLM allocates its paged KV cache
-    kv_allocation: str = "reserve"
-    #: on-demand only: a request is admitted when its prompt leaves this fraction of each
-    #: node's KV free (vLLM's watermark, 0.01), so decode growth does not preempt at once
-    kv_watermark: float = DEFAULT_KV_WATERMARK
-    #: split a prompt longer than what is left of an iteration's prompt budget
-    #: (`max_prompt_tokens`) over several iterations of the node (vLLM's chunked prefill);
-    #: the request moves on once its whole prompt has run on the node
-    chunked_prefill: bool = False
-    #: the coordinator splits each prompt into chunks of this many tokens, sent to the first
-    #: hop at once; a node passes each chunk on as soon as it has run it, so the chunks
-    #: pipeline along the route (the live coordinator's `prefill_chunk_tokens`, and how
-    #: pipeline-parallel vLLM moves a chunked prefill between stages). None: the prompt
-    #: moves as one piece, to the next hop once it has run whole on a node
-    prefill_chunk_tokens: int | None = None
-    #: admit no request while this many admitted requests are still in their prefill (no
-    #: first token yet); None: no limit. Keeps an admission burst of prompts from queueing
-    #: on the nodes and links ahead of the decode steps of requests already running
-    max_prefilling: int | None = None
-    #: on-demand only: admission promises every request prompt + this many tokens on each node
-    #: of its route, whatever it will generate, and keeps each node's promises within
-    #: `1 - kv_watermark` of its KV: the KV expectation of Helix's scheduler (its average
-    #: output, 240 tokens; high-water mark 0.85). The nodes still hold what the requests
-    #: really hold. None: promise the prompt, and the watermark counts the slots grown into
-    kv_expected_output_tokens: int | None = None
-    #: how an offline run feeds requests: "saturate" keeps the admission queue non-empty;
-    #: "kv-feeder" is the Helix artifact's offline feeder and prototype host for its maxflow
-    #: scheduler: `feed_initial_requests` sent `feed_interval_s` apart, then one more each
-    #: time a request finishes its prompt or its last token while the KV promised on the
-    #: busiest layer (summed over the nodes holding it) is at most `feed_kv_fraction` of that
-    #: layer's KV; a request fed so that finds no route is dropped (counted), as that host
-    #: drops it. "closed": its host for the other schedulers: `feed_initial_requests` sent
-    #: `feed_interval_s` apart, then one more each time one finishes (a fixed number in flight)
-    offline_feed: str = "saturate"
-    feed_initial_requests: int = 20
-    feed_interval_s: float = 0.1
-    feed_kv_fraction: float = 0.8
-    #: maxflow router: route over the max-entropy spread of the flow (True) or the solver's
-    #: flow as given (False, as Helix's IWRR does); see helixserve/scheduler/maxflow.py.
-    #: The other routing policies have no flow to spread and ignore it
-    router_spread: bool = True
-    #: seconds added to every layer an iteration runs, on top of the profile's time: per-layer
-    #: costs a real engine pays that a per-layer profile leaves out (e.g. Helix's prototype
-    #: schedules each layer in Python, in eager mode; docs/calibration.md fits it)
-    layer_overhead_s: float = 0.0
-    #: on-demand only: which request a full node preempts (scheduler/kv.py VICTIM_RULES):
-    #: "newest" admitted holding KV there (vLLM), or "requester", the one that needs the slot
-    #: (what the live coordinator does)
-    victim_rule: str = "newest"
-
-
-class SimRequest:
-    __slots__ = (
-        "rid", "arrival_s", "prompt", "output", "nodes", "starts", "hop", "in_prompt",
-        "generated", "admit_s", "first_s", "finish_s", "dead", "resumed", "left", "chunk", "replayed",
-    )  # fmt: skip
-
-    def __init__(self, rid: str, arrival_s: float, prompt: int, output: int) -> None:
-        self.rid = rid
-        self.arrival_s = arrival_s
-        self.prompt = prompt
-        self.output = output
-        self.nodes: tuple[SimNode, ...] = ()
-        self.starts: tuple[int, ...] = ()  # first layer each hop runs
-        self.hop = 0
-        self.in_prompt = True
-        self.generated = 0
-        self.admit_s = math.nan
-        self.first_s = math.nan
-        self.finish_s = math.nan
-        self.dead = False  # preempted: its pending events are dropped
-        self.resumed = False  # re-admitted after a preemption: `prompt` includes its output
-        self.left = 0  # prompt tokens still to prefill on the current hop
-        self.replayed = 0  # generated tokens included in `prompt` (a resumed request)
-        self.chunk = 0  # prompt tokens of the current hop in the running iteration
-
-
-class _Chunk:
-    """One piece of a request's prompt moving along its route on its own
-    (`SimConfig.prefill_chunk_tokens`): queued, run and sent on like a prompt of `prompt`
-    tokens; the last one, back at the coordinator, is the request's first token."""
-
-    __slots__ = ("req", "prompt", "left", "chunk", "hop", "last")
-
-    def __init__(self, req: SimRequest, tokens: int, last: bool) -> None:
-        self.req = req
-        self.prompt = tokens
-        self.left = tokens
-        self.chunk = 0
-        self.hop = 0
-        self.last = last
-
-    @property
-    def dead(self) -> bool:
-        return self.req.dead
-
-    @property
-    def nodes(self) -> tuple[SimNode, ...]:
-        return self.req.nodes
-
-    @property
-    def starts(self) -> tuple[int, ...]:
-        return self.req.starts
-
-
-def _chunks(r: SimRequest, size: int) -> list[_Chunk]:
-    return [_Chunk(r, min(size, r.prompt - at), at + size >= r.prompt)
-            for at in range(0, r.prompt, size)]
-
-
-def _prompt_left(r: SimRequest) -> int:
-    return r.left
-
-
-def _dead(r: SimRequest) -> bool:
-    return r.dead
-
-
-class SimNode:
-    __slots__ = (
-        "name", "spec", "start", "end", "may_partial", "pq", "dq", "busy", "max_prompt",
-        "max_decode", "kv_cap", "busy_s", "iters", "decode_iters", "prompt_iters",
-        "prompt_tokens", "decode_tokens", "busy_timeline", "kv", "budget", "has_head",
-    )  # fmt: skip
-
-    def __init__(self, spec: NodeSpec, start: int, end: int, cost: CostModel, buckets: int):
-        self.name = spec.name
-        self.spec = spec
-        self.start, self.end = start, end
-        self.may_partial = False  # some route may enter mid-range
-        #: the range ends at the model's last layer: every iteration runs the head too
-        self.has_head = end == cost.model.num_layers
-        self.pq: deque[SimRequest] = deque()  # prompts waiting
-        self.dq: list[SimRequest] = []  # decode steps waiting
-        self.busy = False
-        self.max_prompt, self.max_decode = cost.batch_limits(spec)
-        self.kv_cap = cost.kv_capacity_tokens(spec, end - start)
-        #: what one iteration may take (scheduler/batch.py), set by Simulation
-        self.budget: StepBudget
-        #: this node's account in the run's KvBook (scheduler/kv.py), set by Simulation
-        self.kv: NodeKv
-        self.busy_s = 0.0
-        self.iters = self.decode_iters = self.prompt_iters = 0
-        self.prompt_tokens = self.decode_tokens = 0
-        self.busy_timeline = [0.0] * buckets
-
-    # read-only views of the node's KV account (metrics, tests)
-    @property
-    def kv_used(self) -> int:
-        return self.kv.used_tokens
-
-    @property
-    def kv_peak(self) -> int:
-        return self.kv.peak_tokens
-
-    @property
-    def kv_area(self) -> float:
-        return self.kv.area_token_s
-
-    @property
-    def kv_grown(self) -> int:
-        return self.kv.grown_tokens
-
-    @property
-    def preempted(self) -> int:
-        return self.kv.preempted
-
-    @property
-    def kv_promised(self) -> int:
-        return self.kv.promised_tokens
-
-    @property
-    def kv_promised_layers(self) -> int:
-        return self.kv.promised_token_layers
-
-    @property
-    def kv_mark(self) -> int:
-        return self.kv.watermark_tokens
-
-    @property
-    def state(self) -> NodeState:
-        """The router's view of this node."""
-        return self.kv.state
 
 
 @dataclass
@@ -322,12 +102,7 @@ class Simulation:
         config: SimConfig,
         progress: Callable[[float], None] | None = None,
     ) -> None:
-        if config.duration_s <= 0:
-            raise UserError(f"--duration: must be > 0 s, got {config.duration_s}")
-        if not 0 <= config.warmup_s < config.duration_s:
-            raise UserError(
-                f"--warmup: must be in [0, duration={config.duration_s}), got {config.warmup_s}"
-            )
+        config.check()
         if placement.num_layers != model.num_layers:
             raise UserError(
                 f"{placement.source}: num_layers: {placement.num_layers} but model {model.name!r} "
@@ -343,36 +118,13 @@ class Simulation:
             self.nodes[r.name] = SimNode(
                 cluster.node(r.name), r.start_layer, r.end_layer, cost, self.buckets
             )
-        kv_policy = KvPolicy(config.kv_allocation, config.kv_watermark,
-                             config.kv_expected_output_tokens,
-                             victim_rule=config.victim_rule).check()
-        self.on_demand = kv_policy.on_demand
-        if config.prefill_chunk_tokens is not None and config.prefill_chunk_tokens < 1:
-            raise UserError(f"prefill_chunk_tokens: must be >= 1, got "
-                            f"{config.prefill_chunk_tokens}")
-        if config.max_prompt_tokens is not None:
-            if config.max_prompt_tokens < 1:
-                raise UserError(f"max_prompt_tokens: must be >= 1, got "
-                                f"{config.max_prompt_tokens}")
-            for n in self.nodes.values():
-                n.max_prompt = min(n.max_prompt, config.max_prompt_tokens)
         for n in self.nodes.values():
+            if config.max_prompt_tokens is not None:
+                n.max_prompt = min(n.max_prompt, config.max_prompt_tokens)
             n.budget = StepBudget(n.max_decode, n.max_prompt, config.chunked_prefill)
-        for j in self.nodes.values():
-            j.may_partial = any(j.start < i.end < j.end for i in self.nodes.values())
-        if config.layer_overhead_s < 0:
-            raise UserError(f"layer_overhead_s: must be >= 0, got {config.layer_overhead_s}")
-        if config.offline_feed not in OFFLINE_FEEDS:
-            raise UserError(f"offline_feed: {config.offline_feed!r}; known: "
-                            f"{', '.join(OFFLINE_FEEDS)}")
+            n.may_partial = any(n.start < i.end < n.end for i in self.nodes.values())
         self.feeder = config.offline and config.offline_feed != "saturate"
         self.kv_feeder = config.offline and config.offline_feed == "kv-feeder"
-        # checked whatever the mode, so a bad value fails at once
-        if config.feed_initial_requests < 1 or config.feed_interval_s < 0:
-            raise UserError(f"feeder: feed_initial_requests must be >= 1 and feed_interval_s "
-                            f">= 0, got {config.feed_initial_requests}, {config.feed_interval_s}")
-        if not 0 < config.feed_kv_fraction <= 1:
-            raise UserError(f"feed_kv_fraction: must be in (0, 1], got {config.feed_kv_fraction}")
         #: the distinct sets of nodes that hold a layer, with their KV summed (the feeder's
         #: per-layer usage, as Helix's KVExpectation.bottleneck_usage computes it)
         groups = {
@@ -391,24 +143,18 @@ class Simulation:
             **knobs,
             **router_options(cluster, model, placement, cost),
         )
-        if config.max_prefilling is not None and config.max_prefilling < 1:
-            raise UserError(f"max_prefilling: must be >= 1, got {config.max_prefilling}")
         #: every scheduling decision (admission, route, KV, preemption): the core the live
-        #: coordinator drives too. The simulator's capacities are exact, so the ledger decides
-        #: when a node is full; a request no route holds on an idle cluster is rejected
-        self.core = SchedulerCore(
-            router,
-            SchedulerPolicy(kv=kv_policy, exact_capacities=True,
-                            max_prefilling=config.max_prefilling,
-                            reject_unroutable_when_idle=True),
-            {n.name: n.kv_cap for n in self.nodes.values()},
-        )
+        #: coordinator drives too (SimConfig.scheduler_policy)
+        self.core = SchedulerCore(router, config.scheduler_policy(),
+                                  {n.name: n.kv_cap for n in self.nodes.values()})
         self.kv = self.core.kv
         self.router = router
         for n in self.nodes.values():
             n.kv = self.kv.nodes[n.name]
+        self.on_demand = self.kv.policy.on_demand
         self.net = Network(cluster, names)
-        self.act_bytes = model.activation_bytes_per_token
+        self.steps = NodeSteps(cost, config, self.buckets, self.bucket_s,
+                               model.activation_bytes_per_token, self.on_demand)
         self.requests = sorted(requests, key=lambda q: q.arrival_s)
         self.stream: Iterator[tuple[int, int]] | None = (
             offline_stream(self.requests) if config.offline else None
@@ -425,8 +171,6 @@ class Simulation:
         self.decode_tokens = self.prompt_tokens = 0
         self.token_timeline = [0] * self.buckets
         self.next_arrival = 0
-        #: (node, layers, prompt tokens, decode sequences) -> seconds; batches repeat a lot
-        self._batch_time: dict[tuple[str, int, int, int], float] = {}
 
     # ---- event plumbing --------------------------------------------------------------------
 
@@ -549,7 +293,7 @@ class Simulation:
         r.admit_s = self.now
         self.running[r.rid] = r
         size = self.cfg.prefill_chunk_tokens
-        pieces: list[Any] = [r] if size is None or r.prompt <= size else _chunks(r, size)
+        pieces: list[Any] = [r] if size is None or r.prompt <= size else chunks(r, size)
         self._send(COORDINATOR, r.nodes[0], r.prompt * TOKEN_ID_BYTES, pieces)
 
     # ---- the offline feeders (SimConfig.offline_feed) ---------------------------------------
@@ -618,143 +362,17 @@ class Simulation:
     # ---- nodes -----------------------------------------------------------------------------
 
     def _enqueue(self, node: SimNode, reqs: list[SimRequest]) -> None:
-        for r in reqs:
-            if r.dead:
-                continue
-            if type(r) is _Chunk or r.in_prompt:
-                r.left = r.prompt
-                node.pq.append(r)
-            else:
-                node.dq.append(r)
-        node.state.queue_len = len(node.pq) + len(node.dq)
+        self.steps.enqueue(node, reqs)
         if not node.busy:
             self._start(node)
 
     def _start(self, node: SimNode) -> None:
-        pq = node.pq
-        if self.on_demand:  # drop requests preempted while queued here (prompts: at the head)
-            node.dq = [r for r in node.dq if not r.dead]
-            while pq and pq[0].dead:
-                pq.popleft()
-        plan = plan_step(node.dq, pq, node.budget, _prompt_left, _dead)
-        decode, node.dq = plan.decode, node.dq[len(plan.decode) :]
-        for _ in range(plan.prompts_popped):
-            pq.popleft()
-        prompts: list[SimRequest] = []
-        for r, take in plan.prompts:
-            r.chunk = take
-            r.left -= take
-            prompts.append(r)
-        prompt_tokens = plan.prompt_tokens
-        if not decode and not prompts:
-            return
-        node.state.queue_len = len(pq) + len(node.dq)
-        if node.may_partial:
-            dt = self._partial_batch_time(node, prompts, decode)
-        else:
-            dt = self._time(node, node.end - node.start, prompt_tokens, len(decode))
-        if node.has_head:
-            dt += self._head_time(node, sum(1 for r in prompts if not r.left), len(decode))
-        node.busy = True
-        node.iters += 1
-        if prompts:
-            node.prompt_iters += 1
-            node.prompt_tokens += prompt_tokens
-        if decode:
-            node.decode_iters += 1
-            node.decode_tokens += len(decode)
-        self._account_busy(node, self.now, dt)
-        self._push(self.now + dt, _DONE, node, (prompts, decode))
+        step = self.steps.start(node, self.now)
+        if step is not None:
+            self._push(self.now + step[0], _DONE, node, step[1])
 
-    def _partial_batch_time(
-        self, node: SimNode, prompts: list[SimRequest], decode: list[SimRequest]
-    ) -> float:
-        # start layer -> [prompt tokens, decode sequences] entering there
-        by_start: dict[int, list[int]] = {}
-        for r in prompts:
-            by_start.setdefault(r.starts[r.hop], [0, 0])[0] += r.chunk
-        for r in decode:
-            by_start.setdefault(r.starts[r.hop], [0, 0])[1] += 1
-        starts = sorted(by_start)
-        total_s, p, d = 0.0, 0, 0
-        for k, s in enumerate(starts):
-            p += by_start[s][0]
-            d += by_start[s][1]
-            seg_end = starts[k + 1] if k + 1 < len(starts) else node.end
-            total_s += self._time(node, seg_end - s, p, d)
-        return total_s
-
-    def _time(self, node: SimNode, layers: int, prompt_tokens: int, decode: int) -> float:
-        key = (node.name, layers, prompt_tokens, decode)
-        t = self._batch_time.get(key)
-        if t is None:
-            t = self.cost.batch_time_s(node.spec, layers, prompt_tokens, decode)
-            t += self.cfg.layer_overhead_s * layers
-            self._batch_time[key] = t
-        return t
-
-    def _head_time(self, node: SimNode, prompts_done: int, decode: int) -> float:
-        """The head over one row per sequence sampled: the decode sequences and the prompts
-        whose last chunk ran (a chunk before it samples nothing). One call for all rows, as
-        the worker runs it; timed by the decode curve when decode rows are in it."""
-        rows = prompts_done + decode
-        if rows == 0:
-            return 0.0
-        key = (node.name, -1, prompts_done, decode)  # layers -1: not a layer time
-        t = self._batch_time.get(key)
-        if t is None:
-            t = self.cost.head_time_s(node.spec, "decode" if decode else "prompt", rows)
-            self._batch_time[key] = t
-        return t
-
-    def _account_busy(self, node: SimNode, t0: float, dt: float) -> None:
-        end = self.cfg.duration_s
-        t1 = min(t0 + dt, end)
-        node.busy_s += max(0.0, t1 - t0)
-        b = int(t0 / self.bucket_s)
-        while t0 < t1 and b < self.buckets:
-            edge = min((b + 1) * self.bucket_s, t1)
-            node.busy_timeline[b] += edge - t0
-            t0 = edge
-            b += 1
-
-    def _done(self, node: SimNode, batch: tuple[list[SimRequest], list[SimRequest]]) -> None:
-        node.busy = False
-        # next hop (None: the coordinator) -> [requests, token activations carried]
-        out: dict[SimNode | None, list[Any]] = {}
-        prompts, decode = batch
-        for r in prompts:
-            if r.dead or r.left:  # preempted, or more of its prompt to prefill here
-                continue
-            h = r.hop + 1
-            r.hop = h
-            nxt = r.nodes[h] if h < len(r.nodes) else None
-            if nxt is None and type(r) is _Chunk:
-                # the last node ran a chunk: only the last one samples the first token
-                if not r.last:
-                    continue
-                r = r.req
-            group = out.get(nxt)
-            if group is None:
-                out[nxt] = [[r], r.prompt]
-            else:
-                group[0].append(r)
-                group[1] += r.prompt
-        for r in decode:
-            if r.dead:
-                continue
-            h = r.hop + 1
-            r.hop = h
-            nxt = r.nodes[h] if h < len(r.nodes) else None
-            group = out.get(nxt)
-            if group is None:
-                out[nxt] = [[r], 1]
-            else:
-                group[0].append(r)
-                group[1] += 1
-        for nxt, (reqs, tokens) in out.items():
-            # to the coordinator: the sampled token id of each request; else activations
-            nbytes = TOKEN_ID_BYTES * len(reqs) if nxt is None else tokens * self.act_bytes
+    def _done(self, node: SimNode, batch: Batch) -> None:
+        for nxt, nbytes, reqs in self.steps.done(node, batch):
             self._send(node.name, nxt, nbytes, reqs)
         if node.pq or node.dq:
             self._start(node)

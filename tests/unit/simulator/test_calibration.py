@@ -55,13 +55,13 @@ def test_layer_overhead_counts_only_the_layers_a_partial_batch_runs() -> None:
     r = sim.requests[0]
     b = sim.nodes["b"]
     assert b.may_partial
-    assert math.isclose(sim._partial_batch_time(b, [], [_at_hop(sim, r, b)]),
+    assert math.isclose(sim.steps._partial_batch_time(b, [], [_at_hop(sim, r, b)]),
                         2 * (0.001 + 0.01))
 
 
 def _at_hop(sim, req, node):  # type: ignore[no-untyped-def]
     """A SimRequest decoding on `node`, entering where a route from the coordinator does."""
-    from helixserve.simulator.sim import SimRequest
+    from helixserve.simulator.nodes import SimRequest
 
     r = SimRequest(req.request_id, 0.0, req.prompt_tokens, req.output_tokens)
     r.nodes = (sim.nodes["a"], node)
