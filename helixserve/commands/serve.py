@@ -163,7 +163,7 @@ def recovery_config(args: argparse.Namespace) -> Any:
     cost model is the coordinator's (`cost_inputs`)."""
     if args.no_replan:
         return None
-    from helixserve.runtime.replan import RecoveryConfig
+    from helixserve.runtime.config import RecoveryConfig
 
     return RecoveryConfig(wait_s=args.recovery_wait_s, hang_timeout_s=args.hang_timeout_s)
 

@@ -1,4 +1,5 @@
-"""The coordinator's settings, one typed object: `Coordinator.create(cluster, placement,
+"""The coordinator's settings, typed objects (`CoordinatorConfig`, and `RecoveryConfig` for live
+re-planning): `Coordinator.create(cluster, placement,
 model_dir, CoordinatorConfig(...))`. Torch-free, like the coordinator."""
 
 from __future__ import annotations
@@ -8,8 +9,47 @@ from dataclasses import dataclass, field
 from helixserve.errors import UserError
 from helixserve.request import KV_ALLOCATIONS
 from helixserve.runtime.costs import CostInputs
-from helixserve.runtime.replan import RecoveryConfig
 from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, DEFAULT_PREFILL_CHUNK_TOKENS
+
+
+@dataclass
+class RecoveryConfig:
+    """How the coordinator recovers from losing workers (runtime/replan.py)."""
+
+    #: planner for the re-plan (a name of planner/registry.py)
+    planner: str = "milp"
+    #: the re-plan's search time (full re-plan and incremental placement together)
+    plan_time_limit_s: float = 5.0
+    #: units of work instead (planner/clock.py, `plan --work-limit`): the re-plan is then
+    #: the same whatever the machine's load, and `plan_time_limit_s` does not apply; None:
+    #: the time limit
+    plan_work_limit: float | None = None
+    #: one worker's LoadRange (reading its new layers and switching)
+    load_timeout_s: float = 600.0
+    #: longest a request waits for the model to be covered again (re-plan or restart)
+    wait_s: float = 60.0
+    #: Retry-After of the 503 a new request gets while no plan can cover the model
+    retry_after_s: int = 10
+    #: a live worker that lets two Info calls in a row (this long each) pass unanswered is
+    #: declared down (hung)
+    hang_timeout_s: float = 10.0
+    #: re-plans in a row while layers stay uncovered, before giving up until a worker returns
+    max_attempts: int = 3
+    #: a worker that comes back or joins while the model is covered: re-plan when that
+    #: raises the max flow (the cost model's tokens/s) by at least this share; None: never
+    join_min_gain: float | None = 0.25
+
+    def __post_init__(self) -> None:
+        if self.join_min_gain is not None and not self.join_min_gain >= 0:
+            raise UserError(f"recovery: join_min_gain: bad value {self.join_min_gain}; "
+                            "must be >= 0 or None")
+        for name in ("plan_time_limit_s", "load_timeout_s", "wait_s", "hang_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise UserError(f"recovery: {name}: bad value {value}; must be > 0")
+        if self.plan_work_limit is not None and not self.plan_work_limit > 0:
+            raise UserError(f"recovery: plan_work_limit: bad value {self.plan_work_limit}; "
+                            "must be > 0 or None")
 
 
 @dataclass(frozen=True)

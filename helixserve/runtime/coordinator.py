@@ -237,7 +237,7 @@ class Coordinator:
         except UserError:
             await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
             raise
-        if not self._covered():
+        if not self.covered():
             await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
             raise ConnectionError("no route covers the model over the reachable workers; "
                                   + "; ".join(unreachable))
@@ -261,7 +261,7 @@ class Coordinator:
         if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = sorted(eos)
-        self._spawn(self._poll_stats())
+        self.spawn(self._poll_stats())
         return self
 
     async def close(self) -> None:
@@ -273,7 +273,7 @@ class Coordinator:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -292,11 +292,11 @@ class Coordinator:
                 # one task per node: a hung worker must not hold up the others' stats
                 for n in self.nodes.values():
                     if n.alive and not n.refreshing:
-                        self._spawn(n.refresh_info(timeout_s=hang_s))
+                        self.spawn(n.refresh_info(timeout_s=hang_s))
                     n.check_answering(hang_s)
             for n in self.nodes.values():
                 if not n.alive and n.reconnectable():
-                    self._spawn(self._try_revive(n))
+                    self.spawn(self._try_revive(n))
 
     async def _try_revive(self, node: NodeClient) -> None:
         if await node.revive(self.placement.num_layers,
@@ -326,7 +326,7 @@ class Coordinator:
             self.model_spec = self.cost.model
         return self.cost
 
-    async def _install_placement(self, placement: Any) -> None:
+    async def install_placement(self, placement: Any) -> None:
         """Route over `placement` from now on (a re-plan, a worker back with another range).
         Running requests whose route is still valid keep it, with their KV promises."""
         from helixserve.scheduler import make_router
@@ -336,7 +336,7 @@ class Coordinator:
         router = make_router(self.scheduler, placement, seed=self.epoch, **options)
         # running requests keep their routes and KV; one the new ranges do not hold fails
         # its next step on the worker that moved, and is re-routed then
-        self.core.install(router)
+        self.core.install(router, down=[n for n, c in self.nodes.items() if not c.alive])
         self.placement = placement
         log.warning("routing over %s", ", ".join(
             f"{r.name} [{r.start_layer}, {r.end_layer})" for r in placement.nodes))
@@ -353,7 +353,7 @@ class Coordinator:
         """Most tokens a request of this prompt length could generate on the roomiest route
         of the live workers; None while no route covers the model or before the workers
         reported."""
-        if not self._covered():
+        if not self.covered():
             return None
         self._sync_nodes()
         return self.core.max_new_tokens(prompt_tokens)
@@ -361,7 +361,8 @@ class Coordinator:
     def _block_size(self) -> int:
         return max((n.info.kv_block_size for n in self.nodes.values() if n.info), default=1)
 
-    def _covered(self) -> bool:
+    def covered(self) -> bool:
+        """Whether the live workers' ranges cover every layer."""
         covered = [False] * self.placement.num_layers
         for n in self.nodes.values():
             if n.alive:
@@ -429,7 +430,7 @@ class Coordinator:
         for act in self.active.values():
             if any(h.name == node for h in act.route_hops):
                 act.results.put_nowait(NodeFailure(node, reason))
-        if self.recovery is not None and not self._covered():
+        if self.recovery is not None and not self.covered():
             self.recovery.trigger(f"node {node} down ({reason}), layers without a live holder")
 
     # ---- one request ----------------------------------------------------------------------
@@ -518,7 +519,7 @@ class Coordinator:
             # route, or could never end, unless the ranges are changing under us
             self.core.arrive(CoreRequest(act.internal_id, len(act.req.prompt_token_ids),
                                          act.req.max_tokens),
-                             check_fit=self._covered() and not switching)
+                             check_fit=self.covered() and not switching)
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future[Admission] = loop.create_future()
         self._waiters[act.internal_id] = admitted
@@ -526,7 +527,7 @@ class Coordinator:
         try:
             self._pump()
             while not admitted.done():
-                if not self._covered():
+                if not self.covered():
                     uncovered_since = uncovered_since or loop.time()
                     self._check_recovering(uncovered_since, replay=bool(act.generated))
                 await asyncio.wait({admitted}, timeout=self.stats_interval_s)
@@ -705,14 +706,18 @@ class Coordinator:
         # Also on nodes believed down: if only the stream broke, the worker still holds the KV
         # (a dead one fails the call at once).
         for h in hops:
-            task = self._spawn(self.nodes[h.name].release([internal_id]))
+            task = self.spawn(self.nodes[h.name].release([internal_id]))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 
-    async def _notify_admit(self) -> None:
+    async def notify_admit(self) -> None:
         """An admission point from outside (a re-plan installed, a worker back)."""
         self.core.wake()
         self._pump()
+
+    def stop_routing_to(self, node: str) -> None:
+        """No new work for `node` (the re-plan changes its range) until it is back up."""
+        self.core.node_down(node)
 
 
 def _load_tokenizer(model_dir: Path) -> Any:

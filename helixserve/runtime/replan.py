@@ -32,57 +32,21 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from helixserve.errors import UserError
+from helixserve.runtime.config import RecoveryConfig
 
 if TYPE_CHECKING:
-    from helixserve.runtime.coordinator import Coordinator
+    from helixserve.costmodel import CostModel
+    from helixserve.planner.placement import Placement
+    from helixserve.runtime.node_client import NodeClient
 
 log = logging.getLogger("helixserve.coordinator")
 
 STATES = ("idle", "planning", "loading", "uncoverable")
-
-
-@dataclass
-class RecoveryConfig:
-    """How the coordinator recovers from losing workers (runtime/replan.py)."""
-
-    #: planner for the re-plan (a name of planner/registry.py)
-    planner: str = "milp"
-    #: the re-plan's search time (full re-plan and incremental placement together)
-    plan_time_limit_s: float = 5.0
-    #: units of work instead (planner/clock.py, `plan --work-limit`): the re-plan is then
-    #: the same whatever the machine's load, and `plan_time_limit_s` does not apply; None:
-    #: the time limit
-    plan_work_limit: float | None = None
-    #: one worker's LoadRange (reading its new layers and switching)
-    load_timeout_s: float = 600.0
-    #: longest a request waits for the model to be covered again (re-plan or restart)
-    wait_s: float = 60.0
-    #: Retry-After of the 503 a new request gets while no plan can cover the model
-    retry_after_s: int = 10
-    #: a live worker that lets two Info calls in a row (this long each) pass unanswered is
-    #: declared down (hung)
-    hang_timeout_s: float = 10.0
-    #: re-plans in a row while layers stay uncovered, before giving up until a worker returns
-    max_attempts: int = 3
-    #: a worker that comes back or joins while the model is covered: re-plan when that
-    #: raises the max flow (the cost model's tokens/s) by at least this share; None: never
-    join_min_gain: float | None = 0.25
-
-    def __post_init__(self) -> None:
-        if self.join_min_gain is not None and not self.join_min_gain >= 0:
-            raise UserError(f"recovery: join_min_gain: bad value {self.join_min_gain}; "
-                            "must be >= 0 or None")
-        for name in ("plan_time_limit_s", "load_timeout_s", "wait_s", "hang_timeout_s"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise UserError(f"recovery: {name}: bad value {value}; must be > 0")
-        if self.plan_work_limit is not None and not self.plan_work_limit > 0:
-            raise UserError(f"recovery: plan_work_limit: bad value {self.plan_work_limit}; "
-                            "must be > 0 or None")
 
 
 @dataclass
@@ -99,8 +63,45 @@ class ReplanRecord:
     error: str = ""
 
 
+class RecoveryHost(Protocol):
+    """What the re-plan needs of the coordinator (which implements it)."""
+
+    @property
+    def nodes(self) -> Mapping[str, NodeClient]:
+        """Every worker's client: liveness, the range it holds, LoadRange."""
+        ...
+
+    @property
+    def placement(self) -> Placement:
+        """The placement routes are made over now."""
+        ...
+
+    #: bumped when a re-plan starts and when it ends: older routes are stale, not unlucky
+    epoch: int
+
+    def covered(self) -> bool:
+        """Whether the live workers' ranges cover every layer."""
+        ...
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+
+    async def notify_admit(self) -> None:
+        """An admission point: waiting requests may be admitted now."""
+        ...
+
+    def cost_model(self) -> CostModel: ...
+
+    async def install_placement(self, placement: Placement) -> None:
+        """Route over `placement` from now on."""
+        ...
+
+    def stop_routing_to(self, node: str) -> None:
+        """Send no new work to `node` (its range is changing)."""
+        ...
+
+
 class Recovery:
-    def __init__(self, coord: Coordinator, cluster: Any, config: RecoveryConfig) -> None:
+    def __init__(self, coord: RecoveryHost, cluster: Any, config: RecoveryConfig) -> None:
         self.coord = coord
         self.cluster = cluster
         self.config = config
@@ -125,13 +126,13 @@ class Recovery:
         if self.busy:
             self._again = True
             return
-        self._task = self.coord._spawn(self._run(reason))
+        self._task = self.coord.spawn(self._run(reason))
 
     async def _run(self, reason: str) -> None:
         attempts = 0
         while True:
             self._again = False
-            if self.coord._covered():
+            if self.coord.covered():
                 if self.state != "loading":
                     self.state = "idle"
                 break
@@ -150,7 +151,7 @@ class Recovery:
             if not self._again and self.state == "uncoverable":
                 break
             reason = "layers still uncovered after a re-plan"
-        await self.coord._notify_admit()
+        await self.coord.notify_admit()
 
     async def _replan_once(self, reason: str) -> None:
         coord = self.coord
@@ -198,7 +199,7 @@ class Recovery:
         await self.install_actual()
         coord.epoch += 1
         record.total_s = time.perf_counter() - t0
-        record.covered = coord._covered()
+        record.covered = coord.covered()
         if record.covered:
             self.replans += 1
             self.state = "idle"
@@ -215,7 +216,7 @@ class Recovery:
         try:
             await coord.nodes[name].load_range(start, end, self.config.load_timeout_s)
         finally:
-            coord.core.node_down(name)
+            coord.stop_routing_to(name)
 
     def _plan(self, live: list[str], current: Any) -> Any:
         """Blocking: the incremental re-plan over the live workers (a thread runs it)."""
@@ -273,10 +274,10 @@ class Recovery:
         self.history = [*self.history[-19:], record]
         log.warning("re-plan: %s", record.reason)
         await self._apply(current, new, record, t0)
-        if not coord._covered():
+        if not coord.covered():
             self._task = None
             self.trigger("layers uncovered after a re-plan for a joining worker")
-        await coord._notify_admit()
+        await coord.notify_admit()
 
     async def install_actual(self) -> None:
         """Route over the ranges the live workers hold now (asked, not assumed)."""
@@ -287,19 +288,19 @@ class Recovery:
             for n in live:
                 if n.info is not None:
                     n.start_layer, n.end_layer = n.info.start_layer, n.info.end_layer
-            if not coord._covered():
+            if not coord.covered():
                 return
-            await coord._install_placement(actual_placement(coord.placement, live))
+            await coord.install_placement(actual_placement(coord.placement, live))
 
     async def rejoin(self, node: Any) -> None:
         """A worker came back or joined: serve whatever range it holds."""
         await self.install_actual()
         log.warning("node %s rejoined with layers [%d, %d)", node.name, node.start_layer,
                     node.end_layer)
-        if not self.coord._covered():
+        if not self.coord.covered():
             self.trigger(f"node {node.name} rejoined, layers still uncovered")
         elif self.config.join_min_gain is not None and not self.busy:
-            self._task = self.coord._spawn(self._join(node.name))
+            self._task = self.coord.spawn(self._join(node.name))
 
     def snapshot(self) -> dict[str, Any]:
         last = self.history[-1] if self.history else None
@@ -335,4 +336,4 @@ def actual_placement(template: Any, live: list[Any]) -> Any:
     )
 
 
-__all__ = ["Recovery", "RecoveryConfig", "ReplanRecord", "actual_placement", "live_cluster"]
+__all__ = ["Recovery", "RecoveryHost", "ReplanRecord", "actual_placement", "live_cluster"]

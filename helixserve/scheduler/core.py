@@ -28,7 +28,7 @@ found. Everything here is pure and synchronous: no clocks, sockets or threads.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,10 +208,18 @@ class SchedulerCore:
             self.kv.nodes[node].state.alive = True
         self._wake = True
 
-    def install(self, router: Router) -> list[str]:
-        """Route over another placement from now on (a re-plan). Running requests keep their
-        route and KV; returns those whose route the new placement does not hold."""
+    def install(self, router: Router, down: Iterable[str] = ()) -> list[str]:
+        """Route over another placement from now on (a re-plan), with `down` the nodes that
+        are down now (marks made while the ranges changed are dropped). Running requests
+        keep their route and KV; returns those whose route the new placement does not
+        hold."""
         self.router = router
+        for node in self.down - set(down):
+            if node in self.kv.nodes:
+                self.kv.nodes[node].state.alive = True
+        self.down = set()
+        for node in down:
+            self.node_down(node)
         self._version += 1
         self._wake = True
         return [rid for rid, hold in self.kv.holds.items()

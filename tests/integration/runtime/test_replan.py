@@ -31,7 +31,7 @@ from runtime_procs import (
 
 from helixserve.request import SamplingParams
 from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest, NoRouteError
-from helixserve.runtime.replan import RecoveryConfig
+from helixserve.runtime.config import RecoveryConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -14,7 +14,8 @@ import pytest
 
 from helixserve.errors import UserError
 from helixserve.planner.placement import NodeRange, Placement
-from helixserve.runtime.replan import Recovery, RecoveryConfig, actual_placement, live_cluster
+from helixserve.runtime.config import RecoveryConfig
+from helixserve.runtime.replan import Recovery, actual_placement, live_cluster
 from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec, load_model
 from helixserve.supervisor import Supervisor
 

@@ -262,6 +262,11 @@ def test_install_keeps_running_requests_and_names_stale_routes() -> None:
     stale = c.install(make_router("maxflow", placement({"a": (0, 4), "b": (0, 8),
                                                         "c": (4, 8)})))
     assert stale == on_a and c.running == 2  # kept: their KV is still held
+    # marks made while ranges changed are dropped; the caller says what is down now
+    c.node_down("a")
+    c.node_down("b")
+    c.install(make_router("maxflow", placement({"a": (0, 8), "b": (0, 8)})), down=["b"])
+    assert c.view["a"].alive and not c.view["b"].alive and c.down == {"b"}
 
 
 def test_rename_keeps_the_queue_position() -> None:
