@@ -180,25 +180,13 @@ def health_detail(stats: Mapping[str, Any]) -> dict[str, Any]:
 def uncovered_layers(stats: Mapping[str, Any]) -> str:
     """Layers no live node holds, as 'a-b, c' ('' when all are covered or stats say nothing).
     The model's layer count is taken as the largest end_layer of any node, live or not."""
+    from helixserve.planner.placement import layer_gaps
+
     nodes = list((stats.get("nodes") or {}).values())
     num_layers = max((int(n.get("end_layer", 0)) for n in nodes), default=0)
-    covered = [False] * num_layers
-    for n in nodes:
-        if n.get("alive", True):
-            for layer in range(int(n.get("start_layer", 0)), int(n.get("end_layer", 0))):
-                covered[layer] = True
-    spans: list[str] = []
-    layer = 0
-    while layer < num_layers:
-        if covered[layer]:
-            layer += 1
-            continue
-        end = layer
-        while end + 1 < num_layers and not covered[end + 1]:
-            end += 1
-        spans.append(str(layer) if end == layer else f"{layer}-{end}")
-        layer = end + 1
-    return ", ".join(spans)
+    gaps = layer_gaps(((int(n.get("start_layer", 0)), int(n.get("end_layer", 0)))
+                       for n in nodes if n.get("alive", True)), num_layers)
+    return ", ".join(str(a) if b == a + 1 else f"{a}-{b - 1}" for a, b in gaps)
 
 
 def _sse(data: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,28 @@ from helixserve.errors import UserError, read_user_file
 
 FORMAT = "helixserve.placement/v1"
 
+
+
+def layer_gaps(ranges: Iterable[tuple[int, int]], num_layers: int) -> list[tuple[int, int]]:
+    """The spans [a, b) of layers 0..num_layers-1 that no range [start, end) holds, in order:
+    THE coverage check (a placement, the live workers, the API's health report)."""
+    cover = [0] * (num_layers + 1)
+    for start, end in ranges:
+        start, end = max(0, start), min(num_layers, end)
+        if start < end:
+            cover[start] += 1
+            cover[end] -= 1
+    gaps: list[tuple[int, int]] = []
+    depth = 0
+    for layer in range(num_layers):
+        depth += cover[layer]
+        if depth > 0:
+            continue
+        if gaps and gaps[-1][1] == layer:
+            gaps[-1] = (gaps[-1][0], layer + 1)
+        else:
+            gaps.append((layer, layer + 1))
+    return gaps
 
 @dataclass(frozen=True)
 class NodeRange:
@@ -84,11 +107,8 @@ class Placement:
 
     def covers_all_layers(self) -> bool:
         """True when the union of the node ranges is [0, num_layers)."""
-        covered = [False] * self.num_layers
-        for n in self.nodes:
-            for layer in range(n.start_layer, n.end_layer):
-                covered[layer] = True
-        return all(covered)
+        return not layer_gaps(((n.start_layer, n.end_layer) for n in self.nodes),
+                              self.num_layers)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -363,12 +363,10 @@ class Coordinator:
 
     def covered(self) -> bool:
         """Whether the live workers' ranges cover every layer."""
-        covered = [False] * self.placement.num_layers
-        for n in self.nodes.values():
-            if n.alive:
-                for layer in range(n.start_layer, n.end_layer):
-                    covered[layer] = True
-        return all(covered)
+        from helixserve.planner.placement import layer_gaps
+
+        return not layer_gaps(((n.start_layer, n.end_layer) for n in self.nodes.values()
+                               if n.alive), self.placement.num_layers)
 
     def recovery_state(self) -> dict[str, Any] | None:
         return None if self.recovery is None else self.recovery.snapshot()
