@@ -1,38 +1,22 @@
-"""Discrete-event simulation of a placement serving a request stream with a router.
+"""Discrete-event simulation of a placement serving a request stream: the event loop around
+the scheduling core.
 
-Model (one event heap, `heapq`, ordered by time then insertion). Every scheduling decision
-is the scheduling core's (docs/scheduler.md), the code the live coordinator and workers
-call: the admission order (`scheduler/queue.py`), the route (`scheduler`'s routers), KV
-held, promised and grown and the preemption victim (`scheduler/kv.py`), and each node
-iteration's batch (`scheduler/batch.py`); this module only moves time, links and events.
-- Admission: an arriving request joins a FIFO queue; the head is routed by the router;
-  when no route can admit it, it waits until a request finishes (head-of-line, so nothing
-  starves). A request no route could hold even on an idle cluster is rejected and counted.
-- KV cache (`SimConfig.kv_allocation`): with "reserve" (the default) every node of the route
-  allocates `prompt + output` tokens on admission (one slot per layer it runs; vLLM's block
-  table is shared by the layers), freed at finish; the router is told each node's capacity
-  and tracks its own promises. With "on-demand" (vLLM's paged allocation) admission needs
-  only the prompt's slots (plus a watermark) and every generated token takes one more slot
-  on each node of the route; when a node is full, a request holding KV there (the most
-  recently admitted: `SimConfig.victim_rule`) is preempted by recompute (its KV freed everywhere, it goes back to the
-  head of the admission queue and later prefills its prompt plus the tokens it generated),
-  as vLLM's scheduler does. Either way the simulator asserts the allocation never exceeds
-  the capacity.
-- Nodes: continuous batching, partial inference and the head, timed by the cost model
-  (`nodes.py`).
+One event heap (`heapq`, ordered by time then insertion) moves time, links and events; every
+scheduling decision is the core's (scheduler/core.py, docs/scheduler.md), the object the live
+coordinator drives too: admission order and points, routes, KV held, promised and grown
+(`SimConfig.kv_allocation`: "reserve", or vLLM's "on-demand" with preemption by recompute),
+the preemption victim (`SimConfig.victim_rule`) and Helix's KV expectation
+(`kv_expected_output_tokens`). Its capacities are exact, so the ledger decides when a node is
+full and asserts it never overflows; a request no route could hold on an idle cluster is
+rejected and counted.
+- Nodes: continuous batching, partial inference and the head, timed by the cost model plus
+  `layer_overhead_s` per layer run (`nodes.py`; docs/calibration.md).
 - The coordinator takes no time: it counts the token, finishes the request or sends the
   next decode step to the route's first node.
 - Offline mode keeps the admission queue non-empty (the next trace request, cycled, arrives
   whenever the queue drains): the cluster stays saturated and the run measures its maximum
   throughput. With `offline_feed="kv-feeder"` or `"closed"` requests enter as the Helix
   artifact's offline feeders and its prototype's host send them (`SimConfig.feed_*`).
-- KV expectation (`kv_expected_output_tokens`, Helix's scheduler): admission promises each
-  request prompt + a fixed expected output on every node of its route and keeps the promises
-  within `1 - kv_watermark` of each node's KV; the nodes still allocate on demand what the
-  requests really hold (preempting when that runs out).
-- `layer_overhead_s` adds a fixed time to every layer an iteration runs (costs of a real
-  engine that a per-layer profile leaves out). docs/calibration.md says which of these model
-  Helix's prototype (`--engine helix-prototype`) and how much each changes.
 """
 
 from __future__ import annotations
