@@ -44,7 +44,23 @@ _EXPORTS = {
     "ShardEngine": "shard",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "ENGINES",
+    "ENGINE_CHOICES",
+    "Engine",
+    "EngineError",
+    "InvalidWorkError",
+    "ItemOutput",
+    "KvExhaustedError",
+    "ModelArgs",
+    "RawHidden",
+    "ShardEngine",
+    "WorkItem",
+    "demo_model_dir",
+    "load_engine",
+    "prepare_demo_model",
+    "resolve_engine",
+]
 
 
 def __getattr__(name: str) -> Any:

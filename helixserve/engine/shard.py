@@ -28,7 +28,6 @@ from helixserve.engine.config import ModelArgs
 from helixserve.engine.errors import InvalidWorkError
 from helixserve.engine.kv_cache import KVCacheLayout, PagedKVCache
 from helixserve.engine.loader import load_range
-from helixserve.engine.protocol import ItemOutput, KvStats, WorkItem
 from helixserve.engine.model import (
     AttentionPlan,
     LayerWeights,
@@ -37,6 +36,7 @@ from helixserve.engine.model import (
     layer_forward,
     rms_norm,
 )
+from helixserve.engine.protocol import ItemOutput, KvStats, WorkItem
 from helixserve.engine.sampling import (
     RequestHistory,
     SamplingParams,
