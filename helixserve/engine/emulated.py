@@ -433,11 +433,11 @@ def check_profiled(spec: EmulationSpec, model_name: str) -> None:
     """UserError naming --profiles, --gpu and the machines profiled, unless the profiles time
     both phases of `model_name` on `spec`'s machine."""
     table = spec.profiles
-    catalog = spec.catalog or load_gpu_catalog()
-    if spec.gpu not in catalog:
-        raise UserError(f"--gpu: {spec.gpu!r} is not in the GPU catalog {catalog.source} (its "
-                        f"memory sizes the KV cache); known: {', '.join(catalog.names())}")
     if table.has(model_name, spec.gpu, spec.num_gpus):
+        catalog = spec.catalog or load_gpu_catalog()
+        if spec.gpu not in catalog:
+            raise UserError(f"--gpu: {spec.gpu!r} is not in the GPU catalog {catalog.source} (its "
+                            f"memory sizes the KV cache); known: {', '.join(catalog.names())}")
         return
     machines = sorted({(g, n) for (m, g, n, _ph) in table.curves if m == model_name})
     if not machines:
