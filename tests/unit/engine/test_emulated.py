@@ -228,3 +228,39 @@ def test_emulated_tokenizer_for_a_config_only_directory(tmp_path):
                                    add_generation_prompt=True) == "user: hi\nassistant:"
     (tmp_path / "tokenizer.json").write_text("{}")
     assert has_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--profiles", "{profiles}"], "--gpu: required with --engine emulated"),
+        (["--gpu", "L4"], "--profiles: required with --engine emulated"),
+        (["--gpu", "H100-80GB", "--profiles", "{profiles}"],
+         "--gpu: 'H100-80GB' x1 has no prompt and decode rows for 'llama-2-70b' in --profiles"),
+        (["--gpu", "L4", "--num-gpus", "4", "--profiles", "{profiles}"],
+         "--gpu: 'L4' x4 has no prompt and decode rows"),
+        (["--gpu", "L4", "--profiles", "{tmp}/none.csv"], "--profiles: {tmp}/none.csv"),
+        (["--gpu", "L4", "--profiles", "{profiles}", "--model", "{tmp}"],
+         "--model: {tmp}/config.json: no such file"),
+        (["--gpu", "L4", "--profiles", "{profiles}", "--layers", "0:40"],
+         "--layers 0:40: L4 x1 has no room for one KV block"),
+        (["--gpu", "L4", "--profiles", "{profiles}", "--slowdown", "2"],
+         "--slowdown: not with --engine emulated"),
+        (["--gpu", "L4", "--profiles", "{profiles}", "--time-scale", "0"],
+         "--time-scale: bad value 0.0"),
+        (["--engine", "torch", "--gpu", "L4"], "--gpu: only with --engine emulated"),
+    ],
+)
+def test_worker_flags_exit_2_with_one_line(tmp_path, capsys, argv, needle):
+    from helixserve.cli import main
+
+    argv = [a.format(profiles=PROFILES, tmp=tmp_path) for a in argv]
+    if "--engine" not in argv:
+        argv = ["--engine", "emulated", *argv]
+    if "--model" not in argv:
+        argv += ["--model", str(MODEL)]
+    if "--layers" not in argv:
+        argv += ["--layers", "0:10"]
+    assert main(["worker", *argv, "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle.format(tmp=tmp_path) in err and len(err.splitlines()) == 1, err
