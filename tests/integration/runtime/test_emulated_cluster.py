@@ -124,7 +124,7 @@ async def generate(coord: Coordinator, rid: str, prompt: str, max_tokens: int,
 
 
 def test_requests_through_emulated_workers(workers):
-    async def main() -> tuple[list[Any], Any, Any, dict[str, tp.WorkerInfo]]:
+    async def main() -> tuple[list[Any], Any, Any, dict[str, tp.WorkerInfo], Any]:
         cluster, placement = cluster_and_placement(workers)
         coord = await Coordinator.create(cluster, placement, MODEL, config())
         try:
@@ -135,11 +135,12 @@ def test_requests_through_emulated_workers(workers):
             stop = coord.tokenizer.decode([first[2]])
             stopped = await generate(coord, "s", PROMPTS[1], 10, stop=[stop])
             during = await infos(workers)
-            return runs, stopped, coord.tokenizer, during
+            http = await through_the_api(coord)
+            return runs, stopped, coord.tokenizer, during, http
         finally:
             await coord.close()
 
-    runs, stopped, tokenizer, during = asyncio.run(main())
+    runs, stopped, tokenizer, during, (models, metrics, completion) = asyncio.run(main())
     for i, (tokens, text, finish) in enumerate(runs):
         assert len(tokens) == 6 + 2 * i and finish == "length"
         assert all(0 <= t < 32000 and t != 2 for t in tokens)
@@ -158,6 +159,29 @@ def test_requests_through_emulated_workers(workers):
     assert during["n2"].eos_token_ids == (2,)
     assert asyncio.run(wait_kv_empty(workers)) == {"n0": 0, "n1": 0, "n2": 0}
     assert "EMULATED engine: no weights, times from" in workers[0].log()
+    # the OpenAI API over them: labelled emulated, text in and out through the emulated tokenizer
+    card = models["data"][0]
+    assert card["emulated"] is True and card["engines"] == ["emulated"]
+    assert metrics.count('backend="emulated"') == 3
+    assert completion["usage"]["completion_tokens"] == 5
+    assert completion["choices"][0]["finish_reason"] == "length"
+    assert completion["choices"][0]["text"].startswith(" tok")
+
+
+async def through_the_api(coord: Coordinator) -> tuple[Any, str, Any]:
+    """GET /v1/models, GET /metrics and POST /v1/completions on the API app over `coord`."""
+    import httpx
+
+    from helixserve.api.app import create_app
+
+    app = create_app(coord, "llama-2-70b")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://api") as client:
+        models = (await client.get("/v1/models")).json()
+        metrics = (await client.get("/metrics")).text
+        body = {"model": "llama-2-70b", "prompt": "hello emulated world", "max_tokens": 5}
+        completion = (await client.post("/v1/completions", json=body)).json()
+    return models, metrics, completion
 
 
 async def wait_kv_empty(workers: list[WorkerProc]) -> dict[str, int]:
