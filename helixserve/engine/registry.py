@@ -26,8 +26,12 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def resolve_engine(name: str) -> str:
-    """A known engine name for `name` (auto resolved); UserError listing the known ones."""
+def resolve_engine(name: str, *, weights: bool = False) -> str:
+    """A known engine name for `name` (auto resolved); UserError listing the known ones.
+    `weights`: the command runs the real model (profile, demo), so not `emulated`."""
+    if weights and name == "emulated":
+        raise UserError("--engine emulated: this command runs the model's weights; the "
+                        "emulated engine has none (known here: torch, vllm, auto)")
     if name == "auto":
         if not vllm_installed():
             return "torch"

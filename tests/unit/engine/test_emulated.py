@@ -264,3 +264,26 @@ def test_worker_flags_exit_2_with_one_line(tmp_path, capsys, argv, needle):
     assert main(["worker", *argv, "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert needle.format(tmp=tmp_path) in err and len(err.splitlines()) == 1, err
+
+
+def test_registry_builds_it_by_name_and_weight_commands_refuse_it(profiles):
+    from helixserve.engine.registry import ENGINE_CHOICES, load_engine, resolve_engine
+    from helixserve.errors import UserError
+
+    assert "emulated" in ENGINE_CHOICES and resolve_engine("emulated") == "emulated"
+    with pytest.raises(UserError, match="--engine emulated: this command runs the model's weights"):
+        resolve_engine("emulated", weights=True)
+    e = load_engine("emulated", MODEL, 0, 10, emulation=EmulationSpec("L4", profiles))
+    assert e.engine_name == "emulated" and e.dtype == "float16"
+    with pytest.raises(UserError, match="needs --gpu and --profiles"):
+        load_engine("emulated", MODEL, 0, 10)
+
+
+def test_a_new_range_live_frees_the_old_kv_first(profiles):
+    e = engine(profiles, 0, 10)
+    e.step([WorkItem("a", 0, 10, 0, [1, 2, 3], None, None)])
+    new = e.with_range(0, 8)  # what the worker's LoadRange does (runtime/worker.py _switch)
+    e.release_memory()
+    new.allocate_kv(None)
+    assert new.kv_stats()["total_blocks"] > engine(profiles, 0, 10).kv_stats()["total_blocks"]
+    assert new.kv_stats()["used_blocks"] == 0 and (new.start_layer, new.end_layer) == (0, 8)
