@@ -48,6 +48,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from helixserve.engine.errors import EngineError, KvExhaustedError
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
@@ -70,8 +71,6 @@ def engine_error_status(exc: BaseException) -> int:
     """The wire status of a failed engine step: each engine/errors.py class names its own
     (a full KV cache: RESOURCE_EXHAUSTED, so the coordinator preempts; an item the engine
     refuses: INVALID_ARGUMENT); anything else is INTERNAL."""
-    from helixserve.engine.errors import EngineError
-
     if isinstance(exc, EngineError):
         return int(getattr(tp, exc.status, tp.INTERNAL))
     return tp.INTERNAL
@@ -292,7 +291,6 @@ class Worker(pb_grpc.HelixWorkerServicer):
     # ---- engine thread -----------------------------------------------------------------
 
     def _engine_loop(self) -> None:
-        from helixserve.engine.errors import KvExhaustedError
         from helixserve.engine.protocol import WorkItem
 
         pending: deque[_Job] = deque()
