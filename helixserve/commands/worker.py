@@ -53,9 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "auto: vllm when installed and CUDA is present, else torch)")
     emu = p.add_argument_group("emulated engine (--engine emulated; docs/emulated.md)")
     emu.add_argument("--gpu", default=None,
-                     help="GPU type to emulate, as in the profiles and the GPU catalog (e.g. L4)")
-    emu.add_argument("--num-gpus", type=int, default=1,
-                     help="GPUs in the emulated machine, the profiles' num_gpus (default 1)")
+                     help="GPU type to emulate, as in the profiles and the GPU catalog (e.g. L4); "
+                     "default with --cluster and --node: the node's")
+    emu.add_argument("--num-gpus", type=int, default=None,
+                     help="GPUs in the emulated machine, the profiles' num_gpus (default 1, or "
+                     "the --cluster node's)")
     emu.add_argument("--profiles", type=Path, default=None,
                      help="measured per-layer times CSV (e.g. helix-measured.csv)")
     emu.add_argument("--gpus", type=Path, default=None,
@@ -216,17 +218,30 @@ def emulation_from_args(args: argparse.Namespace, engine_name: str) -> Any:
     flag when one is missing or bad); None for the other engines, which take none of them."""
     flags = {"--gpu": args.gpu is not None, "--profiles": args.profiles is not None,
              "--gpus": args.gpus is not None, "--gpu-reserve-gb": args.gpu_reserve_gb is not None,
-             "--num-gpus": args.num_gpus != 1, "--time-scale": args.time_scale != 1.0}
+             "--num-gpus": args.num_gpus is not None, "--time-scale": args.time_scale != 1.0}
     if engine_name != "emulated":
         given = [f for f, on in flags.items() if on]
         if given:
             raise UserError(f"{given[0]}: only with --engine emulated (engine: {engine_name})")
         return None
-    for flag, value in (("--gpu", args.gpu), ("--profiles", args.profiles)):
+    gpu, num_gpus, memory_gb = args.gpu, args.num_gpus, None
+    if args.cluster is not None and args.node and args.placement is not None:
+        # the machine the cluster file says this node is (flags given win)
+        from helixserve.spec import load_cluster
+
+        spec = next((n for n in load_cluster(args.cluster).nodes if n.name == args.node), None)
+        if spec is None:
+            raise UserError(f"--cluster {args.cluster}: no node {args.node!r} (--node)")
+        if gpu is None:
+            gpu = spec.gpu
+            num_gpus = spec.num_gpus if num_gpus is None else num_gpus
+            memory_gb = spec.memory_gb
+    num_gpus = 1 if num_gpus is None else num_gpus
+    for flag, value in (("--gpu", gpu), ("--profiles", args.profiles)):
         if value is None:
             raise UserError(f"{flag}: required with --engine emulated")
-    if args.num_gpus < 1:
-        raise UserError(f"--num-gpus: bad value {args.num_gpus}; need >= 1")
+    if num_gpus < 1:
+        raise UserError(f"--num-gpus: bad value {num_gpus}; need >= 1")
     if args.time_scale <= 0:
         raise UserError(f"--time-scale: bad value {args.time_scale}; need > 0")
     if args.gpu_reserve_gb is not None and args.gpu_reserve_gb < 0:
@@ -235,7 +250,7 @@ def emulation_from_args(args: argparse.Namespace, engine_name: str) -> Any:
         raise UserError("--slowdown: not with --engine emulated (its times come from "
                         "--profiles; --time-scale K stretches them)")
     if args.device is not None:
-        raise UserError(f"--device: not with --engine emulated (it emulates --gpu {args.gpu})")
+        raise UserError("--device: not with --engine emulated (it emulates --gpu)")
     from helixserve.engine.emulated import DEFAULT_RESERVED_GB_PER_GPU, EmulationSpec
 
     catalog = None
@@ -253,9 +268,9 @@ def emulation_from_args(args: argparse.Namespace, engine_name: str) -> Any:
         model_name = load_placement(args.placement).model or None
     reserve = (DEFAULT_RESERVED_GB_PER_GPU if args.gpu_reserve_gb is None
                else args.gpu_reserve_gb)
-    return EmulationSpec.load(args.gpu, args.profiles, num_gpus=args.num_gpus, catalog=catalog,
+    return EmulationSpec.load(gpu, args.profiles, num_gpus=num_gpus, catalog=catalog,
                               reserved_gb_per_gpu=reserve, time_scale=args.time_scale,
-                              model_name=model_name)
+                              model_name=model_name, memory_gb=memory_gb)
 
 
 def run_emulated(args: argparse.Namespace, node: str, start: int, end: int, tls: Any,

@@ -83,6 +83,8 @@ class EmulationSpec:
     """Every emulated time x this (a host too slow for real time; docs/emulated.md)."""
     model_name: str | None = None
     """The model's name in the profiles; None: the model directory's name."""
+    memory_gb: float | None = None
+    """The machine's memory budget (a cluster file's `memory_gb`); None: the catalog's."""
 
     @classmethod
     def load(cls, gpu: str, profiles_path: str | Path, **options: object) -> EmulationSpec:
@@ -167,7 +169,8 @@ class EmulatedEngine:
         self.dtype = dtype
         self.eos_token_ids = list(args.eos_token_ids)
         self.block_size = block_size
-        self.node = NodeSpec(name=f"emulated-{spec.gpu}", gpu=spec.gpu, num_gpus=spec.num_gpus)
+        self.node = NodeSpec(name=f"emulated-{spec.gpu}", gpu=spec.gpu, num_gpus=spec.num_gpus,
+                             memory_gb=spec.memory_gb)
         self.cost = CostModel(model, spec.profiles, spec.catalog or load_gpu_catalog(),
                               reserved_gb_per_gpu=spec.reserved_gb_per_gpu)
         self._row_bytes = model.hidden_size * DTYPE_BYTES[dtype]

@@ -287,3 +287,24 @@ def test_a_new_range_live_frees_the_old_kv_first(profiles):
     new.allocate_kv(None)
     assert new.kv_stats()["total_blocks"] > engine(profiles, 0, 10).kv_stats()["total_blocks"]
     assert new.kv_stats()["used_blocks"] == 0 and (new.start_layer, new.end_layer) == (0, 8)
+
+
+def test_a_placed_worker_emulates_the_machine_its_cluster_file_names(tmp_path):
+    import argparse
+    import json
+
+    from helixserve.commands.worker import emulation_from_args
+
+    placement = tmp_path / "p.json"
+    placement.write_text(json.dumps({
+        "format": "helixserve.placement/v1", "model": "llama-2-70b", "cluster": "c",
+        "num_layers": 80, "planner": "test",
+        "nodes": [{"name": "n5", "start_layer": 0, "end_layer": 80}]}))
+    args = argparse.Namespace(
+        gpu=None, num_gpus=None, profiles=PROFILES, gpus=None, gpu_reserve_gb=None,
+        time_scale=1.0, slowdown=1.0, device=None, placement=placement, node="n5",
+        cluster=SHARED / "clusters" / "helix-single-24.yaml")
+    spec = emulation_from_args(args, "emulated")
+    assert (spec.gpu, spec.num_gpus, spec.model_name) == ("L4", 1, "llama-2-70b")
+    args.gpu = "T4"  # a flag given wins
+    assert emulation_from_args(args, "emulated").gpu == "T4"
