@@ -37,7 +37,7 @@ decode tokens. Labelled everywhere: `engine_name` "emulated", the worker's Info 
 from __future__ import annotations
 
 import array
-import logging
+import json
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -54,8 +54,6 @@ from helixserve.spec import GpuCatalog, ModelSpec, NodeSpec, ProfileTable, load_
 from helixserve.spec.model import DTYPE_BYTES, parse_model
 from helixserve.spec.profiles import load_profiles
 from helixserve.spec.scheduling import DEFAULT_KV_BLOCK_SIZE
-
-log = logging.getLogger("helixserve.engine.emulated")
 
 #: GB per GPU kept outside weights and KV: the simulator's vllm engine model's (its default),
 #: so a rehearsal's KV matches what `simulate` gives the same placement
@@ -198,8 +196,6 @@ class EmulatedEngine:
             raise UserError(f"--model: {config}: no such file (the emulated engine needs the "
                             "model's config.json, no weights)")
         args = ModelArgs.from_dir(path)
-        import json
-
         cfg = json.loads(config.read_text())
         name = spec.model_name or path.resolve().name
         wire = dtype or str(cfg.get("torch_dtype") or "float16")
