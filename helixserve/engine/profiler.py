@@ -34,7 +34,8 @@ import torch
 
 from helixserve.engine.kv_cache import KVCacheLayout
 from helixserve.engine.loader import load_args
-from helixserve.engine.shard import ShardEngine, WorkItem, resolve_device, resolve_dtype
+from helixserve.engine.protocol import WorkItem
+from helixserve.engine.shard import ShardEngine, resolve_device, resolve_dtype
 from helixserve.engine.slowdown import slowed
 from helixserve.request import SamplingParams
 

@@ -18,13 +18,14 @@ random generator for sampling.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from helixserve.engine.config import ModelArgs
+from helixserve.engine.errors import InvalidWorkError
 from helixserve.engine.kv_cache import KVCacheLayout, PagedKVCache
 from helixserve.engine.loader import load_range
 from helixserve.engine.model import (
@@ -35,8 +36,8 @@ from helixserve.engine.model import (
     layer_forward,
     rms_norm,
 )
+from helixserve.engine.protocol import ItemOutput, KvStats, WorkItem
 from helixserve.engine.sampling import (
-    PromptLogprob,
     RequestHistory,
     SamplingParams,
     sample_rows,
@@ -65,30 +66,6 @@ DTYPES = {
 
 
 @dataclass
-class WorkItem:
-    """One request's share of a step on this shard."""
-
-    request_id: str
-    start_layer: int
-    """First layer to run here (may be after the shard's start: partial inference)."""
-    end_layer: int
-    """One past the last layer to run here."""
-    position: int
-    """Position of the first token of this step (= tokens already in this request's KV)."""
-    token_ids: list[int]
-    """Input token ids of this step; always carried, even to middle and last stages."""
-    hidden: torch.Tensor | None = None
-    """[num_tokens, hidden_size] when start_layer > 0, else None (tokens are embedded)."""
-    sampling: SamplingParams | None = None
-    """Set when this step ends at the model's last layer."""
-    sample: bool = True
-    """Last stage: False for a non-final prompt chunk (no token wanted)."""
-    num_prompt_tokens: int | None = None
-    """Optional: tokens at positions >= this are generated ones (for penalties after a
-    re-prefill of prompt + output). None: tokens before the first sampled one are prompt."""
-
-
-@dataclass
 class DenseContexts:
     """Dense copies of the decode contexts of the requests of an all-decode step."""
 
@@ -99,19 +76,6 @@ class DenseContexts:
     kv: torch.Tensor
     """[local_layers, 2 (keys, values), d, kv_heads, cap, head_dim]; positions past a
     request's length are finite (masked out)."""
-
-
-@dataclass
-class ItemOutput:
-    request_id: str
-    hidden: torch.Tensor | None = None
-    """[num_tokens, hidden_size] if the item ended before the model's last layer."""
-    token_id: int | None = None
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprob] | None = None
-    """With the first sampled token of a request that asked for them: prompt tokens 1.. given
-    the tokens before each (token 0 has none)."""
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
@@ -159,6 +123,8 @@ def _release_freed_heap() -> None:
 
 class ShardEngine:
     """A contiguous layer range of one model on one device, with its paged KV cache."""
+
+    engine_name = "torch"
 
     def __init__(
         self,
@@ -292,7 +258,7 @@ class ShardEngine:
         _release_freed_heap()
 
     # ---- bookkeeping -------------------------------------------------------------------
-    def kv_stats(self) -> dict[str, int]:
+    def kv_stats(self) -> KvStats:
         return {
             "block_size": self.kv.block_size,
             "total_blocks": self.kv.num_blocks,
@@ -320,7 +286,7 @@ class ShardEngine:
             return []
         prev_dense, self._dense = self._dense, None  # valid only if this step succeeds
         self._validate(items)
-        # Reserve KV before computing: KVCacheFullError leaves every request as it was
+        # Reserve KV before computing: KvExhaustedError leaves every request as it was
         # (except a rewind the items themselves asked for).
         for it in items:
             if it.position < self._seq_len.get(it.request_id, 0):
@@ -448,29 +414,29 @@ class ShardEngine:
         seen: set[str] = set()
         for it in items:
             if it.request_id in seen:
-                raise ValueError(f"request {it.request_id!r} appears twice in one step")
+                raise InvalidWorkError(f"request {it.request_id!r} appears twice in one step")
             seen.add(it.request_id)
             if not self.start_layer <= it.start_layer < it.end_layer <= self.end_layer:
-                raise ValueError(
+                raise InvalidWorkError(
                     f"request {it.request_id!r}: layers [{it.start_layer}, {it.end_layer}) not "
                     f"inside this shard's [{self.start_layer}, {self.end_layer})"
                 )
             if not it.token_ids:
-                raise ValueError(f"request {it.request_id!r}: no token ids")
+                raise InvalidWorkError(f"request {it.request_id!r}: no token ids")
             have = self._seq_len.get(it.request_id, 0)
             if it.position > have:
-                raise ValueError(
+                raise InvalidWorkError(
                     f"request {it.request_id!r}: position {it.position} but only {have} tokens "
                     "in this shard's KV cache (a step was skipped?)"
                 )
             shape = None if it.hidden is None else tuple(it.hidden.shape)
             if it.start_layer > 0 and shape != (len(it.token_ids), self.hidden_size):
-                raise ValueError(
+                raise InvalidWorkError(
                     f"request {it.request_id!r}: starts at layer {it.start_layer} so needs "
                     f"hidden [{len(it.token_ids)}, {self.hidden_size}], got {shape}"
                 )
             if it.end_layer == self.num_model_layers and it.sample and it.sampling is None:
-                raise ValueError(
+                raise InvalidWorkError(
                     f"request {it.request_id!r}: reaches the last layer without sampling params"
                 )
 
@@ -489,7 +455,7 @@ class ShardEngine:
                 assert self.embed is not None, "layer 0 is held, so the embedding is loaded"
                 parts.append(F.embedding(ids, self.embed))
             else:
-                assert it.hidden is not None
+                assert isinstance(it.hidden, torch.Tensor), "wire hidden states are tensors here"
                 parts.append(it.hidden.to(device=self.device, dtype=self.dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

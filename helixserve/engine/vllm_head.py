@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import torch
 
+from helixserve.engine.protocol import WorkItem
 from helixserve.engine.sampling import RequestHistory, score_tokens
-from helixserve.engine.shard import PROMPT_LOGPROBS_ROWS, ShardEngine, WorkItem
+from helixserve.engine.shard import PROMPT_LOGPROBS_ROWS, ShardEngine
 
 
 def score_prompt_rows(

@@ -7,7 +7,7 @@ request, `kv_stats()` reports the KV blocks, `seq_len(id)` the tokens held.
 Who owns what:
 - KV: this engine, with vLLM's `BlockPool` (one per worker); it allocates a request's
   blocks as its sequence grows (all of a step's blocks before anything runs, so a full cache
-  raises `KVCacheFullError` and changes nothing) and frees them on `free`. vLLM's head
+  raises `KvExhaustedError` and changes nothing) and frees them on `free`. vLLM's head
   scheduler is not used: under per-request routes every worker sees different requests.
 - Batches: this engine describes each step to the runner itself (`vllm_batch`).
 - Forward: vLLM's model runner (attention backend, paged KV writes, its persistent batch).
@@ -34,12 +34,11 @@ from typing import Any
 
 import torch
 
-from helixserve.engine.kv_cache import KVCacheFullError
+from helixserve.engine.errors import InvalidWorkError, KvExhaustedError
+from helixserve.engine.protocol import ItemOutput, KvStats, WorkItem
 from helixserve.engine.sampling import RequestHistory, sample_rows
 from helixserve.engine.shard import (
-    ItemOutput,
     ShardEngine,
-    WorkItem,
     default_kv_budget_bytes,
     resolve_device,
     resolve_dtype,
@@ -177,7 +176,7 @@ class VllmStageEngine:
         return cls(built, path, start_layer, end_layer, config, dev, dt)
 
     # ---- bookkeeping -------------------------------------------------------------------
-    def kv_stats(self) -> dict[str, int]:
+    def kv_stats(self) -> KvStats:
         total = self.pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
         free = self.pool.get_num_free_blocks()
         return {
@@ -213,7 +212,7 @@ class VllmStageEngine:
             state = self._requests.get(it.request_id)
             if state is not None and it.position < state.num_tokens:
                 if it.position != 0:
-                    raise ValueError(f"request {it.request_id!r}: the vllm engine restarts a "
+                    raise InvalidWorkError(f"request {it.request_id!r}: the vllm engine restarts a "
                                      f"request only from position 0, not {it.position}")
                 self.free(it.request_id)  # a re-prefill from the start
         entries = self._reserve(items)
@@ -235,33 +234,33 @@ class VllmStageEngine:
         seen: set[str] = set()
         for it in items:
             if it.request_id in seen:
-                raise ValueError(f"request {it.request_id!r} appears twice in one step")
+                raise InvalidWorkError(f"request {it.request_id!r} appears twice in one step")
             seen.add(it.request_id)
             if not self.start_layer <= it.start_layer < it.end_layer <= self.end_layer:
-                raise ValueError(
+                raise InvalidWorkError(
                     f"request {it.request_id!r}: layers [{it.start_layer}, {it.end_layer}) not "
                     f"inside this shard's [{self.start_layer}, {self.end_layer})")
             if not it.token_ids:
-                raise ValueError(f"request {it.request_id!r}: no token ids")
+                raise InvalidWorkError(f"request {it.request_id!r}: no token ids")
             if len(it.token_ids) > self.max_call_tokens:
-                raise ValueError(f"request {it.request_id!r}: {len(it.token_ids)} tokens in one "
+                raise InvalidWorkError(f"request {it.request_id!r}: {len(it.token_ids)} tokens in one "
                                  f"item; the vllm engine takes at most {self.max_call_tokens}")
             have = self.seq_len(it.request_id)
             if it.position > have:
-                raise ValueError(
+                raise InvalidWorkError(
                     f"request {it.request_id!r}: position {it.position} but only {have} tokens "
                     "in this shard's KV cache (a step was skipped?)")
             shape = None if it.hidden is None else tuple(it.hidden.shape)
             if it.start_layer > 0 and shape != (len(it.token_ids), self.hidden_size):
-                raise ValueError(
+                raise InvalidWorkError(
                     f"request {it.request_id!r}: starts at layer {it.start_layer} so needs "
                     f"hidden [{len(it.token_ids)}, {self.hidden_size}], got {shape}")
             if it.end_layer == self.num_model_layers and it.sample and it.sampling is None:
-                raise ValueError(f"request {it.request_id!r}: reaches the last layer without "
+                raise InvalidWorkError(f"request {it.request_id!r}: reaches the last layer without "
                                  "sampling params")
 
     def _reserve(self, items: list[WorkItem]) -> list[BatchEntry]:
-        """Allocate every block the step needs, or raise KVCacheFullError changing nothing."""
+        """Allocate every block the step needs, or raise KvExhaustedError changing nothing."""
         need: dict[str, int] = {}
         for it in items:
             have = len(self._blocks.get(it.request_id, ()))
@@ -269,7 +268,7 @@ class VllmStageEngine:
                                       - have)
         total, free = sum(need.values()), self.pool.get_num_free_blocks()
         if total > free:
-            raise KVCacheFullError(f"KV cache full: step needs {total} blocks, {free} free",
+            raise KvExhaustedError(f"KV cache full: step needs {total} blocks, {free} free",
                                    needed_blocks=total, free_blocks=free)
         entries = []
         for it in items:
@@ -345,7 +344,7 @@ class VllmStageEngine:
         if it.start_layer == 0:
             ids = torch.tensor(it.token_ids, dtype=torch.long, device=self.device)
             return self.model.embed_input_ids(ids)  # [num_tokens, hidden]
-        assert it.hidden is not None
+        assert isinstance(it.hidden, torch.Tensor), "wire hidden states are tensors here"
         return it.hidden.to(device=self.device, dtype=self.dtype)
 
     # ---- last stage --------------------------------------------------------------------

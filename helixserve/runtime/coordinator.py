@@ -719,6 +719,12 @@ class Coordinator:
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
+    from helixserve.engine.emulated_tokenizer import EmulatedTokenizer, has_tokenizer
+
+    if not has_tokenizer(model_dir):  # a config-only directory: a rehearsal (docs/emulated.md)
+        log.warning("EMULATED tokenizer: %s has no tokenizer files; text in and out is "
+                    "emulated (one token per word piece, id i decodes to ' tok<i>')", model_dir)
+        return EmulatedTokenizer.from_model_dir(model_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))

@@ -4,6 +4,8 @@ This is the only module that builds or reads `helix_pb2` messages. Tensors trave
 row-major bytes with dtype and shape (never pickled); `tensor_from_pb` checks dtype, shape and
 byte length against what the receiver expects and raises `WireError` naming the field.
 Hidden states in another float dtype than the receiver's are cast (mixed-GPU clusters).
+A worker whose expected dtype is a wire name rather than a torch dtype (the emulated engine,
+which runs without torch) gets and sends `RawHidden`: the same checked bytes, no tensor.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from helixserve.engine.protocol import RawHidden
 from helixserve.planner.placement import NodeRange
 from helixserve.request import PromptLogprob, SamplingParams
 from helixserve.runtime.proto import helix_pb2 as pb
@@ -86,7 +89,7 @@ class WireError(ValueError):
     """An incoming message does not match what the receiver expects (-> INVALID_ARGUMENT)."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -113,7 +116,9 @@ def prefill_chunk_tokens(hidden_size: int, dtype: torch.dtype | str,
 # ---- tensors ----------------------------------------------------------------------------
 
 
-def tensor_to_pb(t: torch.Tensor) -> pb.Tensor:
+def tensor_to_pb(t: torch.Tensor | RawHidden) -> pb.Tensor:
+    if isinstance(t, RawHidden):
+        return pb.Tensor(dtype=t.dtype, shape=list(t.shape), data=t.data)
     import torch
 
     t = t.detach()
@@ -132,10 +137,17 @@ def tensor_from_pb(
     rank, each fixed dim (None = any) and byte length; the result has the message's dtype."""
     import torch
 
+    got_shape = _checked_shape(msg, where, shape, dtype)
+    # bytearray: torch needs a writable buffer, and the engine may work in place.
+    return torch.frombuffer(bytearray(msg.data), dtype=getattr(torch, msg.dtype)).view(got_shape)
+
+
+def _checked_shape(msg: pb.Tensor, where: str, shape: Sequence[int | None],
+                   dtype: torch.dtype | str | None) -> list[int]:
+    """The message's shape, after checking its dtype, rank, fixed dims and byte length."""
     if msg.dtype not in _ITEMSIZE or (dtype is not None and msg.dtype != dtype_name(dtype)):
         want = dtype_name(dtype) if dtype is not None else " | ".join(_ITEMSIZE)
         raise WireError(f"{where}.dtype: got {msg.dtype!r}, expected {want}")
-    got_dtype = getattr(torch, msg.dtype)
     got_shape = list(msg.shape)
     if len(got_shape) != len(shape) or any(
         w is not None and g != w for g, w in zip(got_shape, shape, strict=False)
@@ -151,17 +163,21 @@ def tensor_from_pb(
             f"{where}.data: {len(msg.data)} bytes, expected {want_bytes} "
             f"(shape {got_shape} x {itemsize} bytes of {msg.dtype})"
         )
-    # bytearray: torch needs a writable buffer, and the engine may work in place.
-    return torch.frombuffer(bytearray(msg.data), dtype=got_dtype).view(got_shape)
+    return got_shape
 
 
-def hidden_from_pb(msg: pb.Tensor, where: str, num_tokens: int, expect: ExpectedInput) -> torch.Tensor:
+def hidden_from_pb(msg: pb.Tensor, where: str, num_tokens: int,
+                   expect: ExpectedInput) -> torch.Tensor | RawHidden:
     """Hidden states for this worker: [num_tokens, hidden_size] in its own dtype.
 
     Workers of one cluster may serve in different dtypes (bfloat16 on A100, float16 on T4,
     float32 on CPU): any float type is accepted and cast, but a cast that overflows is refused
-    rather than passing inf along the route.
+    rather than passing inf along the route. A worker expecting a wire name (the emulated
+    engine) gets the checked bytes as RawHidden, in the sender's dtype, without torch.
     """
+    if isinstance(expect.dtype, str):
+        shape = _checked_shape(msg, where, (num_tokens, expect.hidden_size), None)
+        return RawHidden(msg.dtype, tuple(shape), msg.data)
     import torch
 
     hidden = tensor_from_pb(msg, where, (num_tokens, expect.hidden_size))
@@ -192,7 +208,7 @@ class WireItem:
     position: int
     token_ids: list[int]
     #: hidden: [num_tokens, hidden_size]; None on the first hop (it embeds token_ids)
-    hidden: torch.Tensor | None
+    hidden: torch.Tensor | RawHidden | None
     sampling: SamplingParams | None
     sample: bool
     compute_s: float = 0.0
@@ -297,7 +313,8 @@ def item_to_pb(item: WireItem, route_pb: list[pb.Hop] | None = None) -> pb.WorkI
     return msg
 
 
-def forward_item_pb(msg: pb.WorkItem, hidden: torch.Tensor, compute_s: float) -> pb.WorkItem:
+def forward_item_pb(msg: pb.WorkItem, hidden: torch.Tensor | RawHidden,
+                    compute_s: float) -> pb.WorkItem:
     """The same item for the next hop: hidden states replace nothing else."""
     out = pb.WorkItem()
     out.CopyFrom(msg)
@@ -315,7 +332,8 @@ class ExpectedInput:
     end_layer: int
     num_model_layers: int
     hidden_size: int
-    dtype: torch.dtype
+    #: a torch dtype, or a wire name (float16, ...) for an engine without torch (RawHidden)
+    dtype: torch.dtype | str
 
 
 def item_from_pb(msg: pb.WorkItem, expect: ExpectedInput, where: str = "item") -> WireItem:
@@ -351,7 +369,7 @@ def item_from_pb(msg: pb.WorkItem, expect: ExpectedInput, where: str = "item") -
         raise WireError(f"{where}.token_ids: empty")
     if msg.position < 0:
         raise WireError(f"{where}.position: {msg.position} < 0")
-    hidden: torch.Tensor | None = None
+    hidden: torch.Tensor | RawHidden | None = None
     if hop.start_layer == 0:
         if msg.HasField("hidden"):
             raise WireError(f"{where}.hidden: set on the first hop, which embeds token_ids")

@@ -48,6 +48,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from helixserve.engine.errors import EngineError, KvExhaustedError
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
@@ -64,6 +65,15 @@ RELEASED_MEMORY = 100_000
 BUSY_WINDOW_S = 5.0
 #: Items remembered per next-hop stream, to report when the stream breaks (see _Peer).
 SENT_MEMORY = 10_000
+
+
+def engine_error_status(exc: BaseException) -> int:
+    """The wire status of a failed engine step: each engine/errors.py class names its own
+    (a full KV cache: RESOURCE_EXHAUSTED, so the coordinator preempts; an item the engine
+    refuses: INVALID_ARGUMENT); anything else is INTERNAL."""
+    if isinstance(exc, EngineError):
+        return int(getattr(tp, exc.status, tp.INTERNAL))
+    return tp.INTERNAL
 
 
 @dataclass(eq=False)
@@ -281,7 +291,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
     # ---- engine thread -----------------------------------------------------------------
 
     def _engine_loop(self) -> None:
-        from helixserve.engine import KVCacheFullError, WorkItem
+        from helixserve.engine.protocol import WorkItem
 
         pending: deque[_Job] = deque()
         while True:
@@ -350,7 +360,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
             except Exception as exc:
                 # KV full, or an item the wire validation let through that the engine refuses:
                 # retry one by one so that only the offending requests fail.
-                if not isinstance(exc, KVCacheFullError):
+                if not isinstance(exc, KvExhaustedError):
                     log.warning("engine step of %d items failed: %s", len(items), exc)
                 outputs = []
                 for it in items:
@@ -429,7 +439,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
             item = job.item
             compute_s = item.compute_s + step_s
             if isinstance(out, Exception):
-                code = tp.RESOURCE_EXHAUSTED if type(out).__name__ == "KVCacheFullError" else tp.INTERNAL
+                code = engine_error_status(out)
                 self.report_error(item.request_id, item.step_id, item.coordinator_id, code,
                                   f"node {self.node}: {type(out).__name__}: {out}", job.origin)
                 continue

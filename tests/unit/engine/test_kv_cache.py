@@ -6,7 +6,7 @@ import pytest
 import torch
 from engine_testlib import GREEDY, greedy_run
 
-from helixserve.engine import KVCacheFullError, ShardEngine, WorkItem
+from helixserve.engine import KvExhaustedError, ShardEngine, WorkItem
 from helixserve.engine.kv_cache import KVCacheLayout, PagedKVCache
 
 
@@ -55,10 +55,10 @@ def test_over_capacity_raises_and_changes_nothing(small, random_models):
     out = small.step([WorkItem("keep", 0, 4, 0, prompt, None, GREEDY)])
     tokens = [out[0].token_id]
     before = small.kv_stats()
-    with pytest.raises(KVCacheFullError, match=r"needs 4 more blocks .* only 3 of 6 are free"):
+    with pytest.raises(KvExhaustedError, match=r"needs 4 more blocks .* only 3 of 6 are free"):
         small.step([WorkItem("big", 0, 4, 0, [3] * 60, None, GREEDY)])  # 4 blocks > 3 free
     # A step that mixes a fitting and a non-fitting item is refused as a whole.
-    with pytest.raises(KVCacheFullError) as err:
+    with pytest.raises(KvExhaustedError) as err:
         small.step([
             WorkItem("keep", 0, 4, 37, [tokens[-1]], None, GREEDY),
             WorkItem("big", 0, 4, 0, [3] * 60, None, GREEDY),
@@ -96,6 +96,6 @@ def test_block_reuse_is_zeroed_and_bounded():
     cache.reserve({"b": 5})
     slots = cache.context_slots(["b"], 8)[0]
     assert not torch.isnan(cache.k[:, :, slots]).any()
-    with pytest.raises(KVCacheFullError):
+    with pytest.raises(KvExhaustedError):
         cache.reserve({"c": 5})
     assert cache.blocks_of("c") == [] and cache.free_blocks == 1
