@@ -130,7 +130,7 @@ async def _replay_log(coord: Coordinator, log: list[tuple[Any, ...]],
             act = acts[requester]
             # the worker at `node` refuses the requester's next step: no KV block left
             act.results.put_nowait(WireResult(act.internal_id, 0, status_code=RESOURCE_EXHAUSTED,
-                                              error="KVCacheFullError", node=node))
+                                              error="KvExhaustedError", node=node))
             tasks.append(asyncio.create_task(coord._next_token(act)))
             await _settle()
     await _settle()
