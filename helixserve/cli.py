@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         if extra is None:
             raise
         print(f"helixserve {args.command}: error: this command needs the Python package "
-              f"{exc.name.split('.')[0]!r}, which the control-plane install (pip install -e .) "
+              f"{(exc.name or '').split('.')[0]!r}, which the control-plane install (pip install -e .) "
               f"leaves out: install the {extra!r} extra, pip install -e '.[{extra}]' in a "
               f"clone (or pip install 'helixserve[{extra}]')", file=sys.stderr)
         return 2

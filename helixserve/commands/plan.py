@@ -227,6 +227,11 @@ def summary_line(throughput: float, bound: float | None, solve_time_s: float | N
     return line + f"; solved in {solve_time_s or 0:.1f}s"
 
 
+def machines(n: int) -> str:
+    """'1 machine', '3 machines'."""
+    return f"{n} machine{'' if n == 1 else 's'}"
+
+
 def _replan(args: argparse.Namespace, cluster: Any, model: Any, cost: Any, current: Any,
             progress: Any, partial: bool) -> Any:
     """--from: the incremental placement or the full re-plan (planner/incremental.py)."""
@@ -239,11 +244,11 @@ def _replan(args: argparse.Namespace, cluster: Any, model: Any, cost: Any, curre
     full_value = full.throughput_tokens_per_s or 0.0
     share = inc.throughput_tokens_per_s / full_value if full_value else 1.0
     names = ", ".join
-    print(f"from {args.from_placement}: {len(inc.kept)} machines kept as they were; "
+    print(f"from {args.from_placement}: {machines(len(inc.kept))} kept as they were; "
           f"gone: {names(inc.gone) or '-'}; new: {names(inc.new) or '-'}; "
           f"no longer fit: {names(inc.freed) or '-'}")
     print(f"incremental {inc.throughput_tokens_per_s:,.1f} tokens/s, moving "
-          f"{changes(current, out.incremental_placement).moves} machines; full re-plan "
+          f"{machines(changes(current, out.incremental_placement).moves)}; full re-plan "
           f"{full_value:,.1f} tokens/s, moving {changes(current, full).moves} "
           f"(the incremental one has {share:.1%} of it); kept: "
           f"{'incremental' if out.kept_incremental else 'full re-plan'} "
