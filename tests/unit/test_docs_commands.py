@@ -319,6 +319,12 @@ def test_light_commands_run_from_a_clean_copy(tmp_path: Path) -> None:
     blocks, _ = all_blocks()
     light = [b for b in blocks if not b.heavy]
     bin_dir = shims(tmp_path)
+    # the control-plane install's block is real: torch does not import under it
+    blocked = subprocess.run([str(bin_dir / "python"), "-c", "import torch"], env={
+        **os.environ, "PYTHONPATH": str(tmp_path / "site"),
+        "HELIXSERVE_DOCTEST_BLOCK": ",".join(OPTIONAL)}, capture_output=True, text=True,
+        timeout=60)
+    assert blocked.returncode != 0 and "control-plane install" in blocked.stderr
     failures: list[str] = []
     timings: list[str] = []
     by_doc: dict[Path, list[Block]] = {}
