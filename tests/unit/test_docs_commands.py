@@ -91,6 +91,11 @@ def parse_blocks(doc: Path, root: Path = REPO) -> tuple[list[Block], list[str]]:
         while i < len(lines) and not lines[i].strip().startswith(fence):
             body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
             i += 1
+        if i < len(lines) and lines[i].strip() != fence:
+            problems.append(f"{name}:{i + 1}: a fence with an info string closes the block "
+                            f"opened at line {start + 1} (an unclosed fence above?)")
+        elif i >= len(lines):
+            problems.append(f"{name}:{start + 1}: a fence that is never closed")
         i += 1
         before = lines[start - 1] if start > 0 else ""
         if info in SHELLS:
@@ -382,6 +387,8 @@ def test_the_checks_catch_bad_commands(tmp_path: Path) -> None:
                    "<!-- heavy: a server -->\n```bash\nhelixserve demo \\\n  --port 1\n```\n")
     blocks, problems = parse_blocks(doc, tmp_path)
     assert len(problems) == 2, problems
+    doc.write_text("```\noutput\n```bash\nhelixserve plan --example\n```\n")
+    assert "closes the block opened at line 1" in parse_blocks(doc, tmp_path)[1][0]
     assert [(b.heavy, b.commands) for b in blocks] == [(True, ("helixserve demo --port 1",))]
 
 
