@@ -270,9 +270,10 @@ def shims(dest: Path) -> Path:
     makes the packages in $HELIXSERVE_DOCTEST_BLOCK unimportable."""
     bin_dir = dest / "bin"
     bin_dir.mkdir()
-    (bin_dir / "helixserve").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m helixserve "$@"\n')
-    (bin_dir / "helixserve").chmod(0o755)
-    (bin_dir / "python").symlink_to(sys.executable)
+    # scripts, not symlinks: a venv's python finds its pyvenv.cfg beside the path it is run by
+    for name, run in (("helixserve", "-m helixserve "), ("python", "")):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" {run}"$@"\n')
+        (bin_dir / name).chmod(0o755)
     site = dest / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
