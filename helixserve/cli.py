@@ -45,6 +45,11 @@ EXTRAS = {
 }
 
 
+#: the extra each command that needs one runs on (`serve` includes `engine`)
+COMMAND_EXTRAS = {"worker": "serve", "serve": "serve", "demo": "serve", "bench": "serve",
+                  "certs": "serve", "profile": "engine", "model": "engine"}
+
+
 def missing_extra(module: str | None) -> str | None:
     """The extra that installs `module` (None: not an optional dependency)."""
     top = (module or "").split(".")[0]
@@ -87,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = missing_extra(exc.name)
         if extra is None:
             raise
+        if extra != "vllm":  # what the whole command needs, not only this first package
+            extra = COMMAND_EXTRAS.get(args.command, extra)
         print(f"helixserve {args.command}: error: this command needs the Python package "
               f"{(exc.name or '').split('.')[0]!r}, which the control-plane install (pip install -e .) "
               f"leaves out: install the {extra!r} extra, pip install -e '.[{extra}]' in a "

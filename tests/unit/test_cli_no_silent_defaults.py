@@ -200,6 +200,8 @@ BLOCKING_MAIN = (
     ("cryptography", ["certs", "create", "--out", "OUT", "--nodes", "n1"], "serve"),
     ("torch", ["model", "prepare-demo", "--out", "OUT"], "engine"),
     ("torch", ["profile", "--model", MODEL, "--out", "OUT/p.csv"], "engine"),
+    # the worker needs grpc too: the extra that has both, not the first missing package's
+    ("torch", ["worker", "--model", MODEL, "--layers", "0:1", "--port", "1"], "serve"),
 ])
 def test_a_missing_extra_is_one_line_naming_it(tmp_path: Path, blocked: str, argv: list[str],
                                                extra: str) -> None:
