@@ -38,6 +38,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SHELLS = ("bash", "sh", "shell", "console")
 HEAVY = re.compile(r"<!--\s*heavy\b")
+#: a line that is a shell command (in an untyped fence: an error)
+COMMAND = re.compile(r"\s*(\$ )?(\w+=\S*\s+)*(helixserve|python|pip|kubectl|docker|helm|curl)"
+                     r"\s")
 #: the packages a control-plane install (`pip install -e .`) does not have
 OPTIONAL = ("torch", "vllm", "grpc", "grpc_health", "fastapi", "uvicorn", "cryptography",
             "transformers", "safetensors", "tokenizers", "prometheus_client", "openai")
@@ -101,10 +104,9 @@ def parse_blocks(doc: Path, root: Path = REPO) -> tuple[list[Block], list[str]]:
         if info in SHELLS:
             blocks.append(Block(name, start + 1, info, bool(HEAVY.search(before)),
                                 tuple(logical_lines(body))))
-        elif not info and any(re.match(r"\s*(\$ )?helixserve \S", b) for b in body):
-            problems.append(f"{name}:{start + 1}: helixserve commands in an "
-                            "untyped fence; make it ```bash (and mark it <!-- heavy: ... --> "
-                            "if it must not run)")
+        elif not info and any(COMMAND.match(b) for b in body):
+            problems.append(f"{name}:{start + 1}: commands in an untyped fence; make it "
+                            "```bash (and mark it <!-- heavy: ... --> if it must not run)")
     return blocks, problems
 
 
@@ -384,7 +386,7 @@ def test_the_checks_catch_bad_commands(tmp_path: Path) -> None:
     assert control_plane_only("pip install -e . && helixserve plan --example")
     assert not control_plane_only("pip install -e '.[serve]' && helixserve demo")
     doc = tmp_path / "d.md"
-    doc.write_text("```\nhelixserve plan --example\n```\n\n    helixserve evaluate --x\n\n"
+    doc.write_text("```\nPYTHONPATH=. python benchmarks/x.py\n```\n\n    helixserve evaluate --x\n\n"
                    "<!-- heavy: a server -->\n```bash\nhelixserve demo \\\n  --port 1\n```\n")
     blocks, problems = parse_blocks(doc, tmp_path)
     assert len(problems) == 2, problems
