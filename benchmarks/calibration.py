@@ -42,7 +42,7 @@ from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepar
 from helixserve.spec import ClusterSpec, load_cluster, load_model, load_profiles
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
+SHARED = REPO / "examples"  # the data the docs use (examples/README.md)
 PLACEMENTS = REPO / "benchmarks" / "helix-placements"
 #: what the Helix artifact reports or its logs give (benchmarks/helix-runs/README.md)
 MEASURED = {

@@ -5,12 +5,12 @@ The Helix authors published their clusters as `.ini` files (`FakeClusterGenerato
 latency) and their Gurobi placements as `ilp_sol.ini` (`[Settings] offset`, then
 `compute_node_<k> = [layers]`). This script turns a checkout of that artifact
 (GitHub `Thesys-lab/Helix-ASPLOS25`, Apache-2.0; not needed at run time, nothing is
-downloaded) into cluster YAML and placement JSON as `../shared/specs/FORMATS.md` defines
+downloaded) into cluster YAML and placement JSON as docs/formats.md defines
 them, so that `helixserve evaluate` scores the authors' placements next to ours
 (`benchmarks/helix_compare.py`). The converted files are committed under
 `benchmarks/helix-clusters/` and `benchmarks/helix-placements/`.
 
-Conventions, the same as `../shared/data/README.md` states for the two shared clusters:
+Conventions, the same as `examples/README.md` states for the two shared clusters:
 
 - units: Helix writes bandwidth as `x * mbps` with `mbps` = 10^6 **bytes**/s (likewise
   `kbps`, `gbps`) and latency as `x * MilliSec`; the YAML has Gbit/s and ms, so
@@ -29,7 +29,7 @@ Usage:
     python benchmarks/helix_artifact.py cluster ARTIFACT/.../cluster42.ini \\
         --profiles ARTIFACT/.../machine_profiles.ini --name helix-mix-42 --out C.yaml
     python benchmarks/helix_artifact.py placement ARTIFACT/.../ilp_sol.ini \\
-        --cluster C.yaml --model ../shared/data/models/llama-2-70b --out P.json
+        --cluster C.yaml --model examples/models/llama-2-70b --out P.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Every case is a cluster, a model and the placement the Helix authors' MILP (Guro
 50 minutes on their machine) produced for it, converted from their artifact by
 `benchmarks/helix_artifact.py` (`benchmarks/helix-placements/`, the source in each file):
 
-- helix-single-24 and helix-geo-24 with LLaMA-2-70B (`../shared/data/clusters/`);
+- helix-single-24 and helix-geo-24 with LLaMA-2-70B (`examples/clusters/`);
 - helix-mix-42 with LLaMA-2-70B: the paper's high-heterogeneity cluster (4 A100, 6 V100,
   8 L4, 4 2xL4, 10 T4, 6 2xT4, 4 4xT4, all links 8 Gbit/s), its exact `.ini`
   (`benchmarks/helix-clusters/`);
@@ -32,7 +32,7 @@ from helixserve.planner.parallel import check_jobs
 from helixserve.spec import load_cluster, load_model, load_profiles
 
 HERE = Path(__file__).resolve().parent
-SHARED = HERE.parents[1] / "shared" / "data"
+SHARED = HERE.parent / "examples"  # the data the docs use (examples/README.md)
 #: (cluster file, model)
 CASES = [
     (SHARED / "clusters" / "helix-single-24.yaml", "llama-2-70b"),

@@ -4,11 +4,11 @@
 
 For each (cluster, model, planner): the max-flow throughput of the placement, the proven
 upper bound and gap (milp only), the solve time, and the ratio to the best baseline.
-Clusters: ../shared/data/clusters/*.yaml, plus synthetic-50 and synthetic-100 (seeded,
+Clusters: examples/clusters/helix-*.yaml, plus synthetic-50 and synthetic-100 (seeded,
 four regions, a mix of the machines Helix profiled). On request (`--clusters mix-42` or
 `mix-42-geo`): the Helix paper's 42-machine high-heterogeneity GPU mix, in one region or
 dealt over three, with links like the 24-machine files' (seeded). Models: llama-2-70b and llama-30b
-from ../shared/data/models, with the measured profiles.
+from examples/models, with the measured profiles.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from helixserve.planner import PLANNERS, plan
 from helixserve.planner.parallel import check_jobs
 from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec, load_cluster, load_model, load_profiles
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[1] / "examples"  # examples/README.md
 MACHINES = [("A100-40GB", 1), ("V100-16GB", 1), ("L4", 1), ("L4", 2), ("T4", 1), ("T4", 2),
             ("T4", 4)]
 MACHINE_WEIGHTS = [2, 1, 3, 2, 4, 2, 1]
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--planners", default=",".join(PLANNERS), help="comma-separated")
     ap.add_argument("--models", default="llama-2-70b,llama-30b")
     ap.add_argument("--clusters", default="shared,synthetic-50,synthetic-100",
-                    help="'shared' = every ../shared/data/clusters/*.yaml; synthetic-N; or paths")
+                    help="'shared' = every examples/clusters/helix-*.yaml; synthetic-N; or paths")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=None,
                     help="processes for milp's searches (default: the cores, at most 8)")
@@ -101,7 +101,7 @@ def main() -> None:
     clusters: list[ClusterSpec] = []
     for item in args.clusters.split(","):
         if item == "shared":
-            clusters += [load_cluster(p) for p in sorted((SHARED / "clusters").glob("*.yaml"))]
+            clusters += [load_cluster(p) for p in sorted((SHARED / "clusters").glob("helix-*.yaml"))]
         elif item in ("mix-42", "mix-42-geo"):
             clusters.append(mix42_cluster(item == "mix-42-geo", seed=args.seed))
         elif item.startswith("synthetic-"):

@@ -24,7 +24,7 @@ from helixserve.planner import plan
 from helixserve.planner.baselines import BASELINES
 from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec, load_model, load_profiles
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[1] / "examples"  # examples/README.md
 GPUS = ["A100-40GB", "L4", "T4", "V100-16GB", "A10", "H100-80GB", "A100-80GB"]
 MODELS = ["llama-2-70b", "llama-30b"]
 

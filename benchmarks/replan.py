@@ -1,6 +1,6 @@
 """Re-planning after a cluster changes: `plan --from` against a full re-plan.
 
-For each cluster (../shared/data/clusters/helix-*.yaml by default) and llama-2-70b:
+For each cluster (examples/clusters/helix-*.yaml by default) and llama-2-70b:
   1. plan it (milp, --time-limit): the placement the cluster "runs";
   2. change the cluster, one scenario at a time:
        lose-<node>   the machine is gone (with its links);
@@ -28,7 +28,7 @@ from helixserve.planner.incremental import changes, replan
 from helixserve.planner.parallel import check_jobs
 from helixserve.spec import ClusterSpec, NodeSpec, load_cluster, load_model, load_profiles
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[1] / "examples"  # examples/README.md
 
 
 def lose(cluster: ClusterSpec, name: str) -> ClusterSpec:

@@ -54,7 +54,7 @@ from helixserve.spec import ClusterSpec, ModelSpec, load_cluster, load_model, lo
 from helixserve.spec.cluster import COORDINATOR
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
+SHARED = REPO / "examples"  # the data the docs use (examples/README.md)
 #: placement file used per cluster/planner, written into the JSON
 USED_PLACEMENTS: dict[str, str] = {}
 HEADLINE = [("milp", "maxflow"), ("separate", "shortest-queue"), ("swarm", "swarm"),

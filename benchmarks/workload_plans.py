@@ -46,7 +46,7 @@ from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepar
 from helixserve.spec import ClusterSpec, ModelSpec, load_cluster, load_model, load_profiles
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
+SHARED = REPO / "examples"  # the data the docs use (examples/README.md)
 #: (placement, router) pairs, as benchmarks/serving_sim.py's headline
 ROUTER = {"milp": "maxflow", "milp-decode": "maxflow", "swarm": "swarm",
           "separate": "shortest-queue", "petals": "shortest-queue"}

@@ -33,6 +33,29 @@ COMMAND_MODULES = (
 )
 
 
+#: the optional dependencies by the extra of pyproject.toml that brings them (the top-level
+#: module name); a command that imports one of them on a control-plane install gets one line
+#: naming the extra, not a traceback
+EXTRAS = {
+    "engine": ("torch", "safetensors", "tokenizers", "transformers", "gguf", "accelerate",
+               "psutil"),
+    "serve": ("grpc", "grpc_health", "google", "fastapi", "uvicorn", "prometheus_client",
+              "httpx", "openai", "cryptography"),
+    "vllm": ("vllm",),
+}
+
+
+#: the extra each command that needs one runs on (`serve` includes `engine`)
+COMMAND_EXTRAS = {"worker": "serve", "serve": "serve", "demo": "serve", "bench": "serve",
+                  "certs": "serve", "profile": "engine", "model": "engine"}
+
+
+def missing_extra(module: str | None) -> str | None:
+    """The extra that installs `module` (None: not an optional dependency)."""
+    top = (module or "").split(".")[0]
+    return next((extra for extra, mods in EXTRAS.items() if top in mods), None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # every parser one line on a usage error (commands.args); subparsers of subparsers
     # (deploy k8s) take their parent's class
@@ -64,6 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         return int(func(args) or 0)
     except UserError as exc:
         print(f"helixserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        extra = missing_extra(exc.name)
+        if extra is None:
+            raise
+        if extra != "vllm":  # what the whole command needs, not only this first package
+            extra = COMMAND_EXTRAS.get(args.command, extra)
+        print(f"helixserve {args.command}: error: this command needs the Python package "
+              f"{(exc.name or '').split('.')[0]!r}, which the control-plane install (pip install -e .) "
+              f"leaves out: install the {extra!r} extra, pip install -e '.[{extra}]' in a "
+              f"clone (or pip install 'helixserve[{extra}]')", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

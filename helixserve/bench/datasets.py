@@ -45,14 +45,8 @@ class BenchRequest:
 
 
 def default_trace_path() -> Path:
-    """../shared/data/traces/azure-llm-conv-2023.csv beside the repository."""
-    return (
-        Path(__file__).resolve().parents[2].parent
-        / "shared"
-        / "data"
-        / "traces"
-        / "azure-llm-conv-2023.csv"
-    )
+    """examples/traces/azure-llm-conv-2023.csv of the repository (a clone: `pip install -e`)."""
+    return Path(__file__).resolve().parents[2] / "examples" / "traces" / "azure-llm-conv-2023.csv"
 
 
 def make_prompt(num_tokens: int, rng: random.Random) -> str:

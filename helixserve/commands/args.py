@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from helixserve.errors import UserError
 
@@ -28,6 +28,18 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message.replace(chr(10), ' ')}\n")
+
+    def _parse_optional(self, arg_string: str) -> Any:
+        # A value that starts with '-' and a digit is a value, not an unknown option:
+        # argparse takes only plain negative numbers for values, so `--workload -5:10`
+        # ended as "expected one argument" instead of the flag's own check of -5:10.
+        if (len(arg_string) > 1 and arg_string[0] == "-" and arg_string[1] in _DIGITS
+                and arg_string not in self._option_string_actions):
+            return None
+        return super()._parse_optional(arg_string)
+
+
+_DIGITS = frozenset("0123456789.")
 
 
 def finite_float(text: str) -> float:

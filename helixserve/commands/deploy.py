@@ -72,6 +72,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     k.set_defaults(func=run)
 
 
+def _check_gpu_products(overrides: dict[str, str], cluster_path: str) -> None:
+    """An override for a GPU no node of the cluster has is a typo (`A100-40G`) that would
+    leave the default label on the real one, and its pods Pending: UserError naming it."""
+    from helixserve.errors import UserError
+    from helixserve.spec import load_cluster
+
+    if not overrides:
+        return
+    cluster = load_cluster(cluster_path)
+    gpus = sorted({n.gpu for n in cluster.nodes})
+    for name in overrides:
+        if name not in gpus:
+            raise UserError(f"--gpu-product {name}={overrides[name]}: no node of {cluster_path} "
+                            f"has GPU {name!r}; its GPUs: {', '.join(gpus)}")
+
+
 def run(args: argparse.Namespace) -> int:
     from helixserve.commands.args import check_output
     from helixserve.deploy import (
@@ -83,13 +99,15 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.deploy.k8s import headless_service_name, worker_address
 
     check_output("--out", args.out, directory=True)  # before rendering: fails at once
+    gpu_products = parse_gpu_product_overrides(args.gpu_product)
+    _check_gpu_products(gpu_products, args.cluster)
     opts = RenderOptions(
         image=args.image,
         model_path=args.model_path,
         namespace=args.namespace,
         name=args.name,
         model_volume=args.model_volume,
-        gpu_products=parse_gpu_product_overrides(args.gpu_product),
+        gpu_products=gpu_products,
         dtype=args.dtype,
         cluster_domain=args.cluster_domain,
         startup_timeout_s=args.startup_timeout_s,

@@ -14,7 +14,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="max-flow throughput of a placement (any planner's, or Helix's own)",
         description="Recompute the flows of a placement through the cluster graph and print "
         "the throughput (decode tokens/s, and requests/s of --workload) with a per-node "
-        "table.",
+        "table. File formats: docs/formats.md.",
     )
     add_input_args(p, example=True)
     p.add_argument("--placement", required=True, help="placement JSON")

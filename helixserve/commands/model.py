@@ -15,8 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--out",
         default=None,
-        help="output directory (default: $HELIXSERVE_CACHE or ~/.cache/helixserve, "
-        "/smollm2-135m-instruct)",
+        help="output directory (default: $HELIXSERVE_CACHE/smollm2-135m-instruct, or "
+        "~/.cache/helixserve/smollm2-135m-instruct without HELIXSERVE_CACHE)",
     )
     demo.set_defaults(func=run)
 

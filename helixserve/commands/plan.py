@@ -9,81 +9,19 @@ from pathlib import Path
 from typing import Any
 
 from helixserve.commands.args import finite_float
+from helixserve.commands.costs import add_cost_args
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "example"
 
 
-def add_reserve_arg(p: argparse.ArgumentParser) -> None:
-    """--gpu-reserve-gb and --weight-fraction, shared with `evaluate` and `simulate`."""
-    p.add_argument("--gpu-reserve-gb", type=finite_float, default=None, metavar="GB",
-                   help="memory per GPU the serving engine keeps outside weights and KV "
-                   "(CUDA context, activations, graphs); more means less KV on every node. "
-                   "Default 1.07 (1 GiB); simulate (its default engine vllm): 4.5, fitted to "
-                   "the KV vLLM 0.4.0 allocated in Helix's measurements. The weight cap per node "
-                   "does not change")
-    p.add_argument("--weight-fraction", type=finite_float, default=None, metavar="F",
-                   help="most of a node's memory its weights may take (the weight cap; "
-                   "default 0.5, Helix's rule). Higher lets fewer or smaller machines hold "
-                   "the model, with less KV cache each, so lower throughput per node")
-
-
-def weight_fraction(args: argparse.Namespace) -> float:
-    """The --weight-fraction value, checked (UserError naming the flag)."""
-    from helixserve.costmodel.model import MAX_WEIGHT_FRACTION, WEIGHT_FRACTION
-    from helixserve.errors import UserError
-
-    value = getattr(args, "weight_fraction", None)
-    if value is None:
-        return WEIGHT_FRACTION
-    if not 0.0 < value <= MAX_WEIGHT_FRACTION:
-        raise UserError(f"--weight-fraction: bad value {value}; must be in "
-                        f"(0, {MAX_WEIGHT_FRACTION}] (a share of the node's memory)")
-    return value
-
-
-def reserve_gb(args: argparse.Namespace) -> float | None:
-    """The --gpu-reserve-gb value, checked (UserError naming the flag)."""
-    from helixserve.errors import UserError
-
-    value = getattr(args, "gpu_reserve_gb", None)
-    if value is not None and not 0.0 <= value < 1e4:
-        raise UserError(f"--gpu-reserve-gb: bad value {value}; must be >= 0 (GB per GPU)")
-    return value
-
-
-def add_workload_arg(p: argparse.ArgumentParser) -> None:
-    """--workload, shared by `plan`, `evaluate` and `simulate`."""
-    from helixserve.simulator.mix import DEFAULT_WORKLOAD
-
-    p.add_argument("--workload", default=DEFAULT_WORKLOAD, metavar="MIX",
-                   help="the request mix the max flow counts (docs/planner.md, "
-                   "\"Workload-aware planning\"): a unit of flow is one output token/s of it, "
-                   "each bringing its prompt tokens' prefill and link bytes. decode (Helix's "
-                   "decode-only flow: prompts cost nothing; measured to serve the conversation "
-                   "trace best, docs/workload.md), conversation (the Azure conversation "
-                   "trace's mean lengths, 763 prompt : 232 output tokens), "
-                   "PROMPT:OUTPUT mean tokens (e.g. 2000:30, prefill-heavy) or an "
-                   f"Azure-format trace CSV (its mean lengths). Default {DEFAULT_WORKLOAD}")
-
-
-def workload(args: argparse.Namespace) -> Any:
-    """The --workload value parsed (None: decode-only); UserError naming the flag."""
-    from helixserve.simulator.mix import DEFAULT_WORKLOAD, parse_workload
-
-    return parse_workload(getattr(args, "workload", None) or DEFAULT_WORKLOAD)
-
-
 def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None:
-    """--cluster/--model/--model-name/--profiles/--gpus/--workload, shared with `evaluate`."""
-    p.add_argument("--cluster", help="cluster YAML (format: docs/planner.md)")
+    """--cluster/--model/--model-name and the cost flags (commands/costs.py), shared with
+    `evaluate`."""
+    p.add_argument("--cluster", help="cluster YAML (format: docs/formats.md)")
     p.add_argument("--model", help="model config.json, or a directory holding one")
     p.add_argument("--model-name", help="model name used to look up profiles "
                    "(default: the model directory's name)")
-    p.add_argument("--profiles", help="measured per-layer times CSV (default: none, the "
-                   "analytic roofline model from the GPU catalog)")
-    p.add_argument("--gpus", help="GPU catalog CSV (default: the one shipped in the package)")
-    add_reserve_arg(p)
-    add_workload_arg(p)
+    add_cost_args(p)
     p.add_argument("--no-partial-inference", action="store_true",
                    help="edges only where one node's range ends exactly where the next starts")
     if example:
@@ -116,15 +54,9 @@ def check_model_path(model: str) -> None:
 
 def load_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(cluster, model, cost model) from the parsed flags; UserError on bad input."""
-    from helixserve.costmodel import CostModel
+    from helixserve.commands.costs import build_cost_model, read_cost_flags
     from helixserve.errors import UserError
-    from helixserve.spec import (
-        ProfileTable,
-        load_cluster,
-        load_gpu_catalog,
-        load_model,
-        load_profiles,
-    )
+    from helixserve.spec import load_cluster, load_model
 
     if getattr(args, "example", False):
         args.cluster = str(EXAMPLE_DIR / "mixed-6.yaml")
@@ -133,16 +65,11 @@ def load_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if not args.cluster or not args.model:
         raise UserError("--cluster and --model are required"
                         + (" (or --example)" if hasattr(args, "example") else ""))
-    mix = workload(args)  # a bad value fails before the files are read
-    catalog = load_gpu_catalog(args.gpus)
-    cluster = load_cluster(args.cluster, catalog=catalog)
+    flags = read_cost_flags(args)  # bad flags and cost files fail before the inputs are read
+    cluster = load_cluster(args.cluster, catalog=flags.catalog)
     check_model_path(args.model)
     model = load_model(args.model, name=args.model_name)
-    profiles = load_profiles(args.profiles) if args.profiles else ProfileTable.empty()
-    return cluster, model, CostModel(model, profiles, catalog,
-                                     reserved_gb_per_gpu=reserve_gb(args),
-                                     weight_fraction=weight_fraction(args),
-                                     workload=mix)
+    return cluster, model, build_cost_model(flags, model, cluster)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -151,7 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="place layer ranges on the machines of a cluster (max-flow MILP)",
         description="Choose the contiguous range of layers each machine holds so that the "
         "cluster's token throughput (max flow from the coordinator through the machines) is "
-        "as high as possible. Prints a per-node table; writes the placement JSON with --out.",
+        "as high as possible. Prints a per-node table; writes the placement JSON with --out. "
+        "File formats (cluster YAML, profiles CSV, placement JSON, trace CSV): docs/formats.md; "
+        "example inputs: examples/ of the repository.",
     )
     add_input_args(p, example=True)
     p.add_argument("--planner", default="milp",
@@ -298,6 +227,11 @@ def summary_line(throughput: float, bound: float | None, solve_time_s: float | N
     return line + f"; solved in {solve_time_s or 0:.1f}s"
 
 
+def machines(n: int) -> str:
+    """'1 machine', '3 machines'."""
+    return f"{n} machine{'' if n == 1 else 's'}"
+
+
 def _replan(args: argparse.Namespace, cluster: Any, model: Any, cost: Any, current: Any,
             progress: Any, partial: bool) -> Any:
     """--from: the incremental placement or the full re-plan (planner/incremental.py)."""
@@ -310,11 +244,11 @@ def _replan(args: argparse.Namespace, cluster: Any, model: Any, cost: Any, curre
     full_value = full.throughput_tokens_per_s or 0.0
     share = inc.throughput_tokens_per_s / full_value if full_value else 1.0
     names = ", ".join
-    print(f"from {args.from_placement}: {len(inc.kept)} machines kept as they were; "
+    print(f"from {args.from_placement}: {machines(len(inc.kept))} kept as they were; "
           f"gone: {names(inc.gone) or '-'}; new: {names(inc.new) or '-'}; "
           f"no longer fit: {names(inc.freed) or '-'}")
     print(f"incremental {inc.throughput_tokens_per_s:,.1f} tokens/s, moving "
-          f"{changes(current, out.incremental_placement).moves} machines; full re-plan "
+          f"{machines(changes(current, out.incremental_placement).moves)}; full re-plan "
           f"{full_value:,.1f} tokens/s, moving {changes(current, full).moves} "
           f"(the incremental one has {share:.1%} of it); kept: "
           f"{'incremental' if out.kept_incremental else 'full re-plan'} "

@@ -1,7 +1,7 @@
 """`helixserve profile --model DIR --device cpu --out profiles.csv [--engine vllm]`: time one
 layer and the last stage's head.
 
-Writes rows `model,gpu,num_gpus,phase,batch_tokens,layer_ms,part` (FORMATS.md; part=head rows
+Writes rows `model,gpu,num_gpus,phase,batch_tokens,layer_ms,part` (docs/formats.md; part=head rows
 time the final norm + lm_head + sampling, engine/profiler.py) measured on this machine's
 device, for the planner to use instead of the analytic cost model.
 """

@@ -105,34 +105,46 @@ def add_cost_arguments(p: argparse.ArgumentParser) -> None:
     """The cost model the router and the live re-plan use (runtime/costs.py): give the files
     the placement was planned (and simulated) with, so the live router routes as the
     simulated one."""
-    from helixserve.commands.plan import add_reserve_arg, add_workload_arg
+    from helixserve.commands.costs import add_cost_args
     from helixserve.runtime.costs import DEFAULT_DTYPE_BYTES, DTYPE_BYTES
 
-    p.add_argument("--profiles", type=Path, default=None, metavar="CSV",
-                   help="measured per-layer times (`helixserve profile`), the ones `plan` and "
-                   "`simulate` were given: the router's node throughputs, the flow it routes "
-                   "over when the placement has none, and the live re-plan use them (default: "
-                   "the analytic model from the GPU catalog)")
-    p.add_argument("--gpus", type=Path, default=None, metavar="CSV",
-                   help="GPU catalog CSV, when the cluster's gpu names are not in the shipped "
-                   "one (as `plan --gpus`)")
+    # the files, mix, reserve and weight cap the plan was made with: they shape each node's T(k)
+    add_cost_args(
+        p,
+        profiles_help="measured per-layer times (`helixserve profile`), the ones `plan` and "
+        "`simulate` were given: the router's node throughputs, the flow it routes over when "
+        "the placement has none, and the live re-plan use them (default: the analytic model "
+        "from the GPU catalog)",
+        gpus_help="GPU catalog CSV, when the cluster's gpu names are not in the shipped one "
+        "(as `plan --gpus`)")
     p.add_argument("--dtype-bytes", type=int, choices=DTYPE_BYTES, default=DEFAULT_DTYPE_BYTES,
                    help="bytes per weight/activation element the plan counted (default "
                    f"{DEFAULT_DTYPE_BYTES}; 4 for a plan of fp32 workers)")
-    # the mix, reserve and weight cap the plan was made with: they shape each node's T(k)
-    add_reserve_arg(p)
-    add_workload_arg(p)
 
 
 def cost_inputs(args: argparse.Namespace) -> Any:
-    """The CostInputs of --profiles/--gpus/--dtype-bytes, files read now (UserError naming
-    the flag, the file and the problem)."""
-    from helixserve.commands.plan import reserve_gb, weight_fraction, workload
+    """The runtime's CostInputs of the cost flags (commands/costs.py) and --dtype-bytes, files
+    read now (UserError naming the flag, the file and the problem). Profiles without a row of
+    the placement's model are an error here, as in `plan`: the coordinator would route and
+    re-plan on the analytic model without a word."""
+    from helixserve.commands.costs import check_profiles_model, read_cost_flags
+    from helixserve.errors import UserError
+    from helixserve.planner import load_placement
     from helixserve.runtime.costs import CostInputs
 
-    return CostInputs.load(args.profiles, args.gpus, args.dtype_bytes, workload=workload(args),
-                           reserved_gb_per_gpu=reserve_gb(args),
-                           weight_fraction=weight_fraction(args))
+    flags = read_cost_flags(args)
+    placement_path = getattr(args, "placement", None)
+    if flags.profiles is not None and placement_path is not None:
+        try:
+            model_name = load_placement(placement_path).model
+        except UserError:
+            model_name = None  # the stack reports an unreadable placement, naming it
+        if model_name is not None:
+            check_profiles_model(flags.profiles, model_name,
+                                 named_by=f"the model field of {placement_path}")
+    return CostInputs(flags.profiles, flags.catalog, args.dtype_bytes, workload=flags.workload,
+                      reserved_gb_per_gpu=flags.reserved_gb_per_gpu,
+                      weight_fraction=flags.weight_fraction)
 
 
 def add_recovery_arguments(p: argparse.ArgumentParser) -> None:

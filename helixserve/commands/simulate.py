@@ -17,14 +17,15 @@ DEFAULT_ENGINE = "vllm"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from helixserve.commands.plan import add_reserve_arg, add_workload_arg
+    from helixserve.commands.costs import add_cost_args
 
     p = subparsers.add_parser(
         "simulate",
         help="simulate serving a request trace on a placement (throughput, latency)",
         description="Discrete-event simulation of the cluster serving a request stream: "
         "continuous batching per node, links and NICs, KV-cache admission, the same router "
-        "the coordinator runs. Prints a summary table; --json and --plot write the details.",
+        "the coordinator runs. Prints a summary table; --json and --plot write the details. "
+        "File formats (cluster YAML, profiles CSV, placement JSON, trace CSV): docs/formats.md.",
     )
     p.add_argument("--cluster", required=True, help="cluster YAML")
     p.add_argument("--model", required=True, help="model directory or config.json")
@@ -33,9 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="model name in the profiles table (default: the directory name)",
     )
-    p.add_argument("--profiles", default=None, help="profiles CSV (default: analytic model)")
-    add_reserve_arg(p)
-    add_workload_arg(p)
+    add_cost_args(p)
     p.add_argument(
         "--placement",
         required=True,
@@ -85,13 +84,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prompt-tokens",
         type=int,
         default=512,
-        help="prompt length of synthetic requests without a trace",
+        help="prompt length of synthetic requests without a trace (default 512)",
     )
     p.add_argument(
         "--output-tokens",
         type=int,
         default=128,
-        help="output length of synthetic requests without a trace",
+        help="output length of synthetic requests without a trace (default 128)",
     )
     p.add_argument(
         "--duration",
@@ -110,7 +109,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scheduler",
         default="maxflow",
-        help="routing policy: maxflow, random, shortest-queue, swarm",
+        help="routing policy: maxflow (default), random, shortest-queue, swarm",
     )
     p.add_argument(
         "--route-within-regions",
@@ -181,9 +180,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FRACTION",
         help="keep a seeded random fraction of the trace's requests",
     )
-    p.add_argument("--max-prompt-tokens", type=int, default=2048)
-    p.add_argument("--max-output-tokens", type=int, default=1024)
-    p.add_argument("--min-tokens", type=int, default=4)
+    p.add_argument("--max-prompt-tokens", type=int, default=2048, metavar="N",
+                   help="trace requests with a longer prompt are dropped or clipped (--lengths; "
+                   "default 2048, Helix's filter)")
+    p.add_argument("--max-output-tokens", type=int, default=1024, metavar="N",
+                   help="the same for the output (default 1024)")
+    p.add_argument("--min-tokens", type=int, default=4, metavar="N",
+                   help="the same for prompts and outputs shorter than N (default 4)")
     p.add_argument(
         "--lengths",
         choices=("drop", "clip"),
@@ -261,12 +264,44 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """The number and name flags, checked before any file is read (UserError naming the flag
+    and the value)."""
+    from helixserve.errors import UserError
+    from helixserve.scheduler import ROUTERS
+
+    if args.scheduler not in ROUTERS:
+        raise UserError(f"--scheduler: unknown routing policy {args.scheduler!r}; known: "
+                        f"{', '.join(ROUTERS)}")
+    for flag, value, least in (
+        ("--prompt-tokens", args.prompt_tokens, 1),
+        ("--output-tokens", args.output_tokens, 1),
+        ("--max-prompt-tokens", args.max_prompt_tokens, 1),
+        ("--max-output-tokens", args.max_output_tokens, 1),
+        ("--min-tokens", args.min_tokens, 0),
+    ):
+        if value < least:
+            raise UserError(f"{flag}: bad value {value}; must be >= {least} (tokens)")
+    for flag, bound in (("--max-prompt-tokens", args.max_prompt_tokens),
+                        ("--max-output-tokens", args.max_output_tokens)):
+        if args.min_tokens > bound:
+            raise UserError(f"--min-tokens: bad value {args.min_tokens}; above {flag} {bound}, "
+                            "so no request could be kept")
+    for flag, value in (("--plan-time-limit", args.plan_time_limit),
+                        ("--plan-work-limit", args.plan_work_limit),
+                        ("--duration", args.duration)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag}: bad value {value:g}; must be > 0")
+    if args.warmup < 0:
+        raise UserError(f"--warmup: bad value {args.warmup:g}; must be >= 0 (seconds)")
+
+
 def run(args: argparse.Namespace) -> int:
     import json
 
     from helixserve.commands.args import Output, check_output, write_outputs
-    from helixserve.commands.plan import reserve_gb, weight_fraction, workload
-    from helixserve.costmodel import CostModel
+    from helixserve.commands.costs import build_cost_model, read_cost_flags
+    from helixserve.commands.plan import check_model_path
     from helixserve.errors import UserError
     from helixserve.planner import PLANNERS, evaluate, load_placement, plan
     from helixserve.simulator.engines import engine_gpu_reserve_gb
@@ -278,18 +313,20 @@ def run(args: argparse.Namespace) -> int:
         poisson_arrivals,
         prepare_trace,
     )
-    from helixserve.spec import load_cluster, load_model, load_profiles
+    from helixserve.spec import load_cluster, load_model
 
+    _check_flags(args)
     engine = _engine_config(args)  # before loading and planning: a bad flag fails at once
-    mix = workload(args)
+    flags = read_cost_flags(args)
     json_path = check_output("--json", args.json) if args.json not in (None, "-") else None
     plot_dir = check_output("--plot", args.plot, directory=True) if args.plot else None
-    cluster = load_cluster(args.cluster)
+    cluster = load_cluster(args.cluster, catalog=flags.catalog)
+    check_model_path(args.model)
     model = load_model(args.model, name=args.model_name)
-    profiles = load_profiles(args.profiles) if args.profiles else None
-    cost = CostModel(model, profiles,
-                     reserved_gb_per_gpu=engine_gpu_reserve_gb(args.engine, reserve_gb(args)),
-                     weight_fraction=weight_fraction(args), workload=mix)
+    # the engine's memory unless --gpu-reserve-gb: the simulation and its max-flow bound
+    # below are both under it
+    cost = build_cost_model(flags, model, cluster, reserved_gb_per_gpu=engine_gpu_reserve_gb(
+        args.engine, flags.reserved_gb_per_gpu))
 
     if args.placement in PLANNERS:
         print(f"planning with {args.placement} ...", file=sys.stderr)
@@ -297,10 +334,13 @@ def run(args: argparse.Namespace) -> int:
                          work_limit=args.plan_work_limit)
     elif Path(args.placement).exists() or args.placement.endswith(".json"):
         placement = load_placement(args.placement)
-        if not placement.flows or placement.throughput_tokens_per_s is None:
-            res = evaluate(cluster, model, cost, placement)
+        # the bound printed next to the simulation is this cost model's max flow, not the
+        # one the file records (planned perhaps under another memory setting); the file's
+        # flows, when it has them, stay the router's weights, as the coordinator's
+        res = evaluate(cluster, model, cost, placement)
+        if not placement.flows:
             placement.flows = res.flows
-            placement.throughput_tokens_per_s = res.throughput_tokens_per_s
+        placement.throughput_tokens_per_s = res.throughput_tokens_per_s
     else:
         raise UserError(
             f"--placement: {args.placement!r} is neither a file nor a planner; "
@@ -320,8 +360,15 @@ def run(args: argparse.Namespace) -> int:
     )
     trace = None
     if args.trace:
+        recorded = load_azure_trace(args.trace)
+        if not lengths.apply(recorded):
+            raise UserError(
+                f"--trace {args.trace}: none of its {len(recorded)} requests has a prompt of "
+                f"{args.min_tokens}..{args.max_prompt_tokens} and an output of "
+                f"{args.min_tokens}..{args.max_output_tokens} tokens (--min-tokens, "
+                f"--max-prompt-tokens, --max-output-tokens; or --lengths clip)")
         trace = prepare_trace(
-            load_azure_trace(args.trace),
+            recorded,
             lengths=lengths,
             sample_fraction=args.sample,
             seed=args.seed,

@@ -61,7 +61,7 @@ MAX_WEIGHT_FRACTION = 0.9
 RESERVED_BYTES_PER_GPU = 1 * GIB
 #: the same for vLLM, fitted to the KV blocks vLLM 0.4.0 allocated with k layers of
 #: LLaMA-2-70B loaded on an A100-40GB, L4 and T4 (Helix's measurements,
-#: ../shared/data/profiles/helix-gpu-constants.csv): with 4.5 GB our KV matches theirs
+#: examples/profiles/helix-gpu-constants.csv): with 4.5 GB our KV matches theirs
 #: within 6% at every k; with 1 GiB it is 10-66% more. The simulator's vLLM engine model
 #: uses it (helixserve.simulator.engines)
 VLLM_RESERVED_GB_PER_GPU = 4.5

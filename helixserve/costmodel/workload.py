@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from helixserve.errors import UserError
 
 #: mean prompt and output tokens of the Azure LLM conversation trace (2023,
-#: ../shared/data/traces/azure-llm-conv-2023.csv) after Helix's length filter (prompts and
+#: examples/traces/azure-llm-conv-2023.csv) after Helix's length filter (prompts and
 #: outputs of 4..2048 / 4..1024 tokens: 16,657 of 19,366 requests), the simulator's and the
 #: benchmarks' default trace; tests/unit/costmodel/test_workload.py recomputes them
 CONVERSATION_PROMPT_TOKENS = 763.08

@@ -1,7 +1,7 @@
 """`Placement`: which contiguous range of layers each node holds, and the flows through them.
 
 This is the planner's output and the input of the scheduler, the simulator, the runtime and
-the Kubernetes renderer. On disk it is the placement JSON of `shared/specs/FORMATS.md`
+the Kubernetes renderer. On disk it is the placement JSON of docs/formats.md
 (`format: helixserve.placement/v1`); layer ranges are half-open `[start_layer, end_layer)`.
 """
 
@@ -141,7 +141,7 @@ class Placement:
     def from_dict(cls, data: Any, source: str = "placement") -> Placement:
         if not isinstance(data, dict):
             raise UserError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        if "format" not in data:  # FORMATS.md: required, so other JSON is not taken for one
+        if "format" not in data:  # docs/formats.md: required, so other JSON is not taken for one
             raise UserError(f"{source}: format: missing; expected {FORMAT!r}")
         fmt = data["format"]
         if fmt != FORMAT:

@@ -1,6 +1,6 @@
 """The cluster file (YAML): machines, their GPUs, and the network between them.
 
-Format: `shared/specs/FORMATS.md`, plus one optional node field, `memory_gb`, a memory
+Format: docs/formats.md ("Cluster"), with one optional node field, `memory_gb`, a memory
 budget for the whole node that overrides the catalog (used by the local CPU demo).
 A link between two endpoints resolves as: `explicit` (directed) > `between_regions`
 (symmetric, endpoints in different regions) > `default`. Bandwidth 0 means no link.

@@ -1,6 +1,6 @@
 """The GPU catalog: memory, memory bandwidth and dense tensor throughput per GPU type.
 
-A copy of `shared/data/gpus.csv` ships in `helixserve/data/gpus.csv`, plus a `cpu`
+The rows of `examples/gpus.csv` ship in `helixserve/data/gpus.csv`, plus a `cpu`
 pseudo-GPU so a local CPU cluster (the demo) can be planned too.
 """
 
@@ -55,7 +55,7 @@ class GpuCatalog:
 
 
 def load_gpu_catalog(path: str | Path | None = None) -> GpuCatalog:
-    """Read a catalog CSV (columns of shared/data/gpus.csv); default: the shipped copy."""
+    """Read a catalog CSV (columns: docs/formats.md, "GPU catalog"); default: the shipped copy."""
     p = Path(path) if path is not None else DEFAULT_CATALOG
     text = read_user_file(p, "GPU catalog")
     reader = csv.DictReader(text.splitlines())

@@ -23,7 +23,7 @@ from helixserve.errors import UserError, read_user_file
 
 PHASES = ("prompt", "decode")
 COLUMNS = ("model", "gpu", "num_gpus", "phase", "batch_tokens", "layer_ms")
-#: optional columns (FORMATS.md: added fields are optional; a file without them reads as before)
+#: optional columns (docs/formats.md: added fields are optional; a file without them reads as before)
 PART_COLUMN = "part"
 PARTS = ("layer", "head")
 
