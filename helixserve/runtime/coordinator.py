@@ -3,11 +3,10 @@
     coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(...))
     async for ev in coord.generate(GenerationRequest(...)): ...   # TokenEvent per token
 
-The scheduling decisions are the scheduling core's, the same the simulator makes
-(docs/scheduler.md): the admission order (`scheduler/queue.py`: FIFO, head-of-line,
-preempted requests first), the route (the router), the KV each request is promised and holds
-per worker (`scheduler/kv.py`'s ledger, fed with the workers' reported capacities) and the
-preemption victim (`RUNTIME_VICTIM_RULE`).
+Every scheduling decision is the scheduling core's (`scheduler/core.py`, the object the
+simulator drives too; docs/scheduler.md): this is the loop that feeds it the network's
+events (requests, tokens, KV-full results, broken streams, worker reports) and carries out
+its admissions on the workers.
 
 One request: admit (ask the scheduler's router for a route, fed with live worker stats; wait
 in a bounded FIFO while no route has KV room) -> prefill (prompt split into chunks of at most
@@ -17,23 +16,15 @@ the last hop returns the sampled token on this coordinator's stream) -> finish (
 string, max_tokens) -> release KV on every hop. Closing the generator early (client gone) or
 cancelling its task takes the same release path.
 
-KV allocation (`kv_allocation`): "reserve" admits a request when prompt + max_tokens fit on
-every hop of a route and holds that much for its life, so a worker never runs out.
-"on-demand" (the default, as in vLLM) admits it when its prompt fits (less a watermark kept
-free), counts what running requests have generated since against each node, and when a
-worker still runs out of KV blocks for a request's next step, preempts that request (the
-core's "requester" victim rule: docs/scheduler.md says why): its KV is freed, it waits for
-room ahead of new requests, and prompt + tokens so far are prefilled
-again (vLLM's preemption by recompute); the client's stream goes on without a gap. Preemptions
-are counted in `stats()` and in `vllm:num_preemptions`.
+KV allocation (`kv_allocation`): "reserve" holds prompt + max_tokens on every hop from
+admission; "on-demand" (the default, as in vLLM) admits on the prompt and, when a worker has
+no block for a request's next step, preempts that request (the core's "requester" rule):
+its KV is freed, it waits ahead of new requests and replays prompt + tokens so far.
 
-Faults: the coordinator keeps one Work stream per worker. When a stream breaks, the node is
-marked down in the router and every request routed through it is re-routed over surviving
-nodes and re-prefilled with its prompt + the tokens generated so far; the client's stream
-continues without a gap or duplicate. A request fails only when no route covers the model.
-With `recovery` (runtime/replan.py) a lost layer range is re-planned onto the live workers and
-requests wait for it (bounded) instead of failing; a worker that stops answering is declared
-down after `hang_timeout_s`.
+Faults: one Work stream per worker. When a stream breaks, the node is down in the core and
+every request routed through it is replayed over surviving nodes; the client's stream goes
+on without a gap or duplicate. A request fails only when no route covers the model; with
+`recovery` (runtime/replan.py) a lost layer range is re-planned onto the live workers first.
 """
 
 from __future__ import annotations
@@ -41,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -56,6 +46,16 @@ from helixserve.runtime.costs import runtime_cost_model
 from helixserve.runtime.node_client import NodeClient, NodeFailure
 from helixserve.runtime.output import OutputProcessor
 from helixserve.runtime.replan import Recovery
+from helixserve.runtime.startup import (
+    check_vllm_versions,
+    chunk_tokens,
+    client_per_node,
+    config_max_len,
+    connect_all,
+    eos_token_ids,
+    load_tokenizer,
+    routing_inputs,
+)
 from helixserve.runtime.transport import WireItem, WireResult
 from helixserve.scheduler.core import (
     Admission,
@@ -71,7 +71,6 @@ from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, RUNTIME_VICTIM_RULE
 if TYPE_CHECKING:
     from helixserve.costmodel import CostModel
     from helixserve.planner.placement import NodeRange, Placement
-    from helixserve.scheduler import RouterOptions
     from helixserve.spec import ClusterSpec
 
 log = logging.getLogger("helixserve.coordinator")
@@ -196,7 +195,7 @@ class Coordinator:
         cost = runtime_cost_model(Path(model_dir), placement.model, cfg.cost)
         log.info("%s", cfg.cost.describe())
         router = make_router(cfg.scheduler, placement, seed=0,
-                             **_routing_inputs(cluster, placement, cost))
+                             **routing_inputs(cluster, placement, cost))
         self = cls(placement, model_dir, router, cfg.max_queue, cfg.max_reroutes,
                    cfg.stats_interval_s, cfg.kv_allocation, cfg.kv_watermark)
         self.cost, self.model_spec = cost, cost.model
@@ -204,45 +203,21 @@ class Coordinator:
         self.cluster, self.scheduler = cluster, cfg.scheduler
         if cfg.recovery is not None:
             self.recovery = Recovery(self, cluster, cfg.recovery)
-        addresses = {n.name: getattr(n, "address", None) for n in cluster.nodes}
-        for i, nr in enumerate(placement.nodes):
-            address = addresses.get(nr.name)
-            if nr.name not in addresses:
-                raise UserError(f"placement: nodes[{i}].name: node {nr.name!r} not in the cluster; "
-                                f"known: {', '.join(sorted(addresses))}")
-            if not address:
-                raise UserError(f"cluster: node {nr.name!r}: address: missing (host:port of its worker)")
-            self.nodes[nr.name] = NodeClient(nr.name, address, nr.start_layer, nr.end_layer,
-                                             self.coordinator_id, self._on_result, self._on_node_down,
-                                             coordinator_token=self._coordinator_token, tls=tls)
-        loop = asyncio.get_running_loop()
-        tokenizer_task = loop.run_in_executor(None, _load_tokenizer, self.model_dir)
-        results = await asyncio.gather(
-            *(n.connect(placement.num_layers, cfg.connect_timeout_s) for n in self.nodes.values()),
-            return_exceptions=True,
-        )
-        # A worker that does not answer is down (retried later); one that answers with the
-        # wrong layers or model is a configuration error.
-        unreachable = []
-        for node, res in zip(self.nodes.values(), results, strict=True):
-            if isinstance(res, ConnectionError) and node.info is None:
-                unreachable.append(f"{node.name}: {res}")
-                self.core.node_down(node.name)
-            elif isinstance(res, BaseException):
-                await asyncio.gather(*(n.close() for n in self.nodes.values()),
-                                     return_exceptions=True)
-                raise res
-        try:
-            check_vllm_versions({n.name: n.info for n in self.nodes.values() if n.info})
-        except UserError:
-            await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
-            raise
+        self.nodes = client_per_node(cluster, placement, lambda name, address, nr: NodeClient(
+            name, address, nr.start_layer, nr.end_layer, self.coordinator_id, self._on_result,
+            self._on_node_down, coordinator_token=self._coordinator_token, tls=tls))
+        tokenizer_task = asyncio.get_running_loop().run_in_executor(
+            None, load_tokenizer, self.model_dir)
+        unreachable = await connect_all(self.nodes, placement.num_layers,
+                                        cfg.connect_timeout_s)
+        for name in unreachable:
+            self.core.node_down(name)
+        missing = "; ".join(f"{name}: {why}" for name, why in unreachable.items())
         if not self.covered():
             await asyncio.gather(*(n.close() for n in self.nodes.values()), return_exceptions=True)
-            raise ConnectionError("no route covers the model over the reachable workers; "
-                                  + "; ".join(unreachable))
-        for line in unreachable:
-            log.warning("starting without %s", line)
+            raise ConnectionError(f"no route covers the model over the reachable workers; {missing}")
+        if missing:
+            log.warning("starting without %s", missing)
         if self.recovery is not None:
             # workers restarted with other ranges since the placement file was written
             await self.recovery.install_actual()
@@ -250,17 +225,12 @@ class Coordinator:
         self.tokenizer = await tokenizer_task
         any_info = next(n.info for n in self.nodes.values() if n.info is not None)
         assert any_info is not None
-        self.prefill_chunk_tokens = _chunk_tokens(any_info, cfg.prefill_chunk_tokens)
-        self.max_model_len = cfg.max_model_len or _config_max_len(self.model_dir) or 2048
+        self.prefill_chunk_tokens = chunk_tokens(any_info, cfg.prefill_chunk_tokens)
+        self.max_model_len = cfg.max_model_len or config_max_len(self.model_dir) or 2048
         self.core.policy = dataclasses.replace(self.core.policy,
                                                max_model_len=self.max_model_len)
-        eos: set[int] = set()
-        for n in self.nodes.values():
-            if n.info is not None and n.end_layer == placement.num_layers:
-                eos |= set(n.info.eos_token_ids)
-        if not eos and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
-        self.eos_token_ids = sorted(eos)
+        self.eos_token_ids = eos_token_ids(self.nodes.values(), placement.num_layers,
+                                           self.tokenizer)
         self.spawn(self._poll_stats())
         return self
 
@@ -332,7 +302,7 @@ class Coordinator:
         from helixserve.scheduler import make_router
 
         options = await asyncio.get_running_loop().run_in_executor(
-            None, _routing_inputs, self.cluster, placement, self.cost_model(), True)
+            None, routing_inputs, self.cluster, placement, self.cost_model(), True)
         router = make_router(self.scheduler, placement, seed=self.epoch, **options)
         # running requests keep their routes and KV; one the new ranges do not hold fails
         # its next step on the worker that moved, and is re-routed then
@@ -718,46 +688,6 @@ class Coordinator:
         self.core.node_down(node)
 
 
-def _load_tokenizer(model_dir: Path) -> Any:
-    from helixserve.engine.emulated_tokenizer import EmulatedTokenizer, has_tokenizer
-
-    if not has_tokenizer(model_dir):  # a config-only directory: a rehearsal (docs/emulated.md)
-        log.warning("EMULATED tokenizer: %s has no tokenizer files; text in and out is "
-                    "emulated (one token per word piece, id i decodes to ' tok<i>')", model_dir)
-        return EmulatedTokenizer.from_model_dir(model_dir)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-def _config_max_len(model_dir: Path) -> int | None:
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    value = cfg.get("max_position_embeddings")
-    return int(value) if value else None
-
-
-def check_vllm_versions(infos: dict[str, Any]) -> None:
-    """Refuse workers of the vllm engine at different vLLM versions: a route through them would
-    mix two versions' kernels and numerics (greedy outputs would depend on the route)."""
-    versions: dict[str, list[str]] = {}
-    for name, info in infos.items():
-        if getattr(info, "engine", "") == "vllm":
-            versions.setdefault(info.vllm_version or "unknown", []).append(name)
-    if len(versions) > 1:
-        found = "; ".join(f"{v} on {', '.join(sorted(n))}" for v, n in sorted(versions.items()))
-        raise UserError(f"workers run different vLLM versions ({found}); the stages of a "
-                        "route must run the same vLLM version: install one version everywhere")
-
-
-def _chunk_tokens(info: Any, max_tokens: int) -> int:
-    from helixserve.runtime.transport import prefill_chunk_tokens
-
-    return prefill_chunk_tokens(info.hidden_size, info.dtype, max_tokens)
-
-
 __all__ = [
     "Coordinator",
     "CoordinatorConfig",
@@ -767,32 +697,3 @@ __all__ = [
     "RequestFailedError",
     "TokenEvent",
 ]
-
-
-def _routing_inputs(cluster: ClusterSpec, placement: Placement, cost: CostModel,
-                    live: bool = False) -> RouterOptions:
-    """What the router knows of the cluster, from the runtime's cost model (runtime/costs.py,
-    the simulator's when the operator gives its profiles): the links it may use (so it never
-    spreads work over a missing or slow link), each node's throughput, and the flows it
-    routes over, evaluated here when the placement file has none (FORMATS.md lets an input
-    placement omit them). `live`: ranges workers actually hold, which a memory check must
-    not refuse."""
-    from helixserve.scheduler.options import router_options
-
-    model = cost.model
-    if not placement.flows:
-        from helixserve.planner import evaluate
-
-        try:
-            result = evaluate(cluster, model, cost, placement)
-        except UserError:
-            if not live:
-                raise
-            # a worker holds more layers than the cluster file says its memory fits: it
-            # does, so evaluate the flow without the memory check
-            cluster = dataclasses.replace(cluster, nodes=[
-                dataclasses.replace(n, memory_gb=1e6) for n in cluster.nodes])
-            result = evaluate(cluster, model, cost, placement)
-        placement.flows = result.flows
-        placement.throughput_tokens_per_s = result.throughput_tokens_per_s
-    return router_options(cluster, model, placement, cost)

@@ -11,7 +11,7 @@ from helixserve.engine.registry import ENGINE_CHOICES, resolve_engine
 from helixserve.engine.vllm_batch import BatchEntry, plan_batches
 from helixserve.engine.vllm_build import in_range
 from helixserve.errors import UserError
-from helixserve.runtime.coordinator import check_vllm_versions
+from helixserve.runtime.startup import check_vllm_versions
 from helixserve.runtime.transport import WorkerInfo
 
 

@@ -22,8 +22,8 @@ from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
 from helixserve.planner.flow import evaluate
 from helixserve.planner.placement import NodeRange, Placement
-from helixserve.runtime.coordinator import _routing_inputs
 from helixserve.runtime.costs import CostInputs, runtime_cost_model
+from helixserve.runtime.startup import routing_inputs
 from helixserve.scheduler import make_router
 from helixserve.scheduler.options import router_options
 from helixserve.simulator.sim import SimConfig, Simulation
@@ -98,7 +98,7 @@ def test_coordinators_router_options_are_the_simulators(tmp_path: Path) -> None:
     sim = _Sim(files)
     cluster, cost, placement = _runtime(files)
     inputs = CostInputs.load(files["profiles"], files["gpus"], DTYPE_BYTES)
-    live = _routing_inputs(cluster, placement, cost)
+    live = routing_inputs(cluster, placement, cost)
     simulated = router_options(sim.cluster, sim.model, sim.placement, sim.cost)
     assert "node_throughput_tokens_per_s" in live
     assert live == simulated
@@ -147,7 +147,7 @@ def test_live_router_routes_as_the_simulators_on_branching_routes(tmp_path: Path
     assert len(routes) >= 3, f"the trace should use several branches; used {routes}"
     cluster, cost, placement = _runtime(files)
     router = make_router("maxflow", placement, seed=0,
-                         **_routing_inputs(cluster, placement, cost))
+                         **routing_inputs(cluster, placement, cost))
     live = _live_routes(sim, run, router)
     for i, (a, b) in enumerate(zip(simulated, live, strict=False)):
         assert a == b, f"decision {i} differs: simulator {a}, coordinator {b}"
