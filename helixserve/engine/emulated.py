@@ -47,7 +47,14 @@ from helixserve.costmodel import CostModel
 from helixserve.engine.config import ModelArgs
 from helixserve.engine.errors import InvalidWorkError
 from helixserve.engine.kv_blocks import BlockAllocator
-from helixserve.engine.protocol import ItemOutput, KvStats, RawHidden, WorkItem
+from helixserve.engine.protocol import (
+    ItemOutput,
+    KvStats,
+    RawHidden,
+    WorkItem,
+    check_step,
+    kv_stats_of,
+)
 from helixserve.errors import UserError
 from helixserve.request import PromptLogprob, SamplingParams
 from helixserve.spec import GpuCatalog, ModelSpec, NodeSpec, ProfileTable, load_gpu_catalog
@@ -245,13 +252,7 @@ class EmulatedEngine:
 
     # ---- bookkeeping -------------------------------------------------------------------
     def kv_stats(self) -> KvStats:
-        return {
-            "block_size": self.kv.block_size,
-            "total_blocks": self.kv.num_blocks,
-            "used_blocks": self.kv.used_blocks,
-            "free_blocks": self.kv.free_blocks,
-            "capacity_tokens": self.kv.capacity_tokens,
-        }
+        return kv_stats_of(self.kv)
 
     def free(self, request_id: str) -> None:
         """Release a request's KV blocks and token state; idempotent."""
@@ -338,30 +339,7 @@ class EmulatedEngine:
         return outs
 
     def _validate(self, items: list[WorkItem]) -> None:
-        seen: set[str] = set()
-        for it in items:
-            if it.request_id in seen:
-                raise InvalidWorkError(f"request {it.request_id!r} appears twice in one step")
-            seen.add(it.request_id)
-            if not self.start_layer <= it.start_layer < it.end_layer <= self.end_layer:
-                raise InvalidWorkError(
-                    f"request {it.request_id!r}: layers [{it.start_layer}, {it.end_layer}) not "
-                    f"inside this shard's [{self.start_layer}, {self.end_layer})")
-            if not it.token_ids:
-                raise InvalidWorkError(f"request {it.request_id!r}: no token ids")
-            have = self._seq_len.get(it.request_id, 0)
-            if it.position > have:
-                raise InvalidWorkError(
-                    f"request {it.request_id!r}: position {it.position} but only {have} tokens "
-                    "in this shard's KV cache (a step was skipped?)")
-            shape = None if it.hidden is None else tuple(it.hidden.shape)
-            if it.start_layer > 0 and shape != (len(it.token_ids), self.hidden_size):
-                raise InvalidWorkError(
-                    f"request {it.request_id!r}: starts at layer {it.start_layer} so needs "
-                    f"hidden [{len(it.token_ids)}, {self.hidden_size}], got {shape}")
-            if it.end_layer == self.num_model_layers and it.sample and it.sampling is None:
-                raise InvalidWorkError(f"request {it.request_id!r}: reaches the last layer "
-                                       "without sampling params")
+        check_step(items, self, lambda rid: self._seq_len.get(rid, 0))
 
     def _output(self, it: WorkItem) -> ItemOutput:
         out = ItemOutput(it.request_id)

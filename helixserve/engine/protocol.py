@@ -14,6 +14,7 @@ emulated engine; runtime/transport.py puts either on the wire. Torch-free.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
@@ -120,3 +121,53 @@ class RangeSwitchable(Engine, Protocol):
     def release_memory(self) -> None: ...
 
     def allocate_kv(self, kv_cache_bytes: int | None = None) -> None: ...
+
+
+def check_step(items: list[WorkItem], engine: Any, seq_len: Callable[[str], int],
+               max_item_tokens: int | None = None) -> None:
+    """THE check of one step's items, before an engine changes anything: each request once,
+    layers inside the engine's range, tokens present (at most `max_item_tokens` per item), a
+    position the KV has reached, hidden states of the right shape after layer 0, sampling
+    params on the last layer. `engine` gives start_layer, end_layer, hidden_size and
+    num_model_layers; raises InvalidWorkError naming the request."""
+    from helixserve.engine.errors import InvalidWorkError
+
+    seen: set[str] = set()
+    for it in items:
+        rid = it.request_id
+        if rid in seen:
+            raise InvalidWorkError(f"request {rid!r} appears twice in one step")
+        seen.add(rid)
+        if not engine.start_layer <= it.start_layer < it.end_layer <= engine.end_layer:
+            raise InvalidWorkError(
+                f"request {rid!r}: layers [{it.start_layer}, {it.end_layer}) not "
+                f"inside this shard's [{engine.start_layer}, {engine.end_layer})")
+        if not it.token_ids:
+            raise InvalidWorkError(f"request {rid!r}: no token ids")
+        if max_item_tokens is not None and len(it.token_ids) > max_item_tokens:
+            raise InvalidWorkError(f"request {rid!r}: {len(it.token_ids)} tokens in one item; "
+                                   f"this engine takes at most {max_item_tokens}")
+        have = seq_len(rid)
+        if it.position > have:
+            raise InvalidWorkError(
+                f"request {rid!r}: position {it.position} but only {have} tokens "
+                "in this shard's KV cache (a step was skipped?)")
+        shape = None if it.hidden is None else tuple(it.hidden.shape)
+        if it.start_layer > 0 and shape != (len(it.token_ids), engine.hidden_size):
+            raise InvalidWorkError(
+                f"request {rid!r}: starts at layer {it.start_layer} so needs "
+                f"hidden [{len(it.token_ids)}, {engine.hidden_size}], got {shape}")
+        if it.end_layer == engine.num_model_layers and it.sample and it.sampling is None:
+            raise InvalidWorkError(f"request {rid!r}: reaches the last layer without "
+                                   "sampling params")
+
+
+def kv_stats_of(kv: Any) -> KvStats:
+    """An engine's KV report from its block allocator (engine/kv_blocks.py)."""
+    return {
+        "block_size": kv.block_size,
+        "total_blocks": kv.num_blocks,
+        "used_blocks": kv.used_blocks,
+        "free_blocks": kv.free_blocks,
+        "capacity_tokens": kv.capacity_tokens,
+    }

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from helixserve.engine.errors import InvalidWorkError, KvExhaustedError
-from helixserve.engine.protocol import ItemOutput, KvStats, WorkItem
+from helixserve.engine.protocol import ItemOutput, KvStats, WorkItem, check_step
 from helixserve.engine.sampling import RequestHistory, sample_rows
 from helixserve.engine.shard import (
     ShardEngine,
@@ -231,33 +231,7 @@ class VllmStageEngine:
         return [outs[it.request_id] for it in items]
 
     def _validate(self, items: list[WorkItem]) -> None:
-        seen: set[str] = set()
-        for it in items:
-            if it.request_id in seen:
-                raise InvalidWorkError(f"request {it.request_id!r} appears twice in one step")
-            seen.add(it.request_id)
-            if not self.start_layer <= it.start_layer < it.end_layer <= self.end_layer:
-                raise InvalidWorkError(
-                    f"request {it.request_id!r}: layers [{it.start_layer}, {it.end_layer}) not "
-                    f"inside this shard's [{self.start_layer}, {self.end_layer})")
-            if not it.token_ids:
-                raise InvalidWorkError(f"request {it.request_id!r}: no token ids")
-            if len(it.token_ids) > self.max_call_tokens:
-                raise InvalidWorkError(f"request {it.request_id!r}: {len(it.token_ids)} tokens in one "
-                                 f"item; the vllm engine takes at most {self.max_call_tokens}")
-            have = self.seq_len(it.request_id)
-            if it.position > have:
-                raise InvalidWorkError(
-                    f"request {it.request_id!r}: position {it.position} but only {have} tokens "
-                    "in this shard's KV cache (a step was skipped?)")
-            shape = None if it.hidden is None else tuple(it.hidden.shape)
-            if it.start_layer > 0 and shape != (len(it.token_ids), self.hidden_size):
-                raise InvalidWorkError(
-                    f"request {it.request_id!r}: starts at layer {it.start_layer} so needs "
-                    f"hidden [{len(it.token_ids)}, {self.hidden_size}], got {shape}")
-            if it.end_layer == self.num_model_layers and it.sample and it.sampling is None:
-                raise InvalidWorkError(f"request {it.request_id!r}: reaches the last layer without "
-                                 "sampling params")
+        check_step(items, self, self.seq_len, max_item_tokens=self.max_call_tokens)
 
     def _reserve(self, items: list[WorkItem]) -> list[BatchEntry]:
         """Allocate every block the step needs, or raise KvExhaustedError changing nothing."""
