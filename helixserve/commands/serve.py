@@ -17,8 +17,7 @@ from typing import Any
 
 from helixserve.commands.args import finite_float
 from helixserve.commands.certs import add_tls_arguments, tls_from_args
-from helixserve.request import KV_ALLOCATIONS
-from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK
+from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, KV_ALLOCATIONS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

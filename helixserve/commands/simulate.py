@@ -231,8 +231,8 @@ def _progress_bar() -> Callable[[float], None]:
 def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
     """The SimConfig engine fields: the --engine preset with the flags given over it."""
     from helixserve.errors import UserError
-    from helixserve.request import KV_ALLOCATIONS
     from helixserve.simulator.engines import ENGINES, engine_config
+    from helixserve.spec.scheduling import KV_ALLOCATIONS
 
     if args.engine not in ENGINES:
         raise UserError(
