@@ -35,8 +35,8 @@ from typing import Any
 
 from helixserve.costmodel import CostModel
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement
-from helixserve.simulator.engines import ENGINES, HELIX_PROTOTYPE_LAYER_OVERHEAD_S
 from helixserve.simulator.metrics import summarize
+from helixserve.simulator.presets import ENGINES, HELIX_PROTOTYPE_LAYER_OVERHEAD_S
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace
 from helixserve.spec import ClusterSpec, load_cluster, load_model, load_profiles

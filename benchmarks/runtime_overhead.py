@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from helixserve.local.launch import free_port, spawn_worker, worker_command
 
 NUM_LAYERS = 30
 PROMPTS = [
@@ -62,20 +63,11 @@ class Worker:
         return f"127.0.0.1:{self.port}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_worker(model: Path, name: str, start: int, end: int, threads: int, log: Path) -> Worker:
     port = free_port()
-    cmd = [sys.executable, "-m", "helixserve", "worker", "--model", str(model), "--layers",
-           f"{start}:{end}", "--node", name, "--port", str(port), "--num-threads", str(threads),
-           "--kv-cache-bytes", str(256 * 1024 * 1024), "--peers", "127.0.0.1:*"]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    return Worker(name, start, end, port, proc)
+    cmd = worker_command(model, name, port, layers=(start, end), num_threads=threads,
+                         peers="127.0.0.1:*", kv_cache_bytes=256 * 1024 * 1024)
+    return Worker(name, start, end, port, spawn_worker(cmd, log, num_threads=threads))
 
 
 class _Echo:

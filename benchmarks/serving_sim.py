@@ -45,8 +45,8 @@ from typing import Any
 
 from helixserve.costmodel import CostModel
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement, plan
-from helixserve.simulator.engines import ENGINES, engine_gpu_reserve_gb
 from helixserve.simulator.metrics import summarize
+from helixserve.simulator.presets import ENGINES, engine_gpu_reserve_gb
 from helixserve.simulator.selection import SelectionConfig, select_placement
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace

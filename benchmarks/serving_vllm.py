@@ -31,17 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from helixserve.local.launch import free_port
+
 HERE = Path(__file__).parent
 SETUPS = ("helix-vllm", "helix-torch", "vllm")
 MODEL_NAME = "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_setup(setup: str, model_dir: Path, port: int, workdir: Path) -> subprocess.Popen[bytes]:

@@ -39,8 +39,8 @@ from typing import Any
 
 from helixserve.costmodel import CostModel, Workload
 from helixserve.planner import Placement, evaluate, plan
-from helixserve.simulator.engines import ENGINES, engine_gpu_reserve_gb
 from helixserve.simulator.mix import parse_workload
+from helixserve.simulator.presets import ENGINES, engine_gpu_reserve_gb
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace
 from helixserve.spec import ClusterSpec, ModelSpec, load_cluster, load_model, load_profiles

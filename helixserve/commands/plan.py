@@ -337,7 +337,7 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
     """The planned placement, a stacked tiling or regional pipelines (each, across regions,
     also routed within regions), whichever serves `requests` best."""
     from helixserve.planner.report import format_selection
-    from helixserve.simulator.engines import engine_config
+    from helixserve.simulator.presets import engine_config
     from helixserve.simulator.selection import SelectionConfig, select_placement
 
     config = SelectionConfig.from_engine(

@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     if tls is None:
         print("WARNING: worker traffic is plaintext and unauthenticated (no --tls-cert/--tls-key/"
               "--tls-ca); see docs/security.md", file=sys.stderr, flush=True)
-    from helixserve.stack import describe_placement, run_stack
+    from helixserve.local.stack import describe_placement, run_stack
 
     def started(cluster: object, placement: object) -> None:
         print(describe_placement(placement, cluster))

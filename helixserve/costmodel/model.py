@@ -52,7 +52,7 @@ RESERVED_BYTES_PER_GPU = 1 * GIB
 #: LLaMA-2-70B loaded on an A100-40GB, L4 and T4 (Helix's measurements,
 #: ../shared/data/profiles/helix-gpu-constants.csv): with 4.5 GB our KV matches theirs
 #: within 6% at every k; with 1 GiB it is 10-66% more. The simulator's vLLM engine model
-#: uses it (helixserve.simulator.engines)
+#: uses it (helixserve.simulator.presets)
 VLLM_RESERVED_GB_PER_GPU = 4.5
 #: fraction of memory the serving engine may allocate (vLLM's gpu_memory_utilization)
 MEMORY_UTILIZATION = 0.9

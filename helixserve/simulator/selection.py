@@ -94,7 +94,7 @@ class SelectionConfig:
 
     @classmethod
     def from_engine(cls, engine: Mapping[str, Any], **fields: Any) -> SelectionConfig:
-        """The selection run with an engine model's options (`simulator.engines.ENGINES`)."""
+        """The selection run with an engine model's options (`simulator.presets.ENGINES`)."""
         keys = ("kv_allocation", "chunked_prefill", "prefill_chunk_tokens", "max_prompt_tokens",
                 "max_prefilling")
         return cls(**{k: engine[k] for k in keys}, **fields)

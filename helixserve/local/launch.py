@@ -59,6 +59,90 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def worker_command(
+    model_dir: Path,
+    node: str,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    placement_path: Path | None = None,
+    layers: tuple[int, int] | None = None,
+    engine: str | None = None,
+    num_threads: int | None = None,
+    peers: str | None = None,
+    kv_cache_bytes: int | None = None,
+    extra_args: list[str] | None = None,
+) -> list[str]:
+    """The `helixserve worker` command line of one node: its range from `placement_path`
+    (`--placement P --node N`, as the Kubernetes manifests run it) or from `layers`
+    (`--layers start:end`); `peers` the addresses it may forward to ("127.0.0.1:*": any
+    loopback port)."""
+    if placement_path is not None and layers is None:
+        where = ["--placement", str(placement_path)]
+    elif layers is not None and placement_path is None:
+        where = ["--layers", f"{layers[0]}:{layers[1]}"]
+    else:
+        raise ValueError("worker_command: give exactly one of placement_path and layers")
+    cmd = [sys.executable, "-m", "helixserve", "worker",
+           *(["--engine", engine] if engine else []),
+           "--model", str(model_dir), *where, "--node", node,
+           "--host", host, "--port", str(port)]  # fmt: skip
+    if num_threads:
+        cmd += ["--num-threads", str(num_threads)]
+    if peers:
+        cmd += ["--peers", peers]
+    if kv_cache_bytes is not None:
+        cmd += ["--kv-cache-bytes", str(kv_cache_bytes)]
+    return cmd + list(extra_args or [])
+
+
+def spawn_worker(
+    cmd: list[str],
+    log_path: Path,
+    *,
+    num_threads: int | None = None,
+    env: dict[str, str] | None = None,
+    append: bool = False,
+) -> subprocess.Popen[bytes]:
+    """Start a worker command (`worker_command`) with its output in `log_path` (appended to
+    with `append`): in a session of its own, so a Ctrl-C at the terminal reaches only the
+    parent, and told the parent's pid so it dies with it (`die_with_parent`).
+    `num_threads` also sets OMP_NUM_THREADS, which caps the BLAS pools torch's
+    set_num_threads does not."""
+    full_env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
+    if num_threads:
+        full_env["OMP_NUM_THREADS"] = str(num_threads)
+    full_env.update(env or {})
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab" if append else "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True)
+
+
+def wait_http_ready(url: str, proc: subprocess.Popen[bytes] | None = None,
+                    timeout_s: float = 120.0, log_path: Path | None = None) -> None:
+    """Until `url` + "/health" answers 200; fails (with the log's tail) if `proc` exits or
+    the timeout passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        tail = ""
+        if log_path is not None and log_path.exists():
+            tail = "; log tail:\n" + log_path.read_text(errors="replace")[-2000:]
+        if proc is not None and proc.poll() is not None:
+            raise UserError(f"the server for {url} exited with code {proc.returncode} before it "
+                            f"was ready{tail}")
+        if time.monotonic() > deadline:
+            raise UserError(f"{url} not ready after {timeout_s:.0f} s{tail}")
+        time.sleep(0.3)
+
+
 @dataclass
 class WorkerSpec:
     node: str
@@ -128,39 +212,17 @@ class WorkerProcesses:
     def start_one(self, node: str) -> None:
         """Start (or start again, same address and flags) the worker of `node`; its log is
         appended to."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         creds = self.ensure_credentials()
-        peers = ",".join(w.address for w in self.workers)
-        env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
-        if self.num_threads:
-            # also caps the BLAS pools torch does not control through set_num_threads
-            env["OMP_NUM_THREADS"] = str(self.num_threads)
         if self.stopping:
             return
         w = next(w for w in self.workers if w.node == node)
-        cmd = [
-            sys.executable, "-m", "helixserve", "worker",
-            "--model", str(self.model_dir),
-            "--placement", str(self.placement_path),
-            "--node", w.node,
-            "--host", w.host,
-            "--port", str(w.port),
-        ]  # fmt: skip
-        if self.num_threads:
-            cmd += ["--num-threads", str(self.num_threads)]
-        cmd += ["--peers", peers]
-        if creds is not None:
-            cmd += creds.nodes[w.node].flags()
-        cmd += self.extra_args
-        log = (self.log_dir / f"worker-{w.node}.log").open("ab")
-        self.procs[w.node] = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # a Ctrl-C at the terminal reaches only the parent
-        )
-        log.close()
+        cmd = worker_command(
+            self.model_dir, w.node, w.port, host=w.host, placement_path=self.placement_path,
+            num_threads=self.num_threads, peers=",".join(x.address for x in self.workers),
+            extra_args=[*(creds.nodes[w.node].flags() if creds is not None else []),
+                        *self.extra_args])
+        self.procs[w.node] = spawn_worker(cmd, self.log_dir / f"worker-{w.node}.log",
+                                          num_threads=self.num_threads, append=True)
 
     def log_tail(self, node: str, num_chars: int = 2000) -> str:
         path = self.log_dir / f"worker-{node}.log"
