@@ -8,7 +8,7 @@ unbounded run never finishes; the API itself keeps its limits and defaults. Then
 `st run --checks not_a_server_error` over the chosen phases. Prints a table and writes JSON.
 
     pip install schemathesis
-    python benchmarks/api_fuzz.py --phases examples,coverage,fuzzing --max-examples 30 \
+    python -m benchmarks.api_fuzz --phases examples,coverage,fuzzing --max-examples 30 \
         --json benchmarks/results/api_fuzz.json
 """
 

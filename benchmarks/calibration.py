@@ -1,7 +1,7 @@
 """Calibration against Helix: why the simulator serves ~2x what Helix's prototype measured
 on Helix's own single-24 placement, one factor at a time (docs/calibration.md).
 
-    python benchmarks/calibration.py --json benchmarks/results/calibration.json
+    python -m benchmarks.calibration --json benchmarks/results/calibration.json
 
 Prints and writes:
 - `attribution`: the `vllm` engine model on Helix's Gurobi placement of LLaMA-2-70B on

@@ -6,7 +6,7 @@ worker` processes on 127.0.0.1), measured side by side in one run with `helixser
 the output-token throughput is the decode throughput). Rounds alternate the two setups, so
 slow drift of a shared machine hits both alike; the ratio is taken per round.
 
-    python benchmarks/serving.py --json results/serving.json
+    python -m benchmarks.serving --json results/serving.json
 
 Thread budget: each pipeline worker gets --pipeline-threads torch threads (default 1: three
 processes on a 2-core machine already oversubscribe it). The single worker runs once per

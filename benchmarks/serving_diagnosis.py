@@ -10,7 +10,7 @@ weight fraction) and simulates those placements. (The serving-aware T(k) variant
 `milp-serving-d*` rows of benchmarks/results/serving_diagnosis.json, were measured with a
 cost-model option removed in issue 32 since no depth beat the default; docs/simulator.md.)
 
-    python benchmarks/serving_diagnosis.py --json benchmarks/results/serving_diagnosis.json
+    python -m benchmarks.serving_diagnosis --json benchmarks/results/serving_diagnosis.json
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.serving_sim import SHARED, cached_plan, kv_balanced_reference
 from helixserve.costmodel import CostModel
 from helixserve.planner import Placement, evaluate, load_placement
 from helixserve.planner.flow import FlowNetwork
@@ -32,9 +33,6 @@ from helixserve.simulator.metrics import summarize
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import load_azure_trace, prepare_trace
 from helixserve.spec import load_cluster, load_model, load_profiles
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_sim import SHARED, cached_plan, kv_balanced_reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

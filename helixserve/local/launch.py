@@ -143,6 +143,60 @@ def wait_http_ready(url: str, proc: subprocess.Popen[bytes] | None = None,
         time.sleep(0.3)
 
 
+def wait_grpc_ready(node: str, address: str, proc: subprocess.Popen[bytes], log_path: Path,
+                    tls: Any = None, timeout_s: float = 120.0) -> None:
+    """Until the worker at `address` says SERVING to a gRPC health check (over `tls`, a
+    coordinator's TlsConfig, or plaintext); fails with its log's tail if it exits first or
+    the timeout passes."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from helixserve.runtime.security import sync_channel
+
+    def tail() -> str:
+        try:
+            return log_path.read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+    deadline = time.monotonic() + timeout_s
+    channel = sync_channel(address, tls)
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise UserError(f"worker {node} exited with code {proc.returncode} before it "
+                                f"was ready; log {log_path}:\n{tail()}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise UserError(f"worker {node} at {address} not ready after {timeout_s:.0f} s; "
+                                f"log tail:\n{tail()}")
+            time.sleep(0.2)
+    finally:
+        channel.close()
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """SIGTERM all (workers drain), then SIGKILL whatever is still alive after `grace_s`."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+
+
 @dataclass
 class WorkerSpec:
     node: str
@@ -224,64 +278,19 @@ class WorkerProcesses:
         self.procs[w.node] = spawn_worker(cmd, self.log_dir / f"worker-{w.node}.log",
                                           num_threads=self.num_threads, append=True)
 
-    def log_tail(self, node: str, num_chars: int = 2000) -> str:
-        path = self.log_dir / f"worker-{node}.log"
-        try:
-            return path.read_text(errors="replace")[-num_chars:]
-        except OSError:
-            return ""
-
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Until every worker's gRPC health check says SERVING; fails with the worker's log
         tail if one exits or the timeout passes."""
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        from helixserve.runtime.security import sync_channel
-
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
-            channel = sync_channel(w.address, self.coordinator_tls)
-            stub = health_pb2_grpc.HealthStub(channel)
-            try:
-                while True:
-                    proc = self.procs[w.node]
-                    if proc.poll() is not None:
-                        raise UserError(
-                            f"worker {w.node} exited with code {proc.returncode} before it was "
-                            f"ready; log {self.log_dir}/worker-{w.node}.log:\n"
-                            f"{self.log_tail(w.node)}"
-                        )
-                    try:
-                        reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                            break
-                    except grpc.RpcError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise UserError(
-                            f"worker {w.node} at {w.address} not ready after {timeout_s:.0f} s; "
-                            f"log tail:\n{self.log_tail(w.node)}"
-                        )
-                    time.sleep(0.2)
-            finally:
-                channel.close()
+            wait_grpc_ready(w.node, w.address, self.procs[w.node],
+                            self.log_dir / f"worker-{w.node}.log", self.coordinator_tls,
+                            max(0.0, deadline - time.monotonic()))
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM all (they drain), then SIGKILL whatever is still alive after `grace_s`."""
         self.stopping = True
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
+        stop_processes(list(self.procs.values()), grace_s)
 
     def alive(self) -> dict[str, bool]:
         return {node: proc.poll() is None for node, proc in self.procs.items()}

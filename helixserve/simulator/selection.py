@@ -31,7 +31,7 @@ How a candidate is scored (`SelectionConfig.mode`):
   regime the max flow describes.
 - **replay**: the trace as given, with its own arrival times, run until every request has
   finished; the score is decode tokens / (last finish - first arrival), the metric of
-  `benchmarks/rig.py`. At light load (a burst of a few requests, a handful of users) a
+  `python -m benchmarks.rig`. At light load (a burst of a few requests, a handful of users) a
   request's tokens/s is bounded by its route's per-token latency (Little's law), so a plan
   with fewer, fatter stages can serve more than the max-flow optimum, which needs enough
   requests in flight to keep every stage busy. Replay therefore also lets the baselines'
