@@ -160,8 +160,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="wall-clock budget of the milp planner (default 60)")
     p.add_argument("--work-limit", type=finite_float, default=None, metavar="UNITS",
                    help="plan to a budget of work instead of time: every search stops after "
-                   "this many units (one unit is 400 max-flow evaluations, or 20 branch-and-bound "
-                   "nodes of a relaxation or MILP), so the same command "
+                   "this many units of counted work (a unit is about one second of one core of "
+                   "the reference 2-core VM; docs/planner.md), so the same command "
                    "gives the same placement on any machine, under any load and with any "
                    "--jobs (which then only runs the seeds side by side). Overrides "
                    "--time-limit")
