@@ -38,12 +38,12 @@ TICK = 2.2e-5
 #: Fitted on the reference machine; nonzeros alone do not predict a node's cost across
 #: models (the bounds of the integers matter), so each model has its own line.
 NODE_COSTS: dict[str, tuple[float, float, float, float]] = {
-    # the per-node MILP: 5 ms a node at 2,524 nonzeros (example), 1.2 s at 18,282
+    # the per-node MILP: 5-10 ms a node at 2,524 nonzeros (example), 1.2 s at 18,282
     # (helix-single-24), whose root takes 12.5 s
-    "helix_placement": (1.87e-12, 2.77, 1.87e-11, 2.77),
-    # its large-neighbourhood re-solves (milp.lns), all but 3-6 machines fixed: hundreds
-    # of them took under a second on helix-single-24
-    "lns": (1e-7, 1.0, 1e-7, 1.0),
+    "helix_placement": (2.8e-12, 2.77, 1.87e-11, 2.77),
+    # its large-neighbourhood re-solves (milp.lns), all but 3-6 machines fixed: about 16 ms
+    # a node on helix-single-24
+    "lns": (9e-7, 1.0, 9e-7, 1.0),
     # about 1 s a node: 0.6-0.9 s (the example's root, 53,090 nonzeros), 1.1 s
     # (helix-single-24, 18,979)
     "coverage": (1.0, 0.0, 1.0, 0.0),
