@@ -8,7 +8,7 @@ unbounded run never finishes; the API itself keeps its limits and defaults. Then
 `st run --checks not_a_server_error` over the chosen phases. Prints a table and writes JSON.
 
     pip install schemathesis
-    python benchmarks/api_fuzz.py --phases examples,coverage,fuzzing --max-examples 30 \
+    python -m benchmarks.api_fuzz --phases examples,coverage,fuzzing --max-examples 30 \
         --json benchmarks/results/api_fuzz.json
 """
 
@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from helixserve.local.launch import free_port, wait_http_ready
 
 API_KEY = "sk-fuzz"
 #: generated max_tokens-like fields are bounded to this in the fuzzer's copy of the schema
@@ -73,20 +75,6 @@ def start_demo(workdir: Path, port: int) -> subprocess.Popen[bytes]:
     )  # fmt: skip
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"demo exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"{url} not healthy after {timeout_s:.0f} s")
-
-
 def summarize(ndjson: Path) -> dict[str, Any]:
     """Counts from schemathesis' ndjson event stream: test cases (API calls), failures by
     check, server errors (5xx)."""
@@ -129,13 +117,11 @@ def main() -> int:
     proc = None
     url = args.url
     if url is None:
-        from helixserve.launch import free_port
-
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         proc = start_demo(work, port)
     try:
-        wait_healthy(url, proc)
+        wait_http_ready(url, proc, 600.0, work / "demo.log" if proc is not None else None)
         schema = httpx.get(url + "/openapi.json", timeout=10).json()
         capped = bound_schema(schema)
         (work / "openapi.json").write_text(json.dumps(schema))

@@ -1,7 +1,7 @@
 """Calibration against Helix: why the simulator serves ~2x what Helix's prototype measured
 on Helix's own single-24 placement, one factor at a time (docs/calibration.md).
 
-    python benchmarks/calibration.py --json benchmarks/results/calibration.json
+    python -m benchmarks.calibration --json benchmarks/results/calibration.json
 
 Prints and writes:
 - `attribution`: the `vllm` engine model on Helix's Gurobi placement of LLaMA-2-70B on
@@ -33,10 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helixserve.costmodel import CostModel, Workload
+from helixserve.costmodel import CostModel
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement
-from helixserve.simulator.engines import ENGINES, HELIX_PROTOTYPE_LAYER_OVERHEAD_S
 from helixserve.simulator.metrics import summarize
+from helixserve.simulator.presets import ENGINES, HELIX_PROTOTYPE_LAYER_OVERHEAD_S
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace
 from helixserve.spec import ClusterSpec, load_cluster, load_model, load_profiles
@@ -206,16 +206,10 @@ def ratios(b: Bench) -> list[dict[str, Any]]:
                    for n in case["placement"]],
             planner="milp", source="benchmarks/results/helix_compare.json"))
         row: dict[str, Any] = {"cluster": name, **REPORTED_RATIOS[name]}
-        # our evaluator (max flow) with the 4.5 GB of vLLM's memory, decode-only T(k) and the
-        # serving-aware T(k) (docs/planner.md) at a 16-stage pipeline, Helix's route depth
-        serving = CostModel(b.model, b.cost.profiles, reserved_gb_per_gpu=4.5,
-                            workload=Workload.from_lengths(
-                                [r.prompt_tokens for r in b.trace],
-                                [r.output_tokens for r in b.trace], pipeline_depth=16))
-        for label, cost in (("evaluator_4.5gb", b.cost), ("evaluator_serving_depth16", serving)):
-            flow = [evaluate(cluster, b.model, cost, p).throughput_tokens_per_s
-                    for p in (milp, helix)]
-            row[label] = round(flow[0] / flow[1], 3)
+        # our evaluator (max flow) with the 4.5 GB of vLLM's memory, decode-only T(k)
+        flow = [evaluate(cluster, b.model, b.cost, p).throughput_tokens_per_s
+                for p in (milp, helix)]
+        row["evaluator_4.5gb"] = round(flow[0] / flow[1], 3)
         models = (("vllm", vllm_fields()), ("helix_prototype", prototype_fields()),
                   ("helix_prototype_no_cost_660s", prototype_fields(**HELIX_SIM_LIKE)))
         for label, fields in models:
@@ -254,14 +248,14 @@ def print_report(report: dict[str, Any]) -> None:
                   f"{r['measured']:>6.1f} measured ({r['error']:+.0%})")
     if report.get("ratios"):
         print("\nmilp / Helix placement")
-        print(f"  {'cluster':<16} {'evaluator':>9} {'eval 4.5':>8} {'eval srv':>8} "
+        print(f"  {'cluster':<16} {'evaluator':>9} {'eval 4.5':>8} "
               f"{'Helix sim':>9} {'vllm':>16} {'helix-prototype':>18} {'no cost, 660 s':>18}")
         for r in report["ratios"]:
             cells = " ".join(
                 f"{m['ratio']:>6.2f} ({m['milp']:.0f}/{m['helix']:.0f})".rjust(18)
                 for m in (r["vllm"], r["helix_prototype"], r["helix_prototype_no_cost_660s"]))
             print(f"  {r['cluster']:<16} {r['evaluator']:>9.2f} {r['evaluator_4.5gb']:>8.2f} "
-                  f"{r['evaluator_serving_depth16']:>8.2f} {r['helix_simulator']:>9.2f} {cells}")
+                  f"{r['helix_simulator']:>9.2f} {cells}")
 
 
 def main() -> int:

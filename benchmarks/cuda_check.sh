@@ -55,9 +55,9 @@ vllm_check() {
     return 0
   fi
   echo "== 4. vllm engine: 2-stage route vs one vLLM process"
-  python benchmarks/vllm_route.py --device cuda --json "$OUT/vllm-route.json" \
+  python -m benchmarks.vllm_route --device cuda --json "$OUT/vllm-route.json" \
     | tee "$OUT/vllm-route.txt"
-  python benchmarks/engine.py --device cuda --dtype bfloat16 --no-memory --rounds 1 \
+  python -m benchmarks.engine --device cuda --dtype bfloat16 --no-memory --rounds 1 \
     --engines vllm-stage vllm-cpu --json "$OUT/engine-vllm-stage-bf16.json" \
     | tee "$OUT/engine-vllm-stage-bf16.txt"
 }
@@ -170,10 +170,10 @@ sys.exit(0 if ok else 1)
 EOF
 
 echo "== 3. Benchmarks (bfloat16)"
-python benchmarks/engine.py --device cuda --dtype bfloat16 --no-memory \
+python -m benchmarks.engine --device cuda --dtype bfloat16 --no-memory \
   --engines helixserve hf --json "$OUT/engine-demo-bf16.json" | tee "$OUT/engine-demo-bf16.txt"
 if [[ -z "${QUICK:-}" ]]; then
-  python benchmarks/engine.py --model "$MODEL_1B" --device cuda --dtype bfloat16 --no-memory \
+  python -m benchmarks.engine --model "$MODEL_1B" --device cuda --dtype bfloat16 --no-memory \
     --engines helixserve hf --json "$OUT/engine-llama1b-bf16.json" | tee "$OUT/engine-llama1b-bf16.txt"
 fi
 vllm_check

@@ -19,7 +19,7 @@ one invocation so ratios compare like with like on a shared, noisy machine.
 Also measured (CPU): resident memory of engines holding a layer range ([0, L), [0, L/2),
 [L/2, L)), each in a subprocess, to check that memory grows with the range held.
 
-    python benchmarks/engine.py [--json OUT] [--batches 1 8 32] [--output-tokens 128]
+    python -m benchmarks.engine [--json OUT] [--batches 1 8 32] [--output-tokens 128]
         [--threads N] [--device cuda --dtype bfloat16] [--model DIR]
 """
 

@@ -17,7 +17,7 @@ Measured from the client's side, on one clock:
     clear error).
 The coordinator's own view (re-plan record, per-node restarts) comes from `/health`.
 
-    python benchmarks/fault_recovery.py --json benchmarks/results/fault_recovery.json
+    python -m benchmarks.fault_recovery --json benchmarks/results/fault_recovery.json
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ Conventions, the same as `examples/README.md` states for the two shared clusters
 - NICs from `machine_profiles.ini` (`inbound`/`outbound_nic_speed`, the smaller of the two).
 
 Usage:
-    python benchmarks/helix_artifact.py cluster ARTIFACT/.../cluster42.ini \\
+    python -m benchmarks.helix_artifact cluster ARTIFACT/.../cluster42.ini \\
         --profiles ARTIFACT/.../machine_profiles.ini --name helix-mix-42 --out C.yaml
-    python benchmarks/helix_artifact.py placement ARTIFACT/.../ilp_sol.ini \\
+    python -m benchmarks.helix_artifact placement ARTIFACT/.../ilp_sol.ini \\
         --cluster C.yaml --model examples/models/llama-2-70b --out P.json
 """
 

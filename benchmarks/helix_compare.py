@@ -1,6 +1,6 @@
 """helixserve's `milp` next to the Helix authors' own Gurobi placements, same evaluator.
 
-    python benchmarks/helix_compare.py --time-limit 60 --json benchmarks/results/helix_compare.json
+    python -m benchmarks.helix_compare --time-limit 60 --json benchmarks/results/helix_compare.json
 
 Every case is a cluster, a model and the placement the Helix authors' MILP (Gurobi, 8 to
 50 minutes on their machine) produced for it, converted from their artifact by

@@ -1,6 +1,6 @@
 """Benchmark every placement planner on the shared Helix clusters and synthetic ones.
 
-    python benchmarks/planner.py --time-limit 60 --json planner.json
+    python -m benchmarks.planner --time-limit 60 --json planner.json
 
 For each (cluster, model, planner): the max-flow throughput of the placement, the proven
 upper bound and gap (milp only), the solve time, and the ratio to the best baseline.

@@ -1,6 +1,6 @@
 """milp against the baselines on random clusters nobody tuned for: is it ever worse, or late?
 
-    python benchmarks/planner_random.py --seeds 0-7 --time-limit 10 --json planner_random.json
+    python -m benchmarks.planner_random --seeds 0-7 --time-limit 10 --json planner_random.json
 
 Each seed draws a cluster: 16-60 machines of seven GPU kinds (A100-40GB/80GB, H100-80GB,
 A10, L4, T4, V100-16GB), 1-4 GPUs each, 1-4 regions, 1/10/25 Gbit/s inside a region and

@@ -10,7 +10,7 @@ For each cluster (examples/clusters/helix-*.yaml by default) and llama-2-70b:
      throughput and the machines whose range changes.
 Prints a table and writes JSON (--json).
 
-    python benchmarks/replan.py --time-limit 60 --json benchmarks/results/replan.json
+    python -m benchmarks.replan --time-limit 60 --json benchmarks/results/replan.json
 """
 
 from __future__ import annotations

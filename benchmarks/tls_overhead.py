@@ -5,7 +5,7 @@ Two `helixserve worker` processes (SmolLM2-135M, fp32 on CPU, layers [0,15) and 
 mode; a coordinator in this process sends `--requests` greedy requests of `--max-tokens`
 tokens, one at a time (decode: every token crosses coordinator -> n0 -> n1 -> coordinator).
 
-    PYTHONPATH=$PWD python benchmarks/tls_overhead.py --json benchmarks/results/tls_overhead.json
+    python -m benchmarks.tls_overhead --json benchmarks/results/tls_overhead.json
 """
 
 from __future__ import annotations
@@ -14,26 +14,28 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration" / "runtime"))
-
-from runtime_procs import (  # noqa: E402
+from helixserve.engine import prepare_demo_model
+from helixserve.local.launch import (
     free_port,
-    make_placement,
-    start_worker,
-    stop_workers,
-    wait_ready,
+    spawn_worker,
+    stop_processes,
+    wait_grpc_ready,
+    worker_command,
 )
+from helixserve.planner.placement import Flow, NodeRange, Placement
+from helixserve.request import GenerationRequest, SamplingParams
+from helixserve.runtime import Coordinator, security
+from helixserve.spec import ClusterSpec, NodeSpec
 
-from helixserve.engine import prepare_demo_model  # noqa: E402
-from helixserve.request import GenerationRequest, SamplingParams  # noqa: E402
-from helixserve.runtime import Coordinator, security  # noqa: E402
-from helixserve.spec import ClusterSpec, NodeSpec  # noqa: E402
+#: KV cache of each worker (bytes): room for the requests, and the same in both modes
+KV_CACHE_BYTES = 64 * 1024 * 1024
 
 
 async def tokens_per_s(coord: Coordinator, max_tokens: int, tag: str) -> float:
@@ -55,23 +57,27 @@ def main() -> int:
     model = prepare_demo_model()
     tmp = Path(tempfile.mkdtemp(prefix="helix-tls-"))
     creds = security.create_dev_credentials(tmp / "certs", ["n0", "n1"])
-    placement = make_placement([("n0", 0, 15), ("n1", 15, 30)],
-                               [("coordinator", "n0", 1), ("n0", "n1", 1), ("n1", "coordinator", 1)])
-    procs = []
+    ranges = {"n0": (0, 15), "n1": (15, 30)}
+    placement = Placement(
+        model="smollm2-135m-instruct", cluster="test-local", num_layers=30, planner="bench",
+        nodes=[NodeRange(n, a, b) for n, (a, b) in ranges.items()],
+        flows=[Flow("coordinator", "n0", 1), Flow("n0", "n1", 1), Flow("n1", "coordinator", 1)])
+    # (node, address, process, log, coordinator's TLS) of every worker, both modes
+    procs: list[tuple[str, str, subprocess.Popen[bytes], Path, Any]] = []
     stacks: dict[str, tuple[ClusterSpec, Any]] = {}
     for mode in ("plaintext", "mutual TLS"):
         ports = {"n0": free_port(), "n1": free_port()}
         peers = ",".join(f"127.0.0.1:{p}" for p in ports.values())
+        tls = creds.coordinator if mode == "mutual TLS" else None
         for n, p in ports.items():
-            extra = ["--peers", peers]
-            if mode == "mutual TLS":
-                extra += creds.nodes[n].flags()
-            start, end = (0, 15) if n == "n0" else (15, 30)
-            procs.append(start_worker(model, n, start, end, tmp, extra=extra, port=p,
-                                      peers=None, log_name=f"{mode[:3]}-{n}"))
+            flags = creds.nodes[n].flags() if tls is not None else []
+            cmd = worker_command(model, n, p, layers=ranges[n], num_threads=1, peers=peers,
+                                 kv_cache_bytes=KV_CACHE_BYTES, extra_args=flags)
+            log = tmp / f"{mode[:3]}-{n}.log"
+            procs.append((n, f"127.0.0.1:{p}", spawn_worker(cmd, log, num_threads=1), log, tls))
         cluster = ClusterSpec(name="test-local", nodes=[
             NodeSpec(name=n, gpu="L4", address=f"127.0.0.1:{p}") for n, p in ports.items()])
-        stacks[mode] = (cluster, creds.coordinator if mode == "mutual TLS" else None)
+        stacks[mode] = (cluster, tls)
 
     async def run() -> dict[str, list[float]]:
         coords = {m: await Coordinator.create(c, placement, model, tls=tls)
@@ -89,10 +95,11 @@ def main() -> int:
         return out
 
     try:
-        wait_ready(procs)
+        for node, address, proc, log, tls in procs:
+            wait_grpc_ready(node, address, proc, log, tls)
         results = asyncio.run(run())
     finally:
-        stop_workers(procs)
+        stop_processes([proc for _, _, proc, _, _ in procs], grace_s=15.0)
     base = statistics.median(results["plaintext"])
     print(f"{'mode':<12} {'median tok/s':>12} {'vs plaintext':>13}")
     for m, vals in results.items():

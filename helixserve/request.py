@@ -13,10 +13,6 @@ from dataclasses import dataclass, field
 
 from helixserve.errors import UserError
 
-# how a request's KV cache is held: defined in spec/scheduling.py (scheduler/kv.py uses it)
-from helixserve.spec.scheduling import KV_ALLOCATIONS
-
-__all__ = ["KV_ALLOCATIONS"]
 #: most top logprobs per token (and per prompt token), as vLLM's default
 MAX_LOGPROBS = 20
 

@@ -4,7 +4,7 @@
   decode step time of the last 5 layers with the head over 5 middle layers;
 - decode time vs context length (profiles time decode at a 128-token context).
 
-    PYTHONPATH=$PWD python benchmarks/rig/headcost.py
+    python -m benchmarks.rig.headcost
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from benchmarks.rig.stack import child_env
 #: `helixserve profile` points: prompt batches up to what a worker step batches in a burst
 PROFILE_PROMPT_TOKENS = "64,256,512,1024,2048"
 PROFILE_DECODE_BATCHES = "1,4,8,16,32"
-#: the simulator's engine models the rig compares (helixserve/simulator/engines.py presets,
+#: the simulator's engine models the rig compares (helixserve/simulator/presets.py presets,
 #: plus `runtime`: see runtime_engine); the first is the row's "simulated"
 SIM_ENGINES = ("runtime", "vllm", "reserve")
 METRIC_KEYS = ("decode_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "tpot_p50_s", "tpot_p95_s")
@@ -218,7 +218,7 @@ def runtime_engine() -> dict[str, Any]:
     budget (`--step-prompt-tokens`, the scheduling core's `plan_step`); the coordinator has
     no cap on requests prefilling at once."""
     from helixserve.runtime.config import CoordinatorConfig
-    from helixserve.simulator.engines import engine_config
+    from helixserve.simulator.presets import engine_config
     from helixserve.spec.scheduling import DEFAULT_STEP_PROMPT_TOKENS
 
     runtime = CoordinatorConfig()
@@ -232,7 +232,7 @@ def simulate(cluster_spec: Any, model: Any, cost: Any, placement: Any,
              lengths: list[tuple[int, int]], engine: str = SIM_ENGINES[0]) -> dict[str, float]:
     """`helixserve simulate`'s code path (Simulation, maxflow routing, an engine model)
     on the same requests, all arriving at t = 0."""
-    from helixserve.simulator.engines import engine_config
+    from helixserve.simulator.presets import engine_config
     from helixserve.simulator.sim import SimConfig, Simulation
     from helixserve.simulator.workload import TraceRequest
 

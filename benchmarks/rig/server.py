@@ -25,7 +25,7 @@ async def serve(args: argparse.Namespace) -> None:
     from helixserve.api.app import create_app
     from helixserve.commands.certs import tls_from_args
     from helixserve.commands.serve import cost_inputs
-    from helixserve.launch import serve_app
+    from helixserve.local.launch import serve_app
     from helixserve.planner import load_placement
     from helixserve.runtime import Coordinator, CoordinatorConfig
     from helixserve.spec import load_cluster

@@ -28,19 +28,12 @@ from typing import Any
 from benchmarks.rig.clusters import RigCluster, machine_host, write_catalog, write_cluster_yaml
 from benchmarks.rig.proxy import LinkShape, ProxyConfig, ProxyRoute
 from benchmarks.rig.speed import SpeedControl
+from helixserve.local.launch import free_port
 
 RIG_DIR = Path(__file__).resolve().parent
 REPO = RIG_DIR.parents[1]
 #: threads per worker: one emulated device is one CPU thread slowed down
 WORKER_THREADS = 1
-
-
-def free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def child_env() -> dict[str, str]:

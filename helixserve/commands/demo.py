@@ -71,7 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _memory(text: str | None) -> tuple[float, ...]:
     from helixserve.errors import UserError
-    from helixserve.stack import DEMO_MEMORY_GB, DEMO_NODES
+    from helixserve.local.stack import DEMO_MEMORY_GB, DEMO_NODES
 
     if text is None:
         return DEMO_MEMORY_GB
@@ -93,16 +93,16 @@ def run(args: argparse.Namespace) -> int:
 
     from helixserve.commands.args import check_output
     from helixserve.errors import UserError
-    from helixserve.launch import WorkerProcesses
-    from helixserve.runtime.costs import CostInputs
-    from helixserve.runtime.security import DevCredentials
-    from helixserve.stack import (
+    from helixserve.local.launch import WorkerProcesses
+    from helixserve.local.stack import (
         default_workdir,
         describe_placement,
         prepare_demo,
         run_stack,
         usage_examples,
     )
+    from helixserve.runtime.costs import CostInputs
+    from helixserve.runtime.security import DevCredentials
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port: bad value {args.port}")
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     workdir = args.workdir or default_workdir()
-    from helixserve.stack import DEMO_WORKER_LINK_FRACTION
+    from helixserve.local.stack import DEMO_WORKER_LINK_FRACTION
 
     fraction = args.worker_link_fraction
     if fraction is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from helixserve.request import KV_ALLOCATIONS
+from helixserve.spec.scheduling import KV_ALLOCATIONS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

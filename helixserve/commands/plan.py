@@ -89,8 +89,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="wall-clock budget of the milp planner (default 60)")
     p.add_argument("--work-limit", type=finite_float, default=None, metavar="UNITS",
                    help="plan to a budget of work instead of time: every search stops after "
-                   "this many units (one unit is 400 max-flow evaluations, or 20 branch-and-bound "
-                   "nodes of a relaxation or MILP), so the same command "
+                   "this many units of counted work (a unit is about one second of one core of "
+                   "the reference 2-core VM; docs/planner.md), so the same command "
                    "gives the same placement on any machine, under any load and with any "
                    "--jobs (which then only runs the seeds side by side). Overrides "
                    "--time-limit")
@@ -271,7 +271,7 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
     """The planned placement, a stacked tiling or regional pipelines (each, across regions,
     also routed within regions), whichever serves `requests` best."""
     from helixserve.planner.report import format_selection
-    from helixserve.simulator.engines import engine_config
+    from helixserve.simulator.presets import engine_config
     from helixserve.simulator.selection import SelectionConfig, select_placement
 
     config = SelectionConfig.from_engine(

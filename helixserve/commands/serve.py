@@ -17,8 +17,7 @@ from typing import Any
 
 from helixserve.commands.args import finite_float
 from helixserve.commands.certs import add_tls_arguments, tls_from_args
-from helixserve.request import KV_ALLOCATIONS
-from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK
+from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, KV_ALLOCATIONS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -206,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     if tls is None:
         print("WARNING: worker traffic is plaintext and unauthenticated (no --tls-cert/--tls-key/"
               "--tls-ca); see docs/security.md", file=sys.stderr, flush=True)
-    from helixserve.stack import describe_placement, run_stack
+    from helixserve.local.stack import describe_placement, run_stack
 
     def started(cluster: object, placement: object) -> None:
         print(describe_placement(placement, cluster))

@@ -234,8 +234,8 @@ def _progress_bar() -> Callable[[float], None]:
 def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
     """The SimConfig engine fields: the --engine preset with the flags given over it."""
     from helixserve.errors import UserError
-    from helixserve.request import KV_ALLOCATIONS
-    from helixserve.simulator.engines import ENGINES, engine_config
+    from helixserve.simulator.presets import ENGINES, engine_config
+    from helixserve.spec.scheduling import KV_ALLOCATIONS
 
     if args.engine not in ENGINES:
         raise UserError(
@@ -304,8 +304,8 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.commands.plan import check_model_path
     from helixserve.errors import UserError
     from helixserve.planner import PLANNERS, evaluate, load_placement, plan
-    from helixserve.simulator.engines import engine_gpu_reserve_gb
     from helixserve.simulator.metrics import format_table, latencies, summarize
+    from helixserve.simulator.presets import engine_gpu_reserve_gb
     from helixserve.simulator.sim import SimConfig, Simulation
     from helixserve.simulator.workload import (
         LengthFilter,

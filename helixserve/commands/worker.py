@@ -140,7 +140,7 @@ def resolve_range(args: argparse.Namespace) -> tuple[str, int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from helixserve.launch import die_with_parent
+    from helixserve.local.launch import die_with_parent
 
     die_with_parent()  # started by a local stack: never outlive it
     node, start, end = resolve_range(args)

@@ -21,17 +21,6 @@ is output tokens/s of that mix at the decode-only batch b(k) (P' = the mean prom
 at the node's prompt batch limit):
       T(k)  = b / (k t_decode(b) + r b k t_prompt(P') / P')
 r = 0 gives the decode-only T(k) exactly.
-With a workload that has a `pipeline_depth` (opt-in, docs/workload.md "Serving-aware
-capacity"; it was `ServingLoad`) T(k) is instead what a node inside a pipeline serving that
-mix sustains, in output tokens/s:
-      N(k)  = kv_capacity_tokens(k) / (P + O)             (requests whose KV the node holds)
-      D     = pipeline_depth                              (stages on a request's route)
-      b(k)  = min(max_decode_tokens, N(k) / D)            (requests in its batch at a time)
-      T(k)  = 1 / (k (t_decode(b)/b + r t_prompt(P)/P))   (r prompt tokens per output token)
-A request holds KV on every node of its route for its whole life but is in one node's batch
-at a time, so a node's batch is its KV's requests over the pipeline depth, not its whole KV
-(the decode-only T(k)); and every output token brings r prompt tokens to prefill. Its flow
-keeps the decode-only units (one token per link and unit, `context_tokens` default).
 The head (the node holding the model's last layer also runs the final norm, the lm_head and
 sampling on one row per sequence sampled in a step; docs/calibration.md "The head"):
 `head_ms` from the profiles' part=head rows, else a roofline like a layer's
@@ -63,7 +52,7 @@ RESERVED_BYTES_PER_GPU = 1 * GIB
 #: LLaMA-2-70B loaded on an A100-40GB, L4 and T4 (Helix's measurements,
 #: examples/profiles/helix-gpu-constants.csv): with 4.5 GB our KV matches theirs
 #: within 6% at every k; with 1 GiB it is 10-66% more. The simulator's vLLM engine model
-#: uses it (helixserve.simulator.engines)
+#: uses it (helixserve.simulator.presets)
 VLLM_RESERVED_GB_PER_GPU = 4.5
 #: fraction of memory the serving engine may allocate (vLLM's gpu_memory_utilization)
 MEMORY_UTILIZATION = 0.9
@@ -127,21 +116,17 @@ class CostModel:
         self.profiles = profiles or ProfileTable.empty()
         self.catalog = catalog or load_gpu_catalog()
         #: None: Helix's decode-only T(k) in decode tokens/s; set: T(k) in output tokens/s of
-        #: this mix (module doc), and (without a pipeline depth) the flow network's links
-        #: scaled to the same unit
+        #: this mix (module doc), and the flow network's links scaled to the same unit
         self.workload = workload
-        #: the workload when it asks for the serving-aware T(k) (a pipeline depth), else None
-        self.serving = workload if workload is not None and workload.serving_aware else None
-        mix = workload if self.serving is None else None
         #: KV tokens per decoding sequence: given, else the workload's prompt + output, else
-        #: DEFAULT_CONTEXT_TOKENS (also under the serving-aware T(k), which counts its own)
+        #: DEFAULT_CONTEXT_TOKENS
         self.context_tokens = (context_tokens if context_tokens is not None
-                               else mix.kv_tokens_per_request if mix is not None
+                               else workload.kv_tokens_per_request if workload is not None
                                else DEFAULT_CONTEXT_TOKENS)
         #: token positions whose hidden states cross a link per unit of flow: 1 + r with a
-        #: workload, 1 decode-only and under the serving-aware T(k) (module doc)
+        #: workload, 1 decode-only (module doc)
         self.activation_tokens_per_flow_unit = (
-            mix.activation_tokens_per_output_token if mix is not None else 1.0)
+            workload.activation_tokens_per_output_token if workload is not None else 1.0)
         if not 0.0 < weight_fraction <= 1.0:
             raise UserError(f"cost model: weight_fraction: bad value {weight_fraction}; "
                             f"must be in (0, 1]")
@@ -369,14 +354,11 @@ class CostModel:
         value = 0.0
         if 0 < num_layers <= self.loadable_layers(node):
             head = self.head_time_s if holds_last_layer else None
-            if self.serving is not None:
-                value = self._serving_throughput(node, num_layers, self.serving, head is not None)
-            else:
-                b = self.decode_batch(node, num_layers)
-                if b > 0:
-                    value = b / (self.batch_time_s(node, num_layers, 0, b)
-                                 + b * self.prompt_s_per_output_token(node, num_layers)
-                                 + (head(node, "decode", b) if head is not None else 0.0))
+            b = self.decode_batch(node, num_layers)
+            if b > 0:
+                value = b / (self.batch_time_s(node, num_layers, 0, b)
+                             + b * self.prompt_s_per_output_token(node, num_layers)
+                             + (head(node, "decode", b) if head is not None else 0.0))
         self._throughput_cache[key] = value
         return value
 
@@ -384,27 +366,12 @@ class CostModel:
         """Seconds the node spends prefilling the r prompt tokens that come with one output
         token of the workload (0 without one, or with r = 0), timed at a batch of the mean
         prompt capped at the node's prompt batch limit (longer prompts are split)."""
-        w = self.workload if self.serving is None else None  # serving-aware: its own T(k)
+        w = self.workload
         if w is None or w.prompt_tokens <= 0:
             return 0.0
         p = max(1, min(round(w.prompt_tokens), self.batch_limits(node)[0]))
         return (w.prompt_tokens_per_output_token
                 * self.batch_time_s(node, num_layers, p, 0) / p)
-
-    def _serving_throughput(self, node: NodeSpec, num_layers: int, load: Workload,
-                            with_head: bool = False) -> float:
-        """T(k) of a node inside a pipeline serving `load` (module doc)."""
-        assert load.pipeline_depth is not None
-        requests = self.kv_capacity_tokens(node, num_layers) / load.request_kv_tokens
-        b = min(self.batch_limits(node)[1], int(requests / load.pipeline_depth))
-        if b <= 0:
-            return 0.0
-        decode_s_per_token = self.batch_time_s(node, num_layers, 0, b) / b
-        p = load.prompt_batch_tokens
-        prompt_s_per_token = self.batch_time_s(node, num_layers, p, 0) / p
-        head_s_per_token = self.head_time_s(node, "decode", b) / b if with_head else 0.0
-        return 1.0 / (decode_s_per_token + load.prompt_tokens_per_output_token * prompt_s_per_token
-                      + head_s_per_token)
 
     def check_fits(self, cluster: ClusterSpec) -> None:
         """Raise UserError when the whole cluster cannot hold every layer of the model."""

@@ -12,16 +12,6 @@ tokens' hidden states per output token, the coordinator's link to the first stag
 token ids (prompt + the token fed back each step), the last stage's link back one (the
 sampled token). A flow F then serves F / O requests/s. r = 0 is Helix's decode-only T(k).
 
-With a `pipeline_depth` D the cost model uses the older opt-in serving-aware T(k) instead
-(it was `ServingLoad`; docs/workload.md): a node's batch is the requests its KV holds over
-the D stages of their routes, b = min(max decode, (kv_capacity / (P + O)) / D), and every
-output token brings r prompt tokens timed at a batch of P (not capped):
-
-    T(k) = 1 / (k (t_decode(b) / b + r t_prompt(P) / P))
-
-Its flow keeps the decode-only units (links carry one token per unit, KV per sequence the
-default context), as the benchmarks that measured it did (docs/benchmarks.md).
-
 Pure data, no I/O: `helixserve.simulator.mix.parse_workload` reads a trace or a "P:O" pair.
 """
 
@@ -49,16 +39,9 @@ class Workload:
     output_tokens: float
     #: where the numbers came from, for messages and reports ("conversation", a file, "P:O")
     source: str = ""
-    #: None: the workload-aware T(k) (module doc); D >= 1: the serving-aware T(k), a node's
-    #: KV spread over D stages' batches (expected stages on a request's route)
-    pipeline_depth: float | None = None
 
     def __post_init__(self) -> None:
         where = f"workload {self.source}: " if self.source else "workload: "
-        depth = self.pipeline_depth
-        if depth is not None and not (depth >= 1 and depth < 1e9):
-            raise UserError(f"{where}pipeline_depth: bad value {depth!r}; need None or a "
-                            f"number of stages >= 1")
         if not (self.prompt_tokens >= 0 and self.prompt_tokens < 1e9):
             raise UserError(f"{where}prompt_tokens: bad value {self.prompt_tokens!r}; "
                             f"need a mean prompt length >= 0 tokens")
@@ -73,19 +56,14 @@ class Workload:
 
     @classmethod
     def from_lengths(cls, prompt_tokens: list[int], output_tokens: list[int],
-                     source: str = "", pipeline_depth: float | None = None) -> Workload:
+                     source: str = "") -> Workload:
         """Means of per-request prompt and output lengths (a trace's:
         `TraceRequest.prompt_tokens` / `output_tokens`)."""
         if not prompt_tokens or len(prompt_tokens) != len(output_tokens):
             raise UserError(f"workload {source}: need one prompt and one output length per "
                             f"request; got {len(prompt_tokens)} and {len(output_tokens)}")
         return cls(sum(prompt_tokens) / len(prompt_tokens),
-                   sum(output_tokens) / len(output_tokens), source, pipeline_depth)
-
-    @property
-    def serving_aware(self) -> bool:
-        """Whether the cost model uses the serving-aware T(k) (a pipeline depth is given)."""
-        return self.pipeline_depth is not None
+                   sum(output_tokens) / len(output_tokens), source)
 
     @property
     def prompt_tokens_per_output_token(self) -> float:
@@ -103,17 +81,6 @@ class Workload:
         `context_tokens` under this mix)."""
         return max(1, round(self.prompt_tokens + self.output_tokens))
 
-    @property
-    def request_kv_tokens(self) -> float:
-        """P + O unrounded: KV slots a request holds on every node of its route at its end
-        (the serving-aware T(k)'s requests per node are a node's KV over this)."""
-        return self.prompt_tokens + self.output_tokens
-
-    @property
-    def prompt_batch_tokens(self) -> int:
-        """The serving-aware T(k)'s prefill batch: the mean prompt, rounded, at least 1."""
-        return max(1, round(self.prompt_tokens))
-
     def requests_per_s(self, output_tokens_per_s: float) -> float:
         """Requests/s a flow of `output_tokens_per_s` serves."""
         return output_tokens_per_s / self.output_tokens
@@ -121,7 +88,5 @@ class Workload:
     def describe(self) -> str:
         """'conversation (P 763, O 232, r 3.28)'."""
         name = self.source or "workload"
-        depth = (f"; serving-aware, depth {self.pipeline_depth:g}"
-                 if self.pipeline_depth is not None else "")
         return (f"{name} (prompt {self.prompt_tokens:,.0f}, output {self.output_tokens:,.0f} "
-                f"tokens; r {self.prompt_tokens_per_output_token:.2f}{depth})")
+                f"tokens; r {self.prompt_tokens_per_output_token:.2f})")

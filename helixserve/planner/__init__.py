@@ -14,11 +14,11 @@ if TYPE_CHECKING:
     from helixserve.planner.flow import FlowNetwork as FlowNetwork
     from helixserve.planner.flow import FlowResult as FlowResult
     from helixserve.planner.flow import evaluate as evaluate
-    from helixserve.planner.pipeline import PlanOutcome as PlanOutcome
     from helixserve.planner.placement import Flow as Flow
     from helixserve.planner.placement import NodeRange as NodeRange
     from helixserve.planner.placement import Placement as Placement
     from helixserve.planner.placement import load_placement as load_placement
+    from helixserve.planner.portfolio import PlanOutcome as PlanOutcome
     from helixserve.planner.registry import PLANNERS as PLANNERS
     from helixserve.planner.registry import plan as plan
     from helixserve.spec.cluster import COORDINATOR as COORDINATOR
@@ -32,7 +32,7 @@ _EXPORTS = {
     "Placement": "helixserve.planner.placement",
     "load_placement": "helixserve.planner.placement",
     "PLANNERS": "helixserve.planner.registry",
-    "PlanOutcome": "helixserve.planner.pipeline",
+    "PlanOutcome": "helixserve.planner.portfolio",
     "plan": "helixserve.planner.registry",
     "COORDINATOR": "helixserve.spec.cluster",
 }

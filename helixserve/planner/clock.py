@@ -4,17 +4,22 @@ machine (`plan --work-limit N`).
 Every search of the planner stops at a deadline read from `now()`, and the annealing
 schedules cool by the fraction of their span that has passed. By default `now()` is
 `time.perf_counter()`, so where a search ends depends on how fast and how busy the machine
-is. Inside `work_clock()` it is a counter instead: each max-flow evaluation (the searches'
-unit of work) adds `1 / EVALS_PER_UNIT`, each look at the clock adds `TICK` (so a loop that
-only checks the clock still ends), and each MILP solve adds the units it was given, running
-to a node limit (`NODES_PER_UNIT` per unit) instead of a time limit, and adds the nodes it
-explored (at least one) at that rate. The same inputs then
-give the same placement on any machine, under any load and with any `--jobs`.
+is. Inside `work_clock()` it is a counter instead, charged for the work done: each max-flow
+evaluation adds `EVAL_UNITS`, each look at the clock adds `TICK` (the searches look once or
+twice per move they try, and most moves are rejected by cheap checks before any max flow),
+and each MILP solve runs to a node limit instead of a time limit and adds `SOLVE_UNITS`,
+its root node and its other nodes, each at a cost per model that grows with its constraint
+nonzeros (`NODE_COSTS`). The same inputs then give the same placement on any
+machine, under any load and with any `--jobs`.
 
-What a unit buys differs by stage: 400 evaluations of the local searches take about a
-second on the project's 2-core machine (helix-single-24), while 20 solver nodes take
-milliseconds in the tiling's small MILPs and half a minute in helix-geo-24's region
-relaxation; a unit is a count, not a duration.
+The charges are calibrated so that a unit is about one second of one core of the reference
+machine, the project's 2-core VM (process CPU time, measured on the bundled example and on
+helix-single-24, helix-geo-24 and helix-mix-42; docs/planner.md, "A budget of work instead of
+time"): a max-flow evaluation takes 0.5-0.8 ms there from 6 to 42 machines and a rejected move
+45-90 us, and the searches' loops cost about 0.7 of what those add up to; MILP nodes as
+`NODE_COSTS` says. Where the charges are off a stage's share can run
+over (a MILP always explores its root node), but the placement still does not depend on the
+machine.
 """
 
 from __future__ import annotations
@@ -23,12 +28,34 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-#: max-flow evaluations per unit of work
-EVALS_PER_UNIT = 400.0
+#: units (reference seconds) charged by one max-flow evaluation
+EVAL_UNITS = 4.3e-4
 #: units charged by each look at the clock
-TICK = 1e-6
-#: branch-and-bound nodes per unit of work for a MILP solve in work mode
-NODES_PER_UNIT = 20
+TICK = 2.2e-5
+#: units of a branch-and-bound node, and of the root node (presolve, cuts, heuristics, the
+#: first LP; no node limit shortens it), of each MILP of the planner by its PuLP name:
+#: (node coef, node exponent, root coef, root exponent), cost = coef x nonzeros ** exponent.
+#: Fitted on the reference machine; nonzeros alone do not predict a node's cost across
+#: models (the bounds of the integers matter), so each model has its own line.
+NODE_COSTS: dict[str, tuple[float, float, float, float]] = {
+    # the per-node MILP: 5-10 ms a node at 2,524 nonzeros (example), 1.2 s at 18,282
+    # (helix-single-24), whose root takes 12.5 s
+    "helix_placement": (2.8e-12, 2.77, 1.87e-11, 2.77),
+    # its large-neighbourhood re-solves (milp.lns), all but 3-6 machines fixed: about 16 ms
+    # a node on helix-single-24
+    "lns": (9e-7, 1.0, 9e-7, 1.0),
+    # about 1 s a node: 0.6-0.9 s (the example's root, 53,090 nonzeros), 1.1 s
+    # (helix-single-24, 18,979)
+    "coverage": (1.0, 0.0, 1.0, 0.0),
+    # the example's, 178,925 nonzeros: root 20.3 s, then 0.44 s a node
+    "regions": (2.5e-6, 1.0, 1.13e-4, 1.0),
+}
+#: any other MILP (the tiling's, tens of nonzeros)
+DEFAULT_NODE_COST = (4e-6, 1.0, 4e-6, 1.0)
+#: the least a node costs, however small the MILP
+MIN_NODE_UNITS = 1e-3
+#: units charged by every MILP solve besides its nodes (PuLP hands the model over, presolve)
+SOLVE_UNITS = 0.01
 
 # The counter of the work clock of this process, or None for the wall clock. A process
 # plans one thing at a time (the searches are single-threaded; parallel seeds run in
@@ -55,16 +82,35 @@ def charge(units: float) -> None:
         _work[0] += units
 
 
-def charge_nodes(nodes: int) -> None:
-    """A MILP solve that explored `nodes` branch-and-bound nodes (at least the root)."""
+def node_units(model: str, nonzeros: int) -> float:
+    """Units one branch-and-bound node of MILP `model` (its PuLP name) with `nonzeros`
+    constraint nonzeros costs."""
+    coef, exponent, _, _ = NODE_COSTS.get(model, DEFAULT_NODE_COST)
+    return max(MIN_NODE_UNITS, coef * nonzeros**exponent)
+
+
+def root_units(model: str, nonzeros: int) -> float:
+    """Units a solve of MILP `model` costs up to and including its root node."""
+    _, _, coef, exponent = NODE_COSTS.get(model, DEFAULT_NODE_COST)
+    return SOLVE_UNITS + max(node_units(model, nonzeros), coef * nonzeros**exponent)
+
+
+def node_limit(units: float, model: str, nonzeros: int) -> int:
+    """Branch-and-bound nodes a solve given `units` may explore (at least the root)."""
+    extra = (units - root_units(model, nonzeros)) / node_units(model, nonzeros)
+    return 1 + max(0, int(extra))
+
+
+def charge_nodes(nodes: int, model: str, nonzeros: int) -> None:
+    """A solve of MILP `model` that explored `nodes` nodes (at least the root)."""
     if _work is not None:
-        _work[0] += max(1, nodes) / NODES_PER_UNIT
+        _work[0] += root_units(model, nonzeros) + max(0, nodes - 1) * node_units(model, nonzeros)
 
 
 def charge_evaluation() -> None:
     """One max-flow evaluation."""
     if _work is not None:
-        _work[0] += 1.0 / EVALS_PER_UNIT
+        _work[0] += EVAL_UNITS
 
 
 @contextmanager

@@ -26,13 +26,11 @@ plain model does not reach (helix-mix-10, LLaMA-30B: 824.0 in ~5 s at c = 825, a
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pulp
 
-from helixserve.planner import clock
 from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.solver import SolveInfo, quiet_pulp, solve
@@ -62,63 +60,6 @@ def slot_nonzeros(curves: Iterable[tuple[float, ...]], num_layers: int) -> int:
     costs grows with this, so milp skips a relaxation it cannot build within its share."""
     return sum(k * (num_layers - k + 1)
                for curve in curves for k, T in enumerate(curve, start=1) if T > 0)
-
-
-def greedy_fill(net: FlowNetwork, target: float, rng: random.Random,
-                groups: dict[tuple[float, ...], list[int]], noise: float = 0.6) -> Ranges | None:
-    """Sweep the layers; at the first one covered below `target`, add the (type, size)
-    whose throughput lands most usefully below the target (randomised); None if short."""
-    L = net.model.num_layers
-    cover = [0.0] * L
-    left = [list(members) for members in groups.values()]
-    curves = list(groups)
-    best_area = [max(k * T for k, T in enumerate(c, start=1)) for c in curves]
-    out: Ranges = {}
-    layer = 0
-    while layer < L:
-        if cover[layer] >= target:
-            layer += 1
-            continue
-        choice: tuple[float, int, int, int] | None = None
-        for t, curve in enumerate(curves):
-            if not left[t]:
-                continue
-            for k, T in enumerate(curve, start=1):
-                if T <= 0:
-                    continue
-                p = min(layer, L - k)
-                useful = sum(min(T, max(0.0, target - cover[j])) for j in range(p, p + k))
-                score = useful / best_area[t] * (1.0 + noise * rng.random())
-                if choice is None or score > choice[0]:
-                    choice = (score, t, k, p)
-        if choice is None:
-            return None
-        _, t, k, p = choice
-        node = left[t].pop()
-        out[node] = (p, p + k)
-        for j in range(p, p + k):
-            cover[j] += curves[t][k - 1]
-    return out
-
-
-def fill_search(net: FlowNetwork, lo: float, hi: float, deadline_s: float,
-                seed: int = 0, tries: int = 300) -> Ranges | None:
-    """Bisect the highest target `greedy_fill` reaches between lo and hi."""
-    rng = random.Random(seed)
-    groups = machine_types(net)
-    best: Ranges | None = None
-    while hi - lo > 0.002 * hi and clock.now() < deadline_s:
-        mid = (lo + hi) / 2
-        found = None
-        for _ in range(tries):
-            found = greedy_fill(net, mid, rng, groups)
-            if found is not None or clock.now() >= deadline_s:
-                break
-        if found is not None:
-            best, lo = found, mid
-        else:
-            hi = mid
-    return best
 
 
 def solve_coverage(net: FlowNetwork, time_limit_s: float,

@@ -20,13 +20,13 @@ also builds the *incremental* placement:
     was the only holder of some layers, with no new one to take them, needs some neighbours
     to move.
 
-These are stages of the planner's pipeline (pipeline.py), declared by `replan_stages`, run by
-`pipeline.run_pipeline` within one `Budget` (seconds, or units of work on the work clock:
+These are stages of the planner's pipeline (portfolio.py), declared by `replan_stages`, run by
+`portfolio.run_pipeline` within one `Budget` (seconds, or units of work on the work clock:
 `plan --from --work-limit N` gives the same answer on any machine and with any --jobs):
 
   stage               finds                                             budget (of the limit T)
   full                the full re-plan: the planner by name             70% (1 - INCREMENTAL_SHARE)
-                      (milp: pipeline.PORTFOLIO); its bound
+                      (milp: portfolio.PORTFOLIO); its bound
   incremental         kept ranges, free machines placed around them     -
   incremental-search  the rounds above, from the incremental placement  the rest, less 2%
 
@@ -50,7 +50,8 @@ from helixserve.planner.baselines import Ranges
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.parallel import check_jobs
 from helixserve.planner.pinned import fill_gaps
-from helixserve.planner.pipeline import (
+from helixserve.planner.placement import Placement
+from helixserve.planner.portfolio import (
     Budget,
     Candidate,
     Incumbent,
@@ -60,7 +61,6 @@ from helixserve.planner.pipeline import (
     StageReport,
     run_pipeline,
 )
-from helixserve.planner.placement import Placement
 from helixserve.planner.registry import plan, to_placement
 from helixserve.planner.search import local_search
 from helixserve.spec import ClusterSpec, ModelSpec

@@ -1,6 +1,6 @@
 """Helix's per-node max-flow MILP (arXiv 2406.01566, section 4), tightened.
 
-This module is the per-node MILP and its large-neighbourhood search; pipeline.py runs it
+This module is the per-node MILP and its large-neighbourhood search; portfolio.py runs it
 last in the `milp` planner's portfolio, warm-started from the best placement the other
 searches found (docs/planner.md).
 

@@ -13,8 +13,8 @@ from helixserve.planner.baselines import BASELINES, Ranges
 from helixserve.planner.bounds import layer_work_bound
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.parallel import check_jobs
-from helixserve.planner.pipeline import PlanOutcome, Progress, StageReport, run_portfolio
 from helixserve.planner.placement import NodeRange, Placement
+from helixserve.planner.portfolio import PlanOutcome, Progress, StageReport, run_portfolio
 from helixserve.spec import ClusterSpec, ModelSpec
 
 
@@ -65,7 +65,7 @@ def plan(
     """Run planner `name`; the Placement comes back with flows and throughput filled.
     `jobs`: processes for milp's searches, one seed each (parallel.py); None: the cores
     this process may use (at most 8). `stages`: when given, what each stage of milp's
-    portfolio did (pipeline.StageReport) is appended to it. `work_limit`: plan on the work
+    portfolio did (portfolio.StageReport) is appended to it. `work_limit`: plan on the work
     clock (clock.py) with this many units instead of `time_limit_s` seconds: the same
     inputs then give the same placement on any machine and with any `jobs`."""
     planner = PLANNERS.get(name)

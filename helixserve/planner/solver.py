@@ -113,6 +113,8 @@ def solve(
         warm = [(v, float(v.varValue)) for v in prob.variables() if v.varValue is not None]
 
     last = [0.0]
+    nonzeros = [0]  # of the model HiGHS solves, read once it is built
+    skipped = [False]  # the work clock's limit is below the model's root (clock.root_units)
 
     def on_callback(cb_type: int, message: str, out: Any, data_in: Any, user: Any) -> None:
         now = time.perf_counter() - started
@@ -132,6 +134,16 @@ def solve(
             self.createAndConfigureSolver(lp)
             self.buildSolverModel(lp)
             h = lp.solverModel
+            if work_units is not None:  # a node limit from the model's size (clock.py)
+                nonzeros[0] = h.getNumNz()
+                if clock.root_units(prob.name, nonzeros[0]) > work_units:
+                    # its root node alone would cost more than it was given, and no limit
+                    # shortens a root: not run (what is charged does not depend on that)
+                    skipped[0] = True
+                    lp.assignStatus(pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound)
+                    return int(pulp.LpStatusNotSolved)
+                h.setOptionValue("mip_max_nodes",
+                                 clock.node_limit(work_units, prob.name, nonzeros[0]))
             if warm:
                 idx = [v.index for v, _ in warm]
                 vals = [x for _, x in warm]
@@ -156,17 +168,18 @@ def solve(
             return int(status)
 
     options: dict[str, Any] = {}
-    if work_units is not None:
-        options["mip_max_nodes"] = max(1, int(work_units * clock.NODES_PER_UNIT))
     solver = _Highs(msg=False, timeLimit=None if work_units is not None else max(0.5, time_limit_s),
                     threads=threads, gapRel=gap_rel, **options)
     with quiet_pulp():
         prob.solve(solver)
+    if skipped[0]:
+        clock.charge(clock.SOLVE_UNITS)
+        return SolveInfo("highs", "work_limit", None, None, time.perf_counter() - started)
     h = prob.solverModel
     model_status = h.modelStatusToString(h.getModelStatus()).lower()
     info = h.getInfo()
     if work_units is not None:
-        clock.charge_nodes(info.mip_node_count)
+        clock.charge_nodes(info.mip_node_count, prob.name, nonzeros[0])
     has_sol = info.primal_solution_status == 2  # kSolutionStatusFeasible
     obj = sense * info.objective_function_value if has_sol else None
     is_mip = any(v.cat == pulp.LpInteger for v in prob.variables())
@@ -203,6 +216,11 @@ def _one_thread() -> int:
     return 1
 
 
+#: the name a HighsModel's re-solves are charged under (clock.NODE_COSTS): most of the
+#: model's integers are fixed, so they cost a fraction of a solve of the whole model
+LNS_MODEL = "lns"
+
+
 class HighsModel:
     """A PuLP model loaded once into HiGHS, re-solved many times with changed column bounds
     (for large-neighbourhood search: fix most of the integer variables, free a few)."""
@@ -230,8 +248,10 @@ class HighsModel:
             ) -> tuple[float | None, list[float]]:
         """Objective (model sense) and column values; None when no solution was found."""
         counting = clock.counting()
+        nonzeros = self.h.getNumNz()
         if counting:  # units of work (clock.py): a node limit; the nodes used are charged
-            self.h.setOptionValue("mip_max_nodes", max(1, int(time_limit_s * clock.NODES_PER_UNIT)))
+            self.h.setOptionValue("mip_max_nodes",
+                                  clock.node_limit(time_limit_s, LNS_MODEL, nonzeros))
         else:
             self.h.setOptionValue("time_limit", max(0.1, time_limit_s))
         if start is not None:
@@ -239,7 +259,7 @@ class HighsModel:
         self.h.run()
         info = self.h.getInfo()
         if counting:
-            clock.charge_nodes(info.mip_node_count)
+            clock.charge_nodes(info.mip_node_count, LNS_MODEL, nonzeros)
         if info.primal_solution_status != 2:
             return None, []
         return self.sense * info.objective_function_value, list(self.h.getSolution().col_value)

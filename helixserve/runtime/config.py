@@ -7,9 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from helixserve.errors import UserError
-from helixserve.request import KV_ALLOCATIONS
 from helixserve.runtime.costs import CostInputs
-from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, DEFAULT_PREFILL_CHUNK_TOKENS
+from helixserve.spec.scheduling import (
+    DEFAULT_KV_WATERMARK,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    KV_ALLOCATIONS,
+)
 
 
 @dataclass

@@ -93,15 +93,6 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    import torch
-
-    if name not in _ITEMSIZE:
-        raise WireError(f"dtype: unknown {name!r}; known: {', '.join(_ITEMSIZE)}")
-    dtype: torch.dtype = getattr(torch, name)
-    return dtype
-
-
 def prefill_chunk_tokens(hidden_size: int, dtype: torch.dtype | str,
                          max_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> int:
     """Tokens per prefill chunk so one chunk's hidden states stay under half the message limit.

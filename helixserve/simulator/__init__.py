@@ -4,9 +4,8 @@ sim = Simulation(cluster, model, cost, placement, requests, SimConfig(duration_s
 summary = summarize(sim.run())
 """
 
-from helixserve.request import KV_ALLOCATIONS
-from helixserve.simulator.engines import ENGINES, engine_config
 from helixserve.simulator.metrics import format_table, latencies, percentiles, summarize
+from helixserve.simulator.presets import ENGINES, engine_config
 from helixserve.simulator.sim import SimConfig, SimResult, Simulation
 from helixserve.simulator.workload import (
     LengthFilter,
@@ -15,6 +14,7 @@ from helixserve.simulator.workload import (
     poisson_arrivals,
     prepare_trace,
 )
+from helixserve.spec.scheduling import KV_ALLOCATIONS
 
 __all__ = [
     "ENGINES",

@@ -1,5 +1,5 @@
 """The simulator's settings, one typed object (`SimConfig`); `check()` raises UserError naming
-the field and the bad value. Presets of these fields per engine: simulator/engines.py."""
+the field and the bad value. Presets of these fields per engine: simulator/presets.py."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ How a candidate is scored (`SelectionConfig.mode`):
   regime the max flow describes.
 - **replay**: the trace as given, with its own arrival times, run until every request has
   finished; the score is decode tokens / (last finish - first arrival), the metric of
-  `benchmarks/rig.py`. At light load (a burst of a few requests, a handful of users) a
+  `python -m benchmarks.rig`. At light load (a burst of a few requests, a handful of users) a
   request's tokens/s is bounded by its route's per-token latency (Little's law), so a plan
   with fewer, fatter stages can serve more than the max-flow optimum, which needs enough
   requests in flight to keep every stage busy. Replay therefore also lets the baselines'
@@ -94,7 +94,7 @@ class SelectionConfig:
 
     @classmethod
     def from_engine(cls, engine: Mapping[str, Any], **fields: Any) -> SelectionConfig:
-        """The selection run with an engine model's options (`simulator.engines.ENGINES`)."""
+        """The selection run with an engine model's options (`simulator.presets.ENGINES`)."""
         keys = ("kv_allocation", "chunked_prefill", "prefill_chunk_tokens", "max_prompt_tokens",
                 "max_prefilling")
         return cls(**{k: engine[k] for k in keys}, **fields)

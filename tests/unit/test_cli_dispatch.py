@@ -27,11 +27,11 @@ def test_unknown_flag_exits_2():
 
 
 def test_every_kv_allocation_is_taken_by_the_cli_and_the_coordinator():
-    # KV_ALLOCATIONS is defined once (helixserve.request); what must agree is the behaviour:
+    # KV_ALLOCATIONS is defined once (helixserve.spec.scheduling); what must agree is the behaviour:
     # each value is accepted by `serve`'s parser and the coordinator's config, and any other
     # value is refused by both
-    from helixserve.request import KV_ALLOCATIONS
     from helixserve.runtime.config import CoordinatorConfig
+    from helixserve.spec.scheduling import KV_ALLOCATIONS
 
     parser = build_parser()
     files = ["--cluster", "c.yaml", "--placement", "p.json", "--model", "m"]

@@ -13,7 +13,7 @@ A block preceded by an HTML comment `<!-- heavy: why -->` (on the line before th
 is not run (it starts servers or takes minutes, or is a template with placeholders); each
 `helixserve SUB` line of it is checked to parse: SUB is a command and every `--flag` it
 uses is one of that command's flags (as `helixserve SUB --help` lists them); each
-`python benchmarks/x.py` line likewise against `python benchmarks/x.py --help`. Paths of the
+`python -m benchmarks.x` line likewise against `python -m benchmarks.x --help`. Paths of the
 repository the heavy block names (`benchmarks/x.py`, `deploy/docker/Dockerfile.cpu`,
 `tests/...`) must exist. Inline `helixserve ...` code spans (tables) are checked the same
 way. Commands outside a ```bash fence (an untyped fence or an indented block) fail the test:
@@ -203,24 +203,36 @@ _SCRIPT_HELP: dict[Path, str] = {}
 
 
 def check_script_flags(segment: str, where: str, root: Path) -> list[str]:
-    """`python benchmarks/x.py --flag ...`: each --flag is in `python benchmarks/x.py --help`."""
-    m = re.match(r"^(?:\w+=\S*\s+)*python\s+(benchmarks/[\w/]+\.py)\b(.*)$", segment)
+    """`python -m benchmarks.x --flag ...` (or `python benchmarks/x.py`): the module exists
+    and each --flag is in its `--help`."""
+    m = re.match(r"^(?:\w+=\S*\s+)*python\s+(?:-m\s+(benchmarks(?:\.\w+)+)|"
+                 r"(benchmarks/[\w/]+\.py))\b(.*)$", segment)
     if m is None:
         return []
-    script = root / m.group(1)
-    if not script.is_file():
-        return []  # the path check names it
+    module, path, rest = m.groups()
+    if module is not None:
+        parts = module.split(".")
+        script = root.joinpath(*parts).with_suffix(".py")
+        if not script.is_file():
+            script = root.joinpath(*parts, "__main__.py")
+        if not script.is_file():
+            return [f"{where}: `{segment}`: no module {module} in the repository"]
+        cmd, name = [sys.executable, "-m", module, "--help"], module
+    else:
+        script = root / path
+        if not script.is_file():
+            return []  # the path check names it
+        cmd, name = [sys.executable, str(script), "--help"], path
     if script not in _SCRIPT_HELP:
-        proc = subprocess.run([sys.executable, str(script), "--help"], cwd=root,
-                              env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                              capture_output=True, text=True, timeout=120)
         _SCRIPT_HELP[script] = proc.stdout if proc.returncode == 0 else ""
         if proc.returncode != 0:
-            return [f"{where}: `{segment}`: {m.group(1)} --help exited {proc.returncode}: "
+            return [f"{where}: `{segment}`: {name} --help exited {proc.returncode}: "
                     f"{proc.stderr.strip().splitlines()[-1:]}"]
     text = _SCRIPT_HELP[script]
-    return [f"{where}: `{segment}`: {m.group(1)} has no flag {flag}"
-            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(2))
+    return [f"{where}: `{segment}`: {name} has no flag {flag}"
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest)
             if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text)]
 
 
@@ -377,10 +389,11 @@ def test_the_checks_catch_bad_commands(tmp_path: Path) -> None:
     assert check_helixserve_flags("helixserve deploy k8s --plot p", "x")
     assert check_helixserve_flags("helixserve plann --example", "x")
     assert check_not_run("python benchmarks/nope.py --json x.json", "x", REPO)
-    assert check_not_run("python benchmarks/replan.py --time-limt 60", "x", REPO) == [
-        "x: `python benchmarks/replan.py --time-limt 60`: benchmarks/replan.py has no flag "
+    assert check_not_run("python -m benchmarks.nope --json x.json", "x", REPO)
+    assert check_not_run("python -m benchmarks.replan --time-limt 60", "x", REPO) == [
+        "x: `python -m benchmarks.replan --time-limt 60`: benchmarks.replan has no flag "
         "--time-limt"]
-    assert not check_not_run("python benchmarks/replan.py --time-limit 60", "x", REPO)
+    assert not check_not_run("python -m benchmarks.replan --time-limit 60", "x", REPO)
     assert check_pip("pip install -e '.[nosuch]'", "x")
     assert not check_pip("pip install -e '.[serve]'", "x")
     assert control_plane_only("pip install -e . && helixserve plan --example")

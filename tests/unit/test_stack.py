@@ -5,10 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from helixserve.launch import WorkerSpec
+from helixserve.local.launch import WorkerSpec
+from helixserve.local.stack import flow_routes, write_local_cluster
 from helixserve.planner import Flow
 from helixserve.spec import load_cluster
-from helixserve.stack import flow_routes, write_local_cluster
 
 
 def test_local_cluster_models_a_slow_worker_network(tmp_path):

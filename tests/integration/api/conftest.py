@@ -15,7 +15,7 @@ import httpx
 import pytest
 from api_demo_lib import API_KEY, DemoStack, processes_mentioning
 
-from helixserve.launch import free_port
+from helixserve.local.launch import free_port
 
 
 @pytest.fixture(scope="module")

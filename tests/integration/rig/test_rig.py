@@ -21,17 +21,16 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(REPO))
-
-from benchmarks.rig.clusters import CLUSTERS, gpu_class, write_catalog, write_cluster_yaml  # noqa: E402
-from benchmarks.rig.proxy import (  # noqa: E402
+from benchmarks.rig.clusters import CLUSTERS, gpu_class, write_catalog, write_cluster_yaml
+from benchmarks.rig.proxy import (
     LinkProxy,
     LinkShape,
     ProxyConfig,
     ProxyRoute,
     SourceResolver,
 )
+
+REPO = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.integration
 

@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from helixserve.local.launch import free_port, spawn_worker, worker_command
 from helixserve.planner.placement import Flow, NodeRange, Placement
 
 # Small KV budget: enough for the tests, and KV usage is easy to read.
@@ -26,7 +25,7 @@ class WorkerProc:
     start_layer: int
     end_layer: int
     port: int
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[bytes]
     log_path: Path
 
     @property
@@ -35,12 +34,6 @@ class WorkerProc:
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_worker(model: Path, name: str, start: int, end: int, tmp: Path,
@@ -52,17 +45,13 @@ def start_worker(model: Path, name: str, start: int, end: int, tmp: Path,
     Kubernetes manifests run it); else `--layers start:end`."""
     port = port or free_port()
     log_path = tmp / f"{log_name or name}.log"
-    where = ["--placement", str(placement)] if placement else ["--layers", f"{start}:{end}"]
     # Plaintext, and forwarding to any loopback port (the tests route through proxies whose
     # ports appear later): the runtime tests exercise routing and faults; TLS and the peer
-    # allowlist are tested in test_abuse.py and through the local stacks (launch.py).
-    cmd = [sys.executable, "-m", "helixserve", "worker", "--model", str(model),
-           *where, "--node", name, "--port", str(port),
-           *(["--peers", peers] if peers else []),
-           "--kv-cache-bytes", str(KV_CACHE_BYTES), "--num-threads", "1", *(extra or [])]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    out = log_path.open("w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=full_env)
+    # allowlist are tested in test_abuse.py and through the local stacks (local/launch.py).
+    cmd = worker_command(model, name, port, placement_path=placement,
+                         layers=None if placement else (start, end), num_threads=1,
+                         peers=peers, kv_cache_bytes=KV_CACHE_BYTES, extra_args=extra)
+    proc = spawn_worker(cmd, log_path, num_threads=1, env=env)
     return WorkerProc(name, start, end, port, proc, log_path)
 
 

@@ -22,8 +22,9 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from runtime_procs import free_port, make_placement, start_worker, stop_workers, wait_ready
+from runtime_procs import make_placement, start_worker, stop_workers, wait_ready
 
+from helixserve.local.launch import free_port
 from helixserve.planner.placement import NodeRange
 from helixserve.request import SamplingParams
 from helixserve.runtime import Coordinator, GenerationRequest, security

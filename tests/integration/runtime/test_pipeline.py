@@ -334,8 +334,7 @@ def test_admission_limits(workers, demo_model):
 
 def test_starts_without_an_unreachable_worker_when_the_rest_cover(workers, demo_model, reference,
                                                                    prompts):
-    from runtime_procs import free_port
-
+    from helixserve.local.launch import free_port
     from helixserve.spec import ClusterSpec, NodeSpec
 
     even = [workers[n] for n in ("n0", "n1", "n2")]

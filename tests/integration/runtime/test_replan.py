@@ -209,20 +209,21 @@ def test_hung_sole_holder_is_declared_down_and_replanned_around(trio, demo_model
             started = asyncio.Event()
             task = asyncio.create_task(run_all(coord, reqs, started))
             await asyncio.wait_for(started.wait(), 120)
-            t_stop = time.monotonic()
             trio["a"].proc.send_signal(signal.SIGSTOP)
+            # a guard on the test, below the 300 s step timeout: ending by that timeout
+            # instead of the hang detector fails here rather than passing slowly
             got = await asyncio.wait_for(task, 200)
-            return reference, got, coord.stats(), time.monotonic() - t_stop
+            return reference, got, coord.stats()
         finally:
             await coord.close()
             trio["a"].proc.send_signal(signal.SIGCONT)
 
-    reference, got, stats, took_s = asyncio.run(main())
+    reference, got, stats = asyncio.run(main())
     assert [g for g in got if isinstance(g, str)] == []
     assert got == reference
+    # declared down by the hang detector (hang_timeout_s), which is what says "no answer"
     assert "no answer" in stats["nodes"]["a"]["last_down_reason"], stats["nodes"]["a"]
     assert stats["recovery"]["replans"] >= 1
-    assert took_s < 150  # far below the 300 s step timeout (a bound on the test, not a speed)
 
 
 class SlowProxy:
@@ -310,17 +311,18 @@ def test_no_plan_covers_the_model_is_a_503_with_retry_after(trio, demo_model):
             rec = coord.recovery
             assert rec is not None
             await wait_for(lambda: rec.uncoverable, 60, "the re-plan to give up")
-            t0 = time.monotonic()
             with pytest.raises(NoRouteError, match="no placement") as info:
                 async for _ in coord.generate(requests(1)[0]):
                     pass
-            return info.value, time.monotonic() - t0, coord.stats()
+            return info.value, coord.stats()
         finally:
             await coord.close()
 
-    err, took_s, stats = asyncio.run(main())
+    err, stats = asyncio.run(main())
     assert err.retry_after_s == RECOVERY.retry_after_s
-    assert took_s < RECOVERY.wait_s / 2  # refused at once, not after waiting
+    # refused at once (the "no placement" answer), not after waiting for a re-plan or a
+    # restart (which answers "waited N s")
+    assert "waited" not in str(err)
     assert stats["recovery"]["failed_replans"] >= 1
 
 

@@ -8,16 +8,17 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from helixserve.local.launch import free_port, spawn_worker, worker_command
 from helixserve.planner.placement import Flow, NodeRange, Placement
 
 #: Every test module here: marked `vllm` (`pytest -m vllm` selects them) and skipped with the
@@ -45,10 +46,10 @@ class Worker:
     start_layer: int
     end_layer: int
     port: int
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[bytes]
     log_path: Path
-    cmd: list[str]
-    """The command without `--port` (a restart picks a new port)."""
+    cmd: Callable[[int], list[str]]
+    """The command for a port (a restart picks a new port)."""
 
     @property
     def address(self) -> str:
@@ -58,32 +59,24 @@ class Worker:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_worker(model: Path, name: str, engine: str, start: int, end: int, tmp: Path,
                  extra: list[str] | None = None) -> Worker:
     log_path = tmp / f"{name}.log"
-    cmd = [sys.executable, "-m", "helixserve", "worker", "--engine", engine,
-           "--model", str(model), "--layers", f"{start}:{end}", "--node", name,
-           "--kv-cache-bytes", str(KV_CACHE_BYTES), "--num-threads", "1",
-           # plaintext, forwarding to any loopback port (TLS and the peer allowlist are
-           # tested with the torch engine; the wire is the same)
-           "--peers", "127.0.0.1:*",
-           *(extra or [])]
-    port, proc = _spawn(cmd, log_path)
-    return Worker(name, engine, start, end, port, proc, log_path, cmd)
+    # plaintext, forwarding to any loopback port (TLS and the peer allowlist are tested with
+    # the torch engine; the wire is the same)
+    def command(port: int) -> list[str]:
+        return worker_command(model, name, port, layers=(start, end), engine=engine,
+                              num_threads=1, peers="127.0.0.1:*",
+                              kv_cache_bytes=KV_CACHE_BYTES, extra_args=extra)
+
+    port, proc = _spawn(command, log_path)
+    return Worker(name, engine, start, end, port, proc, log_path, command)
 
 
-def _spawn(cmd: list[str], log_path: Path) -> tuple[int, subprocess.Popen[str]]:
+def _spawn(command: Callable[[int], list[str]],
+           log_path: Path) -> tuple[int, subprocess.Popen[bytes]]:
     port = free_port()
-    out = log_path.open("w")
-    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                            text=True, env=dict(os.environ, **ENV))
-    return port, proc
+    return port, spawn_worker(command(port), log_path, env=ENV)
 
 
 def wait_ready(workers: list[Worker], timeout_s: float = 300.0) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import uvicorn
 
-from helixserve.launch import free_port
+from helixserve.local.launch import free_port
 from helixserve.request import PromptLogprob
 from helixserve.runtime import (
     GenerationRequest,

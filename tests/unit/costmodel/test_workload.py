@@ -93,12 +93,8 @@ def test_workload_fields_are_checked(field: str, value: float) -> None:
     args = {"prompt_tokens": 10.0, "output_tokens": 5.0, field: value}
     with pytest.raises(UserError, match=f"workload: {field}: bad value"):
         Workload(**args)  # type: ignore[arg-type]
-    with pytest.raises(UserError, match="workload: pipeline_depth: bad value 0.5"):
-        Workload(700.0, 300.0, pipeline_depth=0.5)
-    with pytest.raises(UserError, match="pipeline_depth: bad value nan"):
-        Workload(700.0, 300.0, pipeline_depth=float("nan"))
     with pytest.raises(UserError, match="need one prompt and one output length"):
-        Workload.from_lengths([], [], pipeline_depth=2.0)
+        Workload.from_lengths([], [])
 
 
 @pytest.mark.parametrize("command", ["plan", "evaluate", "simulate"])
@@ -160,71 +156,3 @@ def test_links_carry_one_plus_r_tokens_per_output_token(parts) -> None:  # type:
     np.testing.assert_allclose(aware.source_cap * 4.5, plain.source_cap, rtol=1e-12)
     # the way back carries the sampled token only
     np.testing.assert_allclose(aware.sink_cap, plain.sink_cap, rtol=1e-12)
-
-
-# ---- serving-aware T(k) (a pipeline depth) -------------------------------------------------
-
-def test_from_lengths_with_a_depth_takes_the_means() -> None:
-    load = Workload.from_lengths([700, 900], [100, 300], pipeline_depth=4)
-    assert load.serving_aware and load.pipeline_depth == 4
-    assert load.request_kv_tokens == pytest.approx(1000.0)
-    assert load.prompt_tokens_per_output_token == pytest.approx(4.0)
-    assert load.prompt_batch_tokens == 800
-    assert not Workload(700.0, 300.0).serving_aware
-
-
-def test_from_lengths_is_the_fmean_the_serving_load_took() -> None:
-    # ServingLoad.from_lengths took statistics.fmean: for token counts the same float as
-    # sum / len, so the serving-aware plans of the benchmarks are unchanged
-    if not TRACE.is_file():
-        pytest.skip(f"trace not found at {TRACE}")
-    reqs = prepare_trace(load_azure_trace(TRACE))
-    prompts, outputs = [r.prompt_tokens for r in reqs], [r.output_tokens for r in reqs]
-    load = Workload.from_lengths(prompts, outputs, pipeline_depth=14)
-    p, o = statistics.fmean(prompts), statistics.fmean(outputs)
-    assert load.request_kv_tokens == p + o
-    assert load.prompt_tokens_per_output_token == p / o
-    assert load.prompt_batch_tokens == max(1, round(p))
-
-
-def test_serving_throughput_is_the_documented_formula(parts) -> None:  # type: ignore[no-untyped-def]
-    model, profiles = parts
-    load = Workload(750.0, 250.0, pipeline_depth=10.0)  # P + O = 1000, r = 3
-    cost = CostModel(model, profiles, workload=load)
-    assert cost.serving is load
-    node = NodeSpec("x", "L4")
-    for k in (2, 5, 7):
-        requests = cost.kv_capacity_tokens(node, k) / 1000.0
-        b = min(cost.batch_limits(node)[1], int(requests / 10.0))
-        per_token_ms = k * (cost.layer_time_ms("L4", 1, 0, b) / b
-                            + 3.0 * cost.layer_time_ms("L4", 1, 750, 0) / 750)
-        assert cost.node_throughput_tokens_per_s(node, k) == pytest.approx(1000.0 / per_token_ms)
-    assert cost.node_throughput_tokens_per_s(node, cost.loadable_layers(node) + 1) == 0.0
-
-
-def test_serving_throughput_is_below_the_decode_only_one(parts) -> None:  # type: ignore[no-untyped-def]
-    # prompts add work and the batch is split over the pipeline: below decode-only
-    model, profiles = parts
-    plain = CostModel(model, profiles)
-    for depth in (1.0, 14.0):
-        serving = CostModel(model, profiles, workload=Workload(763.0, 232.0, pipeline_depth=depth))
-        for gpu in ("A100-40GB", "L4", "T4"):
-            node = NodeSpec("x", gpu)
-            for k in range(1, plain.max_layers(node) + 1):
-                t = serving.node_throughput_tokens_per_s(node, k)
-                assert 0 < t < plain.node_throughput_tokens_per_s(node, k), (depth, gpu, k)
-
-
-def test_serving_aware_flow_keeps_the_decode_only_units(parts) -> None:  # type: ignore[no-untyped-def]
-    # as ServingLoad did: links carry one token per unit of flow and the decode batch's KV
-    # per sequence stays the default context (the benchmarks' numbers were measured so)
-    model, profiles = parts
-    cluster = ClusterSpec("c", NODES, default_link=LinkSpec(8.0, 1.0),
-                          explicit={("a", "l"): LinkSpec(0.1, 50.0)})
-    plain = CostModel(model, profiles)
-    serving = CostModel(model, profiles, workload=Workload(700.0, 200.0, pipeline_depth=4.0))
-    assert serving.context_tokens == plain.context_tokens
-    assert serving.activation_tokens_per_flow_unit == 1.0
-    a, b = FlowNetwork(cluster, model, plain), FlowNetwork(cluster, model, serving)
-    np.testing.assert_array_equal(a.link_cap, b.link_cap)
-    np.testing.assert_array_equal(a.source_cap, b.source_cap)

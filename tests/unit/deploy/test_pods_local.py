@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,16 +29,11 @@ from k8s_testlib import load_docs, opts, write_cluster, write_placement
 
 from helixserve.deploy import render_k8s
 from helixserve.deploy.k8s import CONFIG_DIR, TLS_DIR, model_mount_dir
+from helixserve.local.launch import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 READY_TIMEOUT_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _container(obj: dict[str, Any]) -> dict[str, Any]:
@@ -162,7 +156,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterato
             render_k8s(cluster, placement, o).files.items() if name != "kustomization.yaml"}
 
     # DNS: each worker's stable name -> 127.0.0.1:<its own free port>
-    worker_ports = {node: _free_port() for node in ("w0", "w1")}
+    worker_ports = {node: free_port() for node in ("w0", "w1")}
     data = dict(objs["configmap.yaml"]["data"])
     seen = yaml.safe_load(data["cluster.yaml"])
     dns = {n["address"]: f"127.0.0.1:{worker_ports[n['name']]}" for n in seen["nodes"]}
@@ -204,7 +198,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> Iterato
             assert not _grpc_ready(worker_ports[node])
         obj = objs["coordinator-deployment.yaml"]
         c = _container(obj)
-        api_port = _free_port()
+        api_port = free_port()
         kubelet.run("coordinator", c, pod_mounts(obj, "coordinator"), {"8000": api_port})
         probe = c["readinessProbe"]["httpGet"]
         named = {p["name"]: p["containerPort"] for p in c["ports"]}

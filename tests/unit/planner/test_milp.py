@@ -71,11 +71,11 @@ def test_milp_equals_brute_force(partial, monkeypatch):
     assert placement.upper_bound_tokens_per_s is None
     # without that baseline (and the whole-model replicas, the same placement here) the
     # planner's answer is the optimum within the cap, bounded
-    import helixserve.planner.pipeline as pipeline
+    import helixserve.planner.portfolio as portfolio
 
-    monkeypatch.setattr(pipeline, "BASELINES",
+    monkeypatch.setattr(portfolio, "BASELINES",
                         {k: v for k, v in BASELINES.items() if k != "separate"})
-    monkeypatch.setattr(pipeline, "EXTRA_CANDIDATES", {})
+    monkeypatch.setattr(portfolio, "EXTRA_CANDIDATES", {})
     placement = plan("milp", net.cluster, model, net.cost, work_limit=10,
                      partial_inference=partial)
     assert placement.throughput_tokens_per_s == pytest.approx(optimum, rel=1e-3)

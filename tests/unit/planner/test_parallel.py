@@ -21,7 +21,7 @@ from helixserve.planner.parallel import (
     default_jobs,
     run_seeds,
 )
-from helixserve.planner.pipeline import StageReport
+from helixserve.planner.portfolio import StageReport
 from helixserve.planner.search import local_search
 from helixserve.spec import load_cluster
 

@@ -12,7 +12,7 @@ from helixserve.costmodel import CostModel
 from helixserve.planner import FlowNetwork, plan
 from helixserve.planner.bounds import layer_work_bound
 from helixserve.planner.coverage import solve_coverage
-from helixserve.planner.pipeline import StageReport
+from helixserve.planner.portfolio import StageReport
 from helixserve.planner.regions import solve_regions
 from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec
 

@@ -9,7 +9,7 @@ from planner_factories import make_cluster
 
 from helixserve.planner import FlowNetwork, plan
 from helixserve.planner.baselines import BASELINES
-from helixserve.planner.pipeline import StageReport
+from helixserve.planner.portfolio import StageReport
 
 
 def test_same_placement_whatever_jobs_and_run(llama70b, measured_cost):

@@ -1,5 +1,5 @@
 """The pure parts of live re-planning (runtime/replan.py) and the local supervisor's restart
-rule (helixserve/supervisor.py) over real short-lived processes."""
+rule (helixserve/local/supervisor.py) over real short-lived processes."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 
 from helixserve.errors import UserError
+from helixserve.local.supervisor import Supervisor
 from helixserve.planner.placement import NodeRange, Placement
 from helixserve.runtime.config import RecoveryConfig
 from helixserve.runtime.replan import Recovery, actual_placement, live_cluster
 from helixserve.spec import ClusterSpec, LinkSpec, NodeSpec, load_model
-from helixserve.supervisor import Supervisor
 
 
 def test_live_cluster_drops_dead_nodes_and_their_links():

@@ -197,14 +197,14 @@ def test_runtime_cost_model_defaults_to_the_analytic_model(tmp_path: Path) -> No
 
 def test_serve_hands_the_cost_inputs_to_the_stack(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    import helixserve.stack
+    import helixserve.local.stack
 
     seen: dict[str, Any] = {}
 
     async def fake_run_stack(*args: Any, **kwargs: Any) -> None:
         seen.update(kwargs)
 
-    monkeypatch.setattr(helixserve.stack, "run_stack", fake_run_stack)
+    monkeypatch.setattr(helixserve.local.stack, "run_stack", fake_run_stack)
     files = _files(tmp_path)
     argv = _serve(tmp_path, "--host", "127.0.0.1", "--profiles", str(files["profiles"]),
                   "--gpus", str(files["gpus"]), "--dtype-bytes", "4", "--workload", "2000:30")

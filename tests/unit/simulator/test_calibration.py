@@ -9,8 +9,8 @@ import math
 import pytest
 
 from helixserve.errors import UserError
-from helixserve.simulator.engines import ENGINES, engine_config, engine_gpu_reserve_gb
 from helixserve.simulator.metrics import summarize
+from helixserve.simulator.presets import ENGINES, engine_config, engine_gpu_reserve_gb
 from helixserve.simulator.sim import SimConfig, Simulation
 from tests.unit.simulator.conftest import Machine, fixed_requests, make_setup, with_flows
 

@@ -59,6 +59,144 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def worker_command(
+    model_dir: Path,
+    node: str,
+    port: int,
+    *,
+    host: str = "127.0.0.1",
+    placement_path: Path | None = None,
+    layers: tuple[int, int] | None = None,
+    engine: str | None = None,
+    num_threads: int | None = None,
+    peers: str | None = None,
+    kv_cache_bytes: int | None = None,
+    extra_args: list[str] | None = None,
+) -> list[str]:
+    """The `helixserve worker` command line of one node: its range from `placement_path`
+    (`--placement P --node N`, as the Kubernetes manifests run it) or from `layers`
+    (`--layers start:end`); `peers` the addresses it may forward to ("127.0.0.1:*": any
+    loopback port)."""
+    if placement_path is not None and layers is None:
+        where = ["--placement", str(placement_path)]
+    elif layers is not None and placement_path is None:
+        where = ["--layers", f"{layers[0]}:{layers[1]}"]
+    else:
+        raise ValueError("worker_command: give exactly one of placement_path and layers")
+    cmd = [sys.executable, "-m", "helixserve", "worker",
+           *(["--engine", engine] if engine else []),
+           "--model", str(model_dir), *where, "--node", node,
+           "--host", host, "--port", str(port)]  # fmt: skip
+    if num_threads:
+        cmd += ["--num-threads", str(num_threads)]
+    if peers:
+        cmd += ["--peers", peers]
+    if kv_cache_bytes is not None:
+        cmd += ["--kv-cache-bytes", str(kv_cache_bytes)]
+    return cmd + list(extra_args or [])
+
+
+def spawn_worker(
+    cmd: list[str],
+    log_path: Path,
+    *,
+    num_threads: int | None = None,
+    env: dict[str, str] | None = None,
+    append: bool = False,
+) -> subprocess.Popen[bytes]:
+    """Start a worker command (`worker_command`) with its output in `log_path` (appended to
+    with `append`): in a session of its own, so a Ctrl-C at the terminal reaches only the
+    parent, and told the parent's pid so it dies with it (`die_with_parent`).
+    `num_threads` also sets OMP_NUM_THREADS, which caps the BLAS pools torch's
+    set_num_threads does not."""
+    full_env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
+    if num_threads:
+        full_env["OMP_NUM_THREADS"] = str(num_threads)
+    full_env.update(env or {})
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab" if append else "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                start_new_session=True)
+
+
+def wait_http_ready(url: str, proc: subprocess.Popen[bytes] | None = None,
+                    timeout_s: float = 120.0, log_path: Path | None = None) -> None:
+    """Until `url` + "/health" answers 200; fails (with the log's tail) if `proc` exits or
+    the timeout passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        tail = ""
+        if log_path is not None and log_path.exists():
+            tail = "; log tail:\n" + log_path.read_text(errors="replace")[-2000:]
+        if proc is not None and proc.poll() is not None:
+            raise UserError(f"the server for {url} exited with code {proc.returncode} before it "
+                            f"was ready{tail}")
+        if time.monotonic() > deadline:
+            raise UserError(f"{url} not ready after {timeout_s:.0f} s{tail}")
+        time.sleep(0.3)
+
+
+def wait_grpc_ready(node: str, address: str, proc: subprocess.Popen[bytes], log_path: Path,
+                    tls: Any = None, timeout_s: float = 120.0) -> None:
+    """Until the worker at `address` says SERVING to a gRPC health check (over `tls`, a
+    coordinator's TlsConfig, or plaintext); fails with its log's tail if it exits first or
+    the timeout passes."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from helixserve.runtime.security import sync_channel
+
+    def tail() -> str:
+        try:
+            return log_path.read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+    deadline = time.monotonic() + timeout_s
+    channel = sync_channel(address, tls)
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise UserError(f"worker {node} exited with code {proc.returncode} before it "
+                                f"was ready; log {log_path}:\n{tail()}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise UserError(f"worker {node} at {address} not ready after {timeout_s:.0f} s; "
+                                f"log tail:\n{tail()}")
+            time.sleep(0.2)
+    finally:
+        channel.close()
+
+
+def stop_processes(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """SIGTERM all (workers drain), then SIGKILL whatever is still alive after `grace_s`."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+
+
 @dataclass
 class WorkerSpec:
     node: str
@@ -128,98 +266,31 @@ class WorkerProcesses:
     def start_one(self, node: str) -> None:
         """Start (or start again, same address and flags) the worker of `node`; its log is
         appended to."""
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         creds = self.ensure_credentials()
-        peers = ",".join(w.address for w in self.workers)
-        env = dict(os.environ, **{PARENT_PID_ENV: str(os.getpid())})
-        if self.num_threads:
-            # also caps the BLAS pools torch does not control through set_num_threads
-            env["OMP_NUM_THREADS"] = str(self.num_threads)
         if self.stopping:
             return
         w = next(w for w in self.workers if w.node == node)
-        cmd = [
-            sys.executable, "-m", "helixserve", "worker",
-            "--model", str(self.model_dir),
-            "--placement", str(self.placement_path),
-            "--node", w.node,
-            "--host", w.host,
-            "--port", str(w.port),
-        ]  # fmt: skip
-        if self.num_threads:
-            cmd += ["--num-threads", str(self.num_threads)]
-        cmd += ["--peers", peers]
-        if creds is not None:
-            cmd += creds.nodes[w.node].flags()
-        cmd += self.extra_args
-        log = (self.log_dir / f"worker-{w.node}.log").open("ab")
-        self.procs[w.node] = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # a Ctrl-C at the terminal reaches only the parent
-        )
-        log.close()
-
-    def log_tail(self, node: str, num_chars: int = 2000) -> str:
-        path = self.log_dir / f"worker-{node}.log"
-        try:
-            return path.read_text(errors="replace")[-num_chars:]
-        except OSError:
-            return ""
+        cmd = worker_command(
+            self.model_dir, w.node, w.port, host=w.host, placement_path=self.placement_path,
+            num_threads=self.num_threads, peers=",".join(x.address for x in self.workers),
+            extra_args=[*(creds.nodes[w.node].flags() if creds is not None else []),
+                        *self.extra_args])
+        self.procs[w.node] = spawn_worker(cmd, self.log_dir / f"worker-{w.node}.log",
+                                          num_threads=self.num_threads, append=True)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Until every worker's gRPC health check says SERVING; fails with the worker's log
         tail if one exits or the timeout passes."""
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        from helixserve.runtime.security import sync_channel
-
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
-            channel = sync_channel(w.address, self.coordinator_tls)
-            stub = health_pb2_grpc.HealthStub(channel)
-            try:
-                while True:
-                    proc = self.procs[w.node]
-                    if proc.poll() is not None:
-                        raise UserError(
-                            f"worker {w.node} exited with code {proc.returncode} before it was "
-                            f"ready; log {self.log_dir}/worker-{w.node}.log:\n"
-                            f"{self.log_tail(w.node)}"
-                        )
-                    try:
-                        reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
-                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                            break
-                    except grpc.RpcError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise UserError(
-                            f"worker {w.node} at {w.address} not ready after {timeout_s:.0f} s; "
-                            f"log tail:\n{self.log_tail(w.node)}"
-                        )
-                    time.sleep(0.2)
-            finally:
-                channel.close()
+            wait_grpc_ready(w.node, w.address, self.procs[w.node],
+                            self.log_dir / f"worker-{w.node}.log", self.coordinator_tls,
+                            max(0.0, deadline - time.monotonic()))
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM all (they drain), then SIGKILL whatever is still alive after `grace_s`."""
         self.stopping = True
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                proc.wait()
+        stop_processes(list(self.procs.values()), grace_s)
 
     def alive(self) -> dict[str, bool]:
         return {node: proc.poll() is None for node, proc in self.procs.items()}

@@ -1,6 +1,6 @@
 """The emulated cluster rig: simulator vs real runtime, milp vs baseline placements.
 
-    python benchmarks/rig.py --quick --json benchmarks/results/rig.json
+    python -m benchmarks.rig --quick --json benchmarks/results/rig.json
 
 Starts real `helixserve worker` processes with the demo model on this host, made unequal
 (per-worker slowdown or cgroup CPU quota) and far apart (a userspace proxy per link with
@@ -17,10 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.rig.clusters import CLUSTERS  # noqa: E402
-from benchmarks.rig.run import (  # noqa: E402
+from benchmarks.rig.clusters import CLUSTERS
+from benchmarks.rig.run import (
     ALL_PLACEMENTS,
     PLACEMENTS,
     RigOptions,
@@ -29,8 +27,8 @@ from benchmarks.rig.run import (  # noqa: E402
     run_rig,
     save,
 )
-from benchmarks.rig.speed import SPEED_MODES  # noqa: E402
-from benchmarks.rig.table import format_markdown, format_summary, format_table  # noqa: E402
+from benchmarks.rig.speed import SPEED_MODES
+from benchmarks.rig.table import format_markdown, format_summary, format_table
 
 
 def _names(text: str, known: tuple[str, ...], flag: str) -> tuple[str, ...]:

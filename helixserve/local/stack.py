@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from helixserve.errors import UserError
-from helixserve.launch import WorkerProcesses, WorkerSpec, free_port, serve_app
+from helixserve.local.launch import WorkerProcesses, WorkerSpec, free_port, serve_app
 from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK
 
 #: memory budgets of the demo's 3 nodes (GB). The planner lets weights use half a node's
@@ -265,7 +265,7 @@ async def run_stack(
     cost: Any = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. With `workers`, start them first, restart any that exits
-    (helixserve/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live
+    (helixserve/local/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live
     when layers lose their last holder (runtime/replan.py); None: requests fail while they do.
     `tls` (runtime.security.TlsConfig): the coordinator's credentials for worker traffic;
     with `workers` and no `tls`, theirs (dev credentials unless they run insecure). `cost`
@@ -286,7 +286,7 @@ async def run_stack(
             f"{cluster_path}: nodes {', '.join(missing)} hold layers in {placement_path} "
             "but have no address"
         )
-    from helixserve.supervisor import Supervisor
+    from helixserve.local.supervisor import Supervisor
 
     supervisor = None
     try:

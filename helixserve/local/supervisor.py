@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("helixserve.supervisor")
+log = logging.getLogger("helixserve.local.supervisor")
 
 
 @dataclass
@@ -34,7 +34,7 @@ class _NodeRecord:
 class Supervisor:
     def __init__(
         self,
-        workers: Any,  # helixserve.launch.WorkerProcesses
+        workers: Any,  # helixserve.local.launch.WorkerProcesses
         initial_backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
         stable_after_s: float = 60.0,
