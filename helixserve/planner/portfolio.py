@@ -304,7 +304,7 @@ def _buildable(p: Problem, budget: Budget, what: str, curves: list[tuple[float, 
     estimate = _estimate_s(what, nonzeros)
     if estimate <= relax_s:
         return ""
-    why = f"{nonzeros:,} nonzeros would take about {estimate:.0f}s of its {relax_s:.1f}s"
+    why = f"{nonzeros:,} nonzeros would take about {estimate:.1f}s of its {relax_s:.1f}s"
     say(f"{what} skipped: {why}")
     return why
 
