@@ -5,11 +5,10 @@ real coordinator with the OpenAI API (`helixserve serve`), all on 127.0.0.1.
         ... HTTP to cluster.api_url ...
     # stopped: API and coordinator, workers, proxy (SIGTERM, then SIGKILL), process groups
 
-```
- bench client --HTTP--> helixserve serve (coordinator + API) --gRPC+mTLS--> proxy :public(n0) --> worker n0 :private
-                                                             \-> proxy :public(n3) --> worker n3 ...
- worker n0 --gRPC+mTLS--> proxy :public(n1) --> worker n1 :private      (one FIFO per directed link)
-```
+    bench client --HTTP--> helixserve serve (coordinator + API)
+        --gRPC + mTLS--> proxy, node n0's public port --> worker n0's private port
+    worker n0 --gRPC + mTLS--> proxy, node n1's public port --> worker n1 ...
+    (the proxy: one FIFO per directed link, helixserve/rehearse/links.py)
 
 Each worker is `helixserve worker --engine emulated --placement P --node N --cluster C`,
 with C the rehearsal's copy of the cluster file, whose node addresses are the proxy's public

@@ -90,10 +90,15 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
     workdir = (Path(tempfile.mkdtemp(prefix="helixserve-rehearse-")) if opts.workdir is None
                else check_workdir(opts.workdir))
     load_before = os.getloadavg()[0]
-    try:
+    try:  # the ports are taken here: one in use is a UserError, before anything starts
         cluster = EmulatedCluster(inputs, workdir, time_scale=opts.time_scale,
                                   base_port=opts.base_port,
                                   max_seconds=opts.duration_s * opts.time_scale + 1800.0)
+    except BaseException:
+        if temporary:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    try:
         log(f"rehearse: EMULATED cluster {inputs.cluster.name!r}: starting "
             f"{len(cluster.nodes)} emulated workers, the link proxy and the coordinator + API "
             f"(logs in {workdir / 'logs'})")
@@ -172,8 +177,9 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
         nodes[r.name] = {
             "gpu": spec.gpu, "num_gpus": spec.num_gpus, "region": spec.region,
             "start_layer": r.start_layer, "end_layer": r.end_layer,
-            # emulated compute (unscaled seconds) over the run's cluster time
-            "busy_measured": emu["emulated_s"] / opts.duration_s if emu else None,
+            # the worker's emulated compute (wall seconds, x time scale) over the run's wall
+            # time; includes the steps in flight when the run was cut
+            "busy_measured": emu["emulated_s"] / (opts.duration_s * k) if emu else None,
             "busy_simulated": sim_nodes[r.name]["utilization"],
             "steps": emu["steps"] if emu else None,
             "overrun_s": emu["overrun_s"] if emu else None,

@@ -221,7 +221,7 @@ def simulate(inputs: RehearsalInputs, *, offline: bool, duration_s: float, warmu
     requests = inputs.requests if offline else [
         q for q in inputs.requests if q.arrival_s < duration_s]
     config = SimConfig(duration_s=duration_s, warmup_s=warmup_s, offline=offline,
-                       offline_feed="closed", feed_initial_requests=concurrency,
+                       offline_feed="closed", feed_initial_requests=max(1, concurrency),
                        feed_interval_s=0.0, scheduler="maxflow",
                        victim_rule=RUNTIME_VICTIM_RULE, **fields)
     sim = Simulation(inputs.cluster, inputs.model, inputs.cost, inputs.placement, requests,
