@@ -48,7 +48,6 @@ class RehearsalInputs:
 def load_inputs(cluster_path: Path, model_dir: Path, profiles_path: Path, placement_path: Path,
                 trace_path: Path, rate_per_s: float | None = None) -> RehearsalInputs:
     from helixserve.planner import evaluate, load_placement
-    from helixserve.simulator.workload import load_azure_trace, prepare_trace
     from helixserve.spec import load_cluster, load_model, load_profiles
 
     cluster = load_cluster(cluster_path)

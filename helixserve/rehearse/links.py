@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -226,7 +227,7 @@ class LinkProxy:
     async def start(self) -> None:
         for route in self.config.routes:
             server = await asyncio.start_server(
-                lambda r, w, route=route: self._accept(r, w, route),
+                functools.partial(self._accept, route=route),
                 self.config.host, route.listen_port, reuse_address=True)
             self.servers.append(server)
 

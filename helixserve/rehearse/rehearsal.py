@@ -189,12 +189,12 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
     link_rows: dict[str, dict[str, Any]] = {}
     for key in sorted(set(links) | {k2 for k2, x in sim_links.items() if x["bytes"]}):
         src, dst = key.split("->")
-        spec = inputs.cluster.link(src, dst)
+        link = inputs.cluster.link(src, dst)
         m = links.get(key, {})
         link_rows[key] = {
             "src": src, "dst": dst,
-            "bandwidth_gbps": inputs.cluster.effective_bandwidth_gbps(src, dst) if spec else None,
-            "latency_ms": spec.latency_ms if spec else None,
+            "bandwidth_gbps": inputs.cluster.effective_bandwidth_gbps(src, dst) if link else None,
+            "latency_ms": link.latency_ms if link else None,
             "bytes_measured": m.get("bytes", 0), "connections": m.get("connections", 0),
             "bytes_simulated": sim_links.get(key, {}).get("bytes", 0),
             **({"unlinked": True} if m.get("unlinked") else {}),

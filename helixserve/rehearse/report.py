@@ -43,8 +43,8 @@ def format_report(r: dict[str, Any]) -> str:
             else f"online, {r['rate_per_s']:g} requests/s" if r["rate_per_s"]
             else "online, the trace's arrivals")
     lines = [
-        f"helixserve rehearse: EMULATED GPUs and links (no real GPU ran); real coordinator, "
-        f"OpenAI API, gRPC and mutual TLS",
+        "helixserve rehearse: EMULATED GPUs and links (no real GPU ran); real coordinator, "
+        "OpenAI API, gRPC and mutual TLS",
         f"cluster {r['cluster']} ({len(r['nodes'])} placed nodes), model {r['model']}, placement "
         f"{r['placement']['planner']} (max flow "
         f"{r['placement']['max_flow_tokens_per_s'] or 0:.0f} tokens/s), {mode}",
