@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-#: (key, label, unit scale, format) of the measured-vs-simulated rows
+#: (key, label, format) of the measured-vs-simulated rows
 _ROWS = (
-    ("decode_tokens_per_s", "decode tokens/s", 1.0, "{:.1f}"),
-    ("prompt_tokens_per_s", "prompt tokens/s", 1.0, "{:.1f}"),
-    ("ttft_p50_s", "TTFT p50 (s)", 1.0, "{:.3f}"),
-    ("ttft_p95_s", "TTFT p95 (s)", 1.0, "{:.3f}"),
-    ("tpot_p50_s", "TPOT p50 (s)", 1.0, "{:.4f}"),
-    ("tpot_p95_s", "TPOT p95 (s)", 1.0, "{:.4f}"),
-    ("requests_sent", "requests sent", 1.0, "{:.0f}"),
-    ("requests_finished", "finished in window", 1.0, "{:.0f}"),
-    ("requests_failed", "failed", 1.0, "{:.0f}"),
+    ("decode_tokens_per_s", "decode tokens/s", "{:.1f}"),
+    ("prompt_tokens_per_s", "prompt tokens/s", "{:.1f}"),
+    ("ttft_p50_s", "TTFT p50 (s)", "{:.3f}"),
+    ("ttft_p95_s", "TTFT p95 (s)", "{:.3f}"),
+    ("tpot_p50_s", "TPOT p50 (s)", "{:.4f}"),
+    ("tpot_p95_s", "TPOT p95 (s)", "{:.4f}"),
+    ("requests_sent", "requests sent", "{:.0f}"),
+    ("requests_finished", "finished in window", "{:.0f}"),
+    ("requests_failed", "failed", "{:.0f}"),
 )
 #: links shown in the table (all are in the JSON)
 TABLE_LINKS = 12
@@ -24,6 +24,10 @@ def _ratio(a: float | None, b: float | None) -> str:
     if a is None or b is None or not b:
         return "-"
     return f"{a / b:.2f}"
+
+
+def _num(fmt: str, x: float | None) -> str:
+    return "-" if x is None else fmt.format(x)
 
 
 def _pct(x: float | None) -> str:
@@ -55,9 +59,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'':<22}{'measured (EMULATED)':>20}{'simulated':>12}{'ratio':>8}",
     ]
     m, s = r["measured"], r["simulated"]
-    for key, label, _, fmt in _ROWS:
-        lines.append(f"{label:<22}{fmt.format(m[key]):>20}{fmt.format(s[key]):>12}"
-                     f"{_ratio(m[key], s[key]) if key.endswith('_s') or 'per_s' in key else '':>8}")
+    for key, label, fmt in _ROWS:
+        ratio = _ratio(m[key], s[key]) if key.endswith("_s") else ""
+        lines.append(f"{label:<22}{_num(fmt, m[key]):>20}{_num(fmt, s[key]):>12}{ratio:>8}")
     lines += ["", "where the time went",
               f"{'node':<10}{'gpu':<14}{'layers':<10}{'busy meas.':>11}{'busy sim.':>10}"
               f"{'steps':>8}{'CPU s':>8}{'overrun s':>10}"]

@@ -193,9 +193,12 @@ def measured_metrics(run: Drive, time_scale: float, warmup_s: float,
     }
 
 
-def _latency_keys(ttft: list[float], tpot: list[float]) -> dict[str, float]:
-    return {"ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
-            "tpot_p50_s": percentile(tpot, 50), "tpot_p95_s": percentile(tpot, 95)}
+def _latency_keys(ttft: list[float], tpot: list[float]) -> dict[str, float | None]:
+    """p50/p95 of TTFT and TPOT; None where no request finished in the window."""
+    return {"ttft_p50_s": percentile(ttft, 50) if ttft else None,
+            "ttft_p95_s": percentile(ttft, 95) if ttft else None,
+            "tpot_p50_s": percentile(tpot, 50) if tpot else None,
+            "tpot_p95_s": percentile(tpot, 95) if tpot else None}
 
 
 def errors_of(run: Drive) -> list[str]:

@@ -111,6 +111,21 @@ def test_six_emulated_machines_measured_next_to_simulated(tmp_path):
     assert (tmp_path / "run" / "logs" / "worker-t0.log").read_text().count("EMULATED") >= 2
 
 
+def test_online_arrivals_at_a_rate(tmp_path):
+    """The trace's arrivals rescaled to 3 requests/s: the same arrivals on both sides."""
+    out = tmp_path / "report.json"
+    proc = rehearse(tmp_path / "run", "--rate", "3", "--duration", "8", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["mode"] == "online" and report["rate_per_s"] == 3
+    measured, simulated = report["measured"], report["simulated"]
+    # arrivals of 8 s at 3/s (the first at 0): the same requests sent on both sides
+    assert measured["requests_sent"] == simulated["requests_sent"] > 15
+    ratio = measured["decode_tokens_per_s"] / simulated["decode_tokens_per_s"]
+    assert 0.5 <= ratio <= 2.0, (measured, simulated)
+    assert processes_mentioning(str(tmp_path / "run")) == []
+
+
 def _bad_placement(tmp_path: Path, **change: object) -> Path:
     raw = json.loads(PLACEMENT.read_text())
     raw.update(change)
