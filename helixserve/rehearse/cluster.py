@@ -55,6 +55,10 @@ _REPORT_RE = re.compile(
     r"(\d+) decode tokens, ([\d.]+) s over the emulated times")
 
 
+#: one sample of the Prometheus text format: name, {labels}, value
+_METRIC_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-+0-9.eEinfNa]+)$")
+
+
 @dataclass
 class Ports:
     api: int
@@ -259,6 +263,30 @@ class EmulatedCluster:
                 return links
             time.sleep(0.02)
         raise RuntimeError(f"rehearse: the link proxy wrote no counters in {timeout_s:.0f} s")
+
+    def coordinator_metrics(self) -> dict[str, Any]:
+        """What the coordinator's /metrics says now: preemptions and re-routes since it
+        started, and each node's busy fraction over the workers' last 5 s (their Info)."""
+        out: dict[str, Any] = {"preemptions": None, "reroutes": None, "busy_fraction": {}}
+        try:
+            with urllib.request.urlopen(self.api_url + "/metrics", timeout=10.0) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return out
+        for line in text.splitlines():
+            m = _METRIC_RE.match(line)
+            if m is None:
+                continue
+            name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+            if name == "vllm:num_preemptions_total":
+                out["preemptions"] = value
+            elif name == "helixserve:request_reroutes_total":
+                out["reroutes"] = value
+            elif name == "helixserve:node_busy_fraction":
+                node = re.search(r'node="([^"]*)"', labels)
+                if node:
+                    out["busy_fraction"][node.group(1)] = value
+        return out
 
     # ---- stop ----------------------------------------------------------------------------
 

@@ -119,6 +119,7 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
                                     time_scale=opts.time_scale, concurrency=concurrency))
             cpu_after, links_after = cluster.cpu(), cluster.link_stats()
             client_s = _own_cpu_s() - client_before
+            coordinator = cluster.coordinator_metrics()
             pids = cluster.pids
         if not cluster.stopped():
             raise RuntimeError("rehearse: a process of the cluster did not stop")
@@ -139,7 +140,7 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
         opts, inputs, measured=measured, sim=sim, cpu=cpu, client_cpu_s=client_s,
         links=_link_deltas(links_before, links_after), emulated=cluster.emulated,
         pids=pids, concurrency=concurrency, start_s=start_s, wall_s=run.wall_s,
-        errors=errors_of(run), load=(load_before, load_after),
+        errors=errors_of(run), load=(load_before, load_after), coordinator=coordinator,
         workdir=None if temporary else workdir)
 
 
@@ -163,7 +164,7 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
                  sim: dict[str, Any], cpu: dict[str, float], client_cpu_s: float,
                  links: dict[str, dict[str, Any]], emulated: dict[str, dict[str, float]],
                  pids: dict[str, int], concurrency: int, start_s: float, wall_s: float,
-                 errors: list[str], load: tuple[float, float],
+                 errors: list[str], load: tuple[float, float], coordinator: dict[str, Any],
                  workdir: Path | None) -> dict[str, Any]:
     """The JSON report (docs/rehearse.md)."""
     summary = sim["summary"]
@@ -181,6 +182,8 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
             # time; includes the steps in flight when the run was cut
             "busy_measured": emu["emulated_s"] / (opts.duration_s * k) if emu else None,
             "busy_simulated": sim_nodes[r.name]["utilization"],
+            # the coordinator's view at the cut: the worker's busy share over its last 5 s
+            "busy_fraction_last_5s": coordinator["busy_fraction"].get(r.name),
             "steps": emu["steps"] if emu else None,
             "overrun_s": emu["overrun_s"] if emu else None,
             "cpu_s": cpu.get(f"worker-{r.name}"),
@@ -221,6 +224,9 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
         "simulated": sim["metrics"],
         "simulator_engine": sim["engine_config"],
         "runtime_cpu_ms_per_token": runtime_ms,
+        "preemptions": {"measured": coordinator["preemptions"],
+                        "simulated": summary["preemptions"]},
+        "reroutes": coordinator["reroutes"],
         "cpu_s": {"coordinator": coordinator_s, "workers": workers_s,
                   "links": cpu.get("links", 0.0), "client": client_cpu_s,
                   "window_s": window_s, "wall_s": wall_s},

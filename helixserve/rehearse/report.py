@@ -62,6 +62,9 @@ def format_report(r: dict[str, Any]) -> str:
     for key, label, fmt in _ROWS:
         ratio = _ratio(m[key], s[key]) if key.endswith("_s") else ""
         lines.append(f"{label:<22}{_num(fmt, m[key]):>20}{_num(fmt, s[key]):>12}{ratio:>8}")
+    pre = r["preemptions"]
+    lines.append(f"{'preemptions':<22}{_num('{:.0f}', pre['measured']):>20}"
+                 f"{_num('{:.0f}', pre['simulated']):>12}")
     lines += ["", "where the time went",
               f"{'node':<10}{'gpu':<14}{'layers':<10}{'busy meas.':>11}{'busy sim.':>10}"
               f"{'steps':>8}{'CPU s':>8}{'overrun s':>10}"]
