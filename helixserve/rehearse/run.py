@@ -44,6 +44,8 @@ METRIC_KEYS = ("decode_tokens_per_s", "prompt_tokens_per_s", "ttft_p50_s", "ttft
                "tpot_p50_s", "tpot_p95_s")
 #: most streams an offline run keeps in flight (the coordinator queues at most 256 more)
 MAX_OFFLINE_STREAMS = 256
+#: seconds of cluster time an offline stream waits after a failed request before its next
+FAILED_PAUSE_S = 0.5
 #: seconds a client waits for a request before giving up on it (the run's cut comes first)
 REQUEST_TIMEOUT_S = 3600.0
 
@@ -123,16 +125,19 @@ async def drive(api_url: str, model_name: str, requests: list[TraceRequest], *, 
         def now_s() -> float:
             return (time.perf_counter() - t0) / time_scale
 
-        async def one(i: int) -> None:
+        async def one(i: int) -> Sent:
             s = Sent(requests[i], now_s())
             sent.append(s)
             # the text of trace request i, the same in every run (built when sent: a trace
             # of 19,000 requests of ~1,000 words each is not built up front)
             await send_one(client, cfg, bench_request(requests[i], random.Random(i)), s.result)
+            return s
 
         async def stream(order: itertools.count[int]) -> None:
             while time.perf_counter() < end:
-                await one(next(order) % len(requests))
+                done = await one(next(order) % len(requests))
+                if done.failed:  # refused (e.g. a full queue): no tight loop of refusals
+                    await asyncio.sleep(FAILED_PAUSE_S * time_scale)
 
         async def arrivals() -> None:
             tasks = []
