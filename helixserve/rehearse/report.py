@@ -73,9 +73,8 @@ def format_report(r: dict[str, Any]) -> str:
             f"{name:<10}{n['gpu'] + ' x' + str(n['num_gpus']):<14}"
             f"{str(n['start_layer']) + '-' + str(n['end_layer']):<10}"
             f"{_pct(n['busy_measured']):>11}{_pct(n['busy_simulated']):>10}"
-            f"{n['steps'] if n['steps'] is not None else '-':>8}"
-            f"{n['cpu_s'] if n['cpu_s'] is None else round(n['cpu_s'], 1):>8}"
-            f"{'-' if n['overrun_s'] is None else round(n['overrun_s'], 2):>10}")
+            f"{_num('{:d}', n['steps']):>8}{_num('{:.1f}', n['cpu_s']):>8}"
+            f"{_num('{:.2f}', n['overrun_s']):>10}")
     links = sorted(r["links"].values(), key=lambda x: -x["bytes_measured"])
     lines += ["", f"{'link':<26}{'Gbit/s':>8}{'ms':>6}{'bytes meas.':>13}{'bytes sim.':>12}"]
     for x in links[:TABLE_LINKS]:

@@ -133,3 +133,34 @@ def test_measured_numbers_follow_the_simulators_rules():
     half = measured_metrics(run, time_scale=2.0, warmup_s=0.0, duration_s=4.0)
     assert half["decode_tokens_per_s"] == pytest.approx(2 * m["decode_tokens_per_s"])
     assert half["tpot_p50_s"] == pytest.approx(0.25)
+
+
+def test_report_table_says_emulated_and_shows_missing_numbers_as_dashes():
+    from helixserve.rehearse.report import format_report
+
+    sides = {"decode_tokens_per_s": 10.0, "prompt_tokens_per_s": 100.0, "ttft_p50_s": None,
+             "ttft_p95_s": None, "tpot_p50_s": None, "tpot_p95_s": None, "requests_sent": 3,
+             "requests_finished": 0, "requests_failed": 0, "output_tokens": 40}
+    report = {
+        "time_scale": 2.0, "mode": "offline", "concurrency": 3, "rate_per_s": None,
+        "cluster": "c", "model": "m", "placement": {"planner": "milp",
+                                                    "max_flow_tokens_per_s": 50.0},
+        "warmup_s": 0.0, "duration_s": 4.0, "measured": sides, "simulated": dict(sides),
+        "preemptions": {"measured": None, "simulated": 0},
+        "nodes": {"n0": {"gpu": "L4", "num_gpus": 1, "start_layer": 0, "end_layer": 80,
+                         "busy_measured": None, "busy_simulated": 0.5, "steps": None,
+                         "cpu_s": None, "overrun_s": None}},
+        "links": {"n0->x": {"src": "n0", "dst": "x", "bandwidth_gbps": None,
+                            "latency_ms": None, "bytes_measured": 10, "bytes_simulated": 0,
+                            "unlinked": True}},
+        "cpu_s": {"coordinator": 1.0, "workers": 2.0, "links": 0.5, "client": 0.1},
+        "runtime_cpu_ms_per_token": 75.0, "errors": ["HTTP 429: queue full"],
+        "machine": {"cpus": 2, "loadavg_1m_before": 1.0, "loadavg_1m_after": 2.0},
+    }
+    text = format_report(report)
+    assert text.startswith("helixserve rehearse: EMULATED") and "measured (EMULATED)" in text
+    assert "time scale 2: every GPU and link time x 2" in text
+    ttft = next(line for line in text.splitlines() if line.startswith("TTFT p50"))
+    assert ttft.split()[3:] == ["-", "-", "-"]
+    assert "(no link in the cluster file)" in text and "error: HTTP 429: queue full" in text
+    assert "75.00 ms a token" in text
