@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "serve",
     "demo",
     "bench",
+    "rehearse",
     "deploy",
     "certs",
 )

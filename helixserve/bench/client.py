@@ -87,12 +87,15 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return text
 
 
-async def send_one(client: Any, cfg: ClientConfig, req: BenchRequest) -> RequestResult:
-    """Send one streaming request and time its chunks. `client` is an httpx.AsyncClient."""
+async def send_one(client: Any, cfg: ClientConfig, req: BenchRequest,
+                   result: RequestResult | None = None) -> RequestResult:
+    """Send one streaming request and time its chunks. `client` is an httpx.AsyncClient.
+    `result`, when given, is filled as chunks arrive: a caller that cancels the request
+    (a run cut at its end, `helixserve rehearse`) still has the timings of what came."""
     path = "/chat/completions" if cfg.endpoint == "chat" else "/completions"
     url = _api_root(cfg.base_url) + path
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    result = RequestResult()
+    result = result if result is not None else RequestResult()
     start = time.perf_counter()
     result.start_s = start
     last = start

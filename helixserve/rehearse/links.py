@@ -1,0 +1,353 @@
+"""Links as the cluster file says: a userspace TCP proxy per machine, one FIFO per directed link.
+
+Why userspace: this host's kernel has no `netem` (tc can rate-limit but not delay), and
+network namespaces need root; one mechanism for bandwidth and latency keeps a link's two
+numbers consistent and needs no privileges. Traffic stays on 127.0.0.0/8.
+
+Topology: every emulated machine's worker listens on a private port; the proxy listens on the
+machine's public address (the `address` the rehearsal writes into its copy of the cluster
+file, so the coordinator and the other workers connect there) and forwards to the private
+port. A connection travels the directed link (source machine, destination machine): the
+destination is the listening port; the source is found from the connection's peer port:
+/proc/net/tcp (or tcp6: gRPC uses dual-stack sockets) gives the socket's inode, and the
+process holding that inode among its file descriptors is one of the rehearsal's workers or
+its coordinator. Loopback connections all come from 127.0.0.1, so the address alone cannot
+say who is calling.
+
+A direction of a link is one FIFO shared by all connections on it: a chunk read at time t
+leaves when the link has sent everything queued before it (serialization at
+`bandwidth_gbps`), and arrives `latency_ms` later. Replies on a connection (the last hop's
+tokens on the coordinator's stream, flow control) travel the reverse link. Times are x
+`time_scale` (bandwidth / K, latency x K), as the emulated GPUs' are.
+
+A pair the cluster file gives no link (`ClusterSpec.link` is None: bandwidth 0) should carry
+nothing, since no route uses it; if it does, its bytes are forwarded without limits and
+counted under that pair with `"unlinked": true`, so the report shows it.
+
+Run as a process: `python -m helixserve.rehearse.links CONFIG.json` (see `ProxyConfig`): it
+prints `ready` once listening; SIGUSR1 writes the per-link counters to `stats_path`; SIGTERM
+or SIGINT (or `max_seconds`) stops it, after writing them once more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from helixserve.spec.cluster import COORDINATOR, ClusterSpec
+
+#: bytes read from a socket at once; one chunk is one unit of a link's FIFO
+CHUNK_BYTES = 64 * 1024
+#: chunks queued per connection direction before the reader waits (bounded memory)
+MAX_QUEUED_CHUNKS = 256
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """One direction of an emulated link, already x time scale."""
+
+    #: Gbit/s (10^9 bit/s); 0: unlimited (a pair the cluster file gives no link)
+    bandwidth_gbps: float
+    latency_ms: float
+
+    @property
+    def limited(self) -> bool:
+        return self.bandwidth_gbps > 0
+
+
+#: what a pair without a link in the cluster file gets (module doc)
+UNLIMITED = LinkShape(0.0, 0.0)
+
+
+def link_table(cluster: ClusterSpec, names: list[str],
+               time_scale: float = 1.0) -> dict[tuple[str, str], LinkShape]:
+    """Every directed link between `names` (nodes and "coordinator") that the cluster file
+    gives, as the planner and the simulator read it (`ClusterSpec.effective_bandwidth_gbps`:
+    the link capped by both ends' NICs; `ClusterSpec.link` latency), times `time_scale`."""
+    out: dict[tuple[str, str], LinkShape] = {}
+    for src in names:
+        for dst in names:
+            if src == dst:
+                continue
+            link = cluster.link(src, dst)
+            if link is None:
+                continue
+            out[(src, dst)] = LinkShape(cluster.effective_bandwidth_gbps(src, dst) / time_scale,
+                                        link.latency_ms * time_scale)
+    return out
+
+
+class Link:
+    """One direction of a link: a FIFO with a serialization rate and a propagation delay."""
+
+    def __init__(self, shape: LinkShape) -> None:
+        self.shape = shape
+        self.free_at_s = 0.0  # when the link has finished sending what it was given
+        self.bytes_sent = 0
+        self.chunks = 0
+
+    def schedule(self, num_bytes: int, now_s: float) -> float:
+        """Arrival time of `num_bytes` handed to the link at `now_s`."""
+        self.bytes_sent += num_bytes
+        self.chunks += 1
+        if not self.shape.limited:
+            return now_s
+        start = max(now_s, self.free_at_s)
+        self.free_at_s = start + num_bytes * 8 / (self.shape.bandwidth_gbps * 1e9)
+        return self.free_at_s + self.shape.latency_ms / 1000.0
+
+
+@dataclass(frozen=True)
+class ProxyRoute:
+    """Connections to 127.0.0.1:`listen_port` reach 127.0.0.1:`target_port`, machine `node`."""
+
+    node: str
+    listen_port: int
+    target_port: int
+
+
+@dataclass
+class ProxyConfig:
+    routes: list[ProxyRoute]
+    #: (src, dst) -> shape, x time scale; a pair not here is unlinked (module doc)
+    links: dict[tuple[str, str], LinkShape]
+    #: {pid: machine name} of the processes whose connections are told apart (workers and
+    #: the coordinator); a connection from any other process counts as `other_source`
+    pids: dict[int, str]
+    stats_path: str
+    host: str = "127.0.0.1"
+    other_source: str = COORDINATOR
+    #: the proxy stops by itself after this long, whatever happens to its parent
+    max_seconds: float = 3600.0
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "routes": [asdict(r) for r in self.routes],
+            "links": [{"src": s, "dst": d, **asdict(shape)} for (s, d), shape in self.links.items()],
+            "pids": {str(k): v for k, v in self.pids.items()},
+            "stats_path": self.stats_path, "host": self.host, "other_source": self.other_source,
+            "max_seconds": self.max_seconds,
+        }, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ProxyConfig:
+        raw = json.loads(text)
+        return cls(
+            routes=[ProxyRoute(**r) for r in raw["routes"]],
+            links={(r["src"], r["dst"]): LinkShape(r["bandwidth_gbps"], r["latency_ms"])
+                   for r in raw["links"]},
+            pids={int(k): str(v) for k, v in raw["pids"].items()},
+            stats_path=raw["stats_path"], host=raw.get("host", "127.0.0.1"),
+            other_source=raw.get("other_source", COORDINATOR),
+            max_seconds=float(raw.get("max_seconds", 3600.0)),
+        )
+
+
+# ---- who is calling ------------------------------------------------------------------------
+
+
+def socket_inode(host: str, port: int) -> int | None:
+    """Inode of the local TCP socket bound to host:port, from /proc/net/tcp, or tcp6 where
+    the caller used a dual-stack socket (gRPC does: the address is then ::ffff:host)."""
+    v4 = "".join(f"{int(b):02X}" for b in reversed(host.split(".")))
+    # /proc/net/tcp6: four 32-bit words, each in host (little-endian) byte order
+    v6 = "0000000000000000FFFF0000" + v4
+    for table, packed in (("/proc/net/tcp", v4), ("/proc/net/tcp6", v6)):
+        want = f"{packed}:{port:04X}"
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[1] == want:
+                return int(cols[9])
+    return None
+
+
+def pid_holding(inode: int, pids: list[int]) -> int | None:
+    """The first of `pids` with socket `inode` among its open file descriptors."""
+    target = f"socket:[{inode}]"
+    for pid in pids:
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"{fd_dir}/{fd}") == target:
+                    return pid
+    return None
+
+
+class SourceResolver:
+    """Machine name of a connection's peer, via the process that holds its socket."""
+
+    def __init__(self, pids: dict[int, str], other: str) -> None:
+        self.pids = pids
+        self.other = other
+
+    def __call__(self, peer: tuple[str, int]) -> str:
+        inode = socket_inode(peer[0], peer[1])
+        pid = pid_holding(inode, list(self.pids)) if inode is not None else None
+        return self.pids.get(pid, self.other) if pid is not None else self.other
+
+
+# ---- the proxy -----------------------------------------------------------------------------
+
+
+class LinkProxy:
+    def __init__(self, config: ProxyConfig,
+                 resolve: Callable[[tuple[str, int]], str] | None = None) -> None:
+        self.config = config
+        self.resolve = resolve or SourceResolver(config.pids, config.other_source)
+        self.links: dict[tuple[str, str], Link] = {}
+        self.connections: dict[tuple[str, str], int] = {}
+        self.servers: list[asyncio.AbstractServer] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        #: times the counters were written (a reader waits for it to change after SIGUSR1)
+        self.writes = 0
+
+    def link(self, src: str, dst: str) -> Link:
+        key = (src, dst)
+        if key not in self.links:
+            self.links[key] = Link(self.config.links.get(key, UNLIMITED))
+        return self.links[key]
+
+    async def start(self) -> None:
+        for route in self.config.routes:
+            server = await asyncio.start_server(
+                functools.partial(self._accept, route=route),
+                self.config.host, route.listen_port, reuse_address=True)
+            self.servers.append(server)
+
+    async def close(self) -> None:
+        for server in self.servers:
+            server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for server in self.servers:
+            with contextlib.suppress(Exception):
+                await server.wait_closed()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      route: ProxyRoute) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            peer = writer.get_extra_info("peername")
+            src = self.resolve((peer[0], peer[1])) if peer else self.config.other_source
+            key = (src, route.node)
+            self.connections[key] = self.connections.get(key, 0) + 1
+            try:
+                up_reader, up_writer = await asyncio.open_connection(self.config.host,
+                                                                     route.target_port)
+            except OSError:
+                writer.close()
+                return
+            try:
+                await asyncio.gather(self._pump(reader, up_writer, self.link(src, route.node)),
+                                     self._pump(up_reader, writer, self.link(route.node, src)))
+            finally:
+                for w in (writer, up_writer):
+                    with contextlib.suppress(Exception):
+                        w.close()
+        finally:
+            self._tasks.discard(task)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    link: Link) -> None:
+        """Copy reader -> writer, each chunk delivered at its arrival time on `link`."""
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(MAX_QUEUED_CHUNKS)
+
+        async def deliver() -> None:
+            while True:
+                at_s, data = await chunks.get()
+                if not data:
+                    break
+                delay_s = at_s - loop.time()
+                if delay_s > 0:
+                    await asyncio.sleep(delay_s)
+                writer.write(data)
+                await writer.drain()
+            with contextlib.suppress(Exception):
+                writer.write_eof()
+
+        sender = asyncio.ensure_future(deliver())
+        try:
+            while True:
+                data = await reader.read(CHUNK_BYTES)
+                if not data:
+                    break
+                await chunks.put((link.schedule(len(data), loop.time()), data))
+            await chunks.put((loop.time(), b""))
+            await sender
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            sender.cancel()
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per directed link that carried a connection: bytes, chunks, connections, shape."""
+        out: dict[str, dict[str, Any]] = {}
+        for (src, dst), link in sorted(self.links.items()):
+            out[f"{src}->{dst}"] = {
+                "src": src, "dst": dst, "bytes": link.bytes_sent, "chunks": link.chunks,
+                "connections": self.connections.get((src, dst), 0),
+                "bandwidth_gbps": link.shape.bandwidth_gbps, "latency_ms": link.shape.latency_ms,
+                **({"unlinked": True} if (src, dst) not in self.config.links else {}),
+            }
+        return out
+
+    def write_stats(self) -> None:
+        self.writes += 1
+        path = Path(self.config.stats_path)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"writes": self.writes, "links": self.stats()}))
+        os.replace(tmp, path)  # a reader never sees half a file
+
+
+def read_stats(path: str | Path) -> tuple[int, dict[str, dict[str, Any]]]:
+    """(times written, per-link counters) a proxy last wrote; (0, {}) before it wrote any."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        return int(raw["writes"]), dict(raw["links"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, {}
+
+
+async def run_proxy(config_path: str) -> None:
+    config = ProxyConfig.from_json(Path(config_path).read_text())
+    proxy = LinkProxy(config)
+    await proxy.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, proxy.write_stats)
+    proxy.write_stats()
+    print("ready", flush=True)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=config.max_seconds)
+    proxy.write_stats()
+    await proxy.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: python -m helixserve.rehearse.links CONFIG.json", file=sys.stderr)
+        sys.exit(2)
+    asyncio.run(run_proxy(sys.argv[1]))

@@ -1,0 +1,251 @@
+"""`helixserve rehearse` end to end: inputs checked, the emulated cluster started, the trace
+driven through the HTTP API, everything stopped, the simulator run on the same placement and
+trace, and one report (the JSON of docs/rehearse.md) of measured next to simulated and of
+where the time went.
+
+The order matters for what is measured: CPU counters and link counters are read just before
+the load starts and just after it is cut, while every process is up; the simulator runs
+after the cluster is stopped, so it takes no CPU from the runtime it is compared with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from helixserve.errors import UserError
+from helixserve.rehearse.cluster import EmulatedCluster, check_workdir
+from helixserve.rehearse.inputs import RehearsalInputs, load_inputs
+from helixserve.rehearse.run import (
+    drive,
+    errors_of,
+    measured_metrics,
+    offline_concurrency,
+    simulate,
+)
+
+FORMAT = "helixserve.rehearse/v1"
+
+
+@dataclass(frozen=True)
+class RehearsalOptions:
+    cluster: Path
+    model: Path
+    profiles: Path
+    placement: Path
+    trace: Path
+    #: online: the trace's arrivals rescaled to this mean rate (requests/s); None: as written
+    rate_per_s: float | None = None
+    #: a closed loop of `concurrency` streams instead of the trace's arrivals
+    offline: bool = False
+    #: seconds of cluster time the load runs (wall: x time_scale)
+    duration_s: float = 60.0
+    #: seconds at the start left out of the numbers (pipeline fill), both sides
+    warmup_s: float = 0.0
+    #: every GPU and link time x this; the runtime's own CPU is not scaled
+    time_scale: float = 1.0
+    #: offline streams; None: what the cluster's KV holds (run.offline_concurrency)
+    concurrency: int | None = None
+    #: first of the ports the rehearsal takes (API, then a proxy and a worker port per
+    #: node); 0: ports the OS picks
+    base_port: int = 0
+    #: logs, certificates, the cluster copy; None: a temporary directory, removed after
+    workdir: Path | None = None
+
+    def check(self) -> RehearsalOptions:
+        if not 0 < self.duration_s <= 86400:
+            raise UserError(f"--duration: bad value {self.duration_s:g}; need 0 < S <= 86400")
+        if not 0 <= self.warmup_s < self.duration_s:
+            raise UserError(f"--warmup: bad value {self.warmup_s:g}; need 0 <= W < --duration "
+                            f"{self.duration_s:g}")
+        if not 0 < self.time_scale <= 1000:
+            raise UserError(f"--time-scale: bad value {self.time_scale:g}; need 0 < K <= 1000")
+        if self.rate_per_s is not None and not self.rate_per_s > 0:
+            raise UserError(f"--rate: bad value {self.rate_per_s:g}; need > 0 requests/s")
+        if self.concurrency is not None and not 1 <= self.concurrency <= 4096:
+            raise UserError(f"--concurrency: bad value {self.concurrency}; need 1..4096")
+        if self.concurrency is not None and not self.offline:
+            raise UserError("--concurrency: only with --offline (online, the trace's arrivals "
+                            "decide what is in flight)")
+        return self
+
+
+def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[str, Any]:
+    """The report (module doc); UserError before anything starts on bad input."""
+    opts.check()
+    inputs = load_inputs(opts.cluster, opts.model, opts.profiles, opts.placement, opts.trace,
+                         opts.rate_per_s)
+    concurrency = (opts.concurrency or offline_concurrency(inputs)) if opts.offline else 0
+    temporary = opts.workdir is None
+    workdir = (Path(tempfile.mkdtemp(prefix="helixserve-rehearse-")) if opts.workdir is None
+               else check_workdir(opts.workdir))
+    load_before = os.getloadavg()[0]
+    try:  # the ports are taken here: one in use is a UserError, before anything starts
+        cluster = EmulatedCluster(inputs, workdir, time_scale=opts.time_scale,
+                                  base_port=opts.base_port,
+                                  max_seconds=opts.duration_s * opts.time_scale + 1800.0)
+    except BaseException:
+        if temporary:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    try:
+        log(f"rehearse: EMULATED cluster {inputs.cluster.name!r}: starting "
+            f"{len(cluster.nodes)} emulated workers, the link proxy and the coordinator + API "
+            f"(logs in {workdir / 'logs'})")
+        started = time.perf_counter()
+        with cluster:
+            start_s = time.perf_counter() - started
+            mode = (f"offline, {concurrency} streams" if opts.offline
+                    else f"online, {opts.rate_per_s:g} requests/s" if opts.rate_per_s
+                    else "online, the trace's arrivals")
+            log(f"rehearse: started in {start_s:.1f} s; driving {opts.trace.name} ({mode}) for "
+                f"{opts.duration_s:g} s of cluster time"
+                + (f" ({opts.duration_s * opts.time_scale:g} s wall at time scale "
+                   f"{opts.time_scale:g})" if opts.time_scale != 1 else ""))
+            links_before, cpu_before = cluster.link_stats(), cluster.cpu()
+            client_before = _own_cpu_s()
+            run = asyncio.run(drive(cluster.api_url, cluster.model_name, inputs.requests,
+                                    offline=opts.offline, duration_s=opts.duration_s,
+                                    time_scale=opts.time_scale, concurrency=concurrency))
+            cpu_after, links_after = cluster.cpu(), cluster.link_stats()
+            client_s = _own_cpu_s() - client_before
+            coordinator = cluster.coordinator_metrics()
+            pids = cluster.pids
+        if not cluster.stopped():
+            raise RuntimeError("rehearse: a process of the cluster did not stop")
+        load_after = os.getloadavg()[0]
+        measured = measured_metrics(run, opts.time_scale, opts.warmup_s, opts.duration_s)
+        log(f"rehearse: {measured['requests_sent']} requests sent, "
+            f"{measured['requests_finished']} finished in the window; simulating the same")
+        sim = simulate(inputs, offline=opts.offline, duration_s=opts.duration_s,
+                       warmup_s=opts.warmup_s, concurrency=concurrency)
+    except BaseException:
+        if temporary:
+            log(f"rehearse: logs kept in {workdir / 'logs'}")
+        raise
+    if temporary:
+        shutil.rmtree(workdir, ignore_errors=True)
+    cpu = {name: cpu_after[name] - cpu_before[name] for name in cpu_after if name in cpu_before}
+    return build_report(
+        opts, inputs, measured=measured, sim=sim, cpu=cpu, client_cpu_s=client_s,
+        links=_link_deltas(links_before, links_after), emulated=cluster.emulated,
+        pids=pids, concurrency=concurrency, start_s=start_s, wall_s=run.wall_s,
+        errors=errors_of(run), load=(load_before, load_after), coordinator=coordinator,
+        workdir=None if temporary else workdir)
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _link_deltas(before: dict[str, dict[str, Any]],
+                 after: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for key, now in after.items():
+        was = before.get(key, {})
+        out[key] = {**now, "bytes": now["bytes"] - was.get("bytes", 0),
+                    "connections": now["connections"] - was.get("connections", 0)}
+        out[key].pop("chunks", None)
+    return out
+
+
+def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: dict[str, Any],
+                 sim: dict[str, Any], cpu: dict[str, float], client_cpu_s: float,
+                 links: dict[str, dict[str, Any]], emulated: dict[str, dict[str, float]],
+                 pids: dict[str, int], concurrency: int, start_s: float, wall_s: float,
+                 errors: list[str], load: tuple[float, float], coordinator: dict[str, Any],
+                 workdir: Path | None) -> dict[str, Any]:
+    """The JSON report (docs/rehearse.md)."""
+    summary = sim["summary"]
+    k = opts.time_scale
+    sim_nodes = {n["name"]: n for n in summary["nodes"]}
+    window_s = opts.duration_s - opts.warmup_s
+    nodes = {}
+    for r in inputs.placement.nodes:
+        spec = inputs.cluster.node(r.name)
+        emu = emulated.get(r.name)
+        nodes[r.name] = {
+            "gpu": spec.gpu, "num_gpus": spec.num_gpus, "region": spec.region,
+            "start_layer": r.start_layer, "end_layer": r.end_layer,
+            # the worker's emulated compute (wall seconds, x time scale) over the run's wall
+            # time; includes the steps in flight when the run was cut
+            "busy_measured": emu["emulated_s"] / (opts.duration_s * k) if emu else None,
+            "busy_simulated": sim_nodes[r.name]["utilization"],
+            # the coordinator's view at the cut: the worker's busy share over its last 5 s
+            "busy_fraction_last_5s": coordinator["busy_fraction"].get(r.name),
+            "steps": emu["steps"] if emu else None,
+            "overrun_s": emu["overrun_s"] if emu else None,
+            "cpu_s": cpu.get(f"worker-{r.name}"),
+        }
+    sim_links = {f"{x['src']}->{x['dst']}": x for x in summary["links"]}
+    link_rows: dict[str, dict[str, Any]] = {}
+    for key in sorted(set(links) | {k2 for k2, x in sim_links.items() if x["bytes"]}):
+        src, dst = key.split("->")
+        link = inputs.cluster.link(src, dst)
+        m = links.get(key, {})
+        link_rows[key] = {
+            "src": src, "dst": dst,
+            "bandwidth_gbps": inputs.cluster.effective_bandwidth_gbps(src, dst) if link else None,
+            "latency_ms": link.latency_ms if link else None,
+            "bytes_measured": m.get("bytes", 0), "connections": m.get("connections", 0),
+            "bytes_simulated": sim_links.get(key, {}).get("bytes", 0),
+            **({"unlinked": True} if m.get("unlinked") else {}),
+        }
+    coordinator_s = cpu.get("coordinator", 0.0)
+    workers_s = sum(v for name, v in cpu.items() if name.startswith("worker-"))
+    tokens = measured["output_tokens"]
+    runtime_ms = (coordinator_s + workers_s) * 1000.0 / tokens if tokens else None
+    return {
+        "format": FORMAT,
+        "emulated": True,
+        "cluster": inputs.cluster.name,
+        "model": inputs.model.name,
+        "placement": {"file": str(inputs.placement_path), "planner": inputs.placement.planner,
+                      "max_flow_tokens_per_s": inputs.placement.throughput_tokens_per_s},
+        "trace": str(inputs.trace_path),
+        "mode": "offline" if opts.offline else "online",
+        "rate_per_s": opts.rate_per_s,
+        "concurrency": concurrency or None,
+        "duration_s": opts.duration_s,
+        "warmup_s": opts.warmup_s,
+        "time_scale": k,
+        "measured": measured,
+        "simulated": sim["metrics"],
+        "simulator_engine": sim["engine_config"],
+        "runtime_cpu_ms_per_token": runtime_ms,
+        "preemptions": {"measured": coordinator["preemptions"],
+                        "simulated": summary["preemptions"]},
+        "reroutes": coordinator["reroutes"],
+        "cpu_s": {"coordinator": coordinator_s, "workers": workers_s,
+                  "links": cpu.get("links", 0.0), "client": client_cpu_s,
+                  "window_s": window_s, "wall_s": wall_s},
+        "nodes": nodes,
+        "links": link_rows,
+        "errors": errors,
+        "start_s": start_s,
+        "processes": pids,
+        "workdir": str(workdir) if workdir else None,
+        "command": "helixserve " + _shell_join(sys.argv[1:]),
+        "machine": {"hostname": platform.node(), "cpus": os.cpu_count(),
+                    "platform": platform.platform(), "python": platform.python_version(),
+                    "loadavg_1m_before": round(load[0], 2), "loadavg_1m_after": round(load[1], 2)},
+    }
+
+
+def _shell_join(argv: list[str]) -> str:
+    import shlex
+
+    with contextlib.suppress(Exception):
+        return shlex.join(argv)
+    return " ".join(argv)

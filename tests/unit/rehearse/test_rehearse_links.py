@@ -1,0 +1,147 @@
+"""The rehearsal's link emulation (helixserve/rehearse/links.py): the FIFO's arithmetic, the
+link table read from a cluster file (NIC caps, regions, time scale), the proxy's byte
+counters per directed link on a real loopback connection, and the lookup of the calling
+process. No wall-clock bounds: times are the ones the FIFO computes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from helixserve.rehearse.links import (
+    UNLIMITED,
+    Link,
+    LinkProxy,
+    LinkShape,
+    ProxyConfig,
+    ProxyRoute,
+    SourceResolver,
+    link_table,
+    pid_holding,
+    read_stats,
+    socket_inode,
+)
+from helixserve.spec.cluster import parse_cluster
+
+
+def test_fifo_serializes_at_the_bandwidth_then_adds_the_latency():
+    link = Link(LinkShape(bandwidth_gbps=0.008, latency_ms=10.0))  # 1 MB/s
+    # 1000 bytes take 1 ms on the wire, then 10 ms in flight
+    assert link.schedule(1000, now_s=0.0) == pytest.approx(0.011)
+    # handed over at once behind it: waits for the first to leave the wire
+    assert link.schedule(1000, now_s=0.0) == pytest.approx(0.012)
+    # handed over after the link is idle again: no wait
+    assert link.schedule(500, now_s=1.0) == pytest.approx(1.0 + 0.0005 + 0.010)
+    assert link.bytes_sent == 2500 and link.chunks == 3
+
+
+def test_unlimited_link_delivers_at_once_and_still_counts():
+    link = Link(UNLIMITED)
+    assert link.schedule(10**9, now_s=5.0) == 5.0
+    assert link.bytes_sent == 10**9
+
+
+CLUSTER = {
+    "name": "two-regions",
+    "nodes": [
+        {"name": "e1", "gpu": "L4", "region": "east", "nic_gbps": 4},
+        {"name": "e2", "gpu": "L4", "region": "east"},
+        {"name": "w1", "gpu": "T4", "region": "west"},
+        {"name": "x1", "gpu": "T4", "region": "far"},
+    ],
+    "coordinator": {"region": "east"},
+    "links": {
+        "default": {"bandwidth_gbps": 10, "latency_ms": 1},
+        "between_regions": [
+            {"a": "east", "b": "west", "bandwidth_gbps": 0.1, "latency_ms": 50},
+            {"a": "east", "b": "far", "bandwidth_gbps": 0},
+        ],
+        "explicit": [{"src": "w1", "dst": "e2", "bandwidth_gbps": 0.2, "latency_ms": 40}],
+    },
+}
+
+
+def test_link_table_is_the_cluster_files_links_capped_by_nics_and_time_scaled():
+    cluster = parse_cluster(CLUSTER)
+    names = ["coordinator", "e1", "e2", "w1", "x1"]
+    table = link_table(cluster, names)
+    assert table[("e2", "e1")] == LinkShape(4.0, 1.0)  # e1's NIC caps the 10 Gbit/s link
+    assert table[("coordinator", "e2")] == LinkShape(10.0, 1.0)
+    assert table[("e2", "w1")] == LinkShape(0.1, 50.0)  # between regions
+    assert table[("w1", "e2")] == LinkShape(0.2, 40.0)  # explicit, directed
+    assert ("e1", "x1") not in table and ("x1", "coordinator") not in table  # no link
+    slow = link_table(cluster, names, time_scale=4.0)
+    assert slow[("e2", "w1")] == LinkShape(0.025, 200.0)
+
+
+def test_config_round_trips_through_json(tmp_path):
+    config = ProxyConfig([ProxyRoute("n0", 1234, 5678)], {("coordinator", "n0"): LinkShape(1, 2)},
+                         {42: "n0"}, str(tmp_path / "s.json"), max_seconds=9.0)
+    back = ProxyConfig.from_json(config.to_json())
+    assert back == config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_proxy_forwards_and_counts_bytes_per_directed_link(tmp_path):
+    """An echo server behind the proxy; the caller is told to be `n1`: what it sends counts
+    on n1 -> n0, the echo on n0 -> n1; a pair without a link is forwarded, marked unlinked."""
+
+    async def main() -> dict:
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        target = await asyncio.start_server(echo, "127.0.0.1", 0)
+        target_port = target.sockets[0].getsockname()[1]
+        listen = _free_port()
+        config = ProxyConfig([ProxyRoute("n0", listen, target_port)],
+                             {("n1", "n0"): LinkShape(10.0, 0.5)}, {},
+                             str(tmp_path / "stats.json"))
+        proxy = LinkProxy(config, resolve=lambda peer: "n1")
+        await proxy.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listen)
+            payload = os.urandom(300_000)
+            writer.write(payload)
+            await writer.drain()
+            got = await reader.readexactly(len(payload))
+            assert got == payload
+            writer.close()
+            proxy.write_stats()
+        finally:
+            await proxy.close()
+            target.close()
+        return read_stats(config.stats_path)[1]
+
+    stats = asyncio.run(main())
+    assert stats["n1->n0"]["bytes"] == 300_000 and stats["n1->n0"]["connections"] == 1
+    assert stats["n1->n0"]["bandwidth_gbps"] == 10.0 and "unlinked" not in stats["n1->n0"]
+    # the reply direction has no link in the table: forwarded without limits, and flagged
+    assert stats["n0->n1"]["bytes"] == 300_000 and stats["n0->n1"]["unlinked"] is True
+
+
+def test_caller_is_found_by_the_process_holding_its_socket():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        client = socket.create_connection(server.getsockname())
+        conn, peer = server.accept()
+        try:
+            inode = socket_inode(*peer)
+            assert inode is not None
+            assert pid_holding(inode, [os.getpid()]) == os.getpid()
+            assert SourceResolver({os.getpid(): "n7"}, "coordinator")(peer) == "n7"
+            assert SourceResolver({}, "coordinator")(peer) == "coordinator"
+        finally:
+            conn.close()
+            client.close()
