@@ -157,11 +157,16 @@ async def make_coordinator(model: Path, workers: list[Worker]) -> Any:
     return await Coordinator.create(cluster, placement, model)
 
 
-async def node_counters(coord: Any) -> dict[str, tuple[int, int]]:
-    """(engine steps, items run) per node, fresh from the workers."""
+async def node_counters(coord: Any) -> dict[str, tuple[int, int, int, int]]:
+    """(engine steps, items run, Work/result messages sent, items they carried) per node, fresh
+    from the workers, and the coordinator's messages to its workers (key "coordinator")."""
     for n in coord.nodes.values():
         await n.refresh_info()
-    return {name: (n.info.steps, n.info.items_run) for name, n in coord.nodes.items()}
+    out = {name: (n.info.steps, n.info.items_run, n.info.work_messages_out,
+                  n.info.work_items_out) for name, n in coord.nodes.items()}
+    out["coordinator"] = (0, 0, sum(n.messages_out for n in coord.nodes.values()),
+                          sum(n.items_out for n in coord.nodes.values()))
+    return out
 
 
 def encode(coord: Any, question: str) -> list[int]:
@@ -215,6 +220,7 @@ async def run(args: argparse.Namespace, setups: dict[str, list[Worker]], model: 
         overhead: dict[str, list[tuple[float, float, int]]] = {n: [] for n in coords}
         tput: dict[str, list[float]] = {n: [] for n in coords}
         mean_batch: dict[str, dict[str, float]] = {}
+        per_message: dict[str, dict[str, float]] = {}
         for _ in range(args.rounds):
             for name, c in coords.items():
                 overhead[name] += await measure_overhead(c, prompts, args.tokens, 1)
@@ -224,6 +230,10 @@ async def run(args: argparse.Namespace, setups: dict[str, list[Worker]], model: 
                 after = await node_counters(c)
                 mean_batch[name] = {
                     n: (after[n][1] - before[n][1]) / max(1, after[n][0] - before[n][0])
+                    for n in after if n != "coordinator"
+                }
+                per_message[name] = {
+                    n: (after[n][3] - before[n][3]) / max(1, after[n][2] - before[n][2])
                     for n in after
                 }
     finally:
@@ -244,6 +254,8 @@ async def run(args: argparse.Namespace, setups: dict[str, list[Worker]], model: 
             "throughput_tokens_per_s": tput[name],
             "throughput_median_tokens_per_s": statistics.median(tput[name]),
             "mean_batch_items_per_node_last_round": mean_batch[name],
+            # items (or results) per Work/result message each sender sent, under --streams
+            "items_per_message_last_round": per_message[name],
         }
     gap_s = result["setups"]["single"]["itl_p50_ms"] / 1000
     port = free_port()
@@ -309,6 +321,8 @@ def main() -> int:
     for name, r in result["setups"].items():
         batches = ", ".join(f"{n} {b:.1f}" for n, b in r["mean_batch_items_per_node_last_round"].items())
         print(f"{name}: mean items per engine step under {args.streams} streams: {batches}")
+        per_msg = ", ".join(f"{n} {b:.1f}" for n, b in r["items_per_message_last_round"].items())
+        print(f"{name}: items per message sent under {args.streams} streams: {per_msg}")
     floor = result["grpc_floor"]
     print(f"gRPC floor (echo to another process, round trip): p50 "
           f"{floor['rtt_after_idle_p50_ms']:.2f} ms after {floor['idle_gap_ms']:.0f} ms idle, "

@@ -12,10 +12,12 @@ preemption victim (`RUNTIME_VICTIM_RULE`).
 One request: admit (ask the scheduler's router for a route, fed with live worker stats; wait
 in a bounded FIFO while no route has KV room) -> prefill (prompt split into chunks of at most
 `prefill_chunk_tokens`, all sent at once to the first hop; workers run a request's chunks in
-order, so chunks pipeline along the route) -> decode (one item per token along the same route;
-the last hop returns the sampled token on this coordinator's stream) -> finish (stop token, stop
-string, max_tokens) -> release KV on every hop. Closing the generator early (client gone) or
-cancelling its task takes the same release path.
+order, so chunks pipeline along the route; they carry the route and sampling, which every hop
+keeps) -> decode (one continuation item per token along the same route: request id, step,
+position, token; the last hop returns the sampled token on this coordinator's stream, and the
+request's driver task sends the next step at once, whether or not the caller has read the
+token) -> finish (stop token, stop string, max_tokens) -> release KV on every hop. Closing the
+generator early (client gone) or cancelling its task takes the same release path.
 
 KV allocation (`kv_allocation`): "reserve" admits a request when prompt + max_tokens fit on
 every hop of a route and holds that much for its life, so a worker never runs out.
@@ -668,7 +670,12 @@ class Coordinator:
         """Wait for the next sampled token, skipping prefill acks; re-route on node failure."""
         while True:
             try:
-                r = await asyncio.wait_for(act.results.get(), self.step_timeout_s)
+                if act.results.empty():
+                    # asyncio.timeout, not wait_for: no task per token
+                    async with asyncio.timeout(self.step_timeout_s):
+                        r = await act.results.get()
+                else:
+                    r = act.results.get_nowait()
             except TimeoutError:
                 # An item lost without any node failing (e.g. a broken worker-to-worker
                 # stream): replay on a route of nodes that pass a health check.
