@@ -69,6 +69,9 @@ SERVICE_NAME = "helixserve.v1.HelixWorker"
 RELEASED_MEMORY = 100_000
 #: Window of the busy-fraction estimate reported by Info.
 BUSY_WINDOW_S = 5.0
+#: Requests' kept routes at most (see Worker.kept); past it the oldest goes, and its next
+#: continuation item is answered UNAVAILABLE (its coordinator replays it)
+KEPT_MEMORY = 100_000
 #: Items remembered per next-hop stream, to report when the stream breaks (see _Peer).
 SENT_MEMORY = 10_000
 
@@ -533,6 +536,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 # broke): nobody will release its requests here, so free them now.
                 orphans = [(cid, rid) for rid, cid in list(self.active.items())
                            if cid == stream.coordinator_id]
+                for rid in [r for r, k in self.kept.items()
+                            if k.coordinator_id == stream.coordinator_id]:
+                    del self.kept[rid]
                 if orphans:
                     log.warning("coordinator %s left; freeing %d requests",
                                 stream.coordinator_id, len(orphans))
@@ -601,6 +607,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
             return None
         if full and (item.coordinator_id, item.request_id) not in self.released:
             self.kept[item.request_id] = tp.RequestRoute.of(item)
+            if len(self.kept) > KEPT_MEMORY:
+                del self.kept[next(iter(self.kept))]
         return _Job(item, msg, stream)
 
     def _stale_route(self, msg: pb.WorkItem) -> bool:
