@@ -477,7 +477,7 @@ class Coordinator:
         arrived_s = loop.time()
         await self._route(act)
         events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
-        driver = loop.create_task(self._drive(act, out, events, loop.time() - arrived_s))
+        driver = self._spawn(self._drive(act, out, events, loop.time() - arrived_s))
         try:
             while True:
                 ev = await events.get()
@@ -487,9 +487,11 @@ class Coordinator:
                 if ev.finish_reason is not None:
                     return
         finally:
-            if not driver.done():
-                driver.cancel()
-                await asyncio.gather(driver, return_exceptions=True)
+            # No await here: a caller cancelled by anyio/Starlette (client gone) is cancelled
+            # again at every await, and the KV must still be freed. The driver stops at its
+            # next await; wherever that is, `_finish` frees the route the request holds now
+            # (a replay in flight holds none until it is admitted, and then it is cancelled).
+            driver.cancel()
             self._finish(act)
 
     async def _drive(self, act: _Active, out: OutputProcessor,

@@ -175,3 +175,34 @@ def test_a_direct_callers_request_is_checked_once_by_the_coordinator() -> None:
         await coord.close()
 
     asyncio.run(main())
+
+
+def test_a_reader_cancelled_by_anyio_still_frees_the_kv() -> None:
+    """Starlette cancels a gone client's stream through anyio, which cancels again at every
+    await: closing the stream must free the KV without awaiting anything first."""
+    import anyio
+
+    async def main() -> None:
+        coord = _coordinator()
+        for n in coord.nodes.values():
+            n.auto = False  # type: ignore[attr-defined]
+        a = coord.nodes["a"]
+
+        async def read() -> None:
+            async for _ in coord.generate(_request(20)):
+                pass
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            await _settle()
+            for r in a.held:  # type: ignore[attr-defined]
+                coord._on_result(r)
+            await _settle()
+            internal = next(iter(coord.active))
+            tg.cancel_scope.cancel()
+        await _settle()
+        assert not coord.active
+        assert all(n.released == [internal] for n in coord.nodes.values())  # type: ignore[attr-defined]
+        await coord.close()
+
+    asyncio.run(main())
