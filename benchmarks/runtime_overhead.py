@@ -17,7 +17,11 @@ step (the processes sleep between tokens, and waking costs), and back to back.
 
 Throughput: `--streams` concurrent requests (default 16) with a fixed output length
 (ignore_eos), output tokens per second over the wall time, pipeline vs single worker. Setups
-alternate per round, so drift of a shared machine hits both alike.
+alternate per round, so drift of a shared machine hits both alike. Over the same phase: CPU
+milliseconds per output token of the coordinator (this process) and of the workers (their
+whole processes, engine included, from /proc), which a loaded machine disturbs less than
+tok/s; and items per message each sender sent (coordinator -> first hop, worker -> next hop
+or coordinator).
 
     python -m benchmarks.runtime_overhead --json benchmarks/results/runtime_overhead.json
 """
@@ -60,6 +64,12 @@ class Worker:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc), all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_worker(model: Path, name: str, start: int, end: int, threads: int, log: Path) -> Worker:
@@ -148,11 +158,17 @@ async def make_coordinator(model: Path, workers: list[Worker]) -> Any:
     return await Coordinator.create(cluster, placement, model)
 
 
-async def node_counters(coord: Any) -> dict[str, tuple[int, int]]:
-    """(engine steps, items run) per node, fresh from the workers."""
+async def node_counters(coord: Any) -> dict[str, tuple[int, int, int, int]]:
+    """(engine steps, items run, Work/result messages sent, items they carried) per node, fresh
+    from the workers, and the coordinator's messages to its workers (key "coordinator")."""
     for n in coord.nodes.values():
         await n.refresh_info()
-    return {name: (n.info.steps, n.info.items_run) for name, n in coord.nodes.items()}
+    # (a tree from before these counters existed reports no messages: 0)
+    out = {name: (n.info.steps, n.info.items_run, getattr(n.info, "work_messages_out", 0),
+                  getattr(n.info, "work_items_out", 0)) for name, n in coord.nodes.items()}
+    out["coordinator"] = (0, 0, sum(getattr(n, "messages_out", 0) for n in coord.nodes.values()),
+                          sum(getattr(n, "items_out", 0) for n in coord.nodes.values()))
+    return out
 
 
 def encode(coord: Any, question: str) -> list[int]:
@@ -206,15 +222,26 @@ async def run(args: argparse.Namespace, setups: dict[str, list[Worker]], model: 
         overhead: dict[str, list[tuple[float, float, int]]] = {n: [] for n in coords}
         tput: dict[str, list[float]] = {n: [] for n in coords}
         mean_batch: dict[str, dict[str, float]] = {}
+        per_message: dict[str, dict[str, float]] = {}
+        cpu: dict[str, list[tuple[float, float]]] = {n: [] for n in coords}
         for _ in range(args.rounds):
             for name, c in coords.items():
                 overhead[name] += await measure_overhead(c, prompts, args.tokens, 1)
             for name, c in coords.items():
                 before = await node_counters(c)
+                pids = [w.proc.pid for w in setups[name]]
+                coord0, workers0 = time.process_time(), sum(process_cpu_s(p) for p in pids)
                 tput[name].append(await measure_throughput(c, prompts, args.streams, args.tokens))
+                tokens = args.streams * args.tokens
+                cpu[name].append(((time.process_time() - coord0) * 1000 / tokens,
+                                  (sum(process_cpu_s(p) for p in pids) - workers0) * 1000 / tokens))
                 after = await node_counters(c)
                 mean_batch[name] = {
                     n: (after[n][1] - before[n][1]) / max(1, after[n][0] - before[n][0])
+                    for n in after if n != "coordinator"
+                }
+                per_message[name] = {
+                    n: (after[n][3] - before[n][3]) / max(1, after[n][2] - before[n][2])
                     for n in after
                 }
     finally:
@@ -235,6 +262,12 @@ async def run(args: argparse.Namespace, setups: dict[str, list[Worker]], model: 
             "throughput_tokens_per_s": tput[name],
             "throughput_median_tokens_per_s": statistics.median(tput[name]),
             "mean_batch_items_per_node_last_round": mean_batch[name],
+            # items (or results) per Work/result message each sender sent, under --streams
+            "items_per_message_last_round": per_message[name],
+            # CPU ms per output token under --streams: this process (the coordinator), and
+            # the workers' processes together (engine included); median over rounds
+            "coordinator_cpu_ms_per_token": statistics.median(x[0] for x in cpu[name]),
+            "workers_cpu_ms_per_token": statistics.median(x[1] for x in cpu[name]),
         }
     gap_s = result["setups"]["single"]["itl_p50_ms"] / 1000
     port = free_port()
@@ -298,6 +331,10 @@ def main() -> int:
     for name, r in result["setups"].items():
         batches = ", ".join(f"{n} {b:.1f}" for n, b in r["mean_batch_items_per_node_last_round"].items())
         print(f"{name}: mean items per engine step under {args.streams} streams: {batches}")
+        per_msg = ", ".join(f"{n} {b:.1f}" for n, b in r["items_per_message_last_round"].items())
+        print(f"{name}: items per message sent under {args.streams} streams: {per_msg}")
+        print(f"{name}: CPU ms per output token under {args.streams} streams: coordinator "
+              f"{r['coordinator_cpu_ms_per_token']:.3f}, workers {r['workers_cpu_ms_per_token']:.2f}")
     floor = result["grpc_floor"]
     print(f"gRPC floor (echo to another process, round trip): p50 "
           f"{floor['rtt_after_idle_p50_ms']:.2f} ms after {floor['idle_gap_ms']:.0f} ms idle, "

@@ -1,8 +1,8 @@
 """The request types the API, the coordinator and the engines share; torch-free.
 
-`SamplingParams` says how one request's next token is chosen (checked by `validate`, which
-names the bad field); the engine's sampler (`engine/sampling.py`) applies it. A
-`GenerationRequest` is what the API hands the coordinator; `TokenEvent` is what comes back per
+`SamplingParams` says how one request's next token is chosen; the engine's sampler
+(`engine/sampling.py`) applies it. A `GenerationRequest` is what the API hands the coordinator,
+checked once by its `validate` (which names the bad field); `TokenEvent` is what comes back per
 token. `PromptLogprob` is one prompt token's score (`echo` with logprobs). Nothing here imports
 torch, so the API and the coordinator run where torch is not installed.
 """
@@ -121,6 +121,25 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    #: the context length `validate` checked this request against; 0 = not checked (the
+    #: coordinator then checks it itself, once)
+    checked_for_len: int = field(default=0, compare=False)
+
+    def validate(self, max_model_len: int) -> GenerationRequest:
+        """The one check of a request (UserError naming the bad field): a prompt, at least one
+        token to generate, a prompt shorter than the context, sampling in range. The API runs
+        it while it builds the request; the coordinator trusts a request checked for its
+        context length and checks any other itself."""
+        n = len(self.prompt_token_ids)
+        if n == 0:
+            raise UserError("prompt: empty; need at least one token")
+        if self.max_tokens < 1:
+            raise UserError(f"max_tokens: bad value {self.max_tokens}; must be >= 1")
+        if n >= max_model_len:
+            raise UserError(f"prompt: {n} tokens; the model's context is {max_model_len}")
+        self.sampling.validate()
+        self.checked_for_len = max_model_len
+        return self
 
 
 @dataclass

@@ -291,8 +291,7 @@ class Serving:
             if token_id >= vocab:
                 raise APIError(400, f"logit_bias: token id {token_id} out of range [0, {vocab})",
                                param="logit_bias", code="invalid_parameter")
-        params.validate()
-        return params
+        return params  # checked with its request (`GenerationRequest.validate`, build_batch)
 
     def _next_internal_id(self, request_id: str, index: int) -> str:
         # client request ids may repeat; the coordinator's must not
@@ -333,6 +332,9 @@ class Serving:
                     stop_token_ids=list(body.stop_token_ids or []),
                     ignore_eos=body.ignore_eos,
                 )
+                # the one check of the request (the coordinator trusts it): the context and
+                # KV room are `_max_tokens`' above, worded as OpenAI's
+                req.validate(self.coord.max_model_len)
                 choices.append(Choice(index, p_index, list(ids), text, req))
         return Batch(request_id, int(time.time()), choices, [list(ids) for ids, _ in prompts])
 

@@ -216,8 +216,8 @@ def simulate(inputs: RehearsalInputs, *, offline: bool, duration_s: float, warmu
     """`helixserve simulate`'s code path on the same placement and requests (module doc):
     {"metrics": the METRIC_KEYS and request counts, "summary": the simulator's summary}."""
     from helixserve.runtime.transport import prefill_chunk_tokens
-    from helixserve.simulator.presets import engine_config
     from helixserve.simulator.metrics import latencies, summarize
+    from helixserve.simulator.presets import engine_config
     from helixserve.simulator.sim import SimConfig, Simulation
     from helixserve.spec.scheduling import DEFAULT_PREFILL_CHUNK_TOKENS, RUNTIME_VICTIM_RULE
 

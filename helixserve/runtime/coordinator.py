@@ -11,10 +11,12 @@ its admissions on the workers.
 One request: admit (ask the scheduler's router for a route, fed with live worker stats; wait
 in a bounded FIFO while no route has KV room) -> prefill (prompt split into chunks of at most
 `prefill_chunk_tokens`, all sent at once to the first hop; workers run a request's chunks in
-order, so chunks pipeline along the route) -> decode (one item per token along the same route;
-the last hop returns the sampled token on this coordinator's stream) -> finish (stop token, stop
-string, max_tokens) -> release KV on every hop. Closing the generator early (client gone) or
-cancelling its task takes the same release path.
+order, so chunks pipeline along the route; they carry the route and sampling, which every hop
+keeps) -> decode (one continuation item per token along the same route: request id, step,
+position, token; the last hop returns the sampled token on this coordinator's stream, and the
+request's driver task sends the next step at once, whether or not the caller has read the
+token) -> finish (stop token, stop string, max_tokens) -> release KV on every hop. Closing the
+generator early (client gone) or cancelling its task takes the same release path.
 
 KV allocation (`kv_allocation`): "reserve" holds prompt + max_tokens on every hop from
 admission; "on-demand" (the default, as in vLLM) admits on the prompt and, when a worker has
@@ -104,6 +106,9 @@ class _Active:
     pending: set[int] = field(default_factory=set)
     #: the coordinator's placement epoch when the current route was made (replan.py)
     epoch: int = 0
+    #: every worker of the current route takes continuation items (decode steps without the
+    #: route and sampling, which went with the prefill); set by `_send_prefill`
+    continuation: bool = False
 
 
 class Coordinator:
@@ -404,11 +409,18 @@ class Coordinator:
     # ---- one request ----------------------------------------------------------------------
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """Stream the request's tokens; see the module doc for the lifecycle."""
+        """Stream the request's tokens; see the module doc for the lifecycle.
+
+        A driver task per request takes each token as it arrives, decides whether the request
+        is done (OutputProcessor: stop tokens and strings, max_tokens) and sends the next
+        decode step at once; the events wait in the request's own queue until the caller
+        reads them, so a slow reader does not slow its request's decode. Closing this
+        generator (or cancelling its task) stops the driver and frees the KV on every hop."""
         # A copy: min_tokens and scored prompt logprobs rewrite `sampling` for this run only,
         # so a caller may submit the same request object again.
         req = dataclasses.replace(req)
-        self._validate(req)
+        if req.checked_for_len != self.max_model_len:
+            self._validate(req)  # a direct caller's request; the API's comes checked
         if req.min_tokens > 0:
             # The last hop's sampler masks these until min_tokens are generated.
             stop_ids = set(req.stop_token_ids)
@@ -428,29 +440,58 @@ class Coordinator:
             ignore_eos=req.ignore_eos,
             max_model_len=self.max_model_len,
         )
-        arrived_s = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        arrived_s = loop.time()
         await self._route(act)
-        queue_s: float | None = asyncio.get_running_loop().time() - arrived_s
+        events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        driver = self.spawn(self._drive(act, out, events, loop.time() - arrived_s))
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                yield ev
+                if ev.finish_reason is not None:
+                    return
+        finally:
+            # No await here: a caller cancelled by anyio/Starlette (client gone) is cancelled
+            # again at every await, and the KV must still be freed. The driver stops at its
+            # next await; wherever that is, `_finish` frees the route the request holds now
+            # (a replay in flight holds none until it is admitted, and then it is cancelled).
+            driver.cancel()
+            self._finish(act)
+
+    async def _drive(self, act: _Active, out: OutputProcessor,
+                     events: asyncio.Queue[TokenEvent | BaseException],
+                     queue_s: float | None) -> None:
+        """One request's decode loop (see `generate`): prefill, then per token: account it,
+        send the next step unless it finished, queue its event. An error ends the loop and
+        is queued for `generate` to raise."""
+        req = act.req
         try:
             self._send_prefill(act, req.prompt_token_ids)
             while True:
                 r = await self._next_token(act)
-                assert r.token_id is not None
-                self._on_token(act, r.token_id)
-                step = out.add(r.token_id)
+                token_id = r.token_id
+                assert token_id is not None
+                self._on_token(act, token_id)
+                step = out.add(token_id)
+                if step.finish_reason is None:
+                    self._send_decode(act, len(req.prompt_token_ids) + len(act.generated) - 1,
+                                      token_id)
+                else:
+                    self._finish(act)  # KV freed now, not when the caller reads the token
                 if r.prompt_logprobs is not None:
                     # scored once: a re-prefill after a fault need not score the prompt again
                     req.sampling = dataclasses.replace(req.sampling, prompt_logprobs=None)
-                yield TokenEvent(r.token_id, step.text, r.logprob, r.top_logprobs,
-                                 step.finish_reason, r.compute_s, len(act.route_hops),
-                                 r.prompt_logprobs, queue_s)
+                events.put_nowait(TokenEvent(token_id, step.text, r.logprob, r.top_logprobs,
+                                             step.finish_reason, r.compute_s,
+                                             len(act.route_hops), r.prompt_logprobs, queue_s))
                 queue_s = None
                 if step.finish_reason is not None:
                     return
-                self._send(act, position=len(req.prompt_token_ids) + len(act.generated) - 1,
-                           token_ids=[r.token_id], sample=True)
-        finally:
-            self._finish(act)
+        except Exception as exc:  # NoRouteError, RequestFailedError, ...: the caller's
+            events.put_nowait(exc)
 
     def _on_token(self, act: _Active, token_id: int) -> None:
         act.generated.append(token_id)
@@ -463,18 +504,10 @@ class Coordinator:
         return f"{req.request_id}#{self.coordinator_id}.{next(self._ids)}"
 
     def _validate(self, req: GenerationRequest) -> None:
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise UserError("prompt: empty; need at least one token")
-        if req.max_tokens < 1:
-            raise UserError(f"max_tokens: bad value {req.max_tokens}; must be >= 1")
-        if n >= self.max_model_len:
-            raise UserError(f"prompt: {n} tokens; the model's context is {self.max_model_len}")
+        """A request no API layer checked (a direct caller): the same one check the API runs."""
         if req.sampling is None:
             req.sampling = SamplingParams()
-        validate = getattr(req.sampling, "validate", None)
-        if validate is not None:
-            validate()  # UserError naming the bad field
+        req.validate(self.max_model_len)  # UserError naming the bad field
 
     async def _route(self, act: _Active) -> None:
         """Wait until the core admits the request (a new one is queued here; a replayed one
@@ -559,7 +592,10 @@ class Coordinator:
             rec.trigger("layers without a live holder")
 
     def _send_prefill(self, act: _Active, token_ids: list[int]) -> None:
-        """Prompt (+ tokens generated so far, on a re-route) in chunks, all sent at once."""
+        """Prompt (+ tokens generated so far, on a re-route) in chunks, all sent at once. These
+        carry the route and sampling; the route's workers keep them for the decode steps."""
+        act.continuation = all(getattr(self.nodes[h.name], "continuation_ok", False)
+                               for h in act.route_hops)
         chunk = self.prefill_chunk_tokens
         # On a replay the last hop must know which tokens are generated ones (penalties).
         num_prompt = len(act.req.prompt_token_ids) if act.generated else None
@@ -587,11 +623,27 @@ class Coordinator:
         act.pending.add(item.step_id)
         self.nodes[act.route_hops[0].name].send(item)
 
+    def _send_decode(self, act: _Active, position: int, token_id: int) -> None:
+        """One decode step: a continuation item (request id, step, position, token) when the
+        route's workers keep the request's route, else a full item."""
+        if not act.continuation:
+            self._send(act, position=position, token_ids=[token_id], sample=True)
+            return
+        step_id = next(self._steps)
+        act.pending.add(step_id)
+        self.nodes[act.route_hops[0].name].send_continuation(act.internal_id, step_id, position,
+                                                             [token_id])
+
     async def _next_token(self, act: _Active) -> WireResult:
         """Wait for the next sampled token, skipping prefill acks; re-route on node failure."""
         while True:
             try:
-                r = await asyncio.wait_for(act.results.get(), self.step_timeout_s)
+                if act.results.empty():
+                    # asyncio.timeout, not wait_for: no task per token
+                    async with asyncio.timeout(self.step_timeout_s):
+                        r = await act.results.get()
+                else:
+                    r = act.results.get_nowait()
             except TimeoutError:
                 # An item lost without any node failing (e.g. a broken worker-to-worker
                 # stream): replay on a route of nodes that pass a health check.

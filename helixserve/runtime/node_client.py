@@ -1,8 +1,11 @@
 """The coordinator's connection to one worker: a persistent Work stream plus unary calls.
 
 Items for the worker are queued and sent in batches (all items queued since the last write go in
-one WorkBatch message). Results (sampled tokens, prefill acks, per-item errors) arrive on the
-stream's responses and are handed to the coordinator's callback. When the stream breaks the node
+one WorkBatch message: the decode steps the coordinator sends in one event-loop turn travel
+together). A request's later decode steps go as continuation items (`send_continuation`: request
+id, step id, position, token) when the worker speaks wire version 2 (`continuation_ok`).
+Results (sampled tokens, prefill acks, per-item errors) arrive on the stream's responses and are
+handed to the coordinator's callback. When the stream breaks the node
 is reported down; `revive` reconnects once the worker answers again.
 """
 
@@ -67,6 +70,9 @@ class NodeClient:
         self._stream_task: asyncio.Task[None] | None = None
         self._last_revive = 0.0
         self._route_pb_cache: dict[tuple[object, ...], list[pb.Hop]] = {}
+        #: Work messages sent on the stream and the items they carried (items per message)
+        self.messages_out = 0
+        self.items_out = 0
         #: an Info call is under way; Info calls in a row that got no answer in time
         self.refreshing = False
         self.missed_answers = 0
@@ -159,6 +165,8 @@ class NodeClient:
                     yield tp.work_batch_pb(items)
                     return
                 items.append(nxt)
+            self.messages_out += 1
+            self.items_out += len(items)
             yield tp.work_batch_pb(items)
 
     async def _run_stream(self) -> None:
@@ -185,6 +193,16 @@ class NodeClient:
                 self._route_pb_cache.clear()
             route_pb = self._route_pb_cache[key] = tp.route_to_pb(item.route, item.addresses)
         self._outgoing.put_nowait(tp.item_to_pb(item, route_pb))
+
+    def send_continuation(self, request_id: str, step_id: int, position: int,
+                          token_ids: list[int]) -> None:
+        """A decode step of a request whose first item went to this worker before."""
+        self._outgoing.put_nowait(tp.continuation_to_pb(request_id, step_id, position, token_ids))
+
+    @property
+    def continuation_ok(self) -> bool:
+        """The worker takes continuation items (it reported wire version 2 or later)."""
+        return self.info is not None and self.info.wire_version >= 2
 
     # ---- unary calls -----------------------------------------------------------------------
 

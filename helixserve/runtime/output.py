@@ -18,6 +18,16 @@ from typing import Any
 _PREFIX_WINDOW = 6
 
 
+def _decoder(tokenizer: Any) -> Any:
+    """ids -> text without special tokens. A fast (Rust) tokenizer that cleans up no spaces
+    decodes exactly as its backend does: call that directly, without the Python wrapper's
+    conversions (twice per token on the coordinator's hot path)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 @dataclass
 class StepOutput:
     text: str
@@ -50,6 +60,7 @@ class OutputProcessor:
             self._stop_ids |= set(self.eos_token_ids)
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self.finished = False
+        self._decode = _decoder(self.tokenizer)
 
     def add(self, token_id: int) -> StepOutput:
         """Account one sampled token; returns the text delta to stream and the finish reason."""
@@ -77,9 +88,8 @@ class OutputProcessor:
 
     def _decode_new(self) -> str:
         ids = self._ids
-        prefix = self.tokenizer.decode(ids[self._prefix_offset : self._read_offset],
-                                       skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=True)
+        prefix = self._decode(ids[self._prefix_offset : self._read_offset])
+        full = self._decode(ids[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""  # nothing new yet, or an incomplete UTF-8 sequence: wait for more tokens
         self._prefix_offset = self._read_offset

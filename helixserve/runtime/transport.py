@@ -10,6 +10,7 @@ which runs without torch) gets and sends `RawHidden`: the same checked bytes, no
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -85,8 +86,17 @@ FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
 
 
+#: the wire contract this side speaks (InfoReply.wire_version): 2 = continuation items (a decode
+#: item after a request's first carries only what changed; see WorkItem in proto/helix.proto)
+WIRE_VERSION = 2
+
+
 class WireError(ValueError):
     """An incoming message does not match what the receiver expects (-> INVALID_ARGUMENT)."""
+
+
+class StaleRouteError(WireError):
+    """A continuation item for layers this worker no longer holds (-> UNAVAILABLE: replay)."""
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -306,13 +316,87 @@ def item_to_pb(item: WireItem, route_pb: list[pb.Hop] | None = None) -> pb.WorkI
 
 def forward_item_pb(msg: pb.WorkItem, hidden: torch.Tensor | RawHidden,
                     compute_s: float) -> pb.WorkItem:
-    """The same item for the next hop: hidden states replace nothing else."""
+    """The same item for the next hop: hidden states replace nothing else. A continuation item
+    (empty route) stays one: the next hop keeps the request's route too."""
+    if not msg.route:
+        return pb.WorkItem(request_id=msg.request_id, step_id=msg.step_id,
+                           position=msg.position, token_ids=msg.token_ids, sample=msg.sample,
+                           compute_s=compute_s, hidden=tensor_to_pb(hidden))
     out = pb.WorkItem()
     out.CopyFrom(msg)
     out.hop_index = msg.hop_index + 1
     out.compute_s = compute_s
     out.hidden.CopyFrom(tensor_to_pb(hidden))
     return out
+
+
+def continuation_to_pb(request_id: str, step_id: int, position: int,
+                       token_ids: list[int]) -> pb.WorkItem:
+    """A decode item of a request whose first item (with route and sampling) went before it:
+    only what changed (proto/helix.proto, WorkItem; the route's workers speak WIRE_VERSION 2)."""
+    return pb.WorkItem(request_id=request_id, step_id=step_id, position=position,
+                       token_ids=token_ids, sample=True)
+
+
+@dataclass(frozen=True)
+class RequestRoute:
+    """What a worker keeps of a request from its first item, for its continuation items."""
+
+    coordinator_id: str
+    hop_index: int
+    route: tuple[NodeRange, ...]
+    addresses: tuple[str, ...]
+    #: the sampling of decode steps (prompt_logprobs are scored with the prefill, not again)
+    sampling: SamplingParams | None
+
+    @staticmethod
+    def of(item: WireItem) -> RequestRoute:
+        sampling = item.sampling
+        if sampling is not None and sampling.prompt_logprobs is not None:
+            sampling = dataclasses.replace(sampling, prompt_logprobs=None)
+        return RequestRoute(item.coordinator_id, item.hop_index, item.route, item.addresses,
+                            sampling)
+
+
+def continuation_from_pb(msg: pb.WorkItem, kept: RequestRoute, expect: ExpectedInput,
+                         where: str = "item") -> WireItem:
+    """Decode a continuation item (empty route) with what the worker `kept` of its request;
+    WireError names the bad field."""
+    where = f"{where}[{msg.request_id}]"
+    hop = kept.route[kept.hop_index]
+    if not (expect.start_layer <= hop.start_layer and hop.end_layer <= expect.end_layer):
+        raise StaleRouteError(
+            f"{where}: the request's layers [{hop.start_layer}, {hop.end_layer}) are no longer "
+            f"held by this worker [{expect.start_layer}, {expect.end_layer})"
+        )
+    num_tokens = len(msg.token_ids)
+    if num_tokens == 0:
+        raise WireError(f"{where}.token_ids: empty")
+    if msg.position < 0:
+        raise WireError(f"{where}.position: {msg.position} < 0")
+    hidden: torch.Tensor | RawHidden | None = None
+    if hop.start_layer == 0:
+        if msg.HasField("hidden"):
+            raise WireError(f"{where}.hidden: set on the first hop, which embeds token_ids")
+    else:
+        if not msg.HasField("hidden"):
+            raise WireError(f"{where}.hidden: missing for a hop starting at layer {hop.start_layer}")
+        # hidden: [num_tokens, hidden_size]
+        hidden = hidden_from_pb(msg.hidden, f"{where}.hidden", num_tokens, expect)
+    return WireItem(
+        request_id=msg.request_id,
+        coordinator_id=kept.coordinator_id,
+        step_id=msg.step_id,
+        hop_index=kept.hop_index,
+        route=kept.route,
+        addresses=kept.addresses,
+        position=msg.position,
+        token_ids=list(msg.token_ids),
+        hidden=hidden,
+        sampling=kept.sampling,
+        sample=msg.sample,
+        compute_s=msg.compute_s,
+    )
 
 
 @dataclass(frozen=True)
@@ -505,6 +589,11 @@ class WorkerInfo:
     step_tokens_sum: int = 0
     engine: str = "torch"
     vllm_version: str = ""
+    #: 0/1: full items only; 2: continuation items too (WIRE_VERSION)
+    wire_version: int = 0
+    #: Work/result messages sent and the items they carried (items per message)
+    work_messages_out: int = 0
+    work_items_out: int = 0
 
     @property
     def kv_free_tokens(self) -> int:

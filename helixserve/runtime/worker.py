@@ -15,6 +15,13 @@ Among those first items, the step is formed by the scheduling core's `plan_step`
 and prompt chunks oldest first up to `step_prompt_tokens` (the first always runs); a chunk the
 coordinator cut is never split again. The rest waits, in order, for the next step.
 
+What travels: a request's first item on a route (its prefill chunks) carries its route, its
+coordinator and its sampling; the worker keeps them (`kept`, per request, until the request is
+released) and the request's later decode items are continuation items that carry only request
+id, step id, position, token ids and hidden states (proto/helix.proto, WorkItem). All items one
+engine step sends to the same next hop go in one message, all results of one step for one
+coordinator in one message.
+
 Where results go: an item names the coordinator that sent it; the coordinator keeps a Work stream
 open to every worker, so the last hop writes the sampled token straight onto that stream (one
 message, not relayed back along the route). Per-item errors (validation, KV full, next hop
@@ -63,6 +70,9 @@ SERVICE_NAME = "helixserve.v1.HelixWorker"
 RELEASED_MEMORY = 100_000
 #: Window of the busy-fraction estimate reported by Info.
 BUSY_WINDOW_S = 5.0
+#: Requests' kept routes at most (see Worker.kept); past it the oldest goes, and its next
+#: continuation item is answered UNAVAILABLE (its coordinator replays it)
+KEPT_MEMORY = 100_000
 #: Items remembered per next-hop stream, to report when the stream breaks (see _Peer).
 SENT_MEMORY = 10_000
 
@@ -128,13 +138,14 @@ class _Peer:
     def __init__(self, worker: Worker, address: str) -> None:
         self.worker = worker
         self.address = address
-        self.queue: asyncio.Queue[pb.WorkItem] = asyncio.Queue()
+        #: items for the next hop with their coordinator's id (a continuation item names none)
+        self.queue: asyncio.Queue[tuple[pb.WorkItem, str]] = asyncio.Queue()
         #: (request id, step id, coordinator id) of items written to the current stream
         self.sent: deque[tuple[str, int, str]] = deque(maxlen=SENT_MEMORY)
         # The current stream's wait for its next item. A broken stream's request iterator
         # is left suspended by gRPC; cancelling this wait keeps it from taking (and losing)
         # an item meant for the next stream.
-        self._getter: asyncio.Future[pb.WorkItem] | None = None
+        self._getter: asyncio.Future[tuple[pb.WorkItem, str]] | None = None
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -150,18 +161,18 @@ class _Peer:
                 message = f"next hop {self.address} unreachable: {exc.code().name}"
                 taken = self._stop_getter()
                 if taken is not None:
-                    self.sent.append((taken.request_id, taken.step_id, taken.coordinator_id))
+                    self.sent.append((taken[0].request_id, taken[0].step_id, taken[1]))
                 self._fail_sent(message)
                 self._fail_queued(message)
             finally:
                 taken = self._stop_getter()
                 if taken is not None:  # the stream ended normally after taking it
-                    self.worker.report_error(taken.request_id, taken.step_id,
-                                             taken.coordinator_id, tp.UNAVAILABLE,
+                    self.worker.report_error(taken[0].request_id, taken[0].step_id, taken[1],
+                                             tp.UNAVAILABLE,
                                              f"stream to next hop {self.address} ended")
                 await channel.close()
 
-    def _stop_getter(self) -> pb.WorkItem | None:
+    def _stop_getter(self) -> tuple[pb.WorkItem, str] | None:
         """End the current stream's wait; the item it took and never wrote, if any."""
         getter, self._getter = self._getter, None
         if getter is None:
@@ -173,14 +184,17 @@ class _Peer:
             return None
         return getter.result()
 
-    async def _requests(self, first: pb.WorkItem) -> AsyncIterator[pb.WorkBatch]:
+    async def _requests(self, first: tuple[pb.WorkItem, str]) -> AsyncIterator[pb.WorkBatch]:
         items = [first]
         hello = True
         while True:
+            # everything queued since the last write: at least one engine step's items
             while not self.queue.empty():
                 items.append(self.queue.get_nowait())
-            self.sent.extend((m.request_id, m.step_id, m.coordinator_id) for m in items)
-            yield tp.work_batch_pb(items, sender=self.worker.node if hello else "")
+            self.sent.extend((m.request_id, m.step_id, cid) for m, cid in items)
+            self.worker.count_sent(len(items))
+            yield tp.work_batch_pb([m for m, _ in items],
+                                   sender=self.worker.node if hello else "")
             hello = False
             getter = self._getter = asyncio.ensure_future(self.queue.get())
             items = [await getter]
@@ -192,7 +206,9 @@ class _Peer:
         # per-item error that could not be delivered there.
         async for batch in call:
             for r in batch.results:
-                self.worker.deliver(r, coordinator_id="", origin=None)
+                kept = self.worker.kept.get(r.request_id)
+                self.worker.deliver(r, coordinator_id=kept.coordinator_id if kept else "",
+                                    origin=None)
 
     def _fail_sent(self, message: str) -> None:
         for request_id, step_id, coordinator_id in self.sent:
@@ -202,9 +218,8 @@ class _Peer:
 
     def _fail_queued(self, message: str) -> None:
         while not self.queue.empty():
-            msg = self.queue.get_nowait()
-            self.worker.report_error(msg.request_id, msg.step_id, msg.coordinator_id,
-                                     tp.UNAVAILABLE, message)
+            msg, cid = self.queue.get_nowait()
+            self.worker.report_error(msg.request_id, msg.step_id, cid, tp.UNAVAILABLE, message)
 
 
 class Worker(pb_grpc.HelixWorkerServicer):
@@ -253,6 +268,12 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.draining = False
         # Engine-thread state (read approximately by Info from the loop thread).
         self.active: dict[str, str] = {}  # request id -> coordinator id, holding KV here
+        #: loop thread: route, coordinator and sampling of each request from its first item,
+        #: for its continuation items (module doc); dropped when the request is released
+        self.kept: dict[str, tp.RequestRoute] = {}
+        #: Work and result messages sent, and the items and results they carried
+        self.messages_out = 0
+        self.items_out = 0
         self.released: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.queue_len = 0
         self.last_batch_size = 0
@@ -399,6 +420,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.range_changes += 1
         assert self.loop is not None
         for rid, cid in moved.items():
+            self.loop.call_soon_threadsafe(self._forget, cid, rid)
             self.loop.call_soon_threadsafe(self.report_error, rid, 0, cid, tp.UNAVAILABLE, message)
         m.done.set_result((len(moved), time.perf_counter() - t0))
 
@@ -410,11 +432,25 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 self.released.popitem(last=False)
             owner = self.active.get(rid)
             if owner is None or owner != cid:
+                if self.loop is not None:
+                    self.loop.call_soon_threadsafe(self._forget, cid, rid)
                 continue  # not here, or another coordinator's request: left alone
             del self.active[rid]
             freed += 1
             self.engine.free(rid)
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(self._forget, cid, rid)
         return freed
+
+    def _forget(self, coordinator_id: str, request_id: str) -> None:
+        """Loop thread: a released request's kept route goes (only its own coordinator's)."""
+        kept = self.kept.get(request_id)
+        if kept is not None and kept.coordinator_id == coordinator_id:
+            del self.kept[request_id]
+
+    def count_sent(self, items: int) -> None:
+        self.messages_out += 1
+        self.items_out += items
 
     def _record_step(self, step_s: float, batch_size: int, num_tokens: int) -> None:
         self.step_tokens_counts[bisect.bisect_left(tp.STEP_TOKEN_BUCKETS, num_tokens)] += 1
@@ -462,7 +498,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 peer = self.peers.get(nxt)
                 if peer is None or peer.task.done():
                     peer = self.peers[nxt] = _Peer(self, nxt)
-                peer.queue.put_nowait(msg)
+                peer.queue.put_nowait((msg, item.coordinator_id))
 
     def deliver(self, result: pb.WorkResult, coordinator_id: str, origin: _Stream | None) -> None:
         stream = self.coordinators.get(coordinator_id) or origin
@@ -497,6 +533,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                         stream.out.put_nowait(None)
                         break
                     results.append(r)
+                self.count_sent(len(results))
                 yield tp.result_batch_pb(results)
             if stream.refused:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, stream.refused)
@@ -509,6 +546,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 # broke): nobody will release its requests here, so free them now.
                 orphans = [(cid, rid) for rid, cid in list(self.active.items())
                            if cid == stream.coordinator_id]
+                for rid in [r for r, k in self.kept.items()
+                            if k.coordinator_id == stream.coordinator_id]:
+                    del self.kept[rid]
                 if orphans:
                     log.warning("coordinator %s left; freeing %d requests",
                                 stream.coordinator_id, len(orphans))
@@ -541,11 +581,24 @@ class Worker(pb_grpc.HelixWorkerServicer):
             stream.out.put_nowait(None)
 
     def _accept(self, msg: pb.WorkItem, stream: _Stream, where: str) -> _Job | None:
+        full = bool(msg.route)
+        kept = None if full else self.kept.get(msg.request_id)
         try:
-            item = tp.item_from_pb(msg, self.expect, where)
+            if kept is not None:
+                item = tp.continuation_from_pb(msg, kept, self.expect, where)
+            else:
+                item = tp.item_from_pb(msg, self.expect, where)
         except tp.WireError as exc:
-            code = tp.UNAVAILABLE if self._stale_route(msg) else tp.INVALID_ARGUMENT
-            self.report_error(msg.request_id, msg.step_id, msg.coordinator_id,
+            stale = isinstance(exc, tp.StaleRouteError) or self._stale_route(msg)
+            code = tp.UNAVAILABLE if stale else tp.INVALID_ARGUMENT
+            if not full and kept is None and msg.request_id:
+                # a continuation of a request this worker keeps nothing of: released (a late
+                # item), or this worker restarted or changed its range since its first item
+                code = tp.UNAVAILABLE
+                exc = tp.WireError(f"{where}[{msg.request_id}]: a continuation item of a "
+                                   "request this worker keeps no route of; replay it")
+            cid = kept.coordinator_id if kept is not None else msg.coordinator_id
+            self.report_error(msg.request_id, msg.step_id, cid,
                               code, f"node {self.node}: {exc}", stream)
             return None
         refusal = self._refusal(item, stream, where)
@@ -562,6 +615,10 @@ class Worker(pb_grpc.HelixWorkerServicer):
                               f"node {self.node}: draining for shutdown, not accepting new requests",
                               stream)
             return None
+        if full and (item.coordinator_id, item.request_id) not in self.released:
+            self.kept[item.request_id] = tp.RequestRoute.of(item)
+            if len(self.kept) > KEPT_MEMORY:
+                del self.kept[next(iter(self.kept))]
         return _Job(item, msg, stream)
 
     def _stale_route(self, msg: pb.WorkItem) -> bool:
@@ -689,6 +746,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
             step_tokens_sum=self.step_tokens_sum,
             engine=getattr(self.engine, "engine_name", "torch"),
             vllm_version=getattr(self.engine, "vllm_version", ""),
+            wire_version=tp.WIRE_VERSION,
+            work_messages_out=self.messages_out,
+            work_items_out=self.items_out,
         )
 
 

@@ -188,7 +188,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoReply(_message.Message):
-    __slots__ = ("node", "model", "num_model_layers", "start_layer", "end_layer", "backend", "device", "dtype", "hidden_size", "kv_block_size", "kv_total_blocks", "kv_used_blocks", "kv_capacity_tokens", "queue_len", "last_batch_size", "busy_fraction", "steps", "active_requests", "draining", "eos_token_ids", "items_run", "step_tokens_counts", "step_tokens_sum", "engine", "vllm_version")
+    __slots__ = ("node", "model", "num_model_layers", "start_layer", "end_layer", "backend", "device", "dtype", "hidden_size", "kv_block_size", "kv_total_blocks", "kv_used_blocks", "kv_capacity_tokens", "queue_len", "last_batch_size", "busy_fraction", "steps", "active_requests", "draining", "eos_token_ids", "items_run", "step_tokens_counts", "step_tokens_sum", "engine", "vllm_version", "wire_version", "work_messages_out", "work_items_out")
     NODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_MODEL_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +214,9 @@ class InfoReply(_message.Message):
     STEP_TOKENS_SUM_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     VLLM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WORK_MESSAGES_OUT_FIELD_NUMBER: _ClassVar[int]
+    WORK_ITEMS_OUT_FIELD_NUMBER: _ClassVar[int]
     node: str
     model: str
     num_model_layers: int
@@ -239,7 +242,10 @@ class InfoReply(_message.Message):
     step_tokens_sum: int
     engine: str
     vllm_version: str
-    def __init__(self, node: _Optional[str] = ..., model: _Optional[str] = ..., num_model_layers: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., queue_len: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., items_run: _Optional[int] = ..., step_tokens_counts: _Optional[_Iterable[int]] = ..., step_tokens_sum: _Optional[int] = ..., engine: _Optional[str] = ..., vllm_version: _Optional[str] = ...) -> None: ...
+    wire_version: int
+    work_messages_out: int
+    work_items_out: int
+    def __init__(self, node: _Optional[str] = ..., model: _Optional[str] = ..., num_model_layers: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., hidden_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., queue_len: _Optional[int] = ..., last_batch_size: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., steps: _Optional[int] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., items_run: _Optional[int] = ..., step_tokens_counts: _Optional[_Iterable[int]] = ..., step_tokens_sum: _Optional[int] = ..., engine: _Optional[str] = ..., vllm_version: _Optional[str] = ..., wire_version: _Optional[int] = ..., work_messages_out: _Optional[int] = ..., work_items_out: _Optional[int] = ...) -> None: ...
 
 class LoadRangeRequest(_message.Message):
     __slots__ = ("start_layer", "end_layer", "coordinator_id", "coordinator_token")

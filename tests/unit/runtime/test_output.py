@@ -74,3 +74,25 @@ def test_stop_token_ids_and_model_length(tok):
     assert run(proc, ids)[1:] == ("stop", 3)
     proc = OutputProcessor(tok, [1, 2, 3], max_tokens=50, max_model_len=5)
     assert run(proc, ids)[1:] == ("length", 2)
+
+
+def test_only_a_tokenizer_without_space_clean_up_is_decoded_by_its_backend(tok):
+    """The fast path (the Rust backend, no wrapper) decodes exactly as `tokenizer.decode`
+    when no clean-up applies; a tokenizer that cleans up spaces keeps its own decode."""
+    calls: list[int] = []
+
+    class Cleaning:
+        backend_tokenizer = tok.backend_tokenizer
+        clean_up_tokenization_spaces = True
+
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            calls.append(len(ids))
+            return str(tok.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    ids = tok.encode(SENTENCE, add_special_tokens=False)
+    assert tok.clean_up_tokenization_spaces is False
+    for t, expect_calls in ((tok, False), (Cleaning(), True)):
+        calls.clear()
+        proc = OutputProcessor(t, prompt_token_ids=[], max_tokens=len(ids))
+        assert run(proc, ids)[0] == SENTENCE
+        assert bool(calls) == expect_calls

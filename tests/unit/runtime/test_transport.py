@@ -141,3 +141,51 @@ def test_prompt_logprobs_round_trip():
     empty = tp.result_from_pb(tp.result_to_pb(tp.WireResult("r", 4, token_id=7, prompt_logprobs=[])))
     assert empty.prompt_logprobs == []
     assert tp.sampling_from_pb(tp.sampling_to_pb(SamplingParams())).prompt_logprobs is None
+
+
+def test_continuation_item_carries_only_what_changed():
+    """A decode step after a request's first item: request id, step, position, token (and
+    hidden states between workers); no route, coordinator or sampling (proto: WorkItem)."""
+    msg = tp.continuation_to_pb("r", 11, 7, [42])
+    assert {f.name for f, _ in msg.ListFields()} == {
+        "request_id", "step_id", "position", "token_ids", "sample"}
+    full = tp.item_to_pb(_item(hidden=None, hop_index=0, token_ids=[42], position=7))
+    assert msg.ByteSize() * 4 < full.ByteSize()
+    # what the worker kept from the first item fills in the rest
+    kept = tp.RequestRoute.of(tp.item_from_pb(tp.item_to_pb(_item()), EXPECT))
+    hidden = torch.randn(1, 8)
+    fwd = tp.forward_item_pb(msg, hidden, compute_s=0.5)  # as hop 0 forwards it
+    assert not fwd.route and not fwd.coordinator_id and not fwd.HasField("sampling")
+    back = tp.continuation_from_pb(fwd, kept, EXPECT)
+    assert (back.request_id, back.step_id, back.position, back.token_ids, back.sample) == (
+        "r", 11, 7, [42], True)
+    assert back.route == ROUTE and back.hop_index == 1 and back.addresses == ADDRESSES
+    assert back.coordinator_id == "c" and back.compute_s == 0.5
+    assert torch.equal(back.hidden, hidden)
+    # decode steps do not score the prompt again
+    assert back.sampling == SamplingParams(temperature=0.5, top_k=4, seed=9, logprobs=2)
+
+
+def test_continuation_item_is_checked_like_a_full_one():
+    kept = tp.RequestRoute.of(tp.item_from_pb(tp.item_to_pb(_item()), EXPECT))
+    with pytest.raises(tp.WireError, match=r"hidden: missing"):
+        tp.continuation_from_pb(tp.continuation_to_pb("r", 1, 7, [42]), kept, EXPECT)
+    bad = tp.forward_item_pb(tp.continuation_to_pb("r", 1, 7, [42]), torch.randn(1, 7), 0.0)
+    with pytest.raises(tp.WireError, match=r"hidden.shape"):
+        tp.continuation_from_pb(bad, kept, EXPECT)
+    moved = tp.ExpectedInput(0, 10, 30, 8, torch.float32)  # the worker holds other layers now
+    with pytest.raises(tp.StaleRouteError, match="no longer held"):
+        tp.continuation_from_pb(tp.continuation_to_pb("r", 1, 7, [42]), kept, moved)
+
+
+def test_info_reports_the_wire_version_and_message_counts():
+    info = tp.info_from_pb(tp.info_to_pb(tp.WorkerInfo(
+        node="n", model="m", num_model_layers=30, start_layer=0, end_layer=30, backend="torch",
+        device="cpu", dtype="float32", hidden_size=8, kv_block_size=16, kv_total_blocks=4,
+        kv_used_blocks=0, kv_capacity_tokens=64, queue_len=0, last_batch_size=0,
+        busy_fraction=0.0, steps=0, items_run=0, active_requests=0, draining=False,
+        eos_token_ids=(), wire_version=tp.WIRE_VERSION, work_messages_out=3,
+        work_items_out=48)))
+    assert (info.wire_version, info.work_messages_out, info.work_items_out) == (2, 3, 48)
+    # a worker of an older contract reports no version: full items only
+    assert tp.info_from_pb(tp.pb.InfoReply()).wire_version == 0

@@ -1,0 +1,154 @@
+"""The worker's messaging, without gRPC or a model: a request's route is kept from its first
+item and its continuation items are served from it (and refused once it is released); all
+items of one engine step for the same next hop leave in one message, and all results of one
+step for one coordinator in one message."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from helixserve.planner.placement import NodeRange
+from helixserve.request import SamplingParams
+from helixserve.runtime import security
+from helixserve.runtime import transport as tp
+from helixserve.runtime.proto import helix_pb2 as pb
+from helixserve.runtime.worker import Worker, _Job, _Peer, _Stream
+
+ROUTE = (NodeRange("a", 0, 2), NodeRange("b", 2, 4))
+ADDRESSES = ("h:1", "h:2")
+CID, TOKEN = security.new_coordinator_identity()
+
+
+class FakeEngine:
+    start_layer, end_layer, num_model_layers, hidden_size, dtype = 0, 2, 4, 8, torch.float32
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def _worker(start: int = 0, end: int = 2) -> Worker:
+    engine = FakeEngine()
+    engine.start_layer, engine.end_layer = start, end
+    return Worker(engine, node="a" if start == 0 else "b", model="m", backend="torch",
+                  device="cpu", peers=security.PeerPolicy.parse(["h:*"]))
+
+
+def _full(rid: str, hop: int = 0, step: int = 1) -> pb.WorkItem:
+    item = tp.WireItem(request_id=rid, coordinator_id=CID, step_id=step, hop_index=hop,
+                       route=ROUTE, addresses=ADDRESSES, position=0, token_ids=[1, 2, 3],
+                       hidden=None if hop == 0 else torch.zeros(3, 8),
+                       sampling=SamplingParams(temperature=0.0, prompt_logprobs=1), sample=True)
+    return tp.item_to_pb(item)
+
+
+def _coordinator_stream() -> _Stream:
+    return _Stream(coordinator_id=CID, sender="coordinator")
+
+
+def test_continuation_items_use_the_route_kept_from_the_first_item() -> None:
+    w = _worker()
+    stream = _coordinator_stream()
+    assert w._accept(_full("r"), stream, "items[0]") is not None
+    job = w._accept(tp.continuation_to_pb("r", 2, 3, [9]), stream, "items[0]")
+    assert job is not None and stream.out.empty()
+    assert job.item.route == ROUTE and job.item.addresses == ADDRESSES
+    assert job.item.coordinator_id == CID and job.item.hop_index == 0
+    assert (job.item.step_id, job.item.position, job.item.token_ids) == (2, 3, [9])
+    assert job.item.sampling == SamplingParams(temperature=0.0)  # prompt scored with prefill
+
+    # released: the kept route goes, and a late continuation is told to replay (UNAVAILABLE)
+    w.loop = SimpleNamespace(call_soon_threadsafe=lambda f, *a: f(*a))  # type: ignore[assignment]
+    w.engine.free = lambda rid: None  # type: ignore[attr-defined]
+    w._free([(CID, "r")])
+    assert "r" not in w.kept
+    assert w._accept(tp.continuation_to_pb("r", 3, 4, [9]), stream, "items[0]") is None
+    r = stream.out.get_nowait()
+    assert r is not None and (r.request_id, r.step_id) == ("r", 3)
+    assert r.status_code == tp.UNAVAILABLE and "keeps no route" in r.error
+    # ... and a late full item of a released request is not kept again
+    w._accept(_full("r"), stream, "items[0]")
+    assert "r" not in w.kept
+
+
+def test_continuation_of_another_coordinators_request_is_refused() -> None:
+    w = _worker()
+    w._accept(_full("r"), _coordinator_stream(), "items[0]")
+    other_id, _ = security.new_coordinator_identity()
+    other = _Stream(coordinator_id=other_id, sender="coordinator")
+    assert w._accept(tp.continuation_to_pb("r", 2, 3, [9]), other, "items[0]") is None
+    r = other.out.get_nowait()
+    assert r is not None and r.status_code == tp.PERMISSION_DENIED
+
+
+def test_one_message_per_step_to_the_next_hop() -> None:
+    async def main() -> None:
+        w = _worker()
+        w.loop = asyncio.get_running_loop()
+        stream = _coordinator_stream()
+        # the first hop's step: 16 requests' first items, then their continuation items
+        prefill = [w._accept(_full(f"r{i}"), stream, "i") for i in range(16)]
+        decode = [w._accept(tp.continuation_to_pb(f"r{i}", 100 + i, 3, [5]), stream, "i")
+                  for i in range(16)]
+        peer = _Peer.__new__(_Peer)  # the stream to the next hop, not connected
+        peer.worker, peer.address, peer.queue = w, "h:2", asyncio.Queue()
+        peer.sent, peer._getter = deque(), None
+        peer.task = asyncio.get_running_loop().create_future()  # running
+        w.peers["h:2"] = peer
+        sent: list[pb.WorkBatch] = []
+        for batch in (prefill, decode):
+            jobs: list[_Job] = [j for j in batch if j is not None]
+            outputs = [SimpleNamespace(hidden=torch.ones(len(j.item.token_ids), 8))
+                       for j in jobs]
+            w._dispatch(jobs, outputs, 0.01)
+            requests = peer._requests(peer.queue.get_nowait())
+            sent.append(await requests.__anext__())
+            await requests.aclose()
+        assert [len(m.items) for m in sent] == [16, 16]
+        assert (w.messages_out, w.items_out) == (2, 32)
+        assert all(m.route for m in sent[0].items)  # first items: full, for the next hop
+        assert all(not m.route and m.HasField("hidden") for m in sent[1].items)
+        assert sent[0].items[0].hop_index == 1
+        # the next hop keeps the route from the first and serves the continuations
+        nxt = _worker(2, 4)
+        upstream = _Stream(coordinator_id="", sender="a")
+        for m in sent[0].items:
+            assert nxt._accept(m, upstream, "i") is not None
+        jobs = [nxt._accept(m, upstream, "i") for m in sent[1].items]
+        assert all(j is not None and j.item.is_last_hop and j.item.coordinator_id == CID
+                   for j in jobs)
+
+    asyncio.run(main())
+
+
+def test_one_result_message_per_step_to_the_coordinator() -> None:
+    async def main() -> None:
+        w = _worker(2, 4)
+        w.loop = asyncio.get_running_loop()
+        hello_sent = asyncio.Event()
+
+        async def incoming() -> Any:  # the coordinator's side of the stream: hello, then idle
+            yield tp.work_batch_pb([], coordinator_id=CID, sender="coordinator",
+                                   coordinator_token=TOKEN)
+            hello_sent.set()
+            await asyncio.Event().wait()
+
+        results = w.Work(incoming(), context=None)  # type: ignore[arg-type]
+        first = asyncio.ensure_future(results.__anext__())
+        await hello_sent.wait()
+        await asyncio.sleep(0)
+        stream = w.coordinators[CID]
+        upstream = _Stream(coordinator_id="", sender="a")
+        jobs = [w._accept(_full(f"r{i}", hop=1, step=i), upstream, "i") for i in range(16)]
+        w._dispatch([j for j in jobs if j is not None],
+                    [SimpleNamespace(token_id=7, logprob=None, top_logprobs=None,
+                                     prompt_logprobs=None) for _ in jobs], 0.01)
+        batch = await asyncio.wait_for(first, 5)
+        assert [r.step_id for r in batch.results] == list(range(16))
+        assert (w.messages_out, w.items_out) == (1, 16)
+        assert stream.out.empty()
+        await results.aclose()
+
+    asyncio.run(main())
