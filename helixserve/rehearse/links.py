@@ -154,6 +154,10 @@ class ProxyConfig:
 
 # ---- who is calling ------------------------------------------------------------------------
 
+#: times a caller not found among the workers is looked up again, and the wait between
+RESOLVE_RETRIES = 5
+RESOLVE_RETRY_S = 0.02
+
 
 def socket_inode(host: str, port: int) -> int | None:
     """Inode of the local TCP socket bound to host:port, from /proc/net/tcp, or tcp6 where
@@ -249,6 +253,14 @@ class LinkProxy:
         try:
             peer = writer.get_extra_info("peername")
             src = self.resolve((peer[0], peer[1])) if peer else self.config.other_source
+            # A worker's socket may not be found at once on a loaded host (seen: a t0 -> t1
+            # connection counted as the coordinator's); ask again before taking the peer for
+            # the other source, which costs only the coordinator's connections a short wait
+            for _ in range(RESOLVE_RETRIES if peer else 0):
+                if src != self.config.other_source:
+                    break
+                await asyncio.sleep(RESOLVE_RETRY_S)
+                src = self.resolve((peer[0], peer[1]))
             key = (src, route.node)
             self.connections[key] = self.connections.get(key, 0) + 1
             try:
