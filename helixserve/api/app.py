@@ -13,11 +13,12 @@ Prometheus, as in vLLM.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -34,6 +35,7 @@ from helixserve.api.protocol import (
 )
 from helixserve.api.serving import Batch, Choice, CoordinatorLike, Serving, map_error
 from helixserve.runtime import TokenEvent
+from helixserve.runtime.stats import CoordinatorStats
 
 T = TypeVar("T")
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
@@ -164,28 +166,26 @@ async def _with_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise _ClientGone()
 
 
-HEALTH_NODE_FIELDS = ("alive", "start_layer", "end_layer", "in_placement", "queue_len",
-                      "active_requests", "process_up", "restarts", "last_exit_code",
-                      "last_down_reason")
-
-
-def health_detail(stats: Mapping[str, Any]) -> dict[str, Any]:
+def health_detail(stats: CoordinatorStats) -> dict[str, Any]:
     """/health's body: per node what an operator checks first, and the recovery state."""
-    nodes = {name: {k: n[k] for k in HEALTH_NODE_FIELDS if k in n}
-             for name, n in sorted((stats.get("nodes") or {}).items())}
-    return {"nodes": nodes, "recovery": stats.get("recovery"),
-            "down_events": stats.get("down_events", 0)}
+    nodes = {}
+    for name, n in sorted(stats.nodes.items()):
+        nodes[name] = {"alive": n.alive, "start_layer": n.start_layer, "end_layer": n.end_layer,
+                       "in_placement": n.in_placement, "queue_len": n.queue_len,
+                       "active_requests": n.active_requests,
+                       **(dataclasses.asdict(n.process) if n.process is not None else {}),
+                       "last_down_reason": n.last_down_reason}
+    return {"nodes": nodes, "recovery": stats.recovery, "down_events": stats.down_events}
 
 
-def uncovered_layers(stats: Mapping[str, Any]) -> str:
+def uncovered_layers(stats: CoordinatorStats) -> str:
     """Layers no live node holds, as 'a-b, c' ('' when all are covered or stats say nothing).
     The model's layer count is taken as the largest end_layer of any node, live or not."""
     from helixserve.planner.placement import layer_gaps
 
-    nodes = list((stats.get("nodes") or {}).values())
-    num_layers = max((int(n.get("end_layer", 0)) for n in nodes), default=0)
-    gaps = layer_gaps(((int(n.get("start_layer", 0)), int(n.get("end_layer", 0)))
-                       for n in nodes if n.get("alive", True)), num_layers)
+    nodes = list(stats.nodes.values())
+    num_layers = max((n.end_layer for n in nodes), default=0)
+    gaps = layer_gaps(((n.start_layer, n.end_layer) for n in nodes if n.alive), num_layers)
     return ", ".join(str(a) if b == a + 1 else f"{a}-{b - 1}" for a, b in gaps)
 
 
@@ -453,8 +453,7 @@ def create_app(
 
     def model_card() -> dict[str, Any]:
         # the workers' engines (torch, vllm, emulated): an emulated cluster says so here
-        nodes = coordinator.stats().get("nodes") or {}
-        engines = sorted({str(n.get("backend") or "") for n in nodes.values()} - {""})
+        engines = sorted({n.backend for n in coordinator.stats().nodes.values()} - {""})
         return {
             "id": name,
             "object": "model",

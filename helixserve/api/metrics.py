@@ -3,7 +3,8 @@
 Request-level series (token counters, TTFT / ITL / E2E histograms, successes by finish
 reason) are updated by the serving code as tokens stream out. Gauges of the system's state
 (running / waiting requests, KV usage, and helixserve's per-node and per-hop series) are read
-from `coordinator.stats()` at scrape time by a custom collector, so they are never stale.
+from `coordinator.stats()` (a `CoordinatorStats`) at scrape time by a custom collector, so
+they are never stale.
 Everything lives in the app's own `CollectorRegistry`, so several apps (tests, the benchmark)
 can exist in one process.
 
@@ -32,6 +33,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+from helixserve.runtime.stats import CoordinatorStats
 
 # vLLM's buckets (seconds), so histograms line up with vLLM's dashboards.
 TTFT_BUCKETS_S = (
@@ -65,7 +68,7 @@ def _num(value: Any, default: float = 0.0) -> float:
 class _StateCollector(Collector):
     """Gauges read from `coordinator.stats()` at every scrape."""
 
-    def __init__(self, model_name: str, stats_fn: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, model_name: str, stats_fn: Callable[[], CoordinatorStats]) -> None:
         self.model_name = model_name
         self.stats_fn = stats_fn
 
@@ -78,19 +81,19 @@ class _StateCollector(Collector):
         running = GaugeMetricFamily(
             "vllm:num_requests_running", "Requests generating now.", labels=["model_name"]
         )
-        running.add_metric(model, _num(stats.get("running")))
+        running.add_metric(model, stats.running)
         yield running
         waiting = GaugeMetricFamily(
             "vllm:num_requests_waiting", "Requests waiting for a route.", labels=["model_name"]
         )
-        waiting.add_metric(model, _num(stats.get("waiting")))
+        waiting.add_metric(model, stats.waiting)
         yield waiting
         reroutes = CounterMetricFamily(
             "helixserve:request_reroutes",
             "Requests moved to a new route after a node or link failure (replayed there).",
             labels=["model_name"],
         )
-        reroutes.add_metric(model, _num(stats.get("reroutes")))
+        reroutes.add_metric(model, stats.reroutes)
         yield reroutes
         preemptions = CounterMetricFamily(
             "vllm:num_preemptions",
@@ -98,12 +101,12 @@ class _StateCollector(Collector):
             "(on-demand KV allocation).",
             labels=["model_name"],
         )
-        preemptions.add_metric(model, _num(stats.get("preemptions")))
+        preemptions.add_metric(model, stats.preemptions)
         yield preemptions
 
-        nodes: Mapping[str, Mapping[str, Any]] = stats.get("nodes") or {}
-        used = sum(_num(n.get("kv_used_blocks")) for n in nodes.values())
-        total = sum(_num(n.get("kv_total_blocks")) for n in nodes.values())
+        nodes = stats.nodes
+        used = sum(n.kv_used_blocks for n in nodes.values())
+        total = sum(n.kv_total_blocks for n in nodes.values())
         kv = GaugeMetricFamily(
             "vllm:kv_cache_usage_perc",
             "KV cache usage over all workers (fraction of blocks used, 0..1).",
@@ -159,40 +162,40 @@ class _StateCollector(Collector):
         )
         for name, n in sorted(nodes.items()):
             key = [self.model_name, name]
-            up = n.get("alive") is not False
-            if "restarts" in n:
-                restarts.add_metric(key, _num(n.get("restarts")))
-                process_up.add_metric(key, 1.0 if n.get("process_up") else 0.0)
-            if not up and n.get("in_placement") is False:
+            up = n.alive
+            if n.process is not None:
+                restarts.add_metric(key, n.process.restarts)
+                process_up.add_metric(key, 1.0 if n.process.process_up else 0.0)
+            if not up and not n.in_placement:
                 continue  # gone: nothing to say but its restarts
             families["up"].add_metric(key, 1.0 if up else 0.0)
             if not up:
                 continue  # its last stats are stale
-            layers = _num(n.get("end_layer")) - _num(n.get("start_layer"))
-            families["layers"].add_metric(key, _num(n.get("layers"), layers))
-            families["queue"].add_metric(key, _num(n.get("queue_len")))
-            families["batch"].add_metric(key, _num(n.get("batch_size")))
-            node_total = _num(n.get("kv_total_blocks"))
-            node_kv = _num(n.get("kv_used_blocks")) / node_total if node_total else 0.0
+            families["layers"].add_metric(key, n.layers)
+            families["queue"].add_metric(key, n.queue_len)
+            families["batch"].add_metric(key, n.batch_size)
+            node_total = n.kv_total_blocks
+            node_kv = n.kv_used_blocks / node_total if node_total else 0.0
             families["kv"].add_metric(key, node_kv)
-            families["busy"].add_metric(key, _num(n.get("busy_fraction")))
-            counts = n.get("step_tokens_counts") or []
+            families["busy"].add_metric(key, n.busy_fraction)
+            counts = n.step_tokens_counts
             if counts:
                 from helixserve.runtime.transport import STEP_TOKEN_BUCKETS
 
                 bounds = [*(str(float(b)) for b in STEP_TOKEN_BUCKETS), "+Inf"]
-                cumulative, total = [], 0.0
-                for bound, count in zip(bounds, counts, strict=False):
-                    total += _num(count)
-                    cumulative.append((bound, total))
-                iteration.add_metric(key, cumulative, _num(n.get("step_tokens_sum")))
+                cumulative: list[tuple[str, float]] = []
+                seen = 0.0
+                for bound, in_bucket in zip(bounds, counts, strict=False):
+                    seen += in_bucket
+                    cumulative.append((bound, seen))
+                iteration.add_metric(key, cumulative, n.step_tokens_sum)
             if node_total:
                 cache_info.add_metric(key, {
-                    "block_size": str(int(_num(n.get("kv_block_size")))),
-                    "num_gpu_blocks": str(int(node_total)),
-                    "cache_dtype": str(n.get("dtype") or "auto"),
-                    "kv_allocation": str(stats.get("kv_allocation") or ""),
-                    "backend": str(n.get("backend") or ""),
+                    "block_size": str(n.kv_block_size),
+                    "num_gpu_blocks": str(node_total),
+                    "cache_dtype": n.dtype or "auto",
+                    "kv_allocation": stats.kv_allocation,
+                    "backend": n.backend,
                 })
         yield from families.values()
         yield restarts
@@ -211,7 +214,7 @@ class _StateCollector(Collector):
             "Requests routed over each hop (src -> dst, coordinator at both ends).",
             labels=["model_name", "src", "dst"],
         )
-        route_counts = _route_counts(stats.get("routes"))
+        route_counts = _route_counts(stats.routes)
         for route, count in route_counts:
             routes.add_metric([self.model_name, "->".join(route)], count)
         for (src, dst), count in _hop_counts(route_counts):
@@ -220,16 +223,16 @@ class _StateCollector(Collector):
         yield hops
 
 
-def _recovery_families(model_name: str, stats: Mapping[str, Any]) -> Iterator[Metric]:
+def _recovery_families(model_name: str, stats: CoordinatorStats) -> Iterator[Metric]:
     lm = [model_name]
     down = CounterMetricFamily(
         "helixserve:node_down_events",
         "Times a node was declared down (stream broke, no answer, drained).",
         labels=["model_name"],
     )
-    down.add_metric(lm, _num(stats.get("down_events")))
+    down.add_metric(lm, stats.down_events)
     yield down
-    rec = stats.get("recovery")
+    rec = stats.recovery
     if not isinstance(rec, Mapping):
         return
     replans = CounterMetricFamily(
@@ -265,13 +268,10 @@ def _recovery_families(model_name: str, stats: Mapping[str, Any]) -> Iterator[Me
         yield duration
 
 
-def _route_counts(raw: Any) -> list[tuple[tuple[str, ...], float]]:
-    """Routes from stats: {"n1->n2": count} or {("n1", "n2"): count}."""
-    out: list[tuple[tuple[str, ...], float]] = []
-    for key, count in (raw or {}).items() if isinstance(raw, Mapping) else []:
-        route = tuple(key) if isinstance(key, tuple) else tuple(str(key).split("->"))
-        out.append((tuple(str(n).strip() for n in route), _num(count)))
-    return sorted(out)
+def _route_counts(routes: Mapping[str, int]) -> list[tuple[tuple[str, ...], float]]:
+    """Routes from stats: {"n1->n2": count}."""
+    return sorted((tuple(n.strip() for n in key.split("->")), float(count))
+                  for key, count in routes.items())
 
 
 def _hop_counts(
@@ -289,7 +289,7 @@ def _hop_counts(
 class ServingMetrics:
     """The app's metrics; `observe_*` are called by the serving code."""
 
-    def __init__(self, model_name: str, stats_fn: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, model_name: str, stats_fn: Callable[[], CoordinatorStats]) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry

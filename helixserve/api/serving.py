@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,6 +35,7 @@ from helixserve.runtime import (
     RequestFailedError,
     TokenEvent,
 )
+from helixserve.runtime.stats import CoordinatorStats
 
 
 class CoordinatorLike(Protocol):
@@ -49,7 +50,7 @@ class CoordinatorLike(Protocol):
     # optional: `max_new_tokens(prompt_tokens) -> int | None`, the most tokens a route's KV
     # cache leaves room for; used to default an unset max_tokens
 
-    def stats(self) -> Mapping[str, Any]: ...
+    def stats(self) -> CoordinatorStats: ...
 
 
 class ServerShuttingDown(Exception):

@@ -58,6 +58,7 @@ from helixserve.runtime.startup import (
     load_tokenizer,
     routing_inputs,
 )
+from helixserve.runtime.stats import CoordinatorStats, NodeStats, ProcessStats
 from helixserve.runtime.transport import WireItem, WireResult
 from helixserve.scheduler.core import (
     Admission,
@@ -346,47 +347,33 @@ class Coordinator:
     def recovery_state(self) -> dict[str, Any] | None:
         return None if self.recovery is None else self.recovery.snapshot()
 
-    def stats(self) -> dict[str, Any]:
-        """Snapshot for metrics: requests running/waiting, per node, per route."""
-        nodes = {}
+    def stats(self) -> CoordinatorStats:
+        """Snapshot for /metrics and /health: requests running/waiting, per node, per route."""
         procs = self.process_stats() if self.process_stats is not None else {}
+        nodes = {}
         for name, n in self.nodes.items():
             info = n.info
-            nodes[name] = {
-                "address": n.address,
-                "alive": n.alive,
-                "in_placement": self.placement.range_of(name) is not None,
-                "last_down_reason": self.down_reasons.get(name, ""),
-                **procs.get(name, {}),
-                "start_layer": n.start_layer,
-                "end_layer": n.end_layer,
-                "layers": n.end_layer - n.start_layer,
-                "queue_len": info.queue_len if info else 0,
-                "batch_size": info.last_batch_size if info else 0,
-                "kv_used_blocks": info.kv_used_blocks if info else 0,
-                "kv_total_blocks": info.kv_total_blocks if info else 0,
-                "kv_block_size": info.kv_block_size if info else 0,
-                "busy_fraction": info.busy_fraction if info else 0.0,
-                "active_requests": info.active_requests if info else 0,
-                "steps": info.steps if info else 0,
-                "items_run": info.items_run if info else 0,
-                "step_tokens_counts": list(info.step_tokens_counts) if info else [],
-                "step_tokens_sum": info.step_tokens_sum if info else 0,
-                "dtype": info.dtype if info else "",
-                "backend": info.backend if info else "",
-            }
-        return {
-            "running": len(self.active),
-            "waiting": self.waiting,
-            "tokens_generated": self.tokens_generated,
-            "reroutes": self.reroutes,
-            "preemptions": self.preemptions,
-            "kv_allocation": self.kv_allocation,
-            "nodes": nodes,
-            "routes": {"->".join(r): c for r, c in self.hop_counts.items()},
-            "down_events": self.down_events,
-            "recovery": self.recovery_state(),
-        }
+            node = NodeStats(
+                start_layer=n.start_layer, end_layer=n.end_layer, alive=n.alive,
+                address=n.address, in_placement=self.placement.range_of(name) is not None,
+                last_down_reason=self.down_reasons.get(name, ""),
+                process=ProcessStats(**procs[name]) if name in procs else None)
+            if info is not None:
+                node.queue_len, node.batch_size = info.queue_len, info.last_batch_size
+                node.kv_used_blocks, node.kv_total_blocks = info.kv_used_blocks, \
+                    info.kv_total_blocks
+                node.kv_block_size, node.busy_fraction = info.kv_block_size, info.busy_fraction
+                node.active_requests, node.steps = info.active_requests, info.steps
+                node.items_run, node.step_tokens_sum = info.items_run, info.step_tokens_sum
+                node.step_tokens_counts = list(info.step_tokens_counts)
+                node.dtype, node.backend = info.dtype, info.backend
+            nodes[name] = node
+        return CoordinatorStats(
+            running=len(self.active), waiting=self.waiting,
+            tokens_generated=self.tokens_generated, reroutes=self.reroutes,
+            preemptions=self.preemptions, kv_allocation=self.kv_allocation, nodes=nodes,
+            routes={"->".join(r): c for r, c in self.hop_counts.items()},
+            down_events=self.down_events, recovery=self.recovery_state())
 
     # ---- results from the node streams --------------------------------------------------
 

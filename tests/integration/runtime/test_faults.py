@@ -108,7 +108,7 @@ def test_broken_link_between_workers_reroutes_at_once(fault_workers, demo_model,
             async for ev in coord.generate(req):
                 ids.append(ev.token_id)
                 if len(ids) == 5:
-                    assert coord.stats()["routes"] == {"n0->n1->n2": 1}
+                    assert coord.stats().routes == {"n0->n1->n2": 1}
                     cut = proxy.cut(own)  # n0 -> n1 only
             return ids, coord.stats(), cut
         finally:
@@ -121,10 +121,10 @@ def test_broken_link_between_workers_reroutes_at_once(fault_workers, demo_model,
         proxy.close()
     assert cut >= 1
     assert ids == reference
-    assert stats["reroutes"] >= 1
+    assert stats.reroutes >= 1
     reasons = [r.getMessage() for r in caplog.records if "re-routing" in r.getMessage()]
     assert reasons and all("fate unknown" in m for m in reasons), reasons
-    assert all(n["alive"] for n in stats["nodes"].values()), stats["nodes"]
+    assert all(n.alive for n in stats.nodes.values()), stats.nodes
 
 
 async def _generate(coord: Coordinator, request_id: str, prompt: list[int],
@@ -181,12 +181,12 @@ def test_prompt_logprobs_come_once_from_the_route_that_served(fault_workers, dem
             healthy, faulty, before, after, cut = asyncio.run(main())
     finally:
         proxy.close()
-    assert before["routes"] == {"n0->n1->n2": 1} and before["reroutes"] == 0
+    assert before.routes == {"n0->n1->n2": 1} and before.reroutes == 0
     assert cut >= 1
-    assert after["reroutes"] == 1, after
+    assert after.reroutes == 1, after
     # the first two routes, then the re-route: m->n2, or n0->n1->n2 if n0 came back first
-    assert after["routes"].get("n0->n1->n2", 0) >= 2, after["routes"]
-    assert sum(after["routes"].values()) == 3, after["routes"]
+    assert after.routes.get("n0->n1->n2", 0) >= 2, after.routes
+    assert sum(after.routes.values()) == 3, after.routes
     reasons = [r.getMessage() for r in caplog.records if "re-routing" in r.getMessage()]
     assert len(reasons) == 1 and "node n0 failed" in reasons[0], reasons
     _assert_prompt_scored_once(healthy, faulty, prompt)
@@ -243,8 +243,8 @@ def test_prompt_logprobs_after_a_break_mid_prefill(fault_workers, demo_model):
     finally:
         proxy.close()
     assert len(prompt) > 10 * chunk
-    assert before["routes"] == {"n0->n1->n2": 1}
-    assert after["reroutes"] - before["reroutes"] == 1, after
+    assert before.routes == {"n0->n1->n2": 1}
+    assert after.reroutes - before.reroutes == 1, after
     # every position once: nothing left over from the first attempt's partial scoring
     _assert_prompt_scored_once(healthy, faulty, prompt)
 
@@ -276,7 +276,7 @@ def test_killed_worker_request_continues_on_another_route(fault_workers, demo_mo
             async for ev in coord.generate(req):
                 ids.append(ev.token_id)
                 if len(ids) == 5:
-                    assert coord.stats()["routes"] == {"n0->n1->n2": 1}
+                    assert coord.stats().routes == {"n0->n1->n2": 1}
                     old_n1.proc.send_signal(signal.SIGKILL)
             after_kill = coord.stats()
             old_n1.proc.wait(timeout=30)
@@ -288,7 +288,7 @@ def test_killed_worker_request_continues_on_another_route(fault_workers, demo_mo
                                    port=old_n1.port, log_name="n1-revived")
             await asyncio.to_thread(wait_ready, [revived])
             for _ in range(300):  # the coordinator retries a down node every 2 s
-                if coord.stats()["nodes"]["n1"]["alive"]:
+                if coord.stats().nodes["n1"].alive:
                     break
                 await asyncio.sleep(0.1)
             # two requests: with flows of 100 vs 3 at least one of any two picks is n1's
@@ -300,20 +300,20 @@ def test_killed_worker_request_continues_on_another_route(fault_workers, demo_mo
                 stop_workers([revived])
 
     def through_n1(stats: dict) -> int:
-        return sum(n for route, n in stats["routes"].items() if "n1" in route.split("->"))
+        return sum(n for route, n in stats.routes.items() if "n1" in route.split("->"))
 
     ids, after_kill, down, while_down, again, final = asyncio.run(main())
     # no gap, no duplicate: the greedy continuation is exactly the single engine's
     assert ids == reference
-    assert after_kill["nodes"]["n1"]["alive"] is False
-    assert "m->n2" in after_kill["routes"], after_kill["routes"]
+    assert after_kill.nodes["n1"].alive is False
+    assert "m->n2" in after_kill.routes, after_kill.routes
     # down: the new request completes, and no route through n1 was handed out for it
     assert down == reference
     assert through_n1(while_down) == through_n1(after_kill), (after_kill, while_down)
     # back: alive, and routes through n1 are handed out again
-    assert final["nodes"]["n1"]["alive"] is True
+    assert final.nodes["n1"].alive is True
     assert again == [reference, reference]
-    assert through_n1(final) > through_n1(while_down), final["routes"]
+    assert through_n1(final) > through_n1(while_down), final.routes
 
 
 def test_sigterm_drains_active_requests_then_refuses(fault_workers, demo_model,

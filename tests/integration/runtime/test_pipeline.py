@@ -137,7 +137,7 @@ def test_even_pipeline_matches_single_process(workers, demo_model, prompts, refe
     for (ids, text), ref in zip(results, reference, strict=True):
         assert ids == ref
         assert text == tok_decode(ids, skip_special_tokens=True)
-    assert stats["routes"] == {"n0->n1->n2": len(prompts)}
+    assert stats.routes == {"n0->n1->n2": len(prompts)}
     assert asyncio.run(wait_kv_empty(workers)) == dict.fromkeys(workers, 0)
 
 
@@ -155,7 +155,7 @@ def test_uneven_placement_routes_with_partial_inference(workers, demo_model, pro
     results, stats = asyncio.run(main())
     for (ids, _), ref in zip(results, reference, strict=True):
         assert ids == ref
-    routes = stats["routes"]
+    routes = stats.routes
     assert len(routes) >= 2, routes
     # m [0,25) then n2 runs only [25,30); or n0 then m runs only [10,25): partial inference
     assert {"m->n2", "n0->m->n2"} & set(routes), routes
@@ -179,7 +179,7 @@ def test_cancel_mid_stream_frees_kv_on_every_worker(workers, demo_model, prompts
             for g in gens:
                 await g.aclose()  # what the API does when the client disconnects
             after = await wait_kv_empty(even)
-            assert coord.stats()["running"] == 0
+            assert coord.stats().running == 0
             return during, after
         finally:
             await coord.close()
@@ -359,8 +359,8 @@ def test_starts_without_an_unreachable_worker_when_the_rest_cover(workers, demo_
 
     ids, stats = asyncio.run(main())
     assert ids == reference[0]
-    assert stats["nodes"]["ghost"]["alive"] is False
-    assert stats["routes"] == {"n0->n1->n2": 1}
+    assert stats.nodes["ghost"].alive is False
+    assert stats.routes == {"n0->n1->n2": 1}
 
 
 def test_workers_free_the_kv_of_a_coordinator_that_vanished(workers, demo_model, prompts):

@@ -117,12 +117,12 @@ def test_kill_sole_holder_under_32_streams_replans_and_loses_nothing(trio, demo_
     errors = [g for g in got if isinstance(g, str)]
     assert errors == [], errors[:3]  # 0 lost
     assert got == reference  # greedy: the replay continues exactly
-    rec = stats["recovery"]
+    rec = stats.recovery
     assert rec["replans"] >= 1 and rec["state"] == "idle", rec
     assert rec["last"]["covered"] and "a" in rec["last"]["changes"]
     assert {r.name for r in placement.nodes} == {"b", "c"}
     assert placement.covers_all_layers()
-    assert stats["nodes"]["a"]["alive"] is False
+    assert stats.nodes["a"].alive is False
     print(f"32 streams recovered {took_s:.1f} s after the kill; re-plan {rec['last']}")
 
 
@@ -161,7 +161,7 @@ def test_a_restarted_worker_rejoins_and_is_served(trio, demo_model, tmp_path):
 
     reference, got, after, stats, placement = asyncio.run(main())
     assert got == reference and after == reference
-    assert stats["nodes"]["a"]["alive"] is True
+    assert stats.nodes["a"].alive is True
     assert "a" in {r.name for r in placement.nodes}  # served again, its range or a new one
     assert placement.covers_all_layers()
 
@@ -193,7 +193,7 @@ def test_kill_during_a_replan_plans_again_for_who_is_left(trio, demo_model):
     assert [g for g in got if isinstance(g, str)] == []
     assert got == reference
     assert [(r.name, r.start_layer, r.end_layer) for r in placement.nodes] == [("c", 0, 30)]
-    assert stats["recovery"]["replans"] >= 1
+    assert stats.recovery["replans"] >= 1
 
 
 def test_hung_sole_holder_is_declared_down_and_replanned_around(trio, demo_model):
@@ -222,8 +222,8 @@ def test_hung_sole_holder_is_declared_down_and_replanned_around(trio, demo_model
     assert [g for g in got if isinstance(g, str)] == []
     assert got == reference
     # declared down by the hang detector (hang_timeout_s), which is what says "no answer"
-    assert "no answer" in stats["nodes"]["a"]["last_down_reason"], stats["nodes"]["a"]
-    assert stats["recovery"]["replans"] >= 1
+    assert "no answer" in stats.nodes["a"].last_down_reason, stats.nodes["a"]
+    assert stats.recovery["replans"] >= 1
 
 
 class SlowProxy:
@@ -292,7 +292,7 @@ def test_slow_link_is_slow_not_dead(trio, demo_model):
     finally:
         proxy.close()
     assert got == reference
-    assert stats["down_events"] == 0 and stats["recovery"]["replans"] == 0
+    assert stats.down_events == 0 and stats.recovery["replans"] == 0
 
 
 def test_no_plan_covers_the_model_is_a_503_with_retry_after(trio, demo_model):
@@ -323,7 +323,7 @@ def test_no_plan_covers_the_model_is_a_503_with_retry_after(trio, demo_model):
     # refused at once (the "no placement" answer), not after waiting for a re-plan or a
     # restart (which answers "waited N s")
     assert "waited" not in str(err)
-    assert stats["recovery"]["failed_replans"] >= 1
+    assert stats.recovery["failed_replans"] >= 1
 
 
 def test_load_range_is_refused_without_a_coordinators_token(trio):

@@ -83,7 +83,7 @@ async def _serve(workers: list[WorkerProc], model: Path, mode: str
     async def watch() -> None:
         nonlocal most
         while True:
-            most = max(most, coord.stats()["running"])
+            most = max(most, coord.stats().running)
             await asyncio.sleep(0.005)
 
     async def one(i: int, prompt: list[int]) -> list[int]:

@@ -103,7 +103,7 @@ def serve(route: list[Worker], demo_model: Path, prompts: list[list[int]],
 def test_vllm_route_matches_one_vllm_process(workers, demo_model, prompts, reference):
     route = [workers[n] for n in ("v0", "v1", "v2")]
     tokens, stats = serve(route, demo_model, prompts)
-    assert stats["routes"] == {"v0->v1->v2": len(prompts)}
+    assert stats.routes == {"v0->v1->v2": len(prompts)}
     for i, (got, want) in enumerate(zip(tokens, reference, strict=True)):
         assert got == want, f"prompt {i}: {QUESTIONS[i]!r}"
 
@@ -111,7 +111,7 @@ def test_vllm_route_matches_one_vllm_process(workers, demo_model, prompts, refer
 def test_mixed_route_matches_torch_route(workers, demo_model, prompts):
     torch_only, _ = serve([workers[n] for n in ("t0", "t1", "t2")], demo_model, prompts)
     mixed, stats = serve([workers[n] for n in ("t0", "v1", "t2")], demo_model, prompts)
-    assert stats["routes"] == {"t0->v1->t2": len(prompts)}
+    assert stats.routes == {"t0->v1->t2": len(prompts)}
     assert mixed == torch_only
 
 
@@ -128,7 +128,7 @@ def test_partial_range_on_a_vllm_worker(workers, demo_model, prompts, reference)
                Flow("v2", "coordinator", 1)],
     )
     tokens, stats = serve(route, demo_model, prompts, placement, prefill_chunk_tokens=16)
-    assert stats["routes"] == {"t0->vm->v2": len(prompts)}
+    assert stats.routes == {"t0->vm->v2": len(prompts)}
     assert tokens == reference
 
 

@@ -23,6 +23,7 @@ from helixserve.runtime import (
     RequestFailedError,
     TokenEvent,
 )
+from helixserve.runtime.stats import CoordinatorStats, NodeStats
 
 MODEL = "fake-model"
 API_KEY = "sk-test-key"
@@ -109,22 +110,19 @@ class FakeCoordinator:
             self.closed.append(req.request_id)
             self.running -= 1
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "running": self.running,
-            "waiting": 0,
-            "reroutes": 2,
-            "preemptions": 5,
-            "nodes": {
-                "n1": {"start_layer": 0, "end_layer": 12, "layers": 12, "queue_len": 1,
-                       "batch_size": 2, "kv_used_blocks": 3, "kv_total_blocks": 10,
-                       "busy_fraction": 0.5, "alive": "n1" not in self.dead_nodes},
-                "n2": {"start_layer": 12, "end_layer": 30, "layers": 18, "queue_len": 0,
-                       "batch_size": 1, "kv_used_blocks": 1, "kv_total_blocks": 10,
-                       "busy_fraction": 0.25, "alive": "n2" not in self.dead_nodes},
+    def stats(self) -> CoordinatorStats:
+        return CoordinatorStats(
+            running=self.running, waiting=0, reroutes=2, preemptions=5,
+            nodes={
+                "n1": NodeStats(start_layer=0, end_layer=12, queue_len=1, batch_size=2,
+                                kv_used_blocks=3, kv_total_blocks=10, busy_fraction=0.5,
+                                alive="n1" not in self.dead_nodes),
+                "n2": NodeStats(start_layer=12, end_layer=30, queue_len=0, batch_size=1,
+                                kv_used_blocks=1, kv_total_blocks=10, busy_fraction=0.25,
+                                alive="n2" not in self.dead_nodes),
             },
-            "routes": {"n1->n2": 3},
-        }  # fmt: skip
+            routes={"n1->n2": 3},
+        )
 
 
 class ServerThread:

@@ -6,6 +6,8 @@ import httpx
 from api_testlib import API_KEY, MODEL
 from prometheus_client.parser import text_string_to_metric_families
 
+from helixserve.runtime.stats import CoordinatorStats, NodeStats, ProcessStats
+
 VLLM_NAMES = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
@@ -88,7 +90,7 @@ def test_state_gauges_from_coordinator_stats(server):
         assert value(samples, "helixserve:route_hop_requests_total", src=src, dst=dst) == 3
 
 
-def render(stats: dict) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def render(stats: CoordinatorStats) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The samples a ServingMetrics renders for these coordinator stats."""
     from helixserve.api.metrics import ServingMetrics
 
@@ -97,17 +99,19 @@ def render(stats: dict) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def node(alive: bool, in_placement: bool = True, **extra) -> dict:
-    return {"alive": alive, "in_placement": in_placement, "start_layer": 0, "end_layer": 10,
-            "queue_len": 3, "batch_size": 2, "kv_used_blocks": 5, "kv_total_blocks": 10,
-            "kv_block_size": 16, "busy_fraction": 0.5, "dtype": "float32", "backend": "torch",
-            "step_tokens_counts": [4, 2] + [0] * 12, "step_tokens_sum": 20, **extra}
+def node(alive: bool, in_placement: bool = True,
+         process: ProcessStats | None = None) -> NodeStats:
+    return NodeStats(alive=alive, in_placement=in_placement, start_layer=0, end_layer=10,
+                     queue_len=3, batch_size=2, kv_used_blocks=5, kv_total_blocks=10,
+                     kv_block_size=16, busy_fraction=0.5, dtype="float32", backend="torch",
+                     step_tokens_counts=[4, 2] + [0] * 12, step_tokens_sum=20, process=process)
 
 
 def test_a_down_node_keeps_only_its_up_series_and_a_gone_one_nothing():
-    samples = render({"nodes": {"n1": node(True, restarts=0, process_up=True),
-                                "n2": node(False, restarts=2, process_up=False),
-                                "n3": node(False, in_placement=False)}})
+    samples = render(CoordinatorStats(nodes={
+        "n1": node(True, process=ProcessStats(process_up=True, restarts=0)),
+        "n2": node(False, process=ProcessStats(process_up=False, restarts=2)),
+        "n3": node(False, in_placement=False)}))
     per_node = {(name, dict(labels)["node"]) for name, labels in samples if
                 "node" in dict(labels)}
     assert ("helixserve:node_queue_length", "n1") in per_node
@@ -121,9 +125,9 @@ def test_a_down_node_keeps_only_its_up_series_and_a_gone_one_nothing():
 
 
 def test_recovery_series_and_worker_counted_step_tokens():
-    stats = {"nodes": {"n1": node(True)}, "down_events": 3, "kv_allocation": "on-demand",
-             "recovery": {"state": "loading", "replans": 2, "failed_replans": 1,
-                          "last": {"total_s": 7.5}}}
+    stats = CoordinatorStats(nodes={"n1": node(True)}, down_events=3, kv_allocation="on-demand",
+                             recovery={"state": "loading", "replans": 2, "failed_replans": 1,
+                                       "last": {"total_s": 7.5}})
     s = render(stats)
     lm = (("model_name", "m"),)
     assert s[("helixserve:replans_total", lm)] == 2
