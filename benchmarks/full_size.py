@@ -183,7 +183,10 @@ def rehearse(cluster: str, placement: Path, setting: str, args: argparse.Namespa
     if setting == "offline" and args.concurrency:
         cmd += ["--concurrency", str(args.concurrency)]
     cmd += ["--duration", f"{args.duration:g}", "--warmup", f"{args.warmup:g}",
-            "--time-scale", f"{args.time_scale:g}", "--json", str(out)]
+            "--time-scale", f"{args.time_scale:g}"]
+    if args.workdir:
+        cmd += ["--workdir", str(args.workdir / out.stem)]
+    cmd += ["--json", str(out)]
     shown = shlex.join(["helixserve", *cmd[3:-1], "OUT.json"])
     print(f"\n$ {shown}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -192,23 +195,33 @@ def rehearse(cluster: str, placement: Path, setting: str, args: argparse.Namespa
     sampler = MemorySampler(proc.pid)
     sampler.start()
     stderr_lines: list[str] = []
+    stdout_parts: list[str] = []
 
     def read_stderr() -> None:
         assert proc.stderr is not None
         for line in proc.stderr:
+            line = line.split("\r")[-1]  # the last state of a line redrawn in place
             stderr_lines.append(line)
-            if line.startswith("rehearse: started in"):
+            if "rehearse: started in" in line:
                 sampler.started.set()
             print(f"  | {line.rstrip()}", file=sys.stderr, flush=True)
 
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
+    def read_stdout() -> None:
+        assert proc.stdout is not None
+        stdout_parts.append(proc.stdout.read())
+
+    readers = [threading.Thread(target=read_stderr, daemon=True),
+               threading.Thread(target=read_stdout, daemon=True)]
+    for t in readers:
+        t.start()
     try:
-        stdout, _ = proc.communicate(timeout=args.duration * args.time_scale + 600)
+        proc.wait(timeout=args.duration * args.time_scale + 600)
     except subprocess.TimeoutExpired:
         proc.terminate()  # rehearse stops its whole cluster on SIGTERM
-        stdout, _ = proc.communicate(timeout=60)
-    reader.join(timeout=5)
+        proc.wait(timeout=60)
+    for t in readers:
+        t.join(timeout=10)
+    stdout = "".join(stdout_parts)
     sampler.stop.set()
     sampler.join()
     wall_s = time.perf_counter() - t0
@@ -328,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="offline streams (default: rehearse's, what the KV holds, at most 256)")
     ap.add_argument("--work-limit", type=float, default=40.0,
                     help="helixserve plan --work-limit for our planners (default 40)")
+    ap.add_argument("--workdir", type=Path, default=None, metavar="DIR",
+                    help="keep each rehearsal's logs in DIR/<cluster>-<placement>-<setting> "
+                    "(default: removed after a good run)")
     ap.add_argument("--json", type=Path, default=None, metavar="OUT")
     ap.add_argument("--merge", action="store_true",
                     help="keep OUT's runs of other (cluster, placement, setting) and replace "
