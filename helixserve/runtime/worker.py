@@ -124,6 +124,11 @@ class _Switch:
     done: Future[tuple[int, float]]
 
 
+#: bytes of items one message to the next hop carries before the rest waits for the next
+#: message: with one item of at most MAX_MESSAGE_BYTES / 2 more, a message stays under the limit
+BATCH_BYTES = tp.MAX_MESSAGE_BYTES // 4
+
+
 class _Peer:
     """A persistent Work stream to one next-hop worker; all items for it go out in batches.
 
@@ -188,9 +193,15 @@ class _Peer:
         items = [first]
         hello = True
         while True:
-            # everything queued since the last write: at least one engine step's items
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
+            # everything queued since the last write (at least one engine step's items), up
+            # to BATCH_BYTES: a backlog of prefill chunks behind a slow link must not make one
+            # message past gRPC's limit (each item is at most half of it: prefill chunks are
+            # cut so), the rest goes in the next message at once
+            size = first[0].ByteSize()
+            while size < BATCH_BYTES and not self.queue.empty():
+                item = self.queue.get_nowait()
+                items.append(item)
+                size += item[0].ByteSize()
             self.sent.extend((m.request_id, m.step_id, cid) for m, cid in items)
             self.worker.count_sent(len(items))
             yield tp.work_batch_pb([m for m, _ in items],
@@ -198,6 +209,7 @@ class _Peer:
             hello = False
             getter = self._getter = asyncio.ensure_future(self.queue.get())
             items = [await getter]
+            first = items[0]
             if self._getter is getter:
                 self._getter = None
 

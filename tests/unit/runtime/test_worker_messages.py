@@ -10,6 +10,7 @@ from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from helixserve.planner.placement import NodeRange
@@ -150,5 +151,34 @@ def test_one_result_message_per_step_to_the_coordinator() -> None:
         assert (w.messages_out, w.items_out) == (1, 16)
         assert stream.out.empty()
         await results.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_backlog_for_the_next_hop_is_split_under_the_message_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Items queued behind a slow link go out in as many messages as keep each one under
+    gRPC's limit (a stream broke with RESOURCE_EXHAUSTED at 42 emulated workers)."""
+    import helixserve.runtime.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "BATCH_BYTES", 2_000)
+
+    async def main() -> None:
+        w = _worker()
+        peer = _Peer.__new__(_Peer)  # the stream to the next hop, not connected
+        peer.worker, peer.address, peer.queue = w, "h:2", asyncio.Queue()
+        peer.sent, peer._getter = deque(), None
+        item = _full("r0", hop=1)
+        for i in range(10):
+            peer.queue.put_nowait((_full(f"r{i}", hop=1), CID))
+        requests = peer._requests(peer.queue.get_nowait())
+        sent = [await requests.__anext__()]
+        while not peer.queue.empty():
+            sent.append(await requests.__anext__())
+        await requests.aclose()
+        assert sum(len(m.items) for m in sent) == 10 and len(sent) > 1
+        # each message: under the cap plus at most one item
+        assert all(m.ByteSize() <= 2_000 + item.ByteSize() + 64 for m in sent)
+        assert [m.request_id for b in sent for m in b.items] == [f"r{i}" for i in range(10)]
 
     asyncio.run(main())
