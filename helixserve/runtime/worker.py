@@ -324,87 +324,103 @@ class Worker(pb_grpc.HelixWorkerServicer):
     # ---- engine thread -----------------------------------------------------------------
 
     def _engine_loop(self) -> None:
-        from helixserve.engine.protocol import WorkItem
-
         pending: deque[_Job] = deque()
         while True:
-            msgs: list[list[_Job] | _Release | _Switch | None] = []
-            if not pending:
-                msgs.append(self.inbox.get())
-            while True:
-                try:
-                    msgs.append(self.inbox.get_nowait())
-                except queue.Empty:
-                    break
-            for m in msgs:
-                if m is None:
-                    return
-                if isinstance(m, _Release):
-                    freed = self._free(m.requests)
-                    if not m.done.cancelled():  # the caller may have gone away
-                        m.done.set_result(freed)
-                elif isinstance(m, _Switch):
-                    self._switch(m, pending)
-                    pending = deque()
-                else:
-                    pending.extend(m)
-            # One item per request per step, FIFO, within the step budget (module doc).
-            heads: list[_Job] = []
-            seen: set[str] = set()
-            live: list[_Job] = []
-            for job in pending:
-                rid = job.item.request_id
-                if (job.item.coordinator_id, rid) in self.released:
-                    continue
-                live.append(job)
-                if rid not in seen:
-                    seen.add(rid)
-                    heads.append(job)
-            plan = plan_step([j for j in heads if len(j.item.token_ids) == 1],
-                             [j for j in heads if len(j.item.token_ids) > 1],
-                             self.budget, _job_tokens)
-            chosen = {id(j) for j in plan.decode}
-            chosen.update(id(j) for j, _ in plan.prompts)
-            batch = [j for j in heads if id(j) in chosen]
-            pending = deque(j for j in live if id(j) not in chosen)
+            drained = self._take_inbox(pending)
+            if drained is None:
+                return
+            pending = drained
+            batch, pending = self._next_batch(pending)
             self.queue_len = len(pending)
-            if not batch:
-                continue
-            items = [
-                WorkItem(
-                    request_id=j.item.request_id,
-                    start_layer=j.item.hop.start_layer,
-                    end_layer=j.item.hop.end_layer,
-                    position=j.item.position,
-                    token_ids=j.item.token_ids,
-                    hidden=j.item.hidden,
-                    sampling=j.item.sampling,
-                    sample=j.item.sample,
-                    num_prompt_tokens=j.item.num_prompt_tokens,
-                )
-                for j in batch
-            ]
-            for j in batch:
-                self.active[j.item.request_id] = j.item.coordinator_id
-            t0 = time.perf_counter()
-            outputs: list[Any]
+            if batch:
+                self._run_step(batch)
+
+    def _take_inbox(self, pending: deque[_Job]) -> deque[_Job] | None:
+        """Engine thread: what arrived (waiting for it when nothing is pending): new jobs
+        join `pending`, releases and range switches are done now. None: stop."""
+        msgs: list[list[_Job] | _Release | _Switch | None] = []
+        if not pending:
+            msgs.append(self.inbox.get())
+        while True:
             try:
-                outputs = self.engine.step(items)
-            except Exception as exc:
-                # KV full, or an item the wire validation let through that the engine refuses:
-                # retry one by one so that only the offending requests fail.
-                if not isinstance(exc, KvExhaustedError):
-                    log.warning("engine step of %d items failed: %s", len(items), exc)
-                outputs = []
-                for it in items:
-                    try:
-                        outputs.extend(self.engine.step([it]))
-                    except Exception as one_exc:
-                        outputs.append(one_exc)
-            step_s = time.perf_counter() - t0
-            self._record_step(step_s, len(items), sum(len(it.token_ids) for it in items))
-            assert self.loop is not None
-            self.loop.call_soon_threadsafe(self._dispatch, batch, outputs, step_s)
+                msgs.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        for m in msgs:
+            if m is None:
+                return None
+            if isinstance(m, _Release):
+                freed = self._free(m.requests)
+                if not m.done.cancelled():  # the caller may have gone away
+                    m.done.set_result(freed)
+            elif isinstance(m, _Switch):
+                self._switch(m, pending)
+                pending = deque()
+            else:
+                pending.extend(m)
+        return pending
+
+    def _next_batch(self, pending: deque[_Job]) -> tuple[list[_Job], deque[_Job]]:
+        """One item per request per step, FIFO, within the step budget (module doc): the
+        step's jobs, and what stays pending (released requests' jobs dropped)."""
+        heads: list[_Job] = []
+        seen: set[str] = set()
+        live: list[_Job] = []
+        for job in pending:
+            rid = job.item.request_id
+            if (job.item.coordinator_id, rid) in self.released:
+                continue
+            live.append(job)
+            if rid not in seen:
+                seen.add(rid)
+                heads.append(job)
+        plan = plan_step([j for j in heads if len(j.item.token_ids) == 1],
+                         [j for j in heads if len(j.item.token_ids) > 1],
+                         self.budget, _job_tokens)
+        chosen = {id(j) for j in plan.decode}
+        chosen.update(id(j) for j, _ in plan.prompts)
+        batch = [j for j in heads if id(j) in chosen]
+        return batch, deque(j for j in live if id(j) not in chosen)
+
+    def _run_step(self, batch: list[_Job]) -> None:
+        """Engine thread: one engine step over `batch`; its outputs go to the event loop."""
+        from helixserve.engine.protocol import WorkItem
+
+        items = [
+            WorkItem(
+                request_id=j.item.request_id,
+                start_layer=j.item.hop.start_layer,
+                end_layer=j.item.hop.end_layer,
+                position=j.item.position,
+                token_ids=j.item.token_ids,
+                hidden=j.item.hidden,
+                sampling=j.item.sampling,
+                sample=j.item.sample,
+                num_prompt_tokens=j.item.num_prompt_tokens,
+            )
+            for j in batch
+        ]
+        for j in batch:
+            self.active[j.item.request_id] = j.item.coordinator_id
+        t0 = time.perf_counter()
+        outputs: list[Any]
+        try:
+            outputs = self.engine.step(items)
+        except Exception as exc:
+            # KV full, or an item the wire validation let through that the engine refuses:
+            # retry one by one so that only the offending requests fail.
+            if not isinstance(exc, KvExhaustedError):
+                log.warning("engine step of %d items failed: %s", len(items), exc)
+            outputs = []
+            for it in items:
+                try:
+                    outputs.extend(self.engine.step([it]))
+                except Exception as one_exc:
+                    outputs.append(one_exc)
+        step_s = time.perf_counter() - t0
+        self._record_step(step_s, len(items), sum(len(it.token_ids) for it in items))
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._dispatch, batch, outputs, step_s)
 
     def _switch(self, m: _Switch, pending: deque[_Job]) -> None:
         """Engine thread: every request of the old range (holding KV, or queued) is told

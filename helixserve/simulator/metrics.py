@@ -43,34 +43,32 @@ def latencies(result: SimResult) -> dict[str, list[float]]:
     return {"ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e}
 
 
+def _node_summary(n: Any, duration_s: float) -> dict[str, Any]:
+    return {
+        "name": n.name,
+        "gpu": n.spec.gpu,
+        "num_gpus": n.spec.num_gpus,
+        "start_layer": n.start,
+        "end_layer": n.end,
+        "utilization": n.busy_s / duration_s,
+        "iterations": n.iters,
+        # over the iterations that had decode (prompt) work
+        "mean_decode_batch": n.decode_tokens / n.decode_iters if n.decode_iters else 0.0,
+        "mean_prompt_batch_tokens": n.prompt_tokens / n.prompt_iters if n.prompt_iters else 0.0,
+        "kv_capacity_tokens": n.kv_cap,
+        "kv_mean_usage": n.kv_area / duration_s / n.kv_cap if n.kv_cap else 0.0,
+        "kv_peak_usage": n.kv_peak / n.kv_cap if n.kv_cap else 0.0,
+        "queue_len_end": len(n.pq) + len(n.dq),
+        "preempted": n.preempted,
+    }
+
+
 def summarize(result: SimResult) -> dict[str, Any]:
     cfg = result.config
     window_s = result.end_s - cfg.warmup_s
     duration_s = result.end_s
     lat = latencies(result)
-    nodes = []
-    for n in result.nodes:
-        nodes.append(
-            {
-                "name": n.name,
-                "gpu": n.spec.gpu,
-                "num_gpus": n.spec.num_gpus,
-                "start_layer": n.start,
-                "end_layer": n.end,
-                "utilization": n.busy_s / duration_s,
-                "iterations": n.iters,
-                # over the iterations that had decode (prompt) work
-                "mean_decode_batch": n.decode_tokens / n.decode_iters if n.decode_iters else 0.0,
-                "mean_prompt_batch_tokens": (
-                    n.prompt_tokens / n.prompt_iters if n.prompt_iters else 0.0
-                ),
-                "kv_capacity_tokens": n.kv_cap,
-                "kv_mean_usage": n.kv_area / duration_s / n.kv_cap if n.kv_cap else 0.0,
-                "kv_peak_usage": n.kv_peak / n.kv_cap if n.kv_cap else 0.0,
-                "queue_len_end": len(n.pq) + len(n.dq),
-                "preempted": n.preempted,
-            }
-        )
+    nodes = [_node_summary(n, duration_s) for n in result.nodes]
     links = [
         {
             "src": k.src,
