@@ -82,8 +82,8 @@ def parse_blocks(doc: Path, root: Path = REPO) -> tuple[list[Block], list[str]]:
     while i < len(lines):
         m = _FENCE.match(lines[i])
         if not m:
-            if re.match(r"^ {4,}helixserve ", lines[i]):
-                problems.append(f"{name}:{i + 1}: a helixserve command in an "
+            if re.match(r"^ {4,}(helixserve |python (-m )?benchmarks)", lines[i]):
+                problems.append(f"{name}:{i + 1}: a command in an "
                                 "indented block; put it in a ```bash fence")
             i += 1
             continue
