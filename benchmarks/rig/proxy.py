@@ -26,13 +26,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from helixserve.rehearse.links import RESOLVE_RETRIES, RESOLVE_RETRY_S, pid_holding, socket_inode
 
 #: bytes read from a socket at once; one chunk is one unit of the link FIFO
 CHUNK_BYTES = 64 * 1024
@@ -112,41 +113,7 @@ class ProxyConfig:
         )
 
 
-# ---- who is calling ------------------------------------------------------------------------
-
-
-def socket_inode(host: str, port: int) -> int | None:
-    """Inode of the local TCP socket bound to host:port, from /proc/net/tcp, or tcp6 where
-    the caller used a dual-stack socket (gRPC does: the address is then ::ffff:host)."""
-    v4 = "".join(f"{int(b):02X}" for b in reversed(host.split(".")))
-    # /proc/net/tcp6: four 32-bit words, each in host (little-endian) byte order
-    v6 = "0000000000000000FFFF0000" + v4
-    for table, packed in (("/proc/net/tcp", v4), ("/proc/net/tcp6", v6)):
-        want = f"{packed}:{port:04X}"
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            cols = line.split()
-            if len(cols) > 9 and cols[1] == want:
-                return int(cols[9])
-    return None
-
-
-def pid_holding(inode: int, pids: list[int]) -> int | None:
-    """The first of `pids` with socket `inode` among its open file descriptors."""
-    target = f"socket:[{inode}]"
-    for pid in pids:
-        fd_dir = Path(f"/proc/{pid}/fd")
-        try:
-            for fd in os.listdir(fd_dir):
-                with contextlib.suppress(OSError):
-                    if os.readlink(fd_dir / fd) == target:
-                        return pid
-        except OSError:
-            continue
-    return None
+# ---- who is calling (the sockets' owners: helixserve/rehearse/links.py) ---------------------
 
 
 class SourceResolver:
@@ -217,6 +184,13 @@ class LinkProxy:
         self._tasks.add(task)  # type: ignore[arg-type]
         peer = writer.get_extra_info("peername")
         src = self.resolve((peer[0], peer[1])) if peer else DEFAULT_SOURCE
+        # a worker's socket may not be found at once on a loaded host: ask again before
+        # counting the peer as the coordinator (as helixserve rehearse's proxy does)
+        for _ in range(RESOLVE_RETRIES if peer else 0):
+            if src != DEFAULT_SOURCE:
+                break
+            await asyncio.sleep(RESOLVE_RETRY_S)
+            src = self.resolve((peer[0], peer[1]))
         self.connections[(src, route.node)] = self.connections.get((src, route.node), 0) + 1
         try:
             up_reader, up_writer = await asyncio.open_connection(route.target_host,
