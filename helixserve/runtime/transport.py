@@ -358,6 +358,25 @@ class RequestRoute:
                             sampling)
 
 
+def _tokens_and_hidden(msg: pb.WorkItem, start_layer: int, expect: ExpectedInput,
+                       where: str) -> torch.Tensor | RawHidden | None:
+    """The item's token ids and position checked, and its hidden states: none on a hop that
+    starts at layer 0 (it embeds the tokens), [num_tokens, hidden_size] on any other."""
+    num_tokens = len(msg.token_ids)
+    if num_tokens == 0:
+        raise WireError(f"{where}.token_ids: empty")
+    if msg.position < 0:
+        raise WireError(f"{where}.position: {msg.position} < 0")
+    if start_layer == 0:
+        if msg.HasField("hidden"):
+            raise WireError(f"{where}.hidden: set on the first hop, which embeds token_ids")
+        return None
+    if not msg.HasField("hidden"):
+        raise WireError(f"{where}.hidden: missing for a hop starting at layer {start_layer}")
+    # hidden: [num_tokens, hidden_size]
+    return hidden_from_pb(msg.hidden, f"{where}.hidden", num_tokens, expect)
+
+
 def continuation_from_pb(msg: pb.WorkItem, kept: RequestRoute, expect: ExpectedInput,
                          where: str = "item") -> WireItem:
     """Decode a continuation item (empty route) with what the worker `kept` of its request;
@@ -369,20 +388,7 @@ def continuation_from_pb(msg: pb.WorkItem, kept: RequestRoute, expect: ExpectedI
             f"{where}: the request's layers [{hop.start_layer}, {hop.end_layer}) are no longer "
             f"held by this worker [{expect.start_layer}, {expect.end_layer})"
         )
-    num_tokens = len(msg.token_ids)
-    if num_tokens == 0:
-        raise WireError(f"{where}.token_ids: empty")
-    if msg.position < 0:
-        raise WireError(f"{where}.position: {msg.position} < 0")
-    hidden: torch.Tensor | RawHidden | None = None
-    if hop.start_layer == 0:
-        if msg.HasField("hidden"):
-            raise WireError(f"{where}.hidden: set on the first hop, which embeds token_ids")
-    else:
-        if not msg.HasField("hidden"):
-            raise WireError(f"{where}.hidden: missing for a hop starting at layer {hop.start_layer}")
-        # hidden: [num_tokens, hidden_size]
-        hidden = hidden_from_pb(msg.hidden, f"{where}.hidden", num_tokens, expect)
+    hidden = _tokens_and_hidden(msg, hop.start_layer, expect, where)
     return WireItem(
         request_id=msg.request_id,
         coordinator_id=kept.coordinator_id,
@@ -439,20 +445,7 @@ def item_from_pb(msg: pb.WorkItem, expect: ExpectedInput, where: str = "item") -
             f"{where}.route[{msg.hop_index}]: layers [{hop.start_layer}, {hop.end_layer}) "
             f"not held by this worker [{expect.start_layer}, {expect.end_layer})"
         )
-    num_tokens = len(msg.token_ids)
-    if num_tokens == 0:
-        raise WireError(f"{where}.token_ids: empty")
-    if msg.position < 0:
-        raise WireError(f"{where}.position: {msg.position} < 0")
-    hidden: torch.Tensor | RawHidden | None = None
-    if hop.start_layer == 0:
-        if msg.HasField("hidden"):
-            raise WireError(f"{where}.hidden: set on the first hop, which embeds token_ids")
-    else:
-        if not msg.HasField("hidden"):
-            raise WireError(f"{where}.hidden: missing for a hop starting at layer {hop.start_layer}")
-        # hidden: [num_tokens, hidden_size]
-        hidden = hidden_from_pb(msg.hidden, f"{where}.hidden", num_tokens, expect)
+    hidden = _tokens_and_hidden(msg, hop.start_layer, expect, where)
     sampling = sampling_from_pb(msg.sampling) if msg.HasField("sampling") else None
     return WireItem(
         request_id=msg.request_id,
