@@ -167,14 +167,12 @@ def run(args: argparse.Namespace) -> int:
         from helixserve.engine.vllm_stage import configure_vllm_process
 
         configure_vllm_process(args.num_threads)  # before vLLM starts its thread pools
-    import asyncio
-    import signal
 
     import torch
 
     from helixserve.engine import ShardEngine, load_engine
     from helixserve.engine.slowdown import slowed
-    from helixserve.runtime.worker import Worker, serve
+    from helixserve.runtime.worker import Worker
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -201,15 +199,7 @@ def run(args: argparse.Namespace) -> int:
     if version:
         print(f"helixserve worker {node}: engine {engine_name} {version}", flush=True)
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(worker, args.host, args.port, drain_timeout_s=args.drain_timeout_s, stop=stop,
-                    tls=tls)
-
-    asyncio.run(main())
+    _serve_until_stopped(worker, args, tls)
     return 0
 
 
@@ -276,11 +266,9 @@ def emulation_from_args(args: argparse.Namespace, engine_name: str) -> Any:
 def run_emulated(args: argparse.Namespace, node: str, start: int, end: int, tls: Any,
                  peers: Any, emulation: Any) -> int:
     """`worker --engine emulated`: no torch is imported on this path (docs/emulated.md)."""
-    import asyncio
-    import signal
 
     from helixserve.engine.emulated import EmulatedEngine
-    from helixserve.runtime.worker import Worker, serve
+    from helixserve.runtime.worker import Worker
 
     engine = EmulatedEngine.load(args.model, start, end, emulation, dtype=args.dtype,
                                  kv_cache_bytes=args.kv_cache_bytes,
@@ -295,6 +283,21 @@ def run_emulated(args: argparse.Namespace, node: str, start: int, end: int, tls:
                     step_prompt_tokens=args.step_prompt_tokens or None)
     print(f"helixserve worker {node}: {engine.describe()}", flush=True)
 
+    _serve_until_stopped(worker, args, tls)
+    emulated = worker.engine.report() if hasattr(worker.engine, "report") else None
+    if emulated is not None:
+        print(f"helixserve worker {node}: EMULATED engine emulated {emulated.describe()}",
+              flush=True)
+    return 0
+
+
+def _serve_until_stopped(worker: Any, args: argparse.Namespace, tls: Any) -> None:
+    """Serve `worker` on the flags' host and port until SIGTERM or SIGINT (then drain)."""
+    import asyncio
+    import signal
+
+    from helixserve.runtime.worker import serve
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -304,8 +307,3 @@ def run_emulated(args: argparse.Namespace, node: str, start: int, end: int, tls:
                     tls=tls)
 
     asyncio.run(main())
-    emulated = worker.engine.report() if hasattr(worker.engine, "report") else None
-    if emulated is not None:
-        print(f"helixserve worker {node}: EMULATED engine emulated {emulated.describe()}",
-              flush=True)
-    return 0

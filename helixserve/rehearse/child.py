@@ -1,30 +1,14 @@
 """Entry point of a rehearsal's child processes: `python -m helixserve.rehearse.child
 COMMAND ARGS...` runs `helixserve COMMAND ARGS...` (worker, serve) after asking the kernel to
 SIGTERM it when the rehearsal dies (PR_SET_PDEATHSIG), so even a SIGKILLed rehearsal leaves no
-process behind. Done here, in the child, rather than in a `preexec_fn`."""
+process behind. Done here, in the child, rather than in a `preexec_fn`, by the local stacks' `die_with_parent` (the rehearsal sets
+its `PARENT_PID_ENV`)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import sys
 
-#: the pid a child must not outlive
-PARENT_PID_ENV = "HELIXSERVE_REHEARSE_PARENT"
-
-
-def die_with_parent() -> None:
-    parent = os.environ.get(PARENT_PID_ENV)
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != int(parent):  # the parent died before the prctl
-        os.kill(os.getpid(), signal.SIGTERM)
+from helixserve.local.launch import die_with_parent
 
 
 def main() -> int:

@@ -38,7 +38,7 @@ import yaml
 
 from helixserve.engine.emulated import DEFAULT_RESERVED_GB_PER_GPU
 from helixserve.errors import UserError
-from helixserve.rehearse.child import PARENT_PID_ENV
+from helixserve.local.launch import PARENT_PID_ENV
 from helixserve.rehearse.inputs import RehearsalInputs, reserve_ports
 from helixserve.rehearse.links import ProxyConfig, ProxyRoute, link_table, read_stats
 from helixserve.spec.cluster import COORDINATOR
