@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from helixserve.errors import UserError
-from helixserve.scheduler.kv import KvBook, KvHold, KvPolicy
+from helixserve.scheduler.kv import KvBook, KvPolicy
 from helixserve.scheduler.queue import AdmissionQueue
 from helixserve.scheduler.types import NodeState, RequestInfo, Route, Router
 
@@ -393,9 +393,6 @@ class SchedulerCore:
 
     def route_of(self, request_id: str) -> Route | None:
         return self._routes.get(request_id)
-
-    def hold(self, request_id: str) -> KvHold | None:
-        return self.kv.holds.get(request_id)
 
     def largest_route_kv_tokens(self) -> int:
         """KV tokens the roomiest route could give one request on an idle cluster: per layer
