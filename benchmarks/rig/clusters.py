@@ -8,8 +8,9 @@ one plus these rows), with its own measured profile rows, so the planner and the
 tell the classes apart only through what was measured on them.
 
 Links: `default` inside a region, `between_regions` across; the coordinator (the API) is a
-machine of `coordinator_region`. The same table drives the proxy (benchmarks/rig/proxy.py),
-read back through the project's loader so the two cannot disagree.
+machine of `coordinator_region`. The same table drives the link proxy
+(helixserve/rehearse/links.py), read back through the project's loader so the two cannot
+disagree.
 """
 
 from __future__ import annotations

@@ -5,15 +5,15 @@
     # stopped: API, workers, proxy (SIGTERM, then SIGKILL), cgroups removed
 
 Every machine has its own loopback address 127.0.0.(20+i). Its worker listens on a private
-port there; the proxy listens on the public port (the address in the cluster YAML) and
-shapes each (source, destination) link as the YAML says (benchmarks/rig/proxy.py). Children
-run in their own session with PR_SET_PDEATHSIG, so a killed rig leaves no process behind.
+port there; the link proxy (the package's, helixserve/rehearse/links.py, as `helixserve
+rehearse` runs it) listens on the public port (the address in the cluster YAML) and shapes
+each (source, destination) link as the YAML says. Children run in their own session with
+PR_SET_PDEATHSIG, so a killed rig leaves no process behind.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.rig.clusters import RigCluster, machine_host, write_catalog, write_cluster_yaml
-from benchmarks.rig.proxy import LinkShape, ProxyConfig, ProxyRoute
 from benchmarks.rig.speed import SpeedControl
 from helixserve.local.launch import free_port
+from helixserve.rehearse.links import ProxyConfig, ProxyRoute, link_table, read_stats
+from helixserve.spec.cluster import COORDINATOR
 
 RIG_DIR = Path(__file__).resolve().parent
 REPO = RIG_DIR.parents[1]
@@ -83,24 +84,20 @@ def write_cluster_files(cluster: RigCluster, workdir: Path, ends: Endpoints) -> 
     return yaml_path, gpus_path
 
 
-def proxy_config(cluster_spec: Any, ends: Endpoints, pid_map: Path,
+def proxy_config(cluster_spec: Any, ends: Endpoints, pids: dict[int, str], stats_path: Path,
                  max_seconds: float) -> ProxyConfig:
-    """Routes public -> private per machine; every directed link of the cluster YAML, read
-    back through the project's loader (coordinator included)."""
-    names = ["coordinator", *cluster_spec.node_names()]
-    links = {}
-    for src in names:
-        for dst in names:
-            if src != dst:
-                link = cluster_spec.link(src, dst)
-                if link is not None:
-                    links[(src, dst)] = LinkShape(link.bandwidth_gbps, link.latency_ms)
+    """Routes public -> private per machine, on the machine's own address; every directed
+    link of the cluster YAML, read back through the project's loader (coordinator included);
+    `pids`: the workers' processes, so their connections are told from the coordinator's."""
+    names = [COORDINATOR, *cluster_spec.node_names()]
     routes = []
     for node, address in ends.public.items():
         host, port = address.rsplit(":", 1)
         phost, pport = ends.private[node]
-        routes.append(ProxyRoute(node, host, int(port), phost, pport))
-    return ProxyConfig(routes, links, LinkShape(0.0, 0.0), str(pid_map), max_seconds)
+        assert phost == host, (node, address, phost)  # Endpoints.allocate: one host a machine
+        routes.append(ProxyRoute(node, int(port), pport, host=host))
+    return ProxyConfig(routes, link_table(cluster_spec, names), pids, str(stats_path),
+                       other_source=COORDINATOR, max_seconds=max_seconds)
 
 
 class RigStack:
@@ -138,7 +135,7 @@ class RigStack:
         self.profiles_path = profiles_path
         self.dtype_bytes = dtype_bytes
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.pid_map = workdir / "pids.json"
+        self.stats_path = workdir / "links-stats.json"
         self.api_host = "127.0.0.1"
         self.api_port = free_port(self.api_host)
         self.proxy_stats: dict[str, Any] = {}
@@ -179,15 +176,6 @@ class RigStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         spec = load_cluster(self.cluster_path, catalog=load_gpu_catalog(self.gpus_path))
         placement = load_placement(self.placement_path)
-        self.pid_map.write_text("{}")
-        config_path = self.workdir / "proxy.json"
-        config_path.write_text(
-            proxy_config(spec, self.ends, self.pid_map, self.max_seconds).to_json())
-        proxy = self._spawn("proxy", [sys.executable, str(RIG_DIR / "proxy.py"), str(config_path)],
-                            stdout=subprocess.PIPE)
-        assert proxy.stdout is not None
-        if proxy.stdout.readline().strip() != b"ready":
-            raise RuntimeError(f"rig proxy did not start; log {self.workdir / 'proxy.log'}")
         by_name = {m.name: m for m in self.cluster.machines}
         node_flags: dict[str, list[str]] = {r.name: [] for r in placement.nodes}
         server_flags: list[str] = []
@@ -214,8 +202,17 @@ class RigStack:
             ]  # fmt: skip
             proc = self._spawn(f"worker-{m.name}", cmd, self.speed.preexec(m.name, m.slowdown))
             pids[proc.pid] = m.name
-        # the proxy tells workers' connections from the coordinator's by these pids
-        self.pid_map.write_text(json.dumps(pids))
+        # after the workers (they connect to their peers only when they forward), before the
+        # coordinator: the proxy tells workers' connections from the coordinator's by pid
+        config_path = self.workdir / "proxy.json"
+        config_path.write_text(
+            proxy_config(spec, self.ends, pids, self.stats_path, self.max_seconds).to_json())
+        proxy = self._spawn("proxy", [sys.executable, "-m", "helixserve.rehearse.links",
+                                      str(config_path)], stdout=subprocess.PIPE)
+        assert proxy.stdout is not None
+        if proxy.stdout.readline().strip() != b"ready":
+            raise RuntimeError(f"rig proxy did not start; log {self.workdir / 'proxy.log'}:\n"
+                               f"{self.log_tail('proxy')}")
         server = [
             sys.executable, str(RIG_DIR / "server.py"),
             "--cluster", str(self.cluster_path), "--gpus", str(self.gpus_path),
@@ -268,12 +265,11 @@ class RigStack:
             if proc is not None:
                 _wait(proc, grace_s)
         proxy = self.procs.get("proxy")
-        if proxy is not None and proxy.stdout is not None:
-            with contextlib.suppress(Exception):
-                for line in proxy.stdout.read().decode().splitlines():
-                    if line.startswith("{"):
-                        self.proxy_stats = json.loads(line).get("stats", {})
+        if proxy is not None:
+            if proxy.stdout is not None:
                 proxy.stdout.close()
+            # the proxy writes its per-link counters once more as it stops
+            self.proxy_stats = read_stats(self.stats_path)[1]
         self.procs.clear()
         self.speed.close()
 

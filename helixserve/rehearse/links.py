@@ -7,7 +7,8 @@ numbers consistent and needs no privileges. Traffic stays on 127.0.0.0/8.
 Topology: every emulated machine's worker listens on a private port; the proxy listens on the
 machine's public address (the `address` the rehearsal writes into its copy of the cluster
 file, so the coordinator and the other workers connect there) and forwards to the private
-port. A connection travels the directed link (source machine, destination machine): the
+port. The rehearsal puts every machine on 127.0.0.1; the rig (benchmarks/rig) gives each its
+own loopback address (`ProxyRoute.host`). A connection travels the directed link (source machine, destination machine): the
 destination is the listening port; the source is found from the connection's peer port:
 /proc/net/tcp (or tcp6: gRPC uses dual-stack sockets) gives the socket's inode, and the
 process holding that inode among its file descriptors is one of the rehearsal's workers or
@@ -108,11 +109,13 @@ class Link:
 
 @dataclass(frozen=True)
 class ProxyRoute:
-    """Connections to 127.0.0.1:`listen_port` reach 127.0.0.1:`target_port`, machine `node`."""
+    """Connections to `host`:`listen_port` reach `host`:`target_port`, machine `node`."""
 
     node: str
     listen_port: int
     target_port: int
+    #: the machine's loopback address; None: the config's `host`
+    host: str | None = None
 
 
 @dataclass
@@ -228,11 +231,14 @@ class LinkProxy:
             self.links[key] = Link(self.config.links.get(key, UNLIMITED))
         return self.links[key]
 
+    def host_of(self, route: ProxyRoute) -> str:
+        return route.host or self.config.host
+
     async def start(self) -> None:
         for route in self.config.routes:
             server = await asyncio.start_server(
                 functools.partial(self._accept, route=route),
-                self.config.host, route.listen_port, reuse_address=True)
+                self.host_of(route), route.listen_port, reuse_address=True)
             self.servers.append(server)
 
     async def close(self) -> None:
@@ -264,7 +270,7 @@ class LinkProxy:
             key = (src, route.node)
             self.connections[key] = self.connections.get(key, 0) + 1
             try:
-                up_reader, up_writer = await asyncio.open_connection(self.config.host,
+                up_reader, up_writer = await asyncio.open_connection(self.host_of(route),
                                                                      route.target_port)
             except OSError:
                 writer.close()

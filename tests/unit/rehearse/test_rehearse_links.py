@@ -82,6 +82,10 @@ def test_config_round_trips_through_json(tmp_path):
                          {42: "n0"}, str(tmp_path / "s.json"), max_seconds=9.0)
     back = ProxyConfig.from_json(config.to_json())
     assert back == config
+    # a route on a machine's own loopback address (the rig's 127.0.0.x)
+    config.routes.append(ProxyRoute("n1", 1235, 5679, host="127.0.0.21"))
+    back = ProxyConfig.from_json(config.to_json())
+    assert back == config and back.routes[1].host == "127.0.0.21"
 
 
 def _free_port() -> int:
