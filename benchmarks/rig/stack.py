@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.rig.clusters import RigCluster, machine_host, write_catalog, write_cluster_yaml
 from benchmarks.rig.speed import SpeedControl
-from helixserve.local.launch import free_port
+from helixserve.local.launch import free_port, stop_processes
 from helixserve.rehearse.links import ProxyConfig, ProxyRoute, link_table, read_stats
 from helixserve.spec.cluster import COORDINATOR
 
@@ -250,20 +250,11 @@ class RigStack:
     # ---- stop ----------------------------------------------------------------------------
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """API first (it releases requests), then workers, then the proxy; SIGKILL after
+        """API first (it releases requests), then the workers and the proxy; SIGKILL after
         `grace_s`; then the cgroups. Safe to call twice."""
-        order = ["server"] + [n for n in self.procs if n.startswith("worker-")] + ["proxy"]
-        for name in order:
-            proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-            if name == "server" and proc is not None:
-                _wait(proc, grace_s)
-        for name in order:
-            proc = self.procs.get(name)
-            if proc is not None:
-                _wait(proc, grace_s)
+        server = [self.procs["server"]] if "server" in self.procs else []
+        stop_processes(server, grace_s)
+        stop_processes([p for n, p in self.procs.items() if n != "server"], grace_s)
         proxy = self.procs.get("proxy")
         if proxy is not None:
             if proxy.stdout is not None:
@@ -273,11 +264,3 @@ class RigStack:
         self.procs.clear()
         self.speed.close()
 
-
-def _wait(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait()
