@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from helixserve.request import GenerationRequest, SamplingParams, TokenEvent
-from helixserve.runtime import security, startup, workers
+from helixserve.runtime import results, security, startup, workers
 from helixserve.runtime.admission import AdmissionWait, NoRouteError
 from helixserve.runtime.config import CoordinatorConfig
 from helixserve.runtime.costs import runtime_cost_model
@@ -49,7 +49,7 @@ from helixserve.runtime.inflight import InFlight
 from helixserve.runtime.node_client import NodeClient
 from helixserve.runtime.output import OutputProcessor
 from helixserve.runtime.replan import Recovery
-from helixserve.runtime.results import KvFull, Replay, RequestFailedError, ResultInbox, Token
+from helixserve.runtime.results import RequestFailedError, ResultInbox
 from helixserve.runtime.stats import CoordinatorStats, ProcessStats, node_stats
 from helixserve.runtime.workers import WorkerWatch
 from helixserve.scheduler.core import (
@@ -375,12 +375,12 @@ class Coordinator:
         failed route is replayed, a worker out of KV preempts it."""
         on_demand = self.kv_allocation == "on-demand"
         while True:
-            got = await self.inbox.next_outcome(fl, self.step_timeout_s, on_demand)
-            if isinstance(got, Token):
+            got = await results.next_outcome(fl, self.step_timeout_s, on_demand)
+            if isinstance(got, results.Token):
                 return got.result
-            if isinstance(got, Replay):
+            if isinstance(got, results.Replay):
                 await self._reroute(fl, got.reason)
-            elif isinstance(got, KvFull):
+            elif isinstance(got, results.KvFull):
                 # preempted by the core's victim rule (RUNTIME_VICTIM_RULE: the request whose
                 # step failed): recomputed once admitted again, ahead of new requests (vLLM's
                 # preemption by recompute); not a fault, so not counted against max_reroutes

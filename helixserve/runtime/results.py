@@ -111,33 +111,33 @@ class ResultInbox:
             if fl.on_route(node):
                 fl.results.put_nowait(NodeFailure(node, reason))
 
-    @staticmethod
-    async def next_outcome(fl: InFlight, timeout_s: float, on_demand: bool) -> Outcome:
-        """Wait for what the request's next result means, skipping prefill acks."""
-        while True:
-            try:
-                if fl.results.empty():
-                    # asyncio.timeout, not wait_for: no task per token
-                    async with asyncio.timeout(timeout_s):
-                        r = await fl.results.get()
-                else:
-                    r = fl.results.get_nowait()
-            except TimeoutError:
-                # an item lost without any node failing (e.g. a broken worker-to-worker
-                # stream): replay on a route of nodes that pass a health check
-                return Replay(f"no result for {timeout_s:.0f} s")
-            if isinstance(r, NodeFailure):
-                return Replay(f"node {r.node} failed: {r.reason}")
-            if r.ok:
-                if r.token_id is not None:
-                    return Token(r)
-                continue  # a prefill chunk's ack
-            if r.status_code == UNAVAILABLE:
-                return Replay(r.error)
-            if r.status_code == RESOURCE_EXHAUSTED and on_demand:
-                return KvFull(r.node, r.error)
-            return Failed(r.error)
+
+async def next_outcome(fl: InFlight, timeout_s: float, on_demand: bool) -> Outcome:
+    """Wait for what the request's next result means, skipping prefill acks."""
+    while True:
+        try:
+            if fl.results.empty():
+                # asyncio.timeout, not wait_for: no task per token
+                async with asyncio.timeout(timeout_s):
+                    r = await fl.results.get()
+            else:
+                r = fl.results.get_nowait()
+        except TimeoutError:
+            # an item lost without any node failing (e.g. a broken worker-to-worker
+            # stream): replay on a route of nodes that pass a health check
+            return Replay(f"no result for {timeout_s:.0f} s")
+        if isinstance(r, NodeFailure):
+            return Replay(f"node {r.node} failed: {r.reason}")
+        if r.ok:
+            if r.token_id is not None:
+                return Token(r)
+            continue  # a prefill chunk's ack
+        if r.status_code == UNAVAILABLE:
+            return Replay(r.error)
+        if r.status_code == RESOURCE_EXHAUSTED and on_demand:
+            return KvFull(r.node, r.error)
+        return Failed(r.error)
 
 
 __all__ = ["Failed", "KvFull", "Outcome", "Replay", "RequestFailedError", "ResultInbox", "Token",
-           "unexpected"]
+           "next_outcome", "unexpected"]
