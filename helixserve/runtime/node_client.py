@@ -5,7 +5,8 @@ one WorkBatch message: the decode steps the coordinator sends in one event-loop 
 together). A request's later decode steps go as continuation items (`send_continuation`: request
 id, step id, position, token) when the worker speaks wire version 2 (`continuation_ok`).
 Results (sampled tokens, prefill acks, per-item errors) arrive on the stream's responses and are
-handed to the coordinator's callback. When the stream breaks the node
+handed to the coordinator's callback with this node's name: which worker sent a result is the
+stream it came on, not what the message says. When the stream breaks the node
 is reported down; `revive` reconnects once the worker answers again.
 """
 
@@ -47,7 +48,7 @@ class NodeClient:
         start_layer: int,
         end_layer: int,
         coordinator_id: str,
-        on_result: Callable[[tp.WireResult], None],
+        on_result: Callable[[str, tp.WireResult], None],
         on_down: Callable[[str, str], None],
         coordinator_token: str = "",
         tls: security.TlsConfig | None = None,
@@ -176,7 +177,7 @@ class NodeClient:
             call = self._stub.Work(self._requests())
             async for batch in call:
                 for r in batch.results:
-                    self.on_result(tp.result_from_pb(r))
+                    self.on_result(self.name, tp.result_from_pb(r))
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
         except asyncio.CancelledError:

@@ -12,7 +12,10 @@ string appears the text before it is emitted, the stop string and everything aft
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from helixserve.request import GenerationRequest
 
 #: tokens decoded before the new one, so that merges across token boundaries come out right
 _PREFIX_WINDOW = 6
@@ -46,6 +49,15 @@ class OutputProcessor:
     ignore_eos: bool = False
     #: sequence cap (prompt + output) of the model
     max_model_len: int | None = None
+
+    @classmethod
+    def for_request(cls, req: GenerationRequest, tokenizer: Any, eos_token_ids: list[int],
+                    max_model_len: int | None) -> OutputProcessor:
+        """The stop conditions and limits of `req`, over the model's EOS ids and length."""
+        return cls(tokenizer=tokenizer, prompt_token_ids=req.prompt_token_ids,
+                   max_tokens=req.max_tokens, min_tokens=req.min_tokens, stop=list(req.stop),
+                   stop_token_ids=list(req.stop_token_ids), eos_token_ids=eos_token_ids,
+                   ignore_eos=req.ignore_eos, max_model_len=max_model_len)
 
     def __post_init__(self) -> None:
         self.output_ids: list[int] = []

@@ -121,6 +121,19 @@ class Recovery:
     def busy(self) -> bool:
         return self._task is not None and not self._task.done()
 
+    def stop_waiting(self, waited_s: float, replay: bool) -> str | None:
+        """A request has waited `waited_s` for the model to be covered again: why it should
+        stop waiting, as the end of its error message (None: it waits on, and a re-plan starts
+        unless one is under way or none can cover the model). `replay`: it was running (it
+        waits for a restart too)."""
+        if waited_s > self.config.wait_s:
+            return f"; waited {waited_s:.0f} s for a re-plan or a restart"
+        if self.uncoverable and not replay:
+            return ", and no placement over them covers it"  # a new request: come back later
+        if not self.busy and not self.uncoverable:
+            self.trigger("layers without a live holder")
+        return None
+
     def trigger(self, reason: str) -> None:
         """Re-plan soon (now, or again once the re-plan under way ends)."""
         if self.busy:

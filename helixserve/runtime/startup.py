@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from helixserve.planner.placement import NodeRange, Placement
     from helixserve.runtime.node_client import NodeClient
     from helixserve.scheduler import RouterOptions
+    from helixserve.scheduler.types import Router
     from helixserve.spec import ClusterSpec
 
 log = logging.getLogger("helixserve.coordinator")
@@ -110,11 +111,22 @@ def eos_token_ids(nodes: Iterable[NodeClient], num_layers: int, tokenizer: Any) 
     return sorted(eos)
 
 
-def chunk_tokens(info: Any, max_tokens: int) -> int:
-    """The largest prefill chunk whose hidden states fit a message (transport.py)."""
+def chunk_tokens(nodes: Iterable[NodeClient], max_tokens: int) -> int:
+    """The largest prefill chunk (at most `max_tokens`) whose hidden states fit a message
+    (transport.py), from the first worker that answered."""
     from helixserve.runtime.transport import prefill_chunk_tokens
 
+    info = next(n.info for n in nodes if n.info is not None)
     return prefill_chunk_tokens(info.hidden_size, info.dtype, max_tokens)
+
+
+def make_live_router(scheduler: str, cluster: ClusterSpec, placement: Placement,
+                     cost: CostModel, seed: int = 0, live: bool = False) -> Router:
+    """The routing policy `scheduler` over `placement`, with `routing_inputs`."""
+    from helixserve.scheduler import make_router
+
+    return make_router(scheduler, placement, seed=seed,
+                       **routing_inputs(cluster, placement, cost, live))
 
 
 def routing_inputs(cluster: ClusterSpec, placement: Placement, cost: CostModel,

@@ -5,7 +5,10 @@ returns a `CoordinatorStats`, which `/metrics` (api/metrics.py), `/health` and `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from helixserve.runtime.node_client import NodeClient
 
 
 @dataclass
@@ -75,3 +78,25 @@ class CoordinatorStats:
     down_events: int = 0
     #: the live re-plan's state (runtime/replan.py `Recovery.snapshot()`); None: off
     recovery: dict[str, Any] | None = None
+    #: results dropped at arrival, since start: for no request in flight, from a node off
+    #: the request's route, a token not from its last stage, a step not awaited
+    #: (runtime/results.py)
+    dropped_results: int = 0
+
+
+def node_stats(n: NodeClient, in_placement: bool, last_down_reason: str,
+               process: ProcessStats | None) -> NodeStats:
+    """One worker's line: what its client knows, and its last Info when it answered one."""
+    node = NodeStats(start_layer=n.start_layer, end_layer=n.end_layer, alive=n.alive,
+                     address=n.address, in_placement=in_placement,
+                     last_down_reason=last_down_reason, process=process)
+    info = n.info
+    if info is not None:
+        node.queue_len, node.batch_size = info.queue_len, info.last_batch_size
+        node.kv_used_blocks, node.kv_total_blocks = info.kv_used_blocks, info.kv_total_blocks
+        node.kv_block_size, node.busy_fraction = info.kv_block_size, info.busy_fraction
+        node.active_requests, node.steps = info.active_requests, info.steps
+        node.items_run, node.step_tokens_sum = info.items_run, info.step_tokens_sum
+        node.step_tokens_counts = list(info.step_tokens_counts)
+        node.dtype, node.backend = info.dtype, info.backend
+    return node

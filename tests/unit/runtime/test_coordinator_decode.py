@@ -25,8 +25,9 @@ class FakeTokenizer:
 
 
 class FakeNode:
-    """A route in one: the first hop answers every sampled item with token 5 (when `auto`),
-    acks the others; it records what it was sent and released."""
+    """A route in one: the first hop takes the steps and answers, as the route's last stage
+    `b` would, every sampled item with token 5 (when `auto`) and the others with an ack; it
+    records what it was sent and released."""
 
     def __init__(self, coord: Coordinator, name: str, start: int, end: int,
                  continuation: bool) -> None:
@@ -43,7 +44,7 @@ class FakeNode:
     def _answer(self, request_id: str, step_id: int, sample: bool) -> None:
         r = WireResult(request_id, step_id, token_id=5 if sample else None)
         if self.auto:
-            asyncio.get_running_loop().call_soon(self.coord._on_result, r)
+            asyncio.get_running_loop().call_soon(self.coord.inbox.deliver, "b", r)
         else:
             self.held.append(r)
 
@@ -76,10 +77,10 @@ def _coordinator(continuation: bool = True) -> Coordinator:
                          **router_options(s.cluster, s.model, s.placement, s.cost))
     coord = Coordinator(s.placement, Path("."), router, max_queue=10, max_reroutes=3,
                         stats_interval_s=3600.0)
-    coord.nodes = {name: FakeNode(coord, name, a, b, continuation)  # type: ignore[misc]
-                   for name, a, b in (("a", 0, 2), ("b", 2, 4))}
+    coord.nodes.update({name: FakeNode(coord, name, a, b, continuation)  # type: ignore[misc]
+                        for name, a, b in (("a", 0, 2), ("b", 2, 4))})
     coord.tokenizer, coord.eos_token_ids = FakeTokenizer(), []
-    coord.max_model_len, coord.prefill_chunk_tokens, coord.step_timeout_s = 1000, 4, 3600.0
+    coord.max_model_len, coord.dispatch.chunk_tokens, coord.step_timeout_s = 1000, 4, 3600.0
     return coord
 
 
@@ -139,7 +140,7 @@ def test_closing_the_stream_mid_decode_frees_kv_and_stops_the_driver() -> None:
         nxt = asyncio.ensure_future(stream.__anext__())
         await _settle()
         for r in a.held:  # type: ignore[attr-defined]
-            coord._on_result(r)  # the prefill's acks and first token
+            coord.inbox.deliver("b", r)  # the prefill's acks and first token
         await nxt
         await _settle()
         internal = next(iter(coord.active))
@@ -149,7 +150,7 @@ def test_closing_the_stream_mid_decode_frees_kv_and_stops_the_driver() -> None:
         assert not coord.active
         assert all(n.released == [internal] for n in coord.nodes.values())  # type: ignore[attr-defined]
         sent = len(a.sent)  # type: ignore[attr-defined]
-        coord._on_result(WireResult(internal, a.sent[-1][1], token_id=5))  # type: ignore[attr-defined]
+        coord.inbox.deliver("b", WireResult(internal, a.sent[-1][1], token_id=5))  # type: ignore[attr-defined]
         await _settle()
         assert len(a.sent) == sent  # type: ignore[attr-defined]  # nothing more was sent
         await coord.close()
@@ -196,7 +197,7 @@ def test_a_reader_cancelled_by_anyio_still_frees_the_kv() -> None:
             tg.start_soon(read)
             await _settle()
             for r in a.held:  # type: ignore[attr-defined]
-                coord._on_result(r)
+                coord.inbox.deliver("b", r)
             await _settle()
             internal = next(iter(coord.active))
             tg.cancel_scope.cancel()

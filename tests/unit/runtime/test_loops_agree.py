@@ -4,9 +4,9 @@ fed the same events, make the same admissions, routes and preemptions.
 Both drive one `SchedulerCore` (scheduler/core.py), whose transitions and policies
 tests/unit/scheduler/test_core.py covers. What this checks is the loops: that each turns its
 events into the same core calls. The simulator runs a small trace with the core's decision
-log on. The same events then drive the real `Coordinator` (its `_route` admission wait,
-`_pump`, token accounting, `_finish`, and the KV-full path of `_next_token` -> `_preempt` ->
-`_replay`), over fake node clients that report the simulated nodes' KV capacities and accept
+log on. The same events then drive the real `Coordinator` (its `_admit` wait on the
+admission pump, token accounting, `_finish`, and the KV-full path: a worker's result through
+the result inbox -> `_next_token` -> `_replay`), over fake node clients that report the simulated nodes' KV capacities and accept
 items without running them (no torch, no gRPC, no clock: the simulator's event order is the
 clock). Compared: each admission's request, route and the per-node free KV the router saw,
 and each preemption's victim, in order.
@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from helixserve.request import GenerationRequest, SamplingParams
-from helixserve.runtime.coordinator import Coordinator, _Active
+from helixserve.runtime.coordinator import Coordinator
+from helixserve.runtime.inflight import InFlight
 from helixserve.runtime.transport import RESOURCE_EXHAUSTED, WireResult
 from helixserve.scheduler import make_router
 from helixserve.scheduler.options import router_options
@@ -91,11 +92,11 @@ async def _drive(s: Any, sim: Simulation, router: Any = None) -> Coordinator:
                              **router_options(s.cluster, s.model, s.placement, s.cost))
     coord = Coordinator(s.placement, Path("."), router, max_queue=1000, max_reroutes=3,
                         stats_interval_s=3600.0, kv_allocation="on-demand")
-    coord.nodes = {n.name: FakeNode(n.name, n.start, n.end, n.kv_cap)  # type: ignore[misc]
-                   for n in sim.nodes.values()}
-    coord.max_model_len, coord.prefill_chunk_tokens, coord.step_timeout_s = 10**6, 10**6, 3600.0
+    coord.nodes.update({n.name: FakeNode(n.name, n.start, n.end, n.kv_cap)  # type: ignore[misc]
+                        for n in sim.nodes.values()})
+    coord.max_model_len, coord.dispatch.chunk_tokens, coord.step_timeout_s = 10**6, 10**6, 3600.0
     coord.core.log = []
-    acts: dict[str, _Active] = {}
+    acts: dict[str, InFlight] = {}
     tasks: list[asyncio.Task[Any]] = []
     assert sim.decisions is not None
     try:
@@ -109,14 +110,14 @@ async def _drive(s: Any, sim: Simulation, router: Any = None) -> Coordinator:
 
 
 async def _replay_log(coord: Coordinator, log: list[tuple[Any, ...]],
-                      acts: dict[str, _Active], tasks: list[asyncio.Task[Any]]) -> None:
+                      acts: dict[str, InFlight], tasks: list[asyncio.Task[Any]]) -> None:
     for ev in log:
         kind = ev[0]
         if kind == "arrive":
             _, rid, prompt, output = ev
             req = GenerationRequest(rid, [1] * prompt, SamplingParams(), max_tokens=output)
-            act = acts[rid] = _Active(req=req, internal_id=coord._new_internal_id(req))
-            tasks.append(asyncio.create_task(coord._route(act)))
+            fl = acts[rid] = InFlight.of(req, coord._new_internal_id(req), [])
+            tasks.append(asyncio.create_task(coord._admit(fl)))
             await _settle()
         elif kind == "token":
             coord._on_token(acts[ev[1]], 7)
@@ -127,11 +128,11 @@ async def _replay_log(coord: Coordinator, log: list[tuple[Any, ...]],
             await _settle()
         elif kind == "preempt":
             _, _victim, node, requester = ev
-            act = acts[requester]
+            fl = acts[requester]
             # the worker at `node` refuses the requester's next step: no KV block left
-            act.results.put_nowait(WireResult(act.internal_id, 0, status_code=RESOURCE_EXHAUSTED,
-                                              error="KvExhaustedError", node=node))
-            tasks.append(asyncio.create_task(coord._next_token(act)))
+            coord.inbox.deliver(node, WireResult(fl.internal_id, 0, status_code=RESOURCE_EXHAUSTED,
+                                                 error="KvExhaustedError", node=node))
+            tasks.append(asyncio.create_task(coord._next_token(fl)))
             await _settle()
     await _settle()
 
@@ -166,7 +167,7 @@ def test_simulator_and_coordinator_decide_the_same_step_by_step() -> None:
         assert a == b, f"decision {i} differs: simulator {a}, coordinator {b}"
     assert len(live) == len(simulated)
     assert coord.preemptions == sum(d[0] == "preempt" for d in simulated)
-    assert not coord.active and not coord.kv.holds  # every request finished, its KV freed
+    assert not coord.active and not coord.core.kv.holds  # every request finished, its KV freed
 
 
 @pytest.mark.parametrize("rule", ["newest", "requester"])
