@@ -136,10 +136,13 @@ def run(args: argparse.Namespace) -> int:
           + (f", {len(removed)} removed ({', '.join(removed)})" if removed else ""))
     if opts.tls_secret is not None:
         nodes = ",".join(w.node for w in rendering.workers)
-        domain = (f"*.{headless_service_name(opts)}.{opts.namespace}.svc."
-                  f"{opts.cluster_domain}")
+        # one certificate per worker naming its own pod's DNS name only (no wildcard: a
+        # worker's certificate must not let it pose as another)
+        hosts = ",".join(f"{w.node}={worker_address(opts, w.node).rpartition(':')[0]}"
+                         for w in rendering.workers)
         print(f"TLS: create the Secret {opts.tls_secret} first (docs/security.md):\n"
-              f"  helixserve certs create --out certs --nodes {nodes} --hosts '{domain}'\n"
+              f"  helixserve certs create --out certs --nodes {nodes} \\\n"
+              f"      --hosts {hosts}\n"
               f"  kubectl -n {opts.namespace} create secret generic {opts.tls_secret} "
               "--from-file=certs/ca.crt --from-file=certs/coordinator.crt "
               "--from-file=certs/coordinator.key "

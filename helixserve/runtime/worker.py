@@ -30,9 +30,16 @@ unreachable) go the same way, to the coordinator, which fails or re-routes the r
 Released request ids are remembered (bounded) so that an item still in flight when its request
 was released is dropped instead of allocating KV that nobody would free.
 
-Trust (runtime/security.py): with TLS the server has only a mutual-TLS port. A coordinator's
-stream hello must carry the secret its id is derived from, items on it must name that
-coordinator, and Release frees only requests of the coordinator that proves its id; an item
+Trust (runtime/security.py): with TLS the server has only a mutual-TLS port, and what a caller
+may do follows from the role in its certificate, never from what its messages claim:
+`LoadRange`, `Release` and a coordinator stream (and so first-hop items) only from a
+coordinator certificate; a stream without a coordinator hello only from a worker certificate,
+whose node name (from the certificate) is the stream's sender; an item at hop >= 1 only from
+the worker that is its route's previous hop. Info and health answer any member of the CA.
+Without TLS (`--insecure`, loopback only, development) the same checks run on what the
+caller declares: a coordinator's hello must carry the secret its id is derived from, and a
+worker's hello names its node. Either way, items on a coordinator stream must name that
+coordinator, Release frees only requests of the coordinator that proves its id, and an item
 whose request holds KV here for another coordinator is refused. An item is forwarded only
 to an address of the worker's peer policy (its placement's nodes): a forged next hop gets a
 per-item PERMISSION_DENIED and nothing is connected.
@@ -92,6 +99,8 @@ class _Stream:
 
     coordinator_id: str
     sender: str
+    #: the caller's certificate identity (None: plaintext port)
+    peer: security.PeerIdentity | None = None
     out: asyncio.Queue[pb.WorkResult | None] = field(default_factory=asyncio.Queue)
     #: why the worker refused the stream (the handler aborts it with PERMISSION_DENIED)
     refused: str = ""
@@ -546,7 +555,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
     async def Work(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[pb.WorkBatch], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ResultBatch]:
-        stream = _Stream(coordinator_id="", sender="")
+        peer = self._peer(context)
+        stream = _Stream(coordinator_id="", sender=peer.node if peer is not None else "",
+                         peer=peer)
         self.streams.add(stream)
         reader = asyncio.create_task(self._read_stream(request_iterator, stream))
         try:
@@ -588,14 +599,14 @@ class Worker(pb_grpc.HelixWorkerServicer):
             async for batch in request_iterator:
                 hello = tp.hello_of(batch)
                 if hello is not None:
-                    cid, stream.sender = hello
-                    if cid and not security.coordinator_token_ok(cid, tp.hello_token(batch)):
-                        # someone claims a coordinator id without its secret: taking over
-                        # that coordinator's results is exactly what this refuses
-                        log.warning("refused a stream claiming coordinator %s: bad token", cid)
-                        stream.refused = (f"node {self.node}: coordinator id {cid!r} does not "
-                                          "match its token; stream refused")
+                    cid, claimed = hello
+                    refusal = self._hello_refusal(cid, tp.hello_token(batch), stream)
+                    if refusal:
+                        log.warning("refused a stream: %s", refusal)
+                        stream.refused = f"node {self.node}: {refusal}; stream refused"
                         return
+                    if stream.peer is None:  # plaintext: the sender is what it declares
+                        stream.sender = claimed
                     stream.coordinator_id = cid
                     if cid:
                         self.coordinators[cid] = stream
@@ -607,6 +618,39 @@ class Worker(pb_grpc.HelixWorkerServicer):
             pass
         finally:
             stream.out.put_nowait(None)
+
+    def _peer(self, context: grpc.aio.ServicerContext) -> security.PeerIdentity | None:
+        """The caller's certificate identity; None on a plaintext worker. With TLS a caller
+        always has a certificate (the port requires one); none is treated as no role."""
+        if self.tls is None:
+            return None
+        return security.peer_identity(context) or security.PeerIdentity(
+            "", problem="no certificate")
+
+    def _hello_refusal(self, cid: str, token: str, stream: _Stream) -> str:
+        """Why a stream's hello is refused ("" when it is not): module doc, Trust."""
+        if cid and not security.coordinator_token_ok(cid, token):
+            # someone claims a coordinator id without its secret: taking over that
+            # coordinator's results is exactly what this refuses
+            return f"coordinator id {cid!r} does not match its token"
+        if stream.peer is None:
+            return ""
+        if cid and not stream.peer.is_coordinator:
+            return (f"a coordinator stream needs a coordinator certificate; the caller has "
+                    f"{stream.peer.describe()}")
+        if not cid and stream.peer.role != security.ROLE_WORKER:
+            return (f"a stream without a coordinator hello needs a worker certificate; the "
+                    f"caller has {stream.peer.describe()}")
+        return ""
+
+    async def _require_coordinator(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        """Abort PERMISSION_DENIED unless the caller has a coordinator certificate (TLS)."""
+        peer = self._peer(context)
+        if peer is not None and not peer.is_coordinator:
+            log.warning("refused %s from %s", what, peer.describe())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"node {self.node}: {what} needs a coordinator certificate; the "
+                                f"caller has {peer.describe()}; nothing changed")
 
     def _accept(self, msg: pb.WorkItem, stream: _Stream, where: str) -> _Job | None:
         full = bool(msg.route)
@@ -662,6 +706,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
     ) -> pb.LoadRangeReply:
         start, end = request.start_layer, request.end_layer
         n = self.engine.num_model_layers
+        await self._require_coordinator(context, f"LoadRange [{start}, {end})")
         if not security.coordinator_token_ok(request.coordinator_id, request.coordinator_token):
             log.warning("refused LoadRange [%d, %d) for coordinator %r: bad token", start, end,
                         request.coordinator_id)
@@ -715,6 +760,13 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     f"coordinator {stream.coordinator_id!r}")
         if not stream.coordinator_id and item.hop_index == 0:
             return f"{where}.hop_index: 0 (first hop) from a stream that is not a coordinator's"
+        if item.hop_index > 0:
+            prev = item.route[item.hop_index - 1].name
+            if stream.coordinator_id or stream.sender != prev:
+                who = (stream.peer.describe() if stream.peer is not None
+                       else f"a stream {'of a coordinator' if stream.coordinator_id else 'naming itself ' + repr(stream.sender)}")
+                return (f"{where}.hop_index: {item.hop_index} from {who}, not from the route's "
+                        f"previous hop {prev!r}")
         owner = self.active.get(item.request_id)
         if owner is not None and owner != item.coordinator_id:
             return f"{where}.request_id: {item.request_id!r} belongs to another coordinator"
@@ -730,6 +782,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseReply:
         cid = request.coordinator_id
+        await self._require_coordinator(context, f"Release of {len(request.request_ids)} requests")
         if not security.coordinator_token_ok(cid, request.coordinator_token):
             log.warning("refused Release of %d requests for coordinator %r: bad token",
                         len(request.request_ids), cid)
@@ -801,6 +854,8 @@ async def serve(
     pb_grpc.add_HelixWorkerServicer_to_server(worker, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if tls is not None:
+        security.check_own_identity(tls, worker.node)
     bound = security.add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
