@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         render_k8s,
         write_manifests,
     )
-    from helixserve.deploy.k8s import headless_service_name, worker_address
+    from helixserve.deploy.k8s import worker_address
 
     check_output("--out", args.out, directory=True)  # before rendering: fails at once
     gpu_products = parse_gpu_product_overrides(args.gpu_product)

@@ -319,7 +319,8 @@ def worker_statefulset(opts: RenderOptions, w: WorkerSpec) -> Obj:
     ]  # fmt: skip
     if w.dtype is not None:
         command += ["--dtype", w.dtype]
-    command += _tls_flags(opts)
+    # without TLS the worker binds 0.0.0.0 in plaintext only when told so explicitly
+    command += _tls_flags(opts) or ["--insecure"]
     # Native gRPC probes (Kubernetes >= 1.27) call grpc.health.v1 Check on the worker's own
     # port, in plaintext; a TLS-only worker is probed by the same Check over mutual TLS.
     probe: Obj = {"grpc": {"port": WORKER_PORT}}

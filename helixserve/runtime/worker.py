@@ -27,6 +27,17 @@ open to every worker, so the last hop writes the sampled token straight onto tha
 message, not relayed back along the route). Per-item errors (validation, KV full, next hop
 unreachable) go the same way, to the coordinator, which fails or re-routes the request.
 
+Liveness that means progress: the engine thread counts a heartbeat (`beats`) whenever it takes
+new work and after every step. A watchdog on the loop (`_watch_engine`) declares the engine
+stalled when work waits (queued, or a step running) and no beat came for `stall_timeout_s`
+(a deadlocked engine, a stuck CUDA call): gRPC health turns NOT_SERVING (the Kubernetes
+liveness probe checks it) and `Info` fails with DEADLINE_EXCEEDED naming the stall, which is
+exactly what the coordinator counts as a missed answer of a hung worker (two in a row: node
+down, its requests replayed elsewhere, a re-plan if layers lost their last holder). When beats
+resume, health is SERVING again and the coordinator takes the node back as it would a restarted
+one. `HELIXSERVE_TEST_ENGINE_HANG=STEPS:SECONDS` (tests only; unset by default) makes the
+engine thread sleep SECONDS before its step STEPS+1, to prove this with real processes.
+
 Released request ids are remembered (bounded) so that an item still in flight when its request
 was released is dropped instead of allocating KV that nobody would free.
 
@@ -82,6 +93,24 @@ BUSY_WINDOW_S = 5.0
 KEPT_MEMORY = 100_000
 #: Items remembered per next-hop stream, to report when the stream breaks (see _Peer).
 SENT_MEMORY = 10_000
+#: Default bound on an engine that makes no progress while work waits (module doc).
+ENGINE_STALL_S = 20.0
+#: Test-only hang injection (module doc); never set in deployments.
+HANG_ENV = "HELIXSERVE_TEST_ENGINE_HANG"
+
+
+def _test_hang() -> tuple[int, float] | None:
+    """(steps before the hang, its seconds) from HANG_ENV, or None (the default)."""
+    import os
+
+    raw = os.environ.get(HANG_ENV, "")
+    if not raw:
+        return None
+    steps, _, seconds = raw.partition(":")
+    try:
+        return int(steps), float(seconds)
+    except ValueError:
+        raise ValueError(f"{HANG_ENV}={raw!r}: expected STEPS:SECONDS") from None
 
 
 def engine_error_status(exc: BaseException) -> int:
@@ -304,6 +333,16 @@ class Worker(pb_grpc.HelixWorkerServicer):
         #: engine steps per bucket of tokens in the step (tp.STEP_TOKEN_BUCKETS, + larger)
         self.step_tokens_counts = [0] * (len(tp.STEP_TOKEN_BUCKETS) + 1)
         self.step_tokens_sum = 0
+        #: engine-thread heartbeat: +1 whenever it takes work and after every step
+        self.beats = 0
+        #: the engine thread is inside a step
+        self.stepping = False
+        #: seconds the engine has been stalled (module doc); 0.0 while it makes progress
+        self.stalled_s = 0.0
+        self._hang = _test_hang()
+        if self._hang is not None:
+            log.warning("%s set: the engine thread will hang %.0f s before step %d (tests only)",
+                        HANG_ENV, self._hang[1], self._hang[0] + 1)
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -338,11 +377,24 @@ class Worker(pb_grpc.HelixWorkerServicer):
             drained = self._take_inbox(pending)
             if drained is None:
                 return
+            self.beats += 1
             pending = drained
             batch, pending = self._next_batch(pending)
             self.queue_len = len(pending)
             if batch:
+                self.stepping = True
+                if self._hang is not None and self.steps == self._hang[0]:
+                    hang_s, self._hang = self._hang[1], None
+                    log.warning("%s: engine thread hangs for %.0f s now (unix time %.3f)",
+                                HANG_ENV, hang_s, time.time())
+                    time.sleep(hang_s)
                 self._run_step(batch)
+                self.stepping = False
+                self.beats += 1
+
+    def work_waiting(self) -> bool:
+        """Work is queued for the engine or a step runs (read from the loop thread)."""
+        return self.stepping or self.queue_len > 0 or self.inbox.qsize() > 0
 
     def _take_inbox(self, pending: deque[_Job]) -> deque[_Job] | None:
         """Engine thread: what arrived (waiting for it when nothing is pending): new jobs
@@ -791,13 +843,23 @@ class Worker(pb_grpc.HelixWorkerServicer):
                                 "nothing freed")
         fut: Future[int] = Future()
         self.inbox.put(_Release([(cid, rid) for rid in request.request_ids], fut))
+        if self.stalled_s:  # queued for when the engine moves again; nothing freed yet
+            return pb.ReleaseReply(released=0)
         freed = await asyncio.wrap_future(fut)
         return pb.ReleaseReply(released=freed)
 
     async def Info(  # noqa: N802
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.InfoReply:
+        if self.stalled_s:
+            # what the coordinator counts as a missed answer of a hung worker (module doc)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self.stall_message())
         return tp.info_to_pb(self.info())
+
+    def stall_message(self) -> str:
+        return (f"node {self.node}: engine made no progress for {self.stalled_s:.1f} s with "
+                f"work waiting ({self.queue_len + self.inbox.qsize()} items queued, "
+                f"{'a step running' if self.stepping else 'no step running'}); health NOT_SERVING")
 
     def info(self) -> tp.WorkerInfo:
         kv = self._kv_frozen or self.engine.kv_stats()
@@ -833,6 +895,32 @@ class Worker(pb_grpc.HelixWorkerServicer):
         )
 
 
+async def _watch_engine(worker: Worker, health_servicer: Any, stall_timeout_s: float) -> None:
+    """Loop thread: health follows the engine's progress (module doc, Liveness)."""
+    seen, since = worker.beats, time.monotonic()
+    while True:
+        await asyncio.sleep(min(1.0, stall_timeout_s / 4))
+        now = time.monotonic()
+        if worker.beats != seen or not worker.work_waiting():
+            seen, since = worker.beats, now
+            if worker.stalled_s:
+                log.warning("node %s: engine moves again after %.1f s", worker.node,
+                            worker.stalled_s)
+                worker.stalled_s = 0.0
+                if not worker.draining:
+                    for name in ("", SERVICE_NAME):
+                        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            continue
+        if now - since >= stall_timeout_s:
+            first = not worker.stalled_s
+            worker.stalled_s = now - since
+            if first:
+                log.error("%s", worker.stall_message())
+                print(f"helixserve worker {worker.node}: {worker.stall_message()}", flush=True)
+                for name in ("", SERVICE_NAME):
+                    await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 async def serve(
     worker: Worker,
     host: str,
@@ -841,6 +929,7 @@ async def serve(
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
     tls: security.TlsConfig | None = None,
+    stall_timeout_s: float = ENGINE_STALL_S,
 ) -> int:
     """Run the worker's gRPC server until `stop` is set (SIGTERM), then drain and exit.
 
@@ -848,7 +937,8 @@ async def serve(
     here keep being served until the coordinator releases them or `drain_timeout_s` passes;
     whatever is left then is failed explicitly (UNAVAILABLE to its coordinator) and freed.
     With `tls`, the only port is mutual TLS (a client without a certificate from the CA is
-    refused at the handshake). Returns the bound port.
+    refused at the handshake). An engine stalled for `stall_timeout_s` with work waiting
+    turns health NOT_SERVING until it moves again (module doc). Returns the bound port.
     """
     server = grpc.aio.server(options=tp.SERVER_OPTIONS)
     pb_grpc.add_HelixWorkerServicer_to_server(worker, server)
@@ -863,6 +953,8 @@ async def serve(
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    watchdog = asyncio.get_running_loop().create_task(
+        _watch_engine(worker, health_servicer, stall_timeout_s))
     info = worker.info()
     print(
         f"helixserve worker {worker.node}: layers [{info.start_layer}, {info.end_layer}) of "
@@ -878,6 +970,7 @@ async def serve(
     await stop.wait()
     t_stop = time.monotonic()
     worker.draining = True
+    watchdog.cancel()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     deadline = time.monotonic() + drain_timeout_s
