@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP app: `create_app(coordinator, served_model_name, api_key)`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
-GET /v1/models/{id}, GET and HEAD /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version.
+GET /v1/models/{id}, GET and HEAD /health, GET /ready, GET /metrics, POST /tokenize,
+POST /detokenize, GET /version.
 
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would buffer and
 break client-disconnect cancellation of streams) does two things for every request: takes
 `X-Request-Id` (or makes one) and echoes it on the response, and checks the API key on
-/v1/*, /tokenize and /detokenize. /health, /metrics and /version stay open for probes and
-Prometheus, as in vLLM.
+/v1/*, /tokenize and /detokenize. /health, /ready, /metrics and /version stay open for probes
+and Prometheus, as in vLLM. Readiness is /ready (the process serves HTTP: requests are
+accepted, and wait or get a 503 with Retry-After during an outage); /health (503 while a layer
+has no live worker) is for monitoring.
 """
 
 from __future__ import annotations
@@ -515,6 +518,12 @@ def create_app(
             return JSONResponse({**err.body(), **detail}, status_code=503,
                                 headers=err.headers or None)
         return JSONResponse({"status": "ok", **detail})
+
+    @app.get("/ready")
+    async def ready() -> dict[str, str]:
+        # The readiness probe: this process takes requests. An outage of workers is not
+        # unreadiness (module doc): a request then waits for the re-plan, or gets a clear 503.
+        return {"status": "ready"}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -49,15 +49,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "e.g. topology.kubernetes.io/region")
     k.add_argument("--coordinator-image", default=None,
                    help="image of the coordinator if not --image (e.g. the CPU image)")
-    k.add_argument("--api-key-secret", default=None, metavar="SECRET",
-                   help="Secret whose key `api-key` the API requires as a Bearer token")
+    api = k.add_mutually_exclusive_group()
+    api.add_argument("--api-key-secret", default=None, metavar="SECRET",
+                     help="Secret whose key `api-key` the API requires as a Bearer token "
+                     "(this or --allow-unauthenticated is required)")
+    api.add_argument("--allow-unauthenticated", action="store_true",
+                     help="serve the API without a key to every pod its NetworkPolicy admits")
+    k.add_argument("--api-from-namespace", action="append", default=[], metavar="NS",
+                   help="also admit pods of namespace NS to the API port (e.g. an ingress "
+                   "controller's; repeatable); by default only the deployment's namespace")
     k.add_argument("--tls-secret", default="helixserve-tls", metavar="SECRET",
                    help="Secret with ca.crt, coordinator.crt/.key and <node>.crt/.key "
                    "(helixserve certs create; docs/security.md); default helixserve-tls")
     k.add_argument("--no-tls", action="store_true",
                    help="plaintext, unauthenticated worker traffic (no Secret needed)")
     k.add_argument("--no-network-policy", action="store_true",
-                   help="do not render the NetworkPolicy that confines worker ports")
+                   help="do not render the NetworkPolicies that confine worker and API ports")
     k.add_argument("--service-monitor", action="store_true",
                    help="also render a Prometheus operator ServiceMonitor for /metrics")
     k.add_argument("--startup-timeout-s", type=int, default=1800,
@@ -116,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         service_monitor=args.service_monitor,
         coordinator_image=args.coordinator_image,
         api_key_secret=args.api_key_secret,
+        allow_unauthenticated=args.allow_unauthenticated,
+        api_namespaces=tuple(args.api_from_namespace),
         kv_allocation=args.kv_allocation,
         tls_secret=None if args.no_tls else args.tls_secret,
         network_policy=not args.no_network_policy,

@@ -224,6 +224,30 @@ def test_worker_and_serve_flag_errors(creds, tmp_path):
     assert proc.returncode == 2 and "--insecure" in proc.stderr
 
 
+def test_safe_defaults_of_demo_and_worker(tmp_path):
+    """demo on a reachable address: serve's exposure rule, and no plaintext worker ports;
+    a worker binds a non-loopback address in plaintext only with --insecure."""
+    workdir = tmp_path / "never-made"
+    for extra, message in (
+        ([], "--host 0.0.0.0: serving without an API key"),
+        (["--api-key", "k", "--insecure"], "--insecure: plaintext worker ports on the "
+                                           "non-loopback --host 0.0.0.0"),
+    ):
+        proc = helixserve("demo", "--host", "0.0.0.0", "--workdir", str(workdir), *extra)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert not workdir.exists()  # refused before anything was prepared
+    model = tmp_path / "model"
+    model.mkdir()
+    proc = helixserve("worker", "--model", str(model), "--layers", "0:2", "--port", "0",
+                      "--host", "0.0.0.0")
+    assert proc.returncode == 2 and "--host 0.0.0.0: a plaintext worker port" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    proc = helixserve("worker", "--model", str(model), "--layers", "0:2", "--port", "0",
+                      "--host", "0.0.0.0", "--insecure", "--engine-stall-s", "0")
+    assert proc.returncode == 2 and "--engine-stall-s: bad value 0" in proc.stderr
+
+
 def test_security_imports_without_torch_or_grpc():
     code = ("import sys; import helixserve.runtime.security; "
             "assert 'torch' not in sys.modules and 'grpc' not in sys.modules")
