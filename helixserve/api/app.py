@@ -255,7 +255,7 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving.check_model(body.model)
         rid = response_id(request, "cmpl")
-        prompts = serving.completion_prompts(body)
+        prompts = await serving.off_loop(serving.completion_prompts, body)
         batch = serving.build_batch(
             rid,
             body,
@@ -353,7 +353,7 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         serving.check_model(body.model)
         rid = response_id(request, "chatcmpl")
-        prompts = serving.chat_prompt(body)
+        prompts = await serving.off_loop(serving.chat_prompt, body)
         batch = serving.build_batch(
             rid, body, prompts, body.effective_max_tokens(), body.num_logprobs(), "messages"
         )
@@ -481,9 +481,11 @@ def create_app(
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         serving.check_model(body.model)
         if body.messages is not None:
-            tokens = serving.encode_chat(body.template_messages(), body.add_generation_prompt)
+            tokens = await serving.off_loop(serving.encode_chat, body.template_messages(),
+                                            body.add_generation_prompt)
         else:
-            tokens = serving.encode_text(body.prompt or "", body.add_special_tokens)
+            tokens = await serving.off_loop(serving.encode_text, body.prompt or "",
+                                            body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": coordinator.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -493,7 +495,7 @@ def create_app(
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens: id {bad[0]} out of range [0, {vocab})", param="tokens")
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
+        return {"prompt": await serving.off_loop(serving.tokenizer.decode, body.tokens)}
 
     # GET and HEAD as two routes: one route with both methods gives both operations the same
     # OpenAPI operationId (FastAPI warns "Duplicate Operation ID"); HEAD stays out of the schema
