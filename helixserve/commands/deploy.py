@@ -157,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
               "--from-file=certs/coordinator.key "
               + " ".join(f"--from-file=certs/{w.node}.crt --from-file=certs/{w.node}.key"
                          for w in rendering.workers))
+    if opts.api_key_secret is not None:
+        print(f"API key: create the Secret {opts.api_key_secret} (clients send "
+              "'Authorization: Bearer $KEY'):\n"
+              f"  kubectl -n {opts.namespace} create secret generic {opts.api_key_secret} "
+              '--from-literal=api-key="$KEY"')
     print(f"apply: kubectl apply -k {args.out}")
     for warning in rendering.warnings:
         print(f"warning: {warning}", file=sys.stderr)

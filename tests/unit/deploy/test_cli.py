@@ -50,6 +50,8 @@ def test_deploy_k8s_writes_the_manifests(geo_cluster: Path, tmp_path: Path) -> N
                       str(single), "--model-path", "/models/llama-2-70b", "--image",
                       "helixserve:test", "--out", str(out), "--api-key-secret", "k")
     assert proc.returncode == 0
+    assert ("kubectl -n default create secret generic k --from-literal=api-key=\"$KEY\""
+            in proc.stdout)
     assert proc.stderr.startswith("warning: no other node holds some of the layers of n0, n1")
     assert "4 removed" in proc.stdout  # n4, n5, n12, n13 lost their layers
 
