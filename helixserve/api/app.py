@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP app: `create_app(coordinator, served_model_name, api_key)`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
-GET /v1/models/{id}, GET and HEAD /health, GET /metrics, POST /tokenize, POST /detokenize, GET /version.
+GET /v1/models/{id}, GET and HEAD /health, GET /ready, GET /metrics, POST /tokenize,
+POST /detokenize, GET /version.
 
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would buffer and
 break client-disconnect cancellation of streams) does two things for every request: takes
 `X-Request-Id` (or makes one) and echoes it on the response, and checks the API key on
-/v1/*, /tokenize and /detokenize. /health, /metrics and /version stay open for probes and
-Prometheus, as in vLLM.
+/v1/*, /tokenize and /detokenize. /health, /ready, /metrics and /version stay open for probes
+and Prometheus, as in vLLM. Readiness is /ready (the process serves HTTP: requests are
+accepted, and wait or get a 503 with Retry-After during an outage); /health (503 while a layer
+has no live worker) is for monitoring.
 """
 
 from __future__ import annotations
@@ -252,7 +255,7 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving.check_model(body.model)
         rid = response_id(request, "cmpl")
-        prompts = serving.completion_prompts(body)
+        prompts = await serving.off_loop(serving.completion_prompts, body)
         batch = serving.build_batch(
             rid,
             body,
@@ -350,7 +353,7 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         serving.check_model(body.model)
         rid = response_id(request, "chatcmpl")
-        prompts = serving.chat_prompt(body)
+        prompts = await serving.off_loop(serving.chat_prompt, body)
         batch = serving.build_batch(
             rid, body, prompts, body.effective_max_tokens(), body.num_logprobs(), "messages"
         )
@@ -478,9 +481,11 @@ def create_app(
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         serving.check_model(body.model)
         if body.messages is not None:
-            tokens = serving.encode_chat(body.template_messages(), body.add_generation_prompt)
+            tokens = await serving.off_loop(serving.encode_chat, body.template_messages(),
+                                            body.add_generation_prompt)
         else:
-            tokens = serving.encode_text(body.prompt or "", body.add_special_tokens)
+            tokens = await serving.off_loop(serving.encode_text, body.prompt or "",
+                                            body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": coordinator.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -490,7 +495,7 @@ def create_app(
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens: id {bad[0]} out of range [0, {vocab})", param="tokens")
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
+        return {"prompt": await serving.off_loop(serving.tokenizer.decode, body.tokens)}
 
     # GET and HEAD as two routes: one route with both methods gives both operations the same
     # OpenAPI operationId (FastAPI warns "Duplicate Operation ID"); HEAD stays out of the schema
@@ -515,6 +520,12 @@ def create_app(
             return JSONResponse({**err.body(), **detail}, status_code=503,
                                 headers=err.headers or None)
         return JSONResponse({"status": "ok", **detail})
+
+    @app.get("/ready")
+    async def ready() -> dict[str, str]:
+        # The readiness probe: this process takes requests. An outage of workers is not
+        # unreadiness (module doc): a request then waits for the re-plan, or gets a clear 503.
+        return {"status": "ready"}
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -32,6 +32,14 @@ from helixserve.request import MAX_LOGPROBS
 
 #: most choices per request (n), as vLLM's default
 MAX_N = 16
+#: bounded work per request (each is checked before any tokenizing): prompts in one
+#: completion request, choices in all (prompts x n; every choice is a request the coordinator
+#: queues, at most `max_queue`), logit_bias entries (OpenAI's limit; the bias travels with
+#: every item of the request on every hop), and token ids one /detokenize decodes
+MAX_PROMPTS = 128
+MAX_CHOICES = 128
+MAX_LOGIT_BIAS = 300
+MAX_DETOKENIZE_TOKENS = 65_536
 #: vLLM's structured-output extensions: not supported, so rejected rather than ignored
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "structured_outputs")
@@ -126,6 +134,8 @@ class SamplingFields(_Body):
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys_are_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
         for key, value in (v or {}).items():
             if not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
                 raise ValueError(f"key {key!r} is not a token id")
@@ -167,7 +177,7 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    #: text, token ids, or a batch of either (each prompt gets n choices)
+    #: text, token ids, or a batch of either (each prompt gets n choices), at most MAX_PROMPTS
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
     #: number of top logprobs per token (0 = only the sampled token's)
@@ -189,6 +199,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be an empty list")
         if isinstance(v, list) and any(isinstance(p, list) and len(p) == 0 for p in v):
             raise ValueError("prompt must not contain an empty token list")
+        if isinstance(v, list) and not isinstance(v[0], int) and len(v) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(v)}")
         return v
 
     @field_validator("suffix")
@@ -197,6 +209,20 @@ class CompletionRequest(SamplingFields):
         if v:
             raise ValueError("suffix is not supported")
         return v
+
+    def num_prompts(self) -> int:
+        p = self.prompt
+        if isinstance(p, str) or all(isinstance(t, int) for t in p):
+            return 1
+        return len(p)
+
+    @model_validator(mode="after")
+    def _choices_bounded(self) -> CompletionRequest:
+        total = self.num_prompts() * self.n
+        if total > MAX_CHOICES:
+            raise ParamError("n", f"{self.num_prompts()} prompts x n={self.n} is {total} "
+                             f"choices; at most {MAX_CHOICES} per request")
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -311,4 +337,4 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: Text | None = None
-    tokens: list[TokenId]
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE_TOKENS)]

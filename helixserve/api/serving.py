@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from helixserve.api.errors import APIError
 from helixserve.api.metrics import ServingMetrics
@@ -135,8 +136,16 @@ class Batch:
         }
 
 
+_T = TypeVar("_T")
+
+
 class Serving:
-    """Builds coordinator requests from API bodies and runs them."""
+    """Builds coordinator requests from API bodies and runs them.
+
+    Tokenizing and detokenizing whole prompts (`off_loop`) run on one thread of their own,
+    never on the event loop: a request with the largest allowed prompts must not stall every
+    stream and /health. One thread, so the tokenizer is never used by two of them at once and
+    one request's prompts cannot take more than one core."""
 
     def __init__(
         self, coordinator: CoordinatorLike, served_model_name: str, metrics: ServingMetrics
@@ -150,6 +159,11 @@ class Serving:
         self._max_token_chars: int | None = None
         #: set when the server starts shutting down: running requests end at their next token
         self.draining = False
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` on the tokenizing thread (class doc); its APIError reaches the caller."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     # ---- tokenization -------------------------------------------------------------------
 
@@ -190,8 +204,9 @@ class Serving:
 
     def encode_text(self, text: str, add_special_tokens: bool = True,
                     param: str = "prompt") -> list[int]:
-        # Tokenizing runs on the event loop: a megabyte of text would stall every stream
-        # for seconds, so a text that cannot fit the context is refused before it is read.
+        # A megabyte of text would keep the tokenizing thread (class doc) busy for seconds
+        # and delay every other request's prompt: a text that cannot fit the context is
+        # refused before it is read.
         limit = self.coord.max_model_len
         if len(text) > limit * self.max_token_chars:
             raise APIError(
@@ -310,6 +325,13 @@ class Serving:
         prompt_logprobs: int | None = None,
     ) -> Batch:
         """`prompt_logprobs`: also score each prompt with this many top logprobs (echo)."""
+        vocab = len(self.tokenizer)
+        bad = [t for t in body.stop_token_ids or () if t >= vocab]
+        if bad:
+            # the last hop's sampler indexes the logits with them (min_tokens): an id past
+            # the vocabulary is the client's error, a 400, never a failed step
+            raise APIError(400, f"stop_token_ids: token id {bad[0]} out of range [0, {vocab})",
+                           param="stop_token_ids", code="invalid_parameter")
         choices: list[Choice] = []
         for p_index, (ids, text) in enumerate(prompts):
             budget = self._max_tokens(len(ids), max_tokens, param)

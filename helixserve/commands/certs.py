@@ -1,11 +1,12 @@
 """`helixserve certs create`: a development CA and mutual-TLS certificates for a cluster.
 
-    helixserve certs create --out certs --nodes n1,n2,n3 [--hosts worker.example.org,10.0.0.5]
+    helixserve certs create --out certs --nodes n1,n2 [--hosts n1=w1.example.org,n2=10.0.0.5]
     helixserve certs create --out certs --cluster cluster.yaml
 
-Writes `ca.crt`/`ca.key`, `coordinator.crt/.key` and `<node>.crt/.key` per node; each
-certificate names 127.0.0.1, localhost, its node and every `--hosts` entry (with `--cluster`,
-also the host of every node's address). Then:
+Writes `ca.crt`/`ca.key`, `coordinator.crt/.key` (role coordinator, client only) and
+`<node>.crt/.key` per node (role worker of that node); a node's certificate names 127.0.0.1,
+localhost, the node and its own hosts only: its `--hosts NODE=HOST` entries and, with
+`--cluster`, its address's host. No wildcards (runtime/security.py). Then:
 
     helixserve worker ... --tls-cert certs/n1.crt --tls-key certs/n1.key --tls-ca certs/ca.crt
     helixserve serve  ... --tls-cert certs/coordinator.crt --tls-key certs/coordinator.key \\
@@ -61,7 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--cluster", type=Path, default=None,
                    help="cluster YAML: one certificate per node, naming its address's host")
     c.add_argument("--hosts", default="",
-                   help="comma-separated extra DNS names / IPs in every certificate")
+                   help="comma-separated NODE=HOST: a DNS name or IP that node's certificate "
+                   "names (one node's only; no wildcards)")
     c.add_argument("--force", action="store_true", help="overwrite existing files in --out")
     c.set_defaults(func=run_create)
     k = sub.add_parser("check", help="health-check a worker over mutual TLS (exit 0 = SERVING)",
@@ -101,7 +103,13 @@ def run_create(args: argparse.Namespace) -> int:
     from helixserve.commands.args import check_output
 
     nodes = _split(args.nodes)
-    hosts = _split(args.hosts)
+    node_hosts: dict[str, list[str]] = {}
+    for entry in _split(args.hosts):
+        node, sep, host = entry.partition("=")
+        if not sep or not node or not host:
+            raise UserError(f"--hosts: {entry!r}: give NODE=HOST (each worker certificate "
+                            "names only its own node's host)")
+        node_hosts.setdefault(node, []).append(host)
     if args.cluster is not None:
         from helixserve.spec import load_cluster
 
@@ -110,7 +118,7 @@ def run_create(args: argparse.Namespace) -> int:
             nodes.append(n.name)
             if n.address:
                 host = str(n.address).rpartition(":")[0] or str(n.address)
-                hosts.append(host.strip("[]"))
+                node_hosts.setdefault(n.name, []).append(host.strip("[]"))
     nodes = list(dict.fromkeys(nodes))
     if not nodes:
         raise UserError("certs create: no nodes; give --nodes n1,n2,... or --cluster FILE")
@@ -122,11 +130,11 @@ def run_create(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover - cryptography comes with the serve extra
         raise UserError("certs create: needs the 'cryptography' package "
                         "(pip install 'helixserve[serve]')") from None
-    creds = create_dev_credentials(out, nodes, hosts)
+    creds = create_dev_credentials(out, nodes, node_hosts=node_hosts)
     print(f"wrote a CA and {len(creds.nodes) + 1} certificates to {out}:")
     print(f"  CA           {creds.ca_path}  (keep {out / 'ca.key'} private)")
-    print(f"  coordinator  {creds.coordinator.cert_path}")
+    print(f"  coordinator  {creds.coordinator.cert_path}  (role coordinator, client only)")
     for name, cfg in creds.nodes.items():
-        print(f"  {name:<12} {cfg.cert_path}")
-    print("names in every certificate: " + ", ".join(["127.0.0.1", "localhost", *hosts]))
+        names = ", ".join([name, "127.0.0.1", "localhost", *node_hosts.get(name, [])])
+        print(f"  {name:<12} {cfg.cert_path}  (role worker {name}; names {names})")
     return 0

@@ -3,7 +3,8 @@
 Prepares SmolLM2-135M-Instruct, profiles this CPU (short, cached), writes a cluster of 3 CPU
 worker nodes with unequal memory budgets, plans it with the MILP, starts the 3 workers and
 the OpenAI-compatible API on 127.0.0.1, and prints the placement and ready-to-paste examples.
-Ctrl-C (or SIGTERM) stops the API, the coordinator and every worker.
+On another --host it applies `serve`'s exposure rule (an API key or --allow-unauthenticated)
+and refuses --insecure (plaintext worker ports on a reachable address). Ctrl-C (or SIGTERM) stops the API, the coordinator and every worker.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 from helixserve.commands.args import finite_float
 from helixserve.commands.certs import add_tls_arguments, tls_from_args
 from helixserve.commands.serve import (
     add_kv_arguments,
     add_recovery_arguments,
+    check_exposure,
     check_kv_arguments,
+    is_loopback,
     recovery_config,
 )
 
@@ -35,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--workdir", type=Path, default=None, help="demo files (default ~/.cache/helixserve/demo)"
     )
     p.add_argument("--api-key", default=os.environ.get("HELIXSERVE_API_KEY"))
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve the API without a key on a non-loopback --host (as serve)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument(
         "--memory-gb",
@@ -86,6 +92,20 @@ def _memory(text: str | None) -> tuple[float, ...]:
     return values
 
 
+def _given_credentials(tls: Any, nodes: list[str]) -> Any:
+    """--tls-* name the coordinator's certificate; each worker's is <node>.crt/.key in the
+    same directory (runtime/security.py: roles are per certificate)."""
+    from helixserve.errors import UserError
+    from helixserve.runtime.security import DevCredentials, identity_of_cert, load_tls
+
+    if not identity_of_cert(tls.cert_pem).is_coordinator:
+        raise UserError(f"--tls-cert {tls.cert_path}: the demo's --tls-* name the coordinator's "
+                        "certificate (SAN URI helixserve://coordinator; helixserve certs create)")
+    folder = tls.cert_path.parent
+    workers = {n: load_tls(folder / f"{n}.crt", folder / f"{n}.key", tls.ca_path) for n in nodes}
+    return DevCredentials(folder, tls.ca_path, tls, workers)
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import signal
@@ -102,14 +122,21 @@ def run(args: argparse.Namespace) -> int:
         usage_examples,
     )
     from helixserve.runtime.costs import CostInputs
-    from helixserve.runtime.security import DevCredentials
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port: bad value {args.port}")
     if args.worker_kv_cache_mb < 1 or args.worker_threads < 1:
         raise UserError("--worker-kv-cache-mb and --worker-threads: must be >= 1")
     check_kv_arguments(args)
+    # the same exposure rule as `serve`: an open API on a reachable address is a choice
+    warning = check_exposure(args.host, args.api_key or None, args.allow_unauthenticated)
     tls = tls_from_args(args)
+    if args.insecure and not is_loopback(args.host):
+        raise UserError(f"--insecure: plaintext worker ports on the non-loopback --host "
+                        f"{args.host} would take anyone's requests; drop --insecure (the demo "
+                        "then uses mutual TLS) or bind 127.0.0.1")
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     from helixserve.engine.registry import resolve_engine
 
     resolve_engine(args.engine)  # vllm not installed: one line now, not three worker logs
@@ -142,9 +169,9 @@ def run(args: argparse.Namespace) -> int:
         num_threads=args.worker_threads,
         extra_args=["--kv-cache-bytes", str(args.worker_kv_cache_mb * 2**20),
                     "--engine", args.engine],
-        # given certificates serve every worker and the coordinator; else dev ones in workdir
-        credentials=None if tls is None else DevCredentials(
-            tls.ca_path.parent, tls.ca_path, tls, {w.node: tls for w in files.workers}),
+        # given certificates: the coordinator's, and each worker's <node>.crt/.key beside it
+        # (the layout of `certs create`); else dev ones in workdir
+        credentials=None if tls is None else _given_credentials(tls, [w.node for w in files.workers]),
         insecure=args.insecure,
     )
     if args.insecure:

@@ -49,15 +49,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "e.g. topology.kubernetes.io/region")
     k.add_argument("--coordinator-image", default=None,
                    help="image of the coordinator if not --image (e.g. the CPU image)")
-    k.add_argument("--api-key-secret", default=None, metavar="SECRET",
-                   help="Secret whose key `api-key` the API requires as a Bearer token")
+    api = k.add_mutually_exclusive_group()
+    api.add_argument("--api-key-secret", default=None, metavar="SECRET",
+                     help="Secret whose key `api-key` the API requires as a Bearer token "
+                     "(this or --allow-unauthenticated is required)")
+    api.add_argument("--allow-unauthenticated", action="store_true",
+                     help="serve the API without a key to every pod its NetworkPolicy admits")
+    k.add_argument("--api-from-namespace", action="append", default=[], metavar="NS",
+                   help="also admit pods of namespace NS to the API port (e.g. an ingress "
+                   "controller's; repeatable); by default only the deployment's namespace")
     k.add_argument("--tls-secret", default="helixserve-tls", metavar="SECRET",
                    help="Secret with ca.crt, coordinator.crt/.key and <node>.crt/.key "
                    "(helixserve certs create; docs/security.md); default helixserve-tls")
     k.add_argument("--no-tls", action="store_true",
                    help="plaintext, unauthenticated worker traffic (no Secret needed)")
     k.add_argument("--no-network-policy", action="store_true",
-                   help="do not render the NetworkPolicy that confines worker ports")
+                   help="do not render the NetworkPolicies that confine worker and API ports")
     k.add_argument("--service-monitor", action="store_true",
                    help="also render a Prometheus operator ServiceMonitor for /metrics")
     k.add_argument("--startup-timeout-s", type=int, default=1800,
@@ -96,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         render_k8s,
         write_manifests,
     )
-    from helixserve.deploy.k8s import headless_service_name, worker_address
+    from helixserve.deploy.k8s import worker_address
 
     check_output("--out", args.out, directory=True)  # before rendering: fails at once
     gpu_products = parse_gpu_product_overrides(args.gpu_product)
@@ -116,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
         service_monitor=args.service_monitor,
         coordinator_image=args.coordinator_image,
         api_key_secret=args.api_key_secret,
+        allow_unauthenticated=args.allow_unauthenticated,
+        api_namespaces=tuple(args.api_from_namespace),
         kv_allocation=args.kv_allocation,
         tls_secret=None if args.no_tls else args.tls_secret,
         network_policy=not args.no_network_policy,
@@ -136,15 +145,23 @@ def run(args: argparse.Namespace) -> int:
           + (f", {len(removed)} removed ({', '.join(removed)})" if removed else ""))
     if opts.tls_secret is not None:
         nodes = ",".join(w.node for w in rendering.workers)
-        domain = (f"*.{headless_service_name(opts)}.{opts.namespace}.svc."
-                  f"{opts.cluster_domain}")
+        # one certificate per worker naming its own pod's DNS name only (no wildcard: a
+        # worker's certificate must not let it pose as another)
+        hosts = ",".join(f"{w.node}={worker_address(opts, w.node).rpartition(':')[0]}"
+                         for w in rendering.workers)
         print(f"TLS: create the Secret {opts.tls_secret} first (docs/security.md):\n"
-              f"  helixserve certs create --out certs --nodes {nodes} --hosts '{domain}'\n"
+              f"  helixserve certs create --out certs --nodes {nodes} \\\n"
+              f"      --hosts {hosts}\n"
               f"  kubectl -n {opts.namespace} create secret generic {opts.tls_secret} "
               "--from-file=certs/ca.crt --from-file=certs/coordinator.crt "
               "--from-file=certs/coordinator.key "
               + " ".join(f"--from-file=certs/{w.node}.crt --from-file=certs/{w.node}.key"
                          for w in rendering.workers))
+    if opts.api_key_secret is not None:
+        print(f"API key: create the Secret {opts.api_key_secret} (clients send "
+              "'Authorization: Bearer $KEY'):\n"
+              f"  kubectl -n {opts.namespace} create secret generic {opts.api_key_secret} "
+              '--from-literal=api-key="$KEY"')
     print(f"apply: kubectl apply -k {args.out}")
     for warning in rendering.warnings:
         print(f"warning: {warning}", file=sys.stderr)

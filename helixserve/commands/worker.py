@@ -88,7 +88,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "addresses, and to nothing else")
     p.add_argument("--peers", default=None,
                    help="comma-separated HOST:PORT (or HOST:*) this worker may forward to")
+    p.add_argument("--engine-stall-s", type=finite_float, default=None, metavar="S",
+                   help="health turns NOT_SERVING when the engine makes no progress this long "
+                   "while work waits (default 20; docs/resilience.md)")
     add_tls_arguments(p)
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a plaintext port on a non-loopback --host: no authentication, "
+                   "anyone who reaches it can drive the worker (development only)")
     p.set_defaults(func=run)
 
 
@@ -139,12 +145,25 @@ def resolve_range(args: argparse.Namespace) -> tuple[str, int, int]:
     return args.node, r.start_layer, r.end_layer
 
 
+def check_plaintext_bind(host: str, tls: bool, insecure: bool) -> None:
+    """A plaintext worker port only on loopback, unless --insecure says so explicitly."""
+    from helixserve.commands.serve import is_loopback
+
+    if not tls and not insecure and not is_loopback(host):
+        raise UserError(f"--host {host}: a plaintext worker port on a non-loopback address lets "
+                        "anyone who reaches it load ranges and drive requests; give "
+                        "--tls-cert/--tls-key/--tls-ca, bind 127.0.0.1, or pass --insecure")
+
+
 def run(args: argparse.Namespace) -> int:
     from helixserve.local.launch import die_with_parent
 
     die_with_parent()  # started by a local stack: never outlive it
     node, start, end = resolve_range(args)
     tls = tls_from_args(args)
+    check_plaintext_bind(args.host, tls is not None, args.insecure)
+    if args.engine_stall_s is not None and args.engine_stall_s <= 0:
+        raise UserError(f"--engine-stall-s: bad value {args.engine_stall_s:g}; need > 0")
     peers = peer_policy(args)
     if not args.model.is_dir():
         raise UserError(f"--model: {args.model} is not a directory")
@@ -303,7 +322,8 @@ def _serve_until_stopped(worker: Any, args: argparse.Namespace, tls: Any) -> Non
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        stall = {} if args.engine_stall_s is None else {"stall_timeout_s": args.engine_stall_s}
         await serve(worker, args.host, args.port, drain_timeout_s=args.drain_timeout_s, stop=stop,
-                    tls=tls)
+                    tls=tls, **stall)
 
     asyncio.run(main())

@@ -10,7 +10,9 @@ Shape of a deployment named NAME in namespace NS:
     NAME-worker-NODE  StatefulSet, 1 replica, per placement node: `helixserve worker --node NODE`
                       on a `nvidia.com/gpu.product` node with `nvidia.com/gpu: num_gpus`
     NAME-workers      PodDisruptionBudget over the workers: one voluntary eviction at a time
+    NAME-coordinator  PodDisruptionBudget: a drain never evicts the only coordinator unasked
     NAME-workers      NetworkPolicy: only the coordinator and peer workers reach worker ports
+    NAME-api          NetworkPolicy: the API port only from this namespace (+ --api-from-namespace)
     NAME              ServiceMonitor (optional; needs the Prometheus operator CRDs)
 
 A worker is a one-replica StatefulSet (not a Deployment) for its stable identity: the pod is
@@ -81,6 +83,12 @@ class RenderOptions:
     coordinator_image: str | None = None
     #: Secret whose key `api-key` becomes HELIXSERVE_API_KEY of the coordinator (Bearer auth)
     api_key_secret: str | None = None
+    #: serve the API without a key (`serve --allow-unauthenticated`); one of this and
+    #: `api_key_secret` must be chosen explicitly (render.validate_options)
+    allow_unauthenticated: bool = False
+    #: namespaces (besides the deployment's own) whose pods may reach the API port, e.g. an
+    #: ingress controller's; the API NetworkPolicy admits nothing else
+    api_namespaces: tuple[str, ...] = ()
     #: the coordinator's `--kv-allocation` (reserve | on-demand; docs/runtime.md)
     kv_allocation: str = "on-demand"
     #: Secret holding ca.crt, coordinator.crt/.key and <node>.crt/.key for every worker
@@ -319,7 +327,8 @@ def worker_statefulset(opts: RenderOptions, w: WorkerSpec) -> Obj:
     ]  # fmt: skip
     if w.dtype is not None:
         command += ["--dtype", w.dtype]
-    command += _tls_flags(opts)
+    # without TLS the worker binds 0.0.0.0 in plaintext only when told so explicitly
+    command += _tls_flags(opts) or ["--insecure"]
     # Native gRPC probes (Kubernetes >= 1.27) call grpc.health.v1 Check on the worker's own
     # port, in plaintext; a TLS-only worker is probed by the same Check over mutual TLS.
     probe: Obj = {"grpc": {"port": WORKER_PORT}}
@@ -423,9 +432,9 @@ def coordinator_deployment(
         "--kv-allocation", opts.kv_allocation,
         *_tls_flags(opts),
     ]  # fmt: skip
-    if not opts.api_key_secret:
-        # The API Service is ClusterIP (in-cluster only); without a key Secret the API is
-        # open to every pod of the cluster, which `serve` makes an explicit choice.
+    if opts.allow_unauthenticated:
+        # Chosen explicitly (render.validate_options): the API then takes requests from every
+        # pod its NetworkPolicy admits.
         command.append("--allow-unauthenticated")
     env = _env()
     if opts.api_key_secret:
@@ -440,12 +449,11 @@ def coordinator_deployment(
         "command": command,
         "env": env,
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        **_probes(
-            opts,
-            {"httpGet": {"path": "/health", "port": "http"}},
-            # /health is 503 while a layer has no live worker; /version only needs the process.
-            liveness={"httpGet": {"path": "/version", "port": "http"}},
-        ),
+        # Ready = the process serves HTTP (/ready). Not /health: it is 503 while a layer has
+        # no live worker, and with one replica the Service would then have no endpoint, so
+        # clients would get connection errors instead of the documented wait or a 503 with
+        # Retry-After. /health's detail stays for monitoring.
+        **_probes(opts, {"httpGet": {"path": "/ready", "port": "http"}}),
         "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
         "volumeMounts": _mounts(opts, with_shm=False),
         "securityContext": _container_security(),
@@ -508,6 +516,21 @@ def worker_pdb(opts: RenderOptions) -> Obj:
             # A drain evicts one worker at a time; the coordinator re-routes around it.
             "maxUnavailable": 1,
             "selector": {"matchLabels": selector_labels(opts, "worker")},
+        },
+    }
+
+
+def coordinator_pdb(opts: RenderOptions) -> Obj:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(opts, coordinator_name(opts), "coordinator"),
+        "spec": {
+            # One coordinator holds every request's state: a node drain waits (for an operator
+            # to move it, e.g. `kubectl rollout restart`, which surges a new pod first) rather
+            # than evicting it and dropping the API.
+            "minAvailable": 1,
+            "selector": {"matchLabels": selector_labels(opts, "coordinator")},
         },
     }
 

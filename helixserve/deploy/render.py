@@ -22,7 +22,7 @@ import yaml
 
 from helixserve.deploy import k8s
 from helixserve.deploy.gpu_labels import CPU_GPU, check_label_value, gpu_product_label
-from helixserve.deploy.network import worker_network_policy
+from helixserve.deploy.network import api_network_policy, worker_network_policy
 from helixserve.errors import UserError
 from helixserve.planner.placement import Placement, load_placement
 from helixserve.spec import load_cluster, load_gpu_catalog
@@ -93,6 +93,15 @@ def validate_options(opts: k8s.RenderOptions) -> None:
                             "such as ghcr.io/org/helixserve:0.1.0-cuda")
     if opts.api_key_secret is not None and not _DNS_NAME.match(opts.api_key_secret):
         raise UserError(f"--api-key-secret: bad Secret name {opts.api_key_secret!r}")
+    if not opts.api_key_secret and not opts.allow_unauthenticated:
+        raise UserError("--api-key-secret: missing; the API needs a key Secret (its key "
+                        "`api-key`), or pass --allow-unauthenticated to serve every pod the "
+                        "API NetworkPolicy admits without one")
+    if opts.api_key_secret and opts.allow_unauthenticated:
+        raise UserError("--allow-unauthenticated: cannot be combined with --api-key-secret")
+    for ns in opts.api_namespaces:
+        if not _DNS_LABEL.match(ns) or len(ns) > 63:
+            raise UserError(f"--api-from-namespace: bad namespace {ns!r}")
     if opts.tls_secret is not None and not _DNS_NAME.match(opts.tls_secret):
         raise UserError(f"--tls-secret: bad Secret name {opts.tls_secret!r}")
     if not opts.model_path.startswith("/") or opts.model_path.rstrip("/") == "":
@@ -262,7 +271,10 @@ def render_k8s(cluster_path: str | Path, placement_path: str | Path,
         ("coordinator-deployment.yaml",
          k8s.coordinator_deployment(opts, config_sha256, cluster.coordinator_region)),
         ("coordinator-service.yaml", k8s.api_service(opts)),
+        ("coordinator-pdb.yaml", k8s.coordinator_pdb(opts)),
     ]
+    if opts.network_policy:
+        objects.append(("api-networkpolicy.yaml", api_network_policy(opts)))
     if opts.service_monitor:
         objects.append(("servicemonitor.yaml", k8s.service_monitor(opts)))
 
@@ -283,9 +295,13 @@ def render_k8s(cluster_path: str | Path, placement_path: str | Path,
     if opts.tls_secret is None:
         warnings.append("--no-tls: worker traffic is plaintext and unauthenticated; only the "
                         "NetworkPolicy (if your cluster enforces one) keeps others out")
-    if not opts.api_key_secret:
-        warnings.append("no --api-key-secret: the API takes requests from any pod that "
-                        "reaches its Service (serve runs with --allow-unauthenticated)")
+    if opts.allow_unauthenticated:
+        warnings.append("--allow-unauthenticated: the API takes requests without a key from "
+                        "any pod that reaches its Service" + (
+                            " (the API NetworkPolicy admits this namespace's pods"
+                            + (" and " + ", ".join(opts.api_namespaces) if opts.api_namespaces
+                               else "") + ")" if opts.network_policy else
+                            "; --no-network-policy: from any pod of the cluster"))
     return Rendering(files=files, workers=workers, idle_nodes=idle, warnings=warnings)
 
 

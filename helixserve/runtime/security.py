@@ -3,31 +3,45 @@
 Worker traffic (coordinator -> worker, worker -> next hop, Info/Release/health) is mutual TLS
 when credentials are configured: every side presents a certificate signed by the cluster's CA
 and checks the other's. A worker with TLS opens only a secure port, so a client without a
-certificate from that CA is refused at the handshake. Any certificate the CA signed is a
-cluster member; what a member may do is narrowed further by the worker itself (next hops
-only from its placement, Release and result streams only for the coordinator's own
-requests; see runtime/worker.py).
+certificate from that CA is refused at the handshake.
 
-Coordinator identity: a coordinator draws a random secret token and names itself
+Roles come from the certificate, never from what a message claims. Every certificate the
+CA signs carries exactly one identity as a subject-alternative-name URI:
+
+    helixserve://coordinator        the coordinator: clientAuth only (it never serves)
+    helixserve://worker/<node>      the worker of placement node <node>: serverAuth and
+                                    clientAuth (it dials its next hops); DNS/IP names only of
+                                    that node's own host
+
+A worker reads the peer's certificate from the TLS session (`peer_identity`) and allows
+`LoadRange`, `Release`, a coordinator stream and first-hop items only from a coordinator
+certificate, and items at hop >= 1 only from the worker certificate of the route's previous
+hop (runtime/worker.py, Trust). A certificate of the CA with no such URI has no role: it
+passes the handshake and may call nothing but Info and health.
+
+Coordinator id on the wire: a coordinator draws a random secret token and names itself
 `coord-<first 32 hex of sha256(token)>`; it sends the token in its stream hello and in
-Release. A worker checks that the token hashes to the id, so a client cannot claim another
-coordinator's id (and with it, its result stream or its requests' KV) without that
-coordinator's secret, and the worker keeps no state to check it.
+Release. A worker checks that the token hashes to the id, so one coordinator cannot take
+over another's results or requests. Anyone can mint such a pair: with TLS it only names
+results, authority comes from the certificate; without TLS (`--insecure`, loopback only) the
+token pair is all there is, which is why plaintext is development-only.
 
-`create_dev_credentials` makes a CA, one certificate per worker node (server and client:
-workers dial their next hops) and one for the coordinator, for local stacks and tests;
-`helixserve certs create` calls it. Imports neither torch nor grpc at module level.
+`create_dev_credentials` makes a CA, one certificate per worker node and one for the
+coordinator, for local stacks and tests; `helixserve certs create` calls it. Imports
+neither torch nor grpc at module level.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import hashlib
 import hmac
 import ipaddress
 import os
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +54,97 @@ COORDINATOR_ID_HEX = 32
 COORDINATOR_NAME = "coordinator"
 #: validity of dev certificates
 DEV_CERT_DAYS = 365
+#: scheme of the identity URIs in certificates (module doc)
+IDENTITY_SCHEME = "helixserve"
+ROLE_COORDINATOR = "coordinator"
+ROLE_WORKER = "worker"
+
+
+def coordinator_uri() -> str:
+    return f"{IDENTITY_SCHEME}://{ROLE_COORDINATOR}"
+
+
+def worker_uri(node: str) -> str:
+    return f"{IDENTITY_SCHEME}://{ROLE_WORKER}/{node}"
+
+
+# ---- identity from a certificate ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """Who a TLS peer is, by its certificate (module doc). `role` "" = no helixserve role."""
+
+    role: str
+    #: a worker's node name ("" for the coordinator)
+    node: str = ""
+    #: why the certificate has no role ("" when it has one)
+    problem: str = ""
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.role == ROLE_COORDINATOR
+
+    def is_worker(self, node: str) -> bool:
+        return self.role == ROLE_WORKER and self.node == node
+
+    def describe(self) -> str:
+        if self.role == ROLE_WORKER:
+            return f"the worker certificate of node {self.node!r}"
+        if self.role == ROLE_COORDINATOR:
+            return "a coordinator certificate"
+        return f"a certificate with no helixserve role ({self.problem})"
+
+
+@functools.lru_cache(maxsize=1024)
+def identity_of_cert(cert_pem: bytes) -> PeerIdentity:
+    """The role a PEM certificate carries: its one `helixserve://` SAN URI, checked against
+    its extended key usage (a coordinator certificate must not be a server's)."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        return PeerIdentity("", problem=f"unparsable: {exc}")
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        uris = [u for u in san.get_values_for_type(x509.UniformResourceIdentifier)
+                if u.startswith(f"{IDENTITY_SCHEME}://")]
+    except x509.ExtensionNotFound:
+        uris = []
+    try:
+        usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    except x509.ExtensionNotFound:
+        usages = set()
+    if len(uris) != 1:
+        return PeerIdentity("", problem=f"{len(uris)} {IDENTITY_SCHEME}:// URIs, need one")
+    uri = uris[0]
+    if uri == coordinator_uri():
+        if ExtendedKeyUsageOID.SERVER_AUTH in usages:
+            return PeerIdentity("", problem="a coordinator URI on a server certificate")
+        return PeerIdentity(ROLE_COORDINATOR)
+    prefix = f"{IDENTITY_SCHEME}://{ROLE_WORKER}/"
+    if uri.startswith(prefix) and _name_ok(uri[len(prefix):]):
+        return PeerIdentity(ROLE_WORKER, node=uri[len(prefix):])
+    return PeerIdentity("", problem=f"unknown identity {uri!r}")
+
+
+def peer_identity(context: Any) -> PeerIdentity | None:
+    """The identity of a gRPC call's peer from its TLS session; None on a plaintext port."""
+    pems = context.auth_context().get("x509_pem_cert")
+    if not pems:
+        return None
+    return identity_of_cert(bytes(pems[0]))
+
+
+def check_own_identity(tls: TlsConfig, node: str) -> None:
+    """A worker starts only with its own node's worker certificate (UserError otherwise)."""
+    ident = identity_of_cert(tls.cert_pem)
+    if not ident.is_worker(node):
+        raise UserError(f"--tls-cert {tls.cert_path}: is {ident.describe()}, not the worker "
+                        f"certificate of node {node!r} (SAN URI {worker_uri(node)}); issue "
+                        "one per node (helixserve certs create, docs/security.md)")
 
 
 # ---- coordinator identity -------------------------------------------------------------------
@@ -259,21 +364,42 @@ def _name_ok(name: str) -> bool:
     return bool(name) and all(c.isalnum() or c in "-_." for c in name) and not name.startswith(".")
 
 
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+    """Write `data` as a new file of `mode` (0600 for keys): an existing file (whatever its
+    mode) or a symlink at `path` is removed first, never written through."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                 mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
 def create_dev_credentials(out_dir: str | os.PathLike[str], nodes: Sequence[str],
-                           hosts: Sequence[str] = ()) -> DevCredentials:
-    """A fresh CA and certificates in `out_dir`: `ca.crt`/`ca.key`, `coordinator.crt/.key`,
-    and `<node>.crt/.key` per node (server + client auth; subject alternative names
-    127.0.0.1, localhost, the node name and `hosts`). Keys are written 0600. Not for
-    production: the CA key sits next to the certificates."""
+                           hosts: Sequence[str] = (),
+                           node_hosts: Mapping[str, Sequence[str]] | None = None
+                           ) -> DevCredentials:
+    """A fresh CA and certificates in `out_dir`: `ca.crt`/`ca.key`, `coordinator.crt/.key`
+    (client auth only; identity URI helixserve://coordinator) and `<node>.crt/.key` per node
+    (server + client auth; identity URI helixserve://worker/<node>; DNS/IP names 127.0.0.1,
+    localhost, the node name, that node's `node_hosts` and `hosts`, never a wildcard). `hosts`
+    goes into every worker's certificate: for local stacks whose workers share loopback
+    aliases; a real cluster gives each node its own (`node_hosts`). Keys are written 0600. Not for production: the CA key sits next to the certificates."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     out = Path(out_dir)
-    bad = [n for n in [*nodes, *hosts] if not n or any(c.isspace() or c == "/" for c in n)]
+    node_hosts = dict(node_hosts or {})
+    unknown = sorted(set(node_hosts) - set(nodes))
+    if unknown:
+        raise UserError(f"--hosts: {unknown[0]!r} is not one of the nodes ({', '.join(nodes)})")
+    every = [*hosts, *(h for hs in node_hosts.values() for h in hs)]
+    bad = [n for n in [*nodes, *every] if not n or any(c.isspace() or c in "/*" for c in n)]
     if bad:
-        raise UserError(f"certs: bad node or host name {bad[0]!r}")
+        raise UserError(f"certs: bad node or host name {bad[0]!r} (no spaces, '/' or "
+                        "wildcards: each certificate names its own node's host)")
     bad_nodes = [n for n in nodes if not _name_ok(n) or n in (COORDINATOR_NAME, "ca")]
     if bad_nodes:
         raise UserError(f"--nodes: bad node name {bad_nodes[0]!r}; use letters, digits, - _ . "
@@ -287,11 +413,9 @@ def create_dev_credentials(out_dir: str | os.PathLike[str], nodes: Sequence[str]
                           x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
     def write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-        data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        _write_new(path, key.private_bytes(serialization.Encoding.PEM,
+                                               serialization.PrivateFormat.PKCS8,
+                                               serialization.NoEncryption()), 0o600)
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (
@@ -306,12 +430,12 @@ def create_dev_credentials(out_dir: str | os.PathLike[str], nodes: Sequence[str]
         .sign(ca_key, hashes.SHA256())
     )
     ca_path = out / "ca.crt"
-    ca_path.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    _write_new(ca_path, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
     write_key(out / "ca.key", ca_key)
 
-    def issue(cn: str, sans: Sequence[str]) -> TlsConfig:
+    def issue(cn: str, uri: str, sans: Sequence[str], server: bool) -> TlsConfig:
         key = ec.generate_private_key(ec.SECP256R1())
-        alt: list[x509.GeneralName] = []
+        alt: list[x509.GeneralName] = [x509.UniformResourceIdentifier(uri)]
         for s in dict.fromkeys(sans):
             try:
                 alt.append(x509.IPAddress(ipaddress.ip_address(s)))
@@ -323,19 +447,20 @@ def create_dev_credentials(out_dir: str | os.PathLike[str], nodes: Sequence[str]
             .not_valid_before(now).not_valid_after(until)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.SubjectAlternativeName(alt), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                  ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
+            .add_extension(x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server
+                else [ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
             .sign(ca_key, hashes.SHA256())
         )
         cert_path, key_path = out / f"{cn}.crt", out / f"{cn}.key"
-        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        _write_new(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
         write_key(key_path, key)
         return load_tls(cert_path, key_path, ca_path)
 
-    local = ["127.0.0.1", "localhost", *hosts]
-    coordinator = issue(COORDINATOR_NAME, [COORDINATOR_NAME, *local])
-    node_cfgs = {n: issue(n, [n, *local]) for n in nodes}
+    local = ["127.0.0.1", "localhost"]
+    coordinator = issue(COORDINATOR_NAME, coordinator_uri(), [], server=False)
+    node_cfgs = {n: issue(n, worker_uri(n), [n, *local, *hosts, *node_hosts.get(n, ())], server=True)
+                 for n in nodes}
     return DevCredentials(out, ca_path, coordinator, node_cfgs)
 
 
@@ -346,15 +471,19 @@ def dev_credentials_dir(root: Path) -> Path:
 
 __all__ = [
     "DevCredentials",
+    "PeerIdentity",
     "PeerPolicy",
     "TlsConfig",
     "add_port",
     "aio_channel",
+    "check_own_identity",
     "coordinator_id_for",
     "coordinator_token_ok",
     "create_dev_credentials",
+    "identity_of_cert",
     "load_tls",
     "new_coordinator_identity",
+    "peer_identity",
     "server_credentials",
     "sync_channel",
     "tls_from_flags",

@@ -27,12 +27,30 @@ open to every worker, so the last hop writes the sampled token straight onto tha
 message, not relayed back along the route). Per-item errors (validation, KV full, next hop
 unreachable) go the same way, to the coordinator, which fails or re-routes the request.
 
+Liveness that means progress: the engine thread counts a heartbeat (`beats`) whenever it takes
+new work and after every step. A watchdog on the loop (`_watch_engine`) declares the engine
+stalled when work waits (queued, or a step running) and no beat came for `stall_timeout_s`
+(a deadlocked engine, a stuck CUDA call): gRPC health turns NOT_SERVING (the Kubernetes
+liveness probe checks it) and `Info` fails with DEADLINE_EXCEEDED naming the stall, which is
+exactly what the coordinator counts as a missed answer of a hung worker (two in a row: node
+down, its requests replayed elsewhere, a re-plan if layers lost their last holder). When beats
+resume, health is SERVING again and the coordinator takes the node back as it would a restarted
+one. `HELIXSERVE_TEST_ENGINE_HANG=STEPS:SECONDS` (tests only; unset by default) makes the
+engine thread sleep SECONDS before its step STEPS+1, to prove this with real processes.
+
 Released request ids are remembered (bounded) so that an item still in flight when its request
 was released is dropped instead of allocating KV that nobody would free.
 
-Trust (runtime/security.py): with TLS the server has only a mutual-TLS port. A coordinator's
-stream hello must carry the secret its id is derived from, items on it must name that
-coordinator, and Release frees only requests of the coordinator that proves its id; an item
+Trust (runtime/security.py): with TLS the server has only a mutual-TLS port, and what a caller
+may do follows from the role in its certificate, never from what its messages claim:
+`LoadRange`, `Release` and a coordinator stream (and so first-hop items) only from a
+coordinator certificate; a stream without a coordinator hello only from a worker certificate,
+whose node name (from the certificate) is the stream's sender; an item at hop >= 1 only from
+the worker that is its route's previous hop. Info and health answer any member of the CA.
+Without TLS (`--insecure`, loopback only, development) the same checks run on what the
+caller declares: a coordinator's hello must carry the secret its id is derived from, and a
+worker's hello names its node. Either way, items on a coordinator stream must name that
+coordinator, Release frees only requests of the coordinator that proves its id, and an item
 whose request holds KV here for another coordinator is refused. An item is forwarded only
 to an address of the worker's peer policy (its placement's nodes): a forged next hop gets a
 per-item PERMISSION_DENIED and nothing is connected.
@@ -75,6 +93,24 @@ BUSY_WINDOW_S = 5.0
 KEPT_MEMORY = 100_000
 #: Items remembered per next-hop stream, to report when the stream breaks (see _Peer).
 SENT_MEMORY = 10_000
+#: Default bound on an engine that makes no progress while work waits (module doc).
+ENGINE_STALL_S = 20.0
+#: Test-only hang injection (module doc); never set in deployments.
+HANG_ENV = "HELIXSERVE_TEST_ENGINE_HANG"
+
+
+def _test_hang() -> tuple[int, float] | None:
+    """(steps before the hang, its seconds) from HANG_ENV, or None (the default)."""
+    import os
+
+    raw = os.environ.get(HANG_ENV, "")
+    if not raw:
+        return None
+    steps, _, seconds = raw.partition(":")
+    try:
+        return int(steps), float(seconds)
+    except ValueError:
+        raise ValueError(f"{HANG_ENV}={raw!r}: expected STEPS:SECONDS") from None
 
 
 def engine_error_status(exc: BaseException) -> int:
@@ -92,6 +128,8 @@ class _Stream:
 
     coordinator_id: str
     sender: str
+    #: the caller's certificate identity (None: plaintext port)
+    peer: security.PeerIdentity | None = None
     out: asyncio.Queue[pb.WorkResult | None] = field(default_factory=asyncio.Queue)
     #: why the worker refused the stream (the handler aborts it with PERMISSION_DENIED)
     refused: str = ""
@@ -295,6 +333,16 @@ class Worker(pb_grpc.HelixWorkerServicer):
         #: engine steps per bucket of tokens in the step (tp.STEP_TOKEN_BUCKETS, + larger)
         self.step_tokens_counts = [0] * (len(tp.STEP_TOKEN_BUCKETS) + 1)
         self.step_tokens_sum = 0
+        #: engine-thread heartbeat: +1 whenever it takes work and after every step
+        self.beats = 0
+        #: the engine thread is inside a step
+        self.stepping = False
+        #: seconds the engine has been stalled (module doc); 0.0 while it makes progress
+        self.stalled_s = 0.0
+        self._hang = _test_hang()
+        if self._hang is not None:
+            log.warning("%s set: the engine thread will hang %.0f s before step %d (tests only)",
+                        HANG_ENV, self._hang[1], self._hang[0] + 1)
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -329,11 +377,24 @@ class Worker(pb_grpc.HelixWorkerServicer):
             drained = self._take_inbox(pending)
             if drained is None:
                 return
+            self.beats += 1
             pending = drained
             batch, pending = self._next_batch(pending)
             self.queue_len = len(pending)
             if batch:
+                self.stepping = True
+                if self._hang is not None and self.steps == self._hang[0]:
+                    hang_s, self._hang = self._hang[1], None
+                    log.warning("%s: engine thread hangs for %.0f s now (unix time %.3f)",
+                                HANG_ENV, hang_s, time.time())
+                    time.sleep(hang_s)
                 self._run_step(batch)
+                self.stepping = False
+                self.beats += 1
+
+    def work_waiting(self) -> bool:
+        """Work is queued for the engine or a step runs (read from the loop thread)."""
+        return self.stepping or self.queue_len > 0 or self.inbox.qsize() > 0
 
     def _take_inbox(self, pending: deque[_Job]) -> deque[_Job] | None:
         """Engine thread: what arrived (waiting for it when nothing is pending): new jobs
@@ -546,7 +607,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
     async def Work(  # noqa: N802 (gRPC method name)
         self, request_iterator: AsyncIterator[pb.WorkBatch], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ResultBatch]:
-        stream = _Stream(coordinator_id="", sender="")
+        peer = self._peer(context)
+        stream = _Stream(coordinator_id="", sender=peer.node if peer is not None else "",
+                         peer=peer)
         self.streams.add(stream)
         reader = asyncio.create_task(self._read_stream(request_iterator, stream))
         try:
@@ -588,14 +651,14 @@ class Worker(pb_grpc.HelixWorkerServicer):
             async for batch in request_iterator:
                 hello = tp.hello_of(batch)
                 if hello is not None:
-                    cid, stream.sender = hello
-                    if cid and not security.coordinator_token_ok(cid, tp.hello_token(batch)):
-                        # someone claims a coordinator id without its secret: taking over
-                        # that coordinator's results is exactly what this refuses
-                        log.warning("refused a stream claiming coordinator %s: bad token", cid)
-                        stream.refused = (f"node {self.node}: coordinator id {cid!r} does not "
-                                          "match its token; stream refused")
+                    cid, claimed = hello
+                    refusal = self._hello_refusal(cid, tp.hello_token(batch), stream)
+                    if refusal:
+                        log.warning("refused a stream: %s", refusal)
+                        stream.refused = f"node {self.node}: {refusal}; stream refused"
                         return
+                    if stream.peer is None:  # plaintext: the sender is what it declares
+                        stream.sender = claimed
                     stream.coordinator_id = cid
                     if cid:
                         self.coordinators[cid] = stream
@@ -607,6 +670,39 @@ class Worker(pb_grpc.HelixWorkerServicer):
             pass
         finally:
             stream.out.put_nowait(None)
+
+    def _peer(self, context: grpc.aio.ServicerContext) -> security.PeerIdentity | None:
+        """The caller's certificate identity; None on a plaintext worker. With TLS a caller
+        always has a certificate (the port requires one); none is treated as no role."""
+        if self.tls is None:
+            return None
+        return security.peer_identity(context) or security.PeerIdentity(
+            "", problem="no certificate")
+
+    def _hello_refusal(self, cid: str, token: str, stream: _Stream) -> str:
+        """Why a stream's hello is refused ("" when it is not): module doc, Trust."""
+        if cid and not security.coordinator_token_ok(cid, token):
+            # someone claims a coordinator id without its secret: taking over that
+            # coordinator's results is exactly what this refuses
+            return f"coordinator id {cid!r} does not match its token"
+        if stream.peer is None:
+            return ""
+        if cid and not stream.peer.is_coordinator:
+            return (f"a coordinator stream needs a coordinator certificate; the caller has "
+                    f"{stream.peer.describe()}")
+        if not cid and stream.peer.role != security.ROLE_WORKER:
+            return (f"a stream without a coordinator hello needs a worker certificate; the "
+                    f"caller has {stream.peer.describe()}")
+        return ""
+
+    async def _require_coordinator(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        """Abort PERMISSION_DENIED unless the caller has a coordinator certificate (TLS)."""
+        peer = self._peer(context)
+        if peer is not None and not peer.is_coordinator:
+            log.warning("refused %s from %s", what, peer.describe())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"node {self.node}: {what} needs a coordinator certificate; the "
+                                f"caller has {peer.describe()}; nothing changed")
 
     def _accept(self, msg: pb.WorkItem, stream: _Stream, where: str) -> _Job | None:
         full = bool(msg.route)
@@ -662,6 +758,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
     ) -> pb.LoadRangeReply:
         start, end = request.start_layer, request.end_layer
         n = self.engine.num_model_layers
+        await self._require_coordinator(context, f"LoadRange [{start}, {end})")
         if not security.coordinator_token_ok(request.coordinator_id, request.coordinator_token):
             log.warning("refused LoadRange [%d, %d) for coordinator %r: bad token", start, end,
                         request.coordinator_id)
@@ -715,6 +812,13 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     f"coordinator {stream.coordinator_id!r}")
         if not stream.coordinator_id and item.hop_index == 0:
             return f"{where}.hop_index: 0 (first hop) from a stream that is not a coordinator's"
+        if item.hop_index > 0:
+            prev = item.route[item.hop_index - 1].name
+            if stream.coordinator_id or stream.sender != prev:
+                who = (stream.peer.describe() if stream.peer is not None
+                       else f"a stream {'of a coordinator' if stream.coordinator_id else 'naming itself ' + repr(stream.sender)}")
+                return (f"{where}.hop_index: {item.hop_index} from {who}, not from the route's "
+                        f"previous hop {prev!r}")
         owner = self.active.get(item.request_id)
         if owner is not None and owner != item.coordinator_id:
             return f"{where}.request_id: {item.request_id!r} belongs to another coordinator"
@@ -730,6 +834,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseReply:
         cid = request.coordinator_id
+        await self._require_coordinator(context, f"Release of {len(request.request_ids)} requests")
         if not security.coordinator_token_ok(cid, request.coordinator_token):
             log.warning("refused Release of %d requests for coordinator %r: bad token",
                         len(request.request_ids), cid)
@@ -738,13 +843,23 @@ class Worker(pb_grpc.HelixWorkerServicer):
                                 "nothing freed")
         fut: Future[int] = Future()
         self.inbox.put(_Release([(cid, rid) for rid in request.request_ids], fut))
+        if self.stalled_s:  # queued for when the engine moves again; nothing freed yet
+            return pb.ReleaseReply(released=0)
         freed = await asyncio.wrap_future(fut)
         return pb.ReleaseReply(released=freed)
 
     async def Info(  # noqa: N802
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.InfoReply:
+        if self.stalled_s:
+            # what the coordinator counts as a missed answer of a hung worker (module doc)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self.stall_message())
         return tp.info_to_pb(self.info())
+
+    def stall_message(self) -> str:
+        return (f"node {self.node}: engine made no progress for {self.stalled_s:.1f} s with "
+                f"work waiting ({self.queue_len + self.inbox.qsize()} items queued, "
+                f"{'a step running' if self.stepping else 'no step running'}); health NOT_SERVING")
 
     def info(self) -> tp.WorkerInfo:
         kv = self._kv_frozen or self.engine.kv_stats()
@@ -780,6 +895,32 @@ class Worker(pb_grpc.HelixWorkerServicer):
         )
 
 
+async def _watch_engine(worker: Worker, health_servicer: Any, stall_timeout_s: float) -> None:
+    """Loop thread: health follows the engine's progress (module doc, Liveness)."""
+    seen, since = worker.beats, time.monotonic()
+    while True:
+        await asyncio.sleep(min(1.0, stall_timeout_s / 4))
+        now = time.monotonic()
+        if worker.beats != seen or not worker.work_waiting():
+            seen, since = worker.beats, now
+            if worker.stalled_s:
+                log.warning("node %s: engine moves again after %.1f s", worker.node,
+                            worker.stalled_s)
+                worker.stalled_s = 0.0
+                if not worker.draining:
+                    for name in ("", SERVICE_NAME):
+                        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            continue
+        if now - since >= stall_timeout_s:
+            first = not worker.stalled_s
+            worker.stalled_s = now - since
+            if first:
+                log.error("%s", worker.stall_message())
+                print(f"helixserve worker {worker.node}: {worker.stall_message()}", flush=True)
+                for name in ("", SERVICE_NAME):
+                    await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 async def serve(
     worker: Worker,
     host: str,
@@ -788,6 +929,7 @@ async def serve(
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
     tls: security.TlsConfig | None = None,
+    stall_timeout_s: float = ENGINE_STALL_S,
 ) -> int:
     """Run the worker's gRPC server until `stop` is set (SIGTERM), then drain and exit.
 
@@ -795,12 +937,15 @@ async def serve(
     here keep being served until the coordinator releases them or `drain_timeout_s` passes;
     whatever is left then is failed explicitly (UNAVAILABLE to its coordinator) and freed.
     With `tls`, the only port is mutual TLS (a client without a certificate from the CA is
-    refused at the handshake). Returns the bound port.
+    refused at the handshake). An engine stalled for `stall_timeout_s` with work waiting
+    turns health NOT_SERVING until it moves again (module doc). Returns the bound port.
     """
     server = grpc.aio.server(options=tp.SERVER_OPTIONS)
     pb_grpc.add_HelixWorkerServicer_to_server(worker, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if tls is not None:
+        security.check_own_identity(tls, worker.node)
     bound = security.add_port(server, f"{host}:{port}", tls)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
@@ -808,6 +953,8 @@ async def serve(
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    watchdog = asyncio.get_running_loop().create_task(
+        _watch_engine(worker, health_servicer, stall_timeout_s))
     info = worker.info()
     print(
         f"helixserve worker {worker.node}: layers [{info.start_layer}, {info.end_layer}) of "
@@ -823,6 +970,7 @@ async def serve(
     await stop.wait()
     t_stop = time.monotonic()
     worker.draining = True
+    watchdog.cancel()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     deadline = time.monotonic() + drain_timeout_s

@@ -398,6 +398,7 @@ def test_z_killing_the_only_holder_of_layers_replans_and_serves_again(demo):
     assert len(pids) == 1
     os.kill(pids[0], signal.SIGKILL)
     t_kill = time.monotonic()
+    assert httpx.get(demo.url + "/ready").status_code == 200  # readiness: serves HTTP
     payload = {"model": model_name(demo), "messages": FRANCE, "max_tokens": 8,
                "temperature": 0}  # fmt: skip
     resp = httpx.post(demo.url + "/v1/chat/completions", json=payload, headers=AUTH,

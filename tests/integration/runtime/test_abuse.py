@@ -7,7 +7,10 @@ without a client certificate, a certificate of another CA, a forged next hop (a 
 that counts connections), another coordinator's id on a stream and in Release, and items
 meant to hijack the running request's results or KV. Every attempt must be refused; the
 request must complete with the same tokens as an undisturbed run (nothing freed, nothing
-lost) and the listener must see no connection. The counts are in docs/security.md.
+lost) and the listener must see no connection. With valid credentials of the wrong role (a worker's
+certificate, the coordinator's where a worker's is due) it tries LoadRange, Release, a
+coordinator stream and items at hop >= 1 from a node that is not the route's previous hop:
+all refused, the range unchanged. The counts are in docs/security.md.
 """
 
 from __future__ import annotations
@@ -180,10 +183,14 @@ async def _attack(creds: Any, cluster: ClusterSpec, coord: Coordinator, other_ca
               wire_hop("x", listener.address, 20, 30)], 1),
     ]
     for address, route, hop in forged:
-        batch = tp.work_batch_pb([_forged_item("forged", own_id, route, hop)],
-                                 coordinator_id=own_id, sender="coordinator",
-                                 coordinator_token=own_token)
-        reply = await _stream_once(address, tls, batch)
+        if hop == 0:
+            batch = tp.work_batch_pb([_forged_item("forged", own_id, route, hop)],
+                                     coordinator_id=own_id, sender="coordinator",
+                                     coordinator_token=own_token)
+            reply = await _stream_once(address, tls, batch)
+        else:  # from the previous hop's own certificate: only the next hop is forged
+            batch = tp.work_batch_pb([_forged_item("forged", own_id, route, hop)], sender="n0")
+            reply = await _stream_once(address, creds.nodes["n0"], batch)
         tally["forged next hop: tried"] += 1
         tally["forged next hop: refused"] += per_item_refusal(reply)
         assert per_item_refusal(reply) and "not a peer" in reply.results[0].error, reply
@@ -220,17 +227,71 @@ async def _attack(creds: Any, cluster: ClusterSpec, coord: Coordinator, other_ca
     # injection) or the victim's request id (KV corruption), and a first-hop item from a
     # stream that is not a coordinator's
     route = [wire_hop("n0", n0, 0, 15), wire_hop("n1", n1, 15, 30)]
-    for item, hello in (
-        (_forged_item("inject", coord.coordinator_id, route), (own_id, own_token)),
-        (_forged_item(victim_rid, own_id, route), (own_id, own_token)),
-        (_forged_item("peer-hop0", own_id, route), ("", "")),
+    for item, hello, cert in (
+        (_forged_item("inject", coord.coordinator_id, route), (own_id, own_token), tls),
+        (_forged_item(victim_rid, own_id, route), (own_id, own_token), tls),
+        (_forged_item("peer-hop0", own_id, route), ("", ""), creds.nodes["n1"]),
     ):
         batch = tp.work_batch_pb([item], coordinator_id=hello[0], sender="n9",
                                  coordinator_token=hello[1])
-        reply = await _stream_once(n0, tls, batch)
+        reply = await _stream_once(n0, cert, batch)
         tally["hijack items: tried"] += 1
         tally["hijack items: refused"] += per_item_refusal(reply)
         assert per_item_refusal(reply), reply
+
+    # 8: a worker's certificate (n1's, valid, of the same CA) with a freshly minted coordinator
+    # id and token: LoadRange and Release on both workers, and a coordinator stream
+    for address in addresses.values():
+        before = await _info_async(address, tls)
+        async with security.aio_channel(address, creds.nodes["n1"]) as ch:
+            stub = pb_grpc.HelixWorkerStub(ch)
+            calls = {
+                "LoadRange": stub.LoadRange(pb.LoadRangeRequest(
+                    start_layer=0, end_layer=30, coordinator_id=own_id,
+                    coordinator_token=own_token), timeout=10),
+                "Release": stub.Release(tp.release_pb([victim_rid], coord.coordinator_id, ""),
+                                        timeout=10),
+            }
+            for what, call in calls.items():
+                tally[f"{what} with a worker's certificate: tried"] += 1
+                try:
+                    await call
+                except grpc.aio.AioRpcError as exc:
+                    ok = (exc.code() == grpc.StatusCode.PERMISSION_DENIED
+                          and "coordinator certificate" in (exc.details() or ""))
+                    tally[f"{what} with a worker's certificate: refused"] += ok
+                    assert ok, exc
+        batch = tp.work_batch_pb([], coordinator_id=own_id, sender="coordinator",
+                                 coordinator_token=own_token)
+        reply = await _stream_once(address, creds.nodes["n1"], batch)
+        tally["coordinator stream with a worker's certificate: tried"] += 1
+        ok = (isinstance(reply, grpc.aio.AioRpcError)
+              and reply.code() == grpc.StatusCode.PERMISSION_DENIED)
+        tally["coordinator stream with a worker's certificate: refused"] += ok
+        assert ok, reply
+        after = await _info_async(address, tls)
+        assert (after.start_layer, after.end_layer) == (before.start_layer, before.end_layer)
+        assert after.active_requests == before.active_requests == 1
+
+    # 9: forged previous hop: items at hop 1 for n1 (whose previous hop is n0) from n1's own
+    # certificate, from a coordinator stream, and continuing the victim's request
+    hop1 = [(_forged_item("prev-hop", own_id, route, 1), creds.nodes["n1"], ("", "")),
+            (_forged_item(victim_rid, coord.coordinator_id, route, 1), creds.nodes["n1"],
+             ("", "")),
+            (_forged_item("prev-hop", own_id, route, 1), tls, (own_id, own_token))]
+    for item, cert, hello in hop1:
+        batch = tp.work_batch_pb([item], coordinator_id=hello[0], sender="n0",
+                                 coordinator_token=hello[1])
+        reply = await _stream_once(n1, cert, batch)
+        tally["forged previous hop: tried"] += 1
+        ok = per_item_refusal(reply) and "previous hop 'n0'" in reply.results[0].error
+        tally["forged previous hop: refused"] += ok
+        assert ok, reply
+
+
+async def _info_async(address: str, tls: Any) -> Any:
+    async with security.aio_channel(address, tls) as ch:
+        return await pb_grpc.HelixWorkerStub(ch).Info(pb.InfoRequest(), timeout=10)
 
 
 def test_abuse_is_refused_and_nothing_is_lost(tls_stack, demo_model, tmp_path):
@@ -266,7 +327,7 @@ def test_abuse_is_refused_and_nothing_is_lost(tls_stack, demo_model, tmp_path):
     assert listener.accepted == 0  # nothing connected to the forged next hop
     tried = sum(v for k, v in tally.items() if k.endswith(": tried"))
     refused = sum(v for k, v in tally.items() if k.endswith(": refused"))
-    assert tried == refused == 2 * 3 * 3 + 3 + 4 + 6 + 3
+    assert tried == refused == 2 * 3 * 3 + 3 + 4 + 6 + 3 + 2 * 3 + 3
     for address in (str(n.address) for n in cluster.nodes):
         info = _info(address, security.sync_channel(address, creds.coordinator))
         assert info.active_requests == 0 and info.kv_used_blocks == 0

@@ -196,6 +196,10 @@ def test_health_is_503_while_a_layer_has_no_live_worker(server, fake):
         assert body["error"]["code"] == "no_route" and "12-29" in body["error"]["message"]
         assert body["nodes"]["n2"]["alive"] is False
         assert body["nodes"]["n1"]["alive"] is True
+        # readiness is the process serving HTTP: the one replica stays in its Service, so
+        # clients get the wait or a 503 with Retry-After, not a refused connection
+        ready = httpx.get(server.url + "/ready")
+        assert ready.status_code == 200 and ready.json() == {"status": "ready"}
     finally:
         fake.dead_nodes.clear()
     resp = httpx.get(server.url + "/health")

@@ -56,6 +56,8 @@ def write_cluster(path: Path, name: str, nodes: list[dict[str, Any]]) -> Path:
 def opts(**kw: Any) -> RenderOptions:
     base: dict[str, Any] = dict(image="registry.example.com/helixserve:0.1.0-cuda",
                                 model_path="/models/llama-2-70b", namespace="llm")
+    if not kw.get("api_key_secret"):  # the API choice is explicit (render.validate_options)
+        base["allow_unauthenticated"] = True
     base.update(kw)
     return RenderOptions(**base)
 

@@ -20,7 +20,8 @@ def test_deploy_k8s_writes_the_manifests(geo_cluster: Path, tmp_path: Path) -> N
     proc = helixserve("deploy", "k8s", "--cluster", str(geo_cluster), "--placement",
                       str(placement), "--model-path", "/models/llama-2-70b", "--image",
                       "helixserve:test", "--namespace", "llm", "--out", str(out),
-                      "--gpu-product", "A100-40GB=NVIDIA-A100-PCIE-40GB")
+                      "--gpu-product", "A100-40GB=NVIDIA-A100-PCIE-40GB",
+                      "--allow-unauthenticated")
     assert proc.returncode == 0, proc.stderr
     names = {p.name for p in out.iterdir()}
     assert {f"worker-{n}.yaml" for n in GEO_RANGES} < names
@@ -31,20 +32,26 @@ def test_deploy_k8s_writes_the_manifests(geo_cluster: Path, tmp_path: Path) -> N
     assert "[40, 60)" in table["n12"] and "Tesla-T4" in table["n12"]
     assert f"kubectl apply -k {out}" in proc.stdout
     # every layer is held by two nodes (two full pipelines): no single point of failure
-    assert "no other node holds" not in proc.stderr and "--api-key-secret" in proc.stderr
+    assert "no other node holds" not in proc.stderr and "--allow-unauthenticated" in proc.stderr
+    # per-node certificates in the printed instructions, never a wildcard
+    assert ("--hosts n0=helixserve-worker-n0-0.helixserve-workers.llm.svc.cluster.local,"
+            in proc.stdout) and "*" not in proc.stdout
     # a second run with the same inputs changes nothing
     again = helixserve("deploy", "k8s", "--cluster", str(geo_cluster), "--placement",
                        str(placement), "--model-path", "/models/llama-2-70b", "--image",
                        "helixserve:test", "--namespace", "llm", "--out", str(out),
-                       "--gpu-product", "A100-40GB=NVIDIA-A100-PCIE-40GB")
+                       "--gpu-product", "A100-40GB=NVIDIA-A100-PCIE-40GB",
+                       "--allow-unauthenticated")
     assert f"{len(names)} files, 0 changed" in again.stdout
     # one pipeline only: every node is a single point of failure, and the user is told
     single = write_placement(tmp_path / "one.json", {"n0": (0, 40), "n1": (40, 80)},
                              "helix-geo-24")
     proc = helixserve("deploy", "k8s", "--cluster", str(geo_cluster), "--placement",
                       str(single), "--model-path", "/models/llama-2-70b", "--image",
-                      "helixserve:test", "--out", str(out))
+                      "helixserve:test", "--out", str(out), "--api-key-secret", "k")
     assert proc.returncode == 0
+    assert ("kubectl -n default create secret generic k --from-literal=api-key=\"$KEY\""
+            in proc.stdout)
     assert proc.stderr.startswith("warning: no other node holds some of the layers of n0, n1")
     assert "4 removed" in proc.stdout  # n4, n5, n12, n13 lost their layers
 
@@ -62,6 +69,14 @@ def test_bad_input_is_one_line_and_exit_2(geo_cluster: Path, tmp_path: Path) -> 
     proc = helixserve("deploy", "k8s", "--cluster", str(geo_cluster), "--placement",
                       str(placement), "--model-path", "/models/x", "--image", "img",
                       "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().endswith("--api-key-secret: missing; the API needs a key Secret "
+                                        "(its key `api-key`), or pass --allow-unauthenticated "
+                                        "to serve every pod the API NetworkPolicy admits "
+                                        "without one")
+    proc = helixserve("deploy", "k8s", "--cluster", str(geo_cluster), "--placement",
+                      str(placement), "--model-path", "/models/x", "--image", "img",
+                      "--out", str(tmp_path / "out"), "--allow-unauthenticated")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "node 'ghost' is not in cluster 'helix-geo-24'" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

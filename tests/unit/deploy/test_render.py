@@ -163,10 +163,10 @@ def test_coordinator_and_api_service(geo_cluster: Path, geo_placement: Path) -> 
     assert flag(container(reserve["coordinator-deployment.yaml"])["command"],
                 "--kv-allocation") == "reserve"
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
-    for probe in ("startupProbe", "readinessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
-    # liveness must not depend on the workers: a worker outage makes /health 503
-    assert c["livenessProbe"]["httpGet"] == {"path": "/version", "port": "http"}
+    # no probe depends on the workers (a worker outage makes /health 503, and a one-replica
+    # Service without a ready endpoint would refuse connections instead of answering 503)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/ready", "port": "http"}, probe
     assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
     svc = objs["coordinator-service.yaml"]
     assert svc["spec"]["ports"][0]["port"] == 8000
@@ -176,6 +176,10 @@ def test_coordinator_and_api_service(geo_cluster: Path, geo_placement: Path) -> 
     pdb = objs["workers-pdb.yaml"]
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+    pdb = objs["coordinator-pdb.yaml"]
+    assert pdb["kind"] == "PodDisruptionBudget" and pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"][
+        "metadata"]["labels"].items()
     for obj in objs.values():
         assert obj["metadata"]["namespace"] == "llm"
 
@@ -362,11 +366,50 @@ def test_network_policy_admits_only_coordinator_and_workers(geo_cluster: Path,
     assert all(set(f) == {"podSelector"} for f in rule["from"])
 
 
+def test_api_network_policy_admits_the_namespace_and_named_ones(geo_cluster: Path,
+                                                                geo_placement: Path) -> None:
+    objs = objects(render_k8s(geo_cluster, geo_placement, opts()).files)
+    policy = objs["api-networkpolicy.yaml"]
+    coordinator_labels = objs["coordinator-deployment.yaml"]["spec"]["template"]["metadata"][
+        "labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= coordinator_labels.items()
+    (rule,) = policy["spec"]["ingress"]
+    assert rule == {"from": [{"podSelector": {}}], "ports": [{"port": 8000, "protocol": "TCP"}]}
+    wider = objects(render_k8s(geo_cluster, geo_placement,
+                               opts(api_namespaces=("ingress-nginx",))).files)
+    (rule,) = wider["api-networkpolicy.yaml"]["spec"]["ingress"]
+    assert rule["from"][1] == {"namespaceSelector": {"matchExpressions": [{
+        "key": "kubernetes.io/metadata.name", "operator": "In", "values": ["ingress-nginx"]}]}}
+    off = objects(render_k8s(geo_cluster, geo_placement, opts(network_policy=False)).files)
+    assert "api-networkpolicy.yaml" not in off
+
+
+def test_the_api_choice_is_explicit(geo_cluster: Path, geo_placement: Path) -> None:
+    from helixserve.deploy import RenderOptions
+
+    plain = dict(image="img", model_path="/models/x")
+    with pytest.raises(UserError, match="--api-key-secret: missing"):
+        render_k8s(geo_cluster, geo_placement, RenderOptions(**plain))
+    with pytest.raises(UserError, match="cannot be combined"):
+        render_k8s(geo_cluster, geo_placement, RenderOptions(
+            **plain, api_key_secret="k", allow_unauthenticated=True))
+    with pytest.raises(UserError, match="--api-from-namespace: bad namespace 'Bad_NS'"):
+        render_k8s(geo_cluster, geo_placement, opts(api_namespaces=("Bad_NS",)))
+
+
+def test_plaintext_workers_are_told_insecure(geo_cluster: Path, geo_placement: Path) -> None:
+    objs = objects(render_k8s(geo_cluster, geo_placement, opts(tls_secret=None)).files)
+    cmd = container(objs["worker-n0.yaml"])["command"]
+    assert "--insecure" in cmd and "--tls-cert" not in cmd
+    tls = objects(render_k8s(geo_cluster, geo_placement, opts()).files)
+    assert "--insecure" not in container(tls["worker-n0.yaml"])["command"]
+
+
 def test_coordinator_tls_and_open_api_flags(geo_cluster: Path, geo_placement: Path) -> None:
     objs = objects(render_k8s(geo_cluster, geo_placement, opts()).files)
     c = container(objs["coordinator-deployment.yaml"])
     assert flag(c["command"], "--tls-cert") == "/etc/helixserve-tls/tls.crt"
-    assert "--allow-unauthenticated" in c["command"]  # no API key Secret: an explicit choice
+    assert "--allow-unauthenticated" in c["command"]  # opts() chose it explicitly
     pod = objs["coordinator-deployment.yaml"]["spec"]["template"]["spec"]
     (secret,) = [v["secret"] for v in pod["volumes"] if v["name"] == "tls"]
     assert {i["key"] for i in secret["items"]} == {"ca.crt", "coordinator.crt", "coordinator.key"}

@@ -30,7 +30,7 @@ KUBECTL = shutil.which("kubectl")
 NO_SCHEMA = {"ServiceMonitor", "Kustomization", "Component"}
 
 BASE_ARGS = dict(image="helixserve:0.1.0-cuda", model_path="/models/llama-30b",
-                 namespace="helixserve")
+                 namespace="helixserve", api_key_secret="helixserve-api-key")
 
 
 def kustomize(path: Path) -> str:

@@ -17,7 +17,8 @@ from helixserve.runtime import security
 @pytest.fixture(scope="module")
 def creds(tmp_path_factory: pytest.TempPathFactory) -> security.DevCredentials:
     return security.create_dev_credentials(tmp_path_factory.mktemp("certs"), ["n1", "n2"],
-                                           hosts=["worker.example.org", "10.1.2.3"])
+                                           node_hosts={"n1": ["worker.example.org", "10.1.2.3"],
+                                                       "n2": ["w2.example.org"]})
 
 
 def helixserve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -25,19 +26,102 @@ def helixserve(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=60)
 
 
-def test_dev_credentials_load_and_name_their_hosts(creds):
+def _names(cfg: security.TlsConfig) -> tuple[set[str], set[str], list[str], set[str]]:
     from cryptography import x509
 
+    cert = x509.load_pem_x509_certificate(cfg.cert_pem)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    return (set(sans.get_values_for_type(x509.DNSName)),
+            {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)},
+            sans.get_values_for_type(x509.UniformResourceIdentifier),
+            {u._name for u in usages})
+
+
+def test_dev_credentials_carry_roles_and_only_their_own_hosts(creds):
+    dns, ips, uris, usages = _names(creds.nodes["n1"])
+    assert dns == {"n1", "localhost", "worker.example.org"} and ips == {"127.0.0.1", "10.1.2.3"}
+    assert uris == ["helixserve://worker/n1"] and usages == {"serverAuth", "clientAuth"}
+    dns, ips, uris, _ = _names(creds.nodes["n2"])
+    assert dns == {"n2", "localhost", "w2.example.org"} and ips == {"127.0.0.1"}
+    dns, ips, uris, usages = _names(creds.coordinator)
+    assert (dns, ips, uris, usages) == (set(), set(), ["helixserve://coordinator"], {"clientAuth"})
     for name, cfg in {"coordinator": creds.coordinator, **creds.nodes}.items():
         assert cfg.cert_path.name == f"{name}.crt"
-        cert = x509.load_pem_x509_certificate(cfg.cert_pem)
-        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        names = set(sans.get_values_for_type(x509.DNSName))
-        ips = {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
-        assert {"localhost", "worker.example.org", name} <= names
-        assert {"127.0.0.1", "10.1.2.3"} <= ips
         assert oct(cfg.key_path.stat().st_mode & 0o777) == "0o600"
     assert security.load_tls(*creds.nodes["n1"].flags()[1::2]).cert_pem == creds.nodes["n1"].cert_pem
+    assert security.identity_of_cert(creds.coordinator.cert_pem).is_coordinator
+    n2 = security.identity_of_cert(creds.nodes["n2"].cert_pem)
+    assert n2.is_worker("n2") and not n2.is_worker("n1") and not n2.is_coordinator
+
+
+def test_identity_needs_exactly_one_role_uri_and_the_right_usage(tmp_path):
+    """Certificates of the same CA without a helixserve role, or with a coordinator URI on a
+    server certificate, have no role."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(uris: list[str], server: bool) -> bytes:
+        from cryptography.hazmat.primitives import serialization
+
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "x")])
+        usage = [ExtendedKeyUsageOID.CLIENT_AUTH] + ([ExtendedKeyUsageOID.SERVER_AUTH] if server else [])
+        b = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+             .public_key(key.public_key()).serial_number(1).not_valid_before(now)
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.ExtendedKeyUsage(usage), critical=False))
+        if uris:
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.UniformResourceIdentifier(u) for u in uris]), critical=False)
+        return b.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+    cases = {
+        "no URI": ([], False),
+        "two roles": (["helixserve://coordinator", "helixserve://worker/n1"], False),
+        "coordinator that serves": (["helixserve://coordinator"], True),
+        "unknown role": (["helixserve://admin"], False),
+        "bad node name": (["helixserve://worker/a/b"], True),
+    }
+    for what, (uris, server) in cases.items():
+        ident = security.identity_of_cert(cert(uris, server))
+        assert ident.role == "" and ident.problem, what
+    assert security.identity_of_cert(cert(["helixserve://worker/n7"], True)).is_worker("n7")
+
+
+def test_a_worker_starts_only_with_its_own_certificate(creds):
+    security.check_own_identity(creds.nodes["n1"], "n1")
+    for cfg, node in ((creds.nodes["n2"], "n1"), (creds.coordinator, "n1")):
+        with pytest.raises(UserError, match="not the worker certificate of node 'n1'"):
+            security.check_own_identity(cfg, node)
+
+
+def test_key_files_replace_symlinks_and_loose_modes(tmp_path):
+    out = tmp_path / "c"
+    out.mkdir()
+    target = tmp_path / "elsewhere"
+    target.write_text("untouched")
+    (out / "n1.key").symlink_to(target)
+    (out / "ca.key").write_text("old")
+    (out / "ca.key").chmod(0o644)
+    creds = security.create_dev_credentials(out, ["n1"])
+    assert target.read_text() == "untouched"
+    assert not creds.nodes["n1"].key_path.is_symlink()
+    for key in ("ca.key", "n1.key"):
+        assert oct((out / key).stat().st_mode & 0o777) == "0o600", key
+
+
+def test_wildcards_and_unknown_nodes_are_refused(tmp_path):
+    with pytest.raises(UserError, match="wildcard"):
+        security.create_dev_credentials(tmp_path / "a", ["n1"], node_hosts={"n1": ["*.svc"]})
+    with pytest.raises(UserError, match="--hosts: 'n9'"):
+        security.create_dev_credentials(tmp_path / "b", ["n1"], node_hosts={"n9": ["h"]})
 
 
 def test_bad_files_are_user_errors_naming_flag_and_file(creds, tmp_path):
@@ -103,8 +187,12 @@ def test_exposure_rule():
 
 def test_certs_create_cli(tmp_path):
     out = tmp_path / "certs"
-    proc = helixserve("certs", "create", "--out", str(out), "--nodes", "a,b", "--hosts", "h.x")
+    proc = helixserve("certs", "create", "--out", str(out), "--nodes", "a,b", "--hosts", "a=h.x")
     assert proc.returncode == 0, proc.stderr
+    assert "role worker a; names a, 127.0.0.1, localhost, h.x" in proc.stdout
+    bare = helixserve("certs", "create", "--out", str(tmp_path / "z"), "--nodes", "a",
+                      "--hosts", "h.x")
+    assert bare.returncode == 2 and "NODE=HOST" in bare.stderr
     assert {p.name for p in out.iterdir()} == {
         "ca.crt", "ca.key", "coordinator.crt", "coordinator.key", "a.crt", "a.key", "b.crt", "b.key"}
     again = helixserve("certs", "create", "--out", str(out), "--nodes", "a")
@@ -134,6 +222,30 @@ def test_worker_and_serve_flag_errors(creds, tmp_path):
     proc = helixserve("demo", "--insecure", "--tls-cert", str(n1.cert_path), "--tls-key",
                       str(n1.key_path), "--tls-ca", str(n1.ca_path), "--port", "1")
     assert proc.returncode == 2 and "--insecure" in proc.stderr
+
+
+def test_safe_defaults_of_demo_and_worker(tmp_path):
+    """demo on a reachable address: serve's exposure rule, and no plaintext worker ports;
+    a worker binds a non-loopback address in plaintext only with --insecure."""
+    workdir = tmp_path / "never-made"
+    for extra, message in (
+        ([], "--host 0.0.0.0: serving without an API key"),
+        (["--api-key", "k", "--insecure"], "--insecure: plaintext worker ports on the "
+                                           "non-loopback --host 0.0.0.0"),
+    ):
+        proc = helixserve("demo", "--host", "0.0.0.0", "--workdir", str(workdir), *extra)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert not workdir.exists()  # refused before anything was prepared
+    model = tmp_path / "model"
+    model.mkdir()
+    proc = helixserve("worker", "--model", str(model), "--layers", "0:2", "--port", "0",
+                      "--host", "0.0.0.0")
+    assert proc.returncode == 2 and "--host 0.0.0.0: a plaintext worker port" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    proc = helixserve("worker", "--model", str(model), "--layers", "0:2", "--port", "0",
+                      "--host", "0.0.0.0", "--insecure", "--engine-stall-s", "0")
+    assert proc.returncode == 2 and "--engine-stall-s: bad value 0" in proc.stderr
 
 
 def test_security_imports_without_torch_or_grpc():
