@@ -176,7 +176,7 @@ def recovery_config(args: argparse.Namespace) -> Any:
         return None
     from helixserve.runtime.config import RecoveryConfig
 
-    return RecoveryConfig(wait_s=args.recovery_wait_s, hang_timeout_s=args.hang_timeout_s)
+    return RecoveryConfig(wait_s=args.recovery_wait_s)
 
 
 def check_kv_arguments(args: argparse.Namespace) -> None:

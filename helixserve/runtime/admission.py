@@ -64,21 +64,31 @@ class AdmissionWait:
             asyncio.get_running_loop().call_soon(self.pump)
 
     async def admit(self, request_id: str, covered: Callable[[], bool],
-                    while_uncovered: Callable[[float], None]) -> Admission:
+                    while_uncovered: Callable[[float], None], timeout_s: float) -> Admission:
         """Wait until the core admits the request (known to it already: arrived or
-        requeued). Giving up (no route, queue full, cancelled) takes it out of the queue, or
-        frees its KV if it was admitted as it gave up; the next head may fit then."""
+        requeued). While the model is covered it waits at most `timeout_s` in all for KV room
+        (then QueueFullError); while it is not, `while_uncovered` decides. Giving up (no
+        route, queue full, cancelled) takes it out of the queue, or frees its KV if it was
+        admitted as it gave up; the next head may fit then."""
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future[Admission] = loop.create_future()
         self._waiters[request_id] = admitted
         uncovered_since: float | None = None
+        covered_wait_s, last = 0.0, loop.time()
         try:
             self.pump()
             while not admitted.done():
+                now = loop.time()
                 if not covered():
-                    uncovered_since = uncovered_since or loop.time()
+                    uncovered_since = uncovered_since or now
                     while_uncovered(uncovered_since)
-                await asyncio.wait({admitted}, timeout=self.retry_s)
+                else:
+                    covered_wait_s += now - last
+                    if covered_wait_s > timeout_s:
+                        raise QueueFullError(f"no KV room for the request within "
+                                             f"{timeout_s:g} s (admission_timeout_s)")
+                last = now
+                await asyncio.wait({admitted}, timeout=min(self.retry_s, timeout_s))
                 if not admitted.done():
                     self.core.wake()  # worker reports may have made room
                     self.pump()

@@ -33,9 +33,6 @@ class RecoveryConfig:
     wait_s: float = 60.0
     #: Retry-After of the 503 a new request gets while no plan can cover the model
     retry_after_s: int = 10
-    #: a live worker that lets two Info calls in a row (this long each) pass unanswered is
-    #: declared down (hung)
-    hang_timeout_s: float = 10.0
     #: re-plans in a row while layers stay uncovered, before giving up until a worker returns
     max_attempts: int = 3
     #: a worker that comes back or joins while the model is covered: re-plan when that
@@ -46,7 +43,7 @@ class RecoveryConfig:
         if self.join_min_gain is not None and not self.join_min_gain >= 0:
             raise UserError(f"recovery: join_min_gain: bad value {self.join_min_gain}; "
                             "must be >= 0 or None")
-        for name in ("plan_time_limit_s", "load_timeout_s", "wait_s", "hang_timeout_s"):
+        for name in ("plan_time_limit_s", "load_timeout_s", "wait_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise UserError(f"recovery: {name}: bad value {value}; must be > 0")
@@ -78,6 +75,13 @@ class CoordinatorConfig:
     """Times a request may be moved to a new route after failures before it fails."""
     step_timeout_s: float = 300.0
     """A step whose result has not come back in this long counts as its node failing."""
+    hang_timeout_s: float = 10.0
+    """A live worker that lets two Info calls in a row (this long each) pass unanswered is
+    declared down (hung), with or without live re-planning; a worker whose engine made no
+    progress while work waited answers Info with DEADLINE_EXCEEDED (worker --engine-stall-s)."""
+    admission_timeout_s: float = 120.0
+    """Longest a request waits for KV room while the model is covered, before it gets
+    QueueFullError (the API's 503 with Retry-After)."""
     kv_allocation: str = "on-demand"
     """"on-demand" (admit when the prompt fits; preempt by recompute when KV runs out) or
     "reserve" (admit when prompt + max_tokens fit on every hop; never runs out)."""
@@ -108,7 +112,8 @@ class CoordinatorConfig:
             raise bad("prefill_chunk_tokens", self.prefill_chunk_tokens, "need >= 1")
         if self.max_reroutes < 0:
             raise bad("max_reroutes", self.max_reroutes, "need >= 0")
-        for name in ("connect_timeout_s", "stats_interval_s", "step_timeout_s"):
+        for name in ("connect_timeout_s", "stats_interval_s", "step_timeout_s", "hang_timeout_s",
+                     "admission_timeout_s"):
             if not getattr(self, name) > 0:
                 raise bad(name, getattr(self, name), "need > 0")
         return self

@@ -78,6 +78,8 @@ class Coordinator:
     max_model_len: int
     eos_token_ids: list[int]
     step_timeout_s: float
+    #: CoordinatorConfig.admission_timeout_s (set by `create`)
+    admission_timeout_s: float = CoordinatorConfig.admission_timeout_s
 
     def __init__(self, placement: Any, model_dir: Path, router: Any, max_queue: int,
                  max_reroutes: int, stats_interval_s: float, kv_allocation: str = "on-demand",
@@ -161,6 +163,7 @@ class Coordinator:
             # workers restarted with other ranges since the placement file was written
             await self.recovery.install_actual()
         self.step_timeout_s = cfg.step_timeout_s
+        self.admission_timeout_s = cfg.admission_timeout_s
         self.tokenizer = await tokenizer_task
         self.dispatch.chunk_tokens = startup.chunk_tokens(self.nodes.values(),
                                                           cfg.prefill_chunk_tokens)
@@ -169,8 +172,8 @@ class Coordinator:
                                                max_model_len=self.max_model_len)
         self.eos_token_ids = startup.eos_token_ids(self.nodes.values(), placement.num_layers,
                                                    self.tokenizer)
-        hang_s = cfg.recovery.hang_timeout_s if cfg.recovery is not None else None
-        self.spawn(WorkerWatch(self.nodes, placement.num_layers, cfg.stats_interval_s, hang_s,
+        self.spawn(WorkerWatch(self.nodes, placement.num_layers, cfg.stats_interval_s,
+                               cfg.hang_timeout_s,
                                self.recovery is None, self.spawn, self._node_back).run())
         return self
 
@@ -352,7 +355,8 @@ class Coordinator:
             self.core.arrive(fl, check_fit=self.covered() and not switching)
         d = await self.admission.admit(
             fl.internal_id, self.covered,
-            lambda since_s: self._check_recovering(since_s, replay=bool(fl.output_ids)))
+            lambda since_s: self._check_recovering(since_s, replay=bool(fl.output_ids)),
+            self.admission_timeout_s)
         fl.admitted(d.route, tuple(self.nodes[h.name].address for h in d.route.hops),
                     self.epoch)
         self.hop_counts[d.route.nodes] = self.hop_counts.get(d.route.nodes, 0) + 1

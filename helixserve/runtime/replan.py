@@ -312,7 +312,10 @@ class Recovery:
                     node.end_layer)
         if not self.coord.covered():
             self.trigger(f"node {node.name} rejoined, layers still uncovered")
-        elif self.config.join_min_gain is not None and not self.busy:
+            return
+        if self.state == "uncoverable":
+            self.state = "idle"  # covered again without a re-plan: new requests are served
+        if self.config.join_min_gain is not None and not self.busy:
             self._task = self.coord.spawn(self._join(node.name))
 
     def snapshot(self) -> dict[str, Any]:

@@ -39,7 +39,8 @@ GREEDY = SamplingParams(temperature=0.0)
 MAX_TOKENS = 12
 # the re-plans run to a budget of work, not a deadline: the same plan however busy the
 # machine is (3 machines: a fraction of a second)
-RECOVERY = RecoveryConfig(plan_work_limit=1.0, hang_timeout_s=6.0, wait_s=90.0)
+RECOVERY = RecoveryConfig(plan_work_limit=1.0, wait_s=90.0)
+CONFIG = CoordinatorConfig(recovery=RECOVERY, hang_timeout_s=6.0)
 
 
 @pytest.fixture
@@ -97,7 +98,7 @@ async def wait_for(cond, timeout_s: float, what: str) -> None:
 def test_kill_sole_holder_under_32_streams_replans_and_loses_nothing(trio, demo_model):
     async def main():
         coord = await Coordinator.create(make_cluster(list(trio.values())), trio_placement(),
-                                         demo_model, CoordinatorConfig(recovery=RECOVERY))
+                                         demo_model, CONFIG)
         try:
             reqs = requests(32)
             reference = await run_all(coord, reqs)
@@ -135,7 +136,7 @@ def test_a_restarted_worker_rejoins_and_is_served(trio, demo_model, tmp_path):
 
     async def main():
         coord = await Coordinator.create(make_cluster(list(trio.values())), trio_placement(),
-                                         demo_model, CoordinatorConfig(recovery=RECOVERY))
+                                         demo_model, CONFIG)
         revived = None
         try:
             reqs = requests(4)
@@ -171,7 +172,7 @@ def test_kill_during_a_replan_plans_again_for_who_is_left(trio, demo_model):
     all 30 layers, and every request completes."""
     async def main():
         coord = await Coordinator.create(make_cluster(list(trio.values())), trio_placement(),
-                                         demo_model, CoordinatorConfig(recovery=RECOVERY))
+                                         demo_model, CONFIG)
         try:
             reqs = requests(6)
             reference = await run_all(coord, reqs)
@@ -202,7 +203,7 @@ def test_hung_sole_holder_is_declared_down_and_replanned_around(trio, demo_model
     timeout."""
     async def main():
         coord = await Coordinator.create(make_cluster(list(trio.values())), trio_placement(),
-                                         demo_model, CoordinatorConfig(recovery=RECOVERY))
+                                         demo_model, CONFIG)
         try:
             reqs = requests(4)
             reference = await run_all(coord, reqs)
@@ -280,7 +281,7 @@ def test_slow_link_is_slow_not_dead(trio, demo_model):
         finally:
             await fast.close()
         coord = await Coordinator.create(make_cluster(workers), trio_placement(), demo_model,
-                                         CoordinatorConfig(recovery=RECOVERY))
+                                         CONFIG)
         try:
             got = await run_all(coord, requests(3))
             return reference, got, coord.stats()
@@ -305,7 +306,7 @@ def test_no_plan_covers_the_model_is_a_503_with_retry_after(trio, demo_model):
 
     async def main():
         coord = await Coordinator.create(cluster, trio_placement(), demo_model,
-                                         CoordinatorConfig(recovery=RECOVERY))
+                                         CONFIG)
         try:
             trio["a"].proc.send_signal(signal.SIGKILL)
             rec = coord.recovery

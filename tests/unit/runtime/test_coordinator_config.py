@@ -20,6 +20,8 @@ def test_defaults_pass() -> None:
         ("max_queue", -1, "max_queue: bad value -1"),
         ("prefill_chunk_tokens", 0, "prefill_chunk_tokens: bad value 0"),
         ("step_timeout_s", 0.0, "step_timeout_s: bad value 0.0"),
+        ("hang_timeout_s", 0.0, "hang_timeout_s: bad value 0.0"),
+        ("admission_timeout_s", -1.0, "admission_timeout_s: bad value -1.0"),
     ],
 )
 def test_bad_values_name_field_and_value(field: str, value: object, message: str) -> None:

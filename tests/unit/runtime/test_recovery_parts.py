@@ -3,6 +3,7 @@ rule (helixserve/local/supervisor.py) over real short-lived processes."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -46,7 +47,7 @@ def test_actual_placement_lists_what_workers_hold_in_layer_order():
     assert actual_placement(got, []).planner == "milp-live"  # not milp-live-live
 
 
-@pytest.mark.parametrize("name", ["wait_s", "hang_timeout_s", "plan_time_limit_s",
+@pytest.mark.parametrize("name", ["wait_s", "plan_time_limit_s",
                                   "plan_work_limit"])
 def test_recovery_config_names_a_bad_value(name):
     with pytest.raises(UserError, match=f"{name}: bad value 0"):
@@ -137,3 +138,29 @@ def test_supervisor_does_not_restart_after_stop(tmp_path):
     time.sleep(0.4)
     sup.check()  # ...that a stopped supervisor does not make
     assert len(procs.starts) == 1
+
+
+def test_a_worker_rejoining_that_covers_the_model_ends_uncoverable():
+    # layers stayed uncovered after the re-plans; then the lost worker comes back with its
+    # range: new requests must be served again without another re-plan
+    installed: list[object] = []
+    node = SimpleNamespace(name="b", alive=True, start_layer=4, end_layer=8, info=None,
+                           refresh_info=_no_info)
+    other = SimpleNamespace(name="a", alive=True, start_layer=0, end_layer=4, info=None,
+                            refresh_info=_no_info)
+
+    async def install(p: object) -> None:
+        installed.append(p)
+
+    coord = SimpleNamespace(nodes={"a": other, "b": node}, covered=lambda: True,
+                            placement=Placement("m", "c", 8, "milp", [NodeRange("a", 0, 4),
+                                                                     NodeRange("b", 4, 8)]),
+                            install_placement=install)
+    recovery = Recovery(coord, None, RecoveryConfig(join_min_gain=None))
+    recovery.state = "uncoverable"
+    asyncio.run(recovery.rejoin(node))
+    assert recovery.state == "idle" and not recovery.uncoverable and len(installed) == 1
+
+
+async def _no_info() -> None:
+    return None
