@@ -150,3 +150,38 @@ def test_auto_falls_back_to_torch_when_vllm_fails_its_self_check(tiny: Path,
                                     "self-check: prefill + 2 decode steps")
     with pytest.raises(SelfCheckError, match="engine vllm on cpu: .*--engine torch"):
         registry.load_checked("vllm", tiny, 0, 2, device="cpu", dtype=torch.float32)
+
+
+def test_auto_keeps_vllm_when_it_passes_and_says_so(tiny: Path, monkeypatch) -> None:
+    from helixserve.engine import registry
+
+    real_load = registry.load_engine
+    loaded: list[str] = []
+
+    def load_engine(name: str, *args: Any, **kw: Any) -> Any:
+        loaded.append(name)
+        if name == "vllm":  # a correct engine that calls itself vllm
+            return _Named(load(tiny, 0, 2), "vllm")
+        return real_load(name, *args, **kw)
+
+    monkeypatch.setattr(registry, "vllm_installed", lambda: True)
+    monkeypatch.setattr(registry, "engine_version", lambda name: "0.32.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(registry, "load_engine", load_engine)
+    choice = registry.load_checked("auto", tiny, 0, 2, device="cpu", dtype=torch.float32,
+                                   kv_cache_bytes=8 << 20)
+    assert loaded == ["vllm"] and choice.name == "vllm"
+    assert choice.reason.startswith("engine auto: vllm on cpu (vLLM 0.32.0 installed, CUDA "
+                                    "present, self-check passed); self-check passed: engine "
+                                    "vllm on cpu")
+    assert "vs engine torch on layers [0, 1)" in choice.reason  # the reference ran
+
+
+class _Named:
+    """A correct engine reporting itself as `name`."""
+
+    def __init__(self, inner: ShardEngine, name: str) -> None:
+        self.inner, self.engine_name = inner, name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
