@@ -239,8 +239,10 @@ def build_stage(
     minus what its weights took, `vllm_memory.kv_after_load`)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # V1 runner: its pipeline path takes intermediate tensors from the caller (the V2
-    # runner's broadcasts them through torch.distributed).
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    # runner's broadcasts them through torch.distributed). Forced, not a default: 0.33 picks V2
+    # by itself where Triton is present (a GPU), and `VLLM_USE_V2_MODEL_RUNNER=1` from the
+    # environment would build a runner this engine cannot drive.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     from multiprocessing import Lock
 
     from vllm.config import set_current_vllm_config
