@@ -8,7 +8,8 @@
    through `vllm.LLM` (vLLM's defaults: CUDA graphs on a GPU); output tokens / wall time.
 
 The reference runs in a subprocess of its own (vLLM's process-wide state). Both stages run on
---device (on one GPU they share it; each asks vLLM for the memory free when it starts).
+--device: on one GPU they share it, so they start one after another, each with an explicit
+KV budget (`KV_CACHE_BYTES`; engine/vllm_memory.py refuses a shared GPU without one).
 
     python -m benchmarks.vllm_route --device cuda --json benchmarks/results/cuda/vllm-route.json
     python -m benchmarks.vllm_route --device cpu --streams 8 --decode-tokens 32   # CPU run
@@ -30,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from helixserve.local.launch import free_port, spawn_worker, worker_command
+
+KV_CACHE_BYTES = {"cpu": 512 << 20, "cuda": 8 << 30}
+"""Per stage: the demo model's 64 x 192-token streams need far less than the CUDA value."""
 
 REFERENCE = r"""
 import json, os, sys, time
@@ -72,19 +76,21 @@ def reference(model: Path, prompts: list[list[int]], max_tokens: int, dtype: str
 
 def start_stages(model: Path, num_layers: int, dtype: str, device: str, tmp: Path,
                  threads: int) -> list[tuple[str, int, int, int, subprocess.Popen[bytes]]]:
+    """Two stages on --device, started one after another: both share the device, so each
+    has an explicit KV budget and starts once the earlier one holds its memory
+    (engine/vllm_memory.py)."""
     cut = num_layers // 2
-    stages = []
+    stages: list[tuple[str, int, int, int, subprocess.Popen[bytes]]] = []
+    deadline = time.monotonic() + 900
     for name, a, b in (("s0", 0, cut), ("s1", cut, num_layers)):
         port = free_port()
         cmd = worker_command(model, name, port, layers=(a, b), engine="vllm",
                              num_threads=threads, peers="127.0.0.1:*",
-                             kv_cache_bytes=512 << 20 if device == "cpu" else None,
+                             kv_cache_bytes=KV_CACHE_BYTES["cpu" if device == "cpu" else "cuda"],
                              extra_args=["--device", device, "--dtype", dtype])
         proc = spawn_worker(cmd, tmp / f"{name}-{dtype}.log",
                             env={"OMP_WAIT_POLICY": "PASSIVE"})
         stages.append((name, a, b, port, proc))
-    deadline = time.monotonic() + 900
-    for name, *_, proc in stages:
         path = tmp / f"{name}-{dtype}.log"
         while "listening on" not in path.read_text():
             if proc.poll() is not None or time.monotonic() > deadline:

