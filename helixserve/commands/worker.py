@@ -71,6 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="torch device, e.g. cpu, cuda:0 (default: cuda for vllm on a GPU, else cpu)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="weights and activations dtype")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes")
+    p.add_argument("--gpu-memory-fraction", type=float, default=None,
+                   help="vllm on CUDA: share of the device this stage may use (weights + KV + "
+                        "activations); it or --kv-cache-bytes is required on a shared GPU")
     p.add_argument("--kv-block-size", type=int, default=None,
                    help="tokens per KV block (default: torch 16; vllm the platform's, 128 on CPU)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op CPU threads")
@@ -189,15 +192,21 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from helixserve.engine import ShardEngine, load_engine
+    from helixserve.engine import ShardEngine
+    from helixserve.engine.registry import load_checked
     from helixserve.engine.slowdown import slowed
     from helixserve.runtime.worker import Worker
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    engine = load_engine(engine_name, args.model, start, end, device=device, dtype=dtype,
-                         kv_cache_bytes=args.kv_cache_bytes, block_size=args.kv_block_size)
+    # the engine's self-check runs before the worker reports healthy (engine/selfcheck.py);
+    # auto keeps vllm only where it passes
+    choice = load_checked(args.engine, args.model, start, end, device=device, dtype=dtype,
+                          kv_cache_bytes=args.kv_cache_bytes, block_size=args.kv_block_size,
+                          gpu_memory_fraction=args.gpu_memory_fraction)
+    engine, engine_name, device = choice.engine, choice.name, choice.device
+    print(f"helixserve worker {node}: {choice.reason}", flush=True)
     if end > engine.num_model_layers:
         raise UserError(
             f"--layers: range [{start}, {end}) is outside the model's {engine.num_model_layers} layers"
