@@ -2,27 +2,78 @@
 COMMAND ARGS...` runs `helixserve COMMAND ARGS...` (worker, serve) after asking the kernel to
 SIGTERM it when the rehearsal dies (PR_SET_PDEATHSIG), so even a SIGKILLed rehearsal leaves no
 process behind. Done here, in the child, rather than in a `preexec_fn`, by the local stacks' `die_with_parent` (the rehearsal sets
-its `PARENT_PID_ENV`)."""
+its `PARENT_PID_ENV`).
+
+Profiling: with `HELIXSERVE_PROFILE_DIR=DIR` in the environment (rehearse passes it on), the
+child runs under cProfile, every Python thread included (the worker's engine thread as well as
+its event loop), and writes `DIR/<command>-<pid>.prof` (pstats format) when it exits normally
+(SIGTERM: the worker drains and returns, uvicorn shuts down). Off by default: a profile costs
+the runtime CPU and slows what it measures.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import Any
 
 from helixserve.local.launch import die_with_parent
+
+#: the directory for per-process cProfile dumps (module doc)
+PROFILE_DIR_ENV = "HELIXSERVE_PROFILE_DIR"
+
+
+def _profiled(run: Any, name: str, directory: str) -> int:
+    """`run()` under cProfile in every thread it starts; the stats in `directory`."""
+    import cProfile
+    import pstats
+    import threading
+
+    profiles: list[cProfile.Profile] = []
+    thread_run = threading.Thread.run
+
+    def run_profiled(self: threading.Thread) -> None:
+        prof = cProfile.Profile()
+        profiles.append(prof)
+        prof.enable()
+        try:
+            thread_run(self)
+        finally:
+            prof.disable()
+
+    threading.Thread.run = run_profiled  # type: ignore[method-assign]
+    main = cProfile.Profile()
+    main.enable()
+    try:
+        return int(run() or 0)
+    finally:
+        main.disable()
+        stats = pstats.Stats(main)
+        for prof in list(profiles):
+            try:
+                stats.add(prof)
+            except (TypeError, ValueError):  # a thread still running with nothing recorded
+                continue
+        os.makedirs(directory, exist_ok=True)
+        stats.dump_stats(os.path.join(directory, f"{name}-{os.getpid()}.prof"))
 
 
 def main() -> int:
     die_with_parent()
-    if sys.argv[1:2] == ["links"]:
+    args = sys.argv[1:]
+    if args[:1] == ["links"]:
         import asyncio
 
         from helixserve.rehearse.links import run_proxy
 
-        asyncio.run(run_proxy(sys.argv[2]))
+        asyncio.run(run_proxy(args[1]))
         return 0
     from helixserve.cli import main as cli_main
 
-    return cli_main(sys.argv[1:])
+    directory = os.environ.get(PROFILE_DIR_ENV)
+    if directory:
+        return _profiled(lambda: cli_main(args), args[0] if args else "child", directory)
+    return cli_main(args)
 
 
 if __name__ == "__main__":

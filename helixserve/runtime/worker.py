@@ -56,6 +56,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from helixserve.engine.errors import EngineError, KvExhaustedError
+from helixserve.engine.protocol import RawHidden
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
@@ -129,6 +130,40 @@ class _Switch:
 BATCH_BYTES = tp.MAX_MESSAGE_BYTES // 4
 
 
+@dataclass
+class _Outgoing:
+    """An item for a next hop, waiting in its `_Peer` queue. Raw hidden states (the emulated
+    engine's, which hold only their size until asked for their bytes) become the message
+    when it is written, so a backlog behind a slow hop holds no activations; a tensor is
+    converted at once (a GPU tensor must not wait in a queue)."""
+
+    msg: pb.WorkItem
+    """The message to send; with `hidden`, the item as it came here (without its hidden
+    states), turned into the next hop's by `to_pb`."""
+    coordinator_id: str
+    hidden: RawHidden | None = None
+    compute_s: float = 0.0
+
+    @staticmethod
+    def of(msg: pb.WorkItem, hidden: Any, compute_s: float, coordinator_id: str) -> _Outgoing:
+        if isinstance(hidden, RawHidden):
+            return _Outgoing(msg, coordinator_id, hidden, compute_s)
+        return _Outgoing(tp.forward_item_pb(msg, hidden, compute_s), coordinator_id)
+
+    @property
+    def request_id(self) -> str:
+        return self.msg.request_id
+
+    @property
+    def step_id(self) -> int:
+        return self.msg.step_id
+
+    def to_pb(self) -> pb.WorkItem:
+        if self.hidden is None:
+            return self.msg
+        return tp.forward_item_pb(self.msg, self.hidden, self.compute_s)
+
+
 class _Peer:
     """A persistent Work stream to one next-hop worker; all items for it go out in batches.
 
@@ -144,13 +179,13 @@ class _Peer:
         self.worker = worker
         self.address = address
         #: items for the next hop with their coordinator's id (a continuation item names none)
-        self.queue: asyncio.Queue[tuple[pb.WorkItem, str]] = asyncio.Queue()
+        self.queue: asyncio.Queue[_Outgoing] = asyncio.Queue()
         #: (request id, step id, coordinator id) of items written to the current stream
         self.sent: deque[tuple[str, int, str]] = deque(maxlen=SENT_MEMORY)
         # The current stream's wait for its next item. A broken stream's request iterator
         # is left suspended by gRPC; cancelling this wait keeps it from taking (and losing)
         # an item meant for the next stream.
-        self._getter: asyncio.Future[tuple[pb.WorkItem, str]] | None = None
+        self._getter: asyncio.Future[_Outgoing] | None = None
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -166,18 +201,19 @@ class _Peer:
                 message = f"next hop {self.address} unreachable: {exc.code().name}"
                 taken = self._stop_getter()
                 if taken is not None:
-                    self.sent.append((taken[0].request_id, taken[0].step_id, taken[1]))
+                    self.sent.append((taken.request_id, taken.step_id, taken.coordinator_id))
                 self._fail_sent(message)
                 self._fail_queued(message)
             finally:
                 taken = self._stop_getter()
                 if taken is not None:  # the stream ended normally after taking it
-                    self.worker.report_error(taken[0].request_id, taken[0].step_id, taken[1],
+                    self.worker.report_error(taken.request_id, taken.step_id,
+                                             taken.coordinator_id,
                                              tp.UNAVAILABLE,
                                              f"stream to next hop {self.address} ended")
                 await channel.close()
 
-    def _stop_getter(self) -> tuple[pb.WorkItem, str] | None:
+    def _stop_getter(self) -> _Outgoing | None:
         """End the current stream's wait; the item it took and never wrote, if any."""
         getter, self._getter = self._getter, None
         if getter is None:
@@ -189,7 +225,7 @@ class _Peer:
             return None
         return getter.result()
 
-    async def _requests(self, first: tuple[pb.WorkItem, str]) -> AsyncIterator[pb.WorkBatch]:
+    async def _requests(self, first: _Outgoing) -> AsyncIterator[pb.WorkBatch]:
         items = [first]
         hello = True
         while True:
@@ -197,15 +233,19 @@ class _Peer:
             # to BATCH_BYTES: a backlog of prefill chunks behind a slow link must not make one
             # message past gRPC's limit (each item is at most half of it: prefill chunks are
             # cut so), the rest goes in the next message at once
-            size = first[0].ByteSize()
+            msgs = [first.to_pb()]
+            size = msgs[0].ByteSize()
             while size < BATCH_BYTES and not self.queue.empty():
                 item = self.queue.get_nowait()
                 items.append(item)
-                size += item[0].ByteSize()
-            self.sent.extend((m.request_id, m.step_id, cid) for m, cid in items)
+                msgs.append(item.to_pb())
+                size += msgs[-1].ByteSize()
+            self.sent.extend((o.request_id, o.step_id, o.coordinator_id) for o in items)
             self.worker.count_sent(len(items))
-            yield tp.work_batch_pb([m for m, _ in items],
-                                   sender=self.worker.node if hello else "")
+            batch = tp.work_batch_pb(msgs, sender=self.worker.node if hello else "")
+            msgs = []  # the batch holds its own copy; this one must not wait with the stream
+            yield batch
+            del batch
             hello = False
             getter = self._getter = asyncio.ensure_future(self.queue.get())
             items = [await getter]
@@ -230,8 +270,9 @@ class _Peer:
 
     def _fail_queued(self, message: str) -> None:
         while not self.queue.empty():
-            msg, cid = self.queue.get_nowait()
-            self.worker.report_error(msg.request_id, msg.step_id, cid, tp.UNAVAILABLE, message)
+            out = self.queue.get_nowait()
+            self.worker.report_error(out.request_id, out.step_id, out.coordinator_id,
+                                     tp.UNAVAILABLE, message)
 
 
 class Worker(pb_grpc.HelixWorkerServicer):
@@ -522,11 +563,11 @@ class Worker(pb_grpc.HelixWorkerServicer):
             else:
                 nxt = item.addresses[item.hop_index + 1]
                 # hidden: [num_tokens, hidden_size] leaves for the next hop
-                msg = tp.forward_item_pb(job.msg, out.hidden, compute_s)
                 peer = self.peers.get(nxt)
                 if peer is None or peer.task.done():
                     peer = self.peers[nxt] = _Peer(self, nxt)
-                peer.queue.put_nowait((msg, item.coordinator_id))
+                peer.queue.put_nowait(_Outgoing.of(job.msg, out.hidden, compute_s,
+                                                   item.coordinator_id))
 
     def deliver(self, result: pb.WorkResult, coordinator_id: str, origin: _Stream | None) -> None:
         stream = self.coordinators.get(coordinator_id) or origin
@@ -647,7 +688,22 @@ class Worker(pb_grpc.HelixWorkerServicer):
             self.kept[item.request_id] = tp.RequestRoute.of(item)
             if len(self.kept) > KEPT_MEMORY:
                 del self.kept[next(iter(self.kept))]
-        return _Job(item, msg, stream)
+        return _Job(item, self._own_input(msg, item), stream)
+
+    def _own_input(self, msg: pb.WorkItem, item: tp.WireItem) -> pb.WorkItem:
+        """The message a job keeps for forwarding, without hidden states (the item holds
+        them): an item of a received batch shares the batch's arena, so keeping it would keep
+        every item's activations of the batch alive until its last job ran. The emulated engine
+        keeps only the size of its input (`compact_input`): its outputs are zeros anyway."""
+        if not msg.HasField("hidden"):
+            return msg
+        compact = getattr(self.engine, "compact_input", None)
+        if compact is not None and item.hidden is not None:
+            item.hidden = compact(item.hidden)
+        msg.ClearField("hidden")
+        own = pb.WorkItem()
+        own.CopyFrom(msg)
+        return own
 
     def _stale_route(self, msg: pb.WorkItem) -> bool:
         """An item routed here for layers this worker held before a LoadRange."""

@@ -18,7 +18,7 @@ from helixserve.request import SamplingParams
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
-from helixserve.runtime.worker import Worker, _Job, _Peer, _Stream
+from helixserve.runtime.worker import Worker, _Job, _Outgoing, _Peer, _Stream
 
 ROUTE = (NodeRange("a", 0, 2), NodeRange("b", 2, 4))
 ADDRESSES = ("h:1", "h:2")
@@ -170,7 +170,7 @@ def test_a_backlog_for_the_next_hop_is_split_under_the_message_limit(
         peer.sent, peer._getter = deque(), None
         item = _full("r0", hop=1)
         for i in range(10):
-            peer.queue.put_nowait((_full(f"r{i}", hop=1), CID))
+            peer.queue.put_nowait(_Outgoing(_full(f"r{i}", hop=1), CID))
         requests = peer._requests(peer.queue.get_nowait())
         sent = [await requests.__anext__()]
         while not peer.queue.empty():
@@ -182,3 +182,20 @@ def test_a_backlog_for_the_next_hop_is_split_under_the_message_limit(
         assert [m.request_id for b in sent for m in b.items] == [f"r{i}" for i in range(10)]
 
     asyncio.run(main())
+
+
+def test_raw_hidden_states_for_the_next_hop_become_bytes_only_when_written() -> None:
+    """An emulated engine's activations wait in the next hop's queue as their size; the
+    message written has them at full size, and the item as it came is unchanged."""
+    from helixserve.engine.emulated import ZeroHidden
+
+    came = _full("r", hop=1)
+    came.ClearField("hidden")
+    out = _Outgoing.of(came, ZeroHidden("float16", (3, 8), 48), 0.5, CID)
+    assert out.hidden is not None and out.request_id == "r" and out.step_id == 1
+    msg = out.to_pb()
+    assert msg.hop_index == 2 and len(msg.hidden.data) == 48 and list(msg.hidden.shape) == [3, 8]
+    assert msg.compute_s == 0.5 and not came.HasField("hidden")
+    # a tensor is converted at once (a GPU tensor must not wait in a queue)
+    now = _Outgoing.of(came, torch.zeros(3, 8), 0.5, CID)
+    assert now.hidden is None and len(now.to_pb().hidden.data) == 3 * 8 * 4
