@@ -263,6 +263,7 @@ async def run_stack(
     recovery: Any = None,
     tls: Any = None,
     cost: Any = None,
+    step_timeout_s: float | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. With `workers`, start them first, restart any that exits
     (helixserve/local/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live
@@ -270,7 +271,9 @@ async def run_stack(
     `tls` (runtime.security.TlsConfig): the coordinator's credentials for worker traffic;
     with `workers` and no `tls`, theirs (dev credentials unless they run insecure). `cost`
     (runtime.costs.CostInputs): the profiles, GPU catalog (the cluster is read with it) and
-    dtype of the plan; None: the analytic model and the shipped catalog."""
+    dtype of the plan; None: the analytic model and the shipped catalog. `step_timeout_s`:
+    how long the coordinator waits for a step's result before it counts the node as failing
+    (None: CoordinatorConfig's default; a rehearsal scales it by its time scale)."""
     from helixserve.api.app import create_app
     from helixserve.planner import load_placement
     from helixserve.runtime import Coordinator, CoordinatorConfig
@@ -297,9 +300,10 @@ async def run_stack(
             supervisor.start()
             if tls is None:
                 tls = workers.coordinator_tls
+        timeouts = {} if step_timeout_s is None else {"step_timeout_s": step_timeout_s}
         coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(
             scheduler=scheduler, kv_allocation=kv_allocation, kv_watermark=kv_watermark,
-            recovery=recovery, cost=cost), tls=tls)
+            recovery=recovery, cost=cost, **timeouts), tls=tls)
         coord.process_stats = None if supervisor is None else supervisor.stats
         try:
             app = create_app(coord, served_model_name, api_key)

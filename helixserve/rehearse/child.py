@@ -4,6 +4,11 @@ SIGTERM it when the rehearsal dies (PR_SET_PDEATHSIG), so even a SIGKILLed rehea
 process behind. Done here, in the child, rather than in a `preexec_fn`, by the local stacks' `die_with_parent` (the rehearsal sets
 its `PARENT_PID_ENV`).
 
+The coordinator's step timeout: `serve` has no flag for it, so the rehearsal passes
+`--rehearse-step-timeout-s S` ahead of serve's flags and this entry point gives it to the
+stack's coordinator (`run_stack(step_timeout_s=S)`): a timeout of wall seconds must grow with
+the time scale, or a step that takes K x longer on purpose counts as a failing node.
+
 Profiling: with `HELIXSERVE_PROFILE_DIR=DIR` in the environment (rehearse passes it on), the
 child runs under cProfile, every Python thread included (the worker's engine thread as well as
 its event loop), and writes `DIR/<command>-<pid>.prof` (pstats format) when it exits normally
@@ -21,6 +26,22 @@ from helixserve.local.launch import die_with_parent
 
 #: the directory for per-process cProfile dumps (module doc)
 PROFILE_DIR_ENV = "HELIXSERVE_PROFILE_DIR"
+#: `serve`'s coordinator step timeout, in seconds (module doc)
+STEP_TIMEOUT_FLAG = "--rehearse-step-timeout-s"
+
+
+def _with_step_timeout(args: list[str]) -> list[str]:
+    """`serve` ARGS without STEP_TIMEOUT_FLAG S, whose S the stack's coordinator gets."""
+    if args[:1] != ["serve"] or STEP_TIMEOUT_FLAG not in args:
+        return args
+    at = args.index(STEP_TIMEOUT_FLAG)
+    timeout_s = float(args[at + 1])
+    import functools
+
+    from helixserve.local import stack
+
+    stack.run_stack = functools.partial(stack.run_stack, step_timeout_s=timeout_s)  # type: ignore[assignment]
+    return args[:at] + args[at + 2:]
 
 
 def _profiled(run: Any, name: str, directory: str) -> int:
@@ -48,6 +69,7 @@ def _profiled(run: Any, name: str, directory: str) -> int:
         return int(run() or 0)
     finally:
         main.disable()
+        threading.Thread.run = thread_run  # type: ignore[method-assign]
         stats = pstats.Stats(main)
         for prof in list(profiles):
             try:
@@ -70,6 +92,7 @@ def main() -> int:
         return 0
     from helixserve.cli import main as cli_main
 
+    args = _with_step_timeout(args)
     directory = os.environ.get(PROFILE_DIR_ENV)
     if directory:
         return _profiled(lambda: cli_main(args), args[0] if args else "child", directory)

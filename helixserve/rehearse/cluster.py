@@ -39,8 +39,10 @@ import yaml
 from helixserve.engine.emulated import DEFAULT_RESERVED_GB_PER_GPU
 from helixserve.errors import UserError
 from helixserve.local.launch import PARENT_PID_ENV
+from helixserve.rehearse.child import STEP_TIMEOUT_FLAG
 from helixserve.rehearse.inputs import RehearsalInputs, reserve_ports
 from helixserve.rehearse.links import ProxyConfig, ProxyRoute, link_table, read_stats
+from helixserve.runtime.config import CoordinatorConfig
 from helixserve.spec.cluster import COORDINATOR
 
 HOST = "127.0.0.1"
@@ -121,6 +123,12 @@ class EmulatedCluster:
         self.model_name = ""
 
     @property
+    def step_timeout_s(self) -> float:
+        """The coordinator's step timeout: its default x the time scale (every step takes K
+        times its cluster time in wall time)."""
+        return CoordinatorConfig().step_timeout_s * self.time_scale
+
+    @property
     def api_url(self) -> str:
         return f"http://{HOST}:{self.ports.api}"
 
@@ -191,7 +199,8 @@ class EmulatedCluster:
             raise RuntimeError(f"rehearse: the link proxy did not start:\n{self.log_tail('links')}")
         self._wait_workers(timeout_s=120.0)
         self._spawn("coordinator", [
-            "serve", "--cluster", str(self.cluster_path), *common, "--host", HOST,
+            "serve", STEP_TIMEOUT_FLAG, repr(self.step_timeout_s),
+            "--cluster", str(self.cluster_path), *common, "--host", HOST,
             "--port", str(self.ports.api), "--profiles", str(self.inputs.profiles_path),
             "--gpu-reserve-gb", str(DEFAULT_RESERVED_GB_PER_GPU), "--no-replan",
             "--log-level", "warning", *creds.coordinator.flags()])
