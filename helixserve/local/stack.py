@@ -9,6 +9,7 @@ the OpenAI API on uvicorn, clean shutdown in reverse order.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections.abc import Callable
@@ -300,10 +301,11 @@ async def run_stack(
             supervisor.start()
             if tls is None:
                 tls = workers.coordinator_tls
-        timeouts = {} if step_timeout_s is None else {"step_timeout_s": step_timeout_s}
-        coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(
-            scheduler=scheduler, kv_allocation=kv_allocation, kv_watermark=kv_watermark,
-            recovery=recovery, cost=cost, **timeouts), tls=tls)
+        config = CoordinatorConfig(scheduler=scheduler, kv_allocation=kv_allocation,
+                                   kv_watermark=kv_watermark, recovery=recovery, cost=cost)
+        if step_timeout_s is not None:
+            config = dataclasses.replace(config, step_timeout_s=step_timeout_s)
+        coord = await Coordinator.create(cluster, placement, model_dir, config, tls=tls)
         coord.process_stats = None if supervisor is None else supervisor.stats
         try:
             app = create_app(coord, served_model_name, api_key)
