@@ -49,12 +49,13 @@ def _profiled(run: Any, name: str, directory: str) -> int:
     import cProfile
     import pstats
     import threading
+    import time
 
     profiles: list[cProfile.Profile] = []
     thread_run = threading.Thread.run
 
     def run_profiled(self: threading.Thread) -> None:
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.thread_time)
         profiles.append(prof)
         prof.enable()
         try:
@@ -63,7 +64,7 @@ def _profiled(run: Any, name: str, directory: str) -> int:
             prof.disable()
 
     threading.Thread.run = run_profiled  # type: ignore[method-assign]
-    main = cProfile.Profile()
+    main = cProfile.Profile(time.thread_time)
     main.enable()
     try:
         return int(run() or 0)

@@ -126,8 +126,14 @@ class _Switch:
 
 
 #: bytes of items one message to the next hop carries before the rest waits for the next
-#: message: with one item of at most MAX_MESSAGE_BYTES / 2 more, a message stays under the limit
-BATCH_BYTES = tp.MAX_MESSAGE_BYTES // 4
+#: message: with one item of at most MAX_MESSAGE_BYTES / 2 more, a message stays under the limit.
+#: Each message exists ~3 times on each side while it crosses (protobuf, serialized, gRPC's
+#: buffers), per stream: 4 MiB keeps that small (a 512-token LLaMA-2-70B prefill chunk, 8 MiB,
+#: goes alone) and still carries a step's decode items (16 KiB each) in one message
+BATCH_BYTES = 4 * 1024 * 1024
+#: a bound on what an item carries beside its hidden states, token ids and route (ids,
+#: sampling); only BATCH_BYTES uses it, which has room to spare
+ITEM_OVERHEAD_BYTES = 512
 
 
 @dataclass
@@ -143,12 +149,26 @@ class _Outgoing:
     coordinator_id: str
     hidden: RawHidden | None = None
     compute_s: float = 0.0
+    #: bytes of the hidden states; batching counts these rather than asking protobuf for the
+    #: message's size (upb's ByteSize encodes the whole message: a copy of the activations)
+    hidden_bytes: int = 0
 
     @staticmethod
     def of(msg: pb.WorkItem, hidden: Any, compute_s: float, coordinator_id: str) -> _Outgoing:
         if isinstance(hidden, RawHidden):
-            return _Outgoing(msg, coordinator_id, hidden, compute_s)
-        return _Outgoing(tp.forward_item_pb(msg, hidden, compute_s), coordinator_id)
+            size = getattr(hidden, "nbytes", None)
+            return _Outgoing(msg, coordinator_id, hidden, compute_s,
+                             len(hidden.data) if size is None else int(size))
+        # hidden: a tensor [num_tokens, hidden_size]
+        size = int(hidden.numel()) * int(hidden.element_size())
+        return _Outgoing(tp.forward_item_pb(msg, hidden, compute_s), coordinator_id,
+                         hidden_bytes=size)
+
+    def size_bytes(self) -> int:
+        """A bound on the bytes the item adds to a message (hidden states, token ids, route
+        hops of at most 128 bytes, the rest), without encoding the message."""
+        return (self.hidden_bytes + ITEM_OVERHEAD_BYTES + 8 * len(self.msg.token_ids)
+                + 128 * len(self.msg.route))
 
     @property
     def request_id(self) -> str:
@@ -158,10 +178,21 @@ class _Outgoing:
     def step_id(self) -> int:
         return self.msg.step_id
 
-    def to_pb(self) -> pb.WorkItem:
+    def write_into(self, dst: pb.WorkItem) -> None:
+        """Write the next hop's message into `dst` (an item of the outgoing batch): the same
+        message as `tp.forward_item_pb`, with the raw hidden states' bytes copied once, into
+        the batch itself (through a pb.Tensor and a standalone item they would be copied three
+        times, and each 512-token prefill chunk of LLaMA-2-70B is 8 MiB)."""
+        dst.CopyFrom(self.msg)
         if self.hidden is None:
-            return self.msg
-        return tp.forward_item_pb(self.msg, self.hidden, self.compute_s)
+            return
+        if self.msg.route:  # a full item: the next hop's index (a continuation has none)
+            dst.hop_index = self.msg.hop_index + 1
+        dst.compute_s = self.compute_s
+        # hidden: [num_tokens, hidden_size] of dtype, row-major bytes
+        dst.hidden.dtype = self.hidden.dtype
+        dst.hidden.shape.extend(self.hidden.shape)
+        dst.hidden.data = self.hidden.data
 
 
 class _Peer:
@@ -233,19 +264,18 @@ class _Peer:
             # to BATCH_BYTES: a backlog of prefill chunks behind a slow link must not make one
             # message past gRPC's limit (each item is at most half of it: prefill chunks are
             # cut so), the rest goes in the next message at once
-            msgs = [first.to_pb()]
-            size = msgs[0].ByteSize()
+            batch = tp.work_batch_pb([], sender=self.worker.node if hello else "")
+            first.write_into(batch.items.add())
+            size = first.size_bytes()
             while size < BATCH_BYTES and not self.queue.empty():
                 item = self.queue.get_nowait()
                 items.append(item)
-                msgs.append(item.to_pb())
-                size += msgs[-1].ByteSize()
+                item.write_into(batch.items.add())
+                size += item.size_bytes()
             self.sent.extend((o.request_id, o.step_id, o.coordinator_id) for o in items)
             self.worker.count_sent(len(items))
-            batch = tp.work_batch_pb(msgs, sender=self.worker.node if hello else "")
-            msgs = []  # the batch holds its own copy; this one must not wait with the stream
             yield batch
-            del batch
+            del batch  # not kept while the stream waits for the next item
             hello = False
             getter = self._getter = asyncio.ensure_future(self.queue.get())
             items = [await getter]
