@@ -1,8 +1,10 @@
 """Entry point of a rehearsal's child processes: `python -m helixserve.rehearse.child
 COMMAND ARGS...` runs `helixserve COMMAND ARGS...` (worker, serve) after asking the kernel to
-SIGTERM it when the rehearsal dies (PR_SET_PDEATHSIG), so even a SIGKILLed rehearsal leaves no
-process behind. Done here, in the child, rather than in a `preexec_fn`, by the local stacks' `die_with_parent` (the rehearsal sets
-its `PARENT_PID_ENV`).
+SIGTERM it when the rehearsal dies (PR_SET_PDEATHSIG), so even a SIGKILLed rehearsal leaves
+no process behind. Done here, in the child, rather than in a `preexec_fn`, by the local
+stacks' `die_with_parent` (the rehearsal sets its `PARENT_PID_ENV`). `links CONFIG` runs the
+link proxy; `forkserver worker` the fork server the emulated workers are forked from
+(helixserve/rehearse/forkserver.py), each of which runs `run_command`.
 
 The coordinator's step timeout: `serve` has no flag for it, so the rehearsal passes
 `--rehearse-step-timeout-s S` ahead of serve's flags and this entry point gives it to the
@@ -81,6 +83,18 @@ def _profiled(run: Any, name: str, directory: str) -> int:
         stats.dump_stats(os.path.join(directory, f"{name}-{os.getpid()}.prof"))
 
 
+def run_command(args: list[str]) -> int:
+    """`helixserve ARGS` (worker, serve), profiled when PROFILE_DIR_ENV is set (module doc);
+    also what each worker forked by the fork server runs."""
+    from helixserve.cli import main as cli_main
+
+    args = _with_step_timeout(args)
+    directory = os.environ.get(PROFILE_DIR_ENV)
+    if directory:
+        return _profiled(lambda: cli_main(args), args[0] if args else "child", directory)
+    return cli_main(args)
+
+
 def main() -> int:
     die_with_parent()
     args = sys.argv[1:]
@@ -91,13 +105,11 @@ def main() -> int:
 
         asyncio.run(run_proxy(args[1]))
         return 0
-    from helixserve.cli import main as cli_main
+    from helixserve.rehearse import forkserver
 
-    args = _with_step_timeout(args)
-    directory = os.environ.get(PROFILE_DIR_ENV)
-    if directory:
-        return _profiled(lambda: cli_main(args), args[0] if args else "child", directory)
-    return cli_main(args)
+    if args[:1] == [forkserver.COMMAND]:
+        return int(forkserver.main(args[1:]) or 0)
+    return run_command(args)
 
 
 if __name__ == "__main__":

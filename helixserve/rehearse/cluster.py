@@ -40,6 +40,8 @@ from helixserve.engine.emulated import DEFAULT_RESERVED_GB_PER_GPU
 from helixserve.errors import UserError
 from helixserve.local.launch import PARENT_PID_ENV
 from helixserve.rehearse.child import STEP_TIMEOUT_FLAG
+from helixserve.rehearse.forkserver import COMMAND as FORKSERVER
+from helixserve.rehearse.forkserver import ForkServer
 from helixserve.rehearse.inputs import RehearsalInputs, reserve_ports
 from helixserve.rehearse.links import ProxyConfig, ProxyRoute, link_table, read_stats
 from helixserve.runtime.config import CoordinatorConfig
@@ -113,7 +115,9 @@ class EmulatedCluster:
         self.nodes = [r.name for r in inputs.placement.nodes]
         self.ports = Ports.reserve(self.nodes, base_port)
         self.logs = workdir / "logs"
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        #: name -> a subprocess.Popen, or a ForkedProcess for a worker (forkserver.py)
+        self.procs: dict[str, Any] = {}
+        self.forkserver: ForkServer | None = None
         self.cluster_path = workdir / "cluster.yaml"
         self.placement_path = workdir / "placement.json"
         self.stats_path = workdir / "links-stats.json"
@@ -161,10 +165,11 @@ class EmulatedCluster:
         self.cluster_path.write_text(yaml.safe_dump(data, sort_keys=False))
         self.inputs.placement.save(self.placement_path)
 
-    def _spawn(self, name: str, args: list[str], stdout: Any = None) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str], stdout: Any = None,
+               stdin: Any = None) -> subprocess.Popen[bytes]:
         log = (self.logs / f"{name}.log").open("wb")
         proc = subprocess.Popen([sys.executable, "-m", "helixserve.rehearse.child", *args],
-                                stdout=stdout or log, stderr=log, env=child_env(),
+                                stdin=stdin, stdout=stdout or log, stderr=log, env=child_env(),
                                 start_new_session=True)
         log.close()
         self.procs[name] = proc
@@ -176,14 +181,18 @@ class EmulatedCluster:
         self.write_files()
         creds = create_dev_credentials(self.workdir / "tls", self.nodes)
         common = ["--model", str(self.inputs.model_dir), "--placement", str(self.placement_path)]
+        server = self._spawn("forkserver", [FORKSERVER, "worker"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
+        self.forkserver = ForkServer(server)
         for node in self.nodes:
-            self._spawn(f"worker-{node}", [
+            self.procs[f"worker-{node}"] = self.forkserver.spawn([
                 "worker", "--engine", "emulated", *common, "--node", node,
                 "--cluster", str(self.cluster_path), "--profiles", str(self.inputs.profiles_path),
                 "--gpu-reserve-gb", str(DEFAULT_RESERVED_GB_PER_GPU),
                 "--time-scale", repr(self.time_scale), "--host", HOST,
                 "--port", str(self.ports.private[node]),
-                "--drain-timeout-s", str(WORKER_DRAIN_S), *creds.nodes[node].flags()])
+                "--drain-timeout-s", str(WORKER_DRAIN_S), *creds.nodes[node].flags()],
+                self.logs / f"worker-{node}.log")
         names = [COORDINATOR, *self.nodes]
         worker_pids = {self.procs[f"worker-{n}"].pid: n for n in self.nodes}
         config = ProxyConfig(
@@ -303,7 +312,7 @@ class EmulatedCluster:
         """Coordinator and API first (they release what the workers hold), then the workers,
         then the proxy; each process group SIGTERMed, SIGKILLed after STOP_GRACE_S. Then
         what each worker emulated, from its shutdown line. Safe to call twice."""
-        order = (["coordinator"] + [f"worker-{n}" for n in self.nodes] + ["links"])
+        order = ["coordinator", *(f"worker-{n}" for n in self.nodes), "links", "forkserver"]
         order = [n for n in order if n in self.procs]
         if "coordinator" in order:
             _stop_group(self.procs["coordinator"], STOP_GRACE_S)
@@ -314,6 +323,8 @@ class EmulatedCluster:
         proxy = self.procs.get("links")
         if proxy is not None and proxy.stdout is not None:
             proxy.stdout.close()
+        if self.forkserver is not None:
+            self.forkserver.close()
         for node in self.nodes:
             m = _REPORT_RE.search(self.log_tail(f"worker-{node}", 4000))
             if m:
@@ -326,13 +337,13 @@ class EmulatedCluster:
         return all(p.poll() is not None for p in self.procs.values())
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(proc: Any, sig: int) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
 
 
-def _stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+def _stop_group(proc: Any, grace_s: float) -> None:
     """SIGTERM the child's process group, SIGKILL it after `grace_s`, reap the child."""
     _signal_group(proc, signal.SIGTERM)
     try:
