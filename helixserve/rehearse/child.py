@@ -50,6 +50,7 @@ def _profiled(run: Any, name: str, directory: str) -> int:
     """`run()` under cProfile in every thread it starts; the stats in `directory`."""
     import cProfile
     import pstats
+    import signal
     import threading
     import time
 
@@ -66,6 +67,9 @@ def _profiled(run: Any, name: str, directory: str) -> int:
             prof.disable()
 
     threading.Thread.run = run_profiled  # type: ignore[method-assign]
+    # SIGTERM ends the run through the `finally` below: uvicorn re-raises the signal it
+    # caught once it has shut down, which by default would kill the process before the dump
+    on_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main = cProfile.Profile(time.thread_time)
     main.enable()
     try:
@@ -73,6 +77,7 @@ def _profiled(run: Any, name: str, directory: str) -> int:
     finally:
         main.disable()
         threading.Thread.run = thread_run  # type: ignore[method-assign]
+        signal.signal(signal.SIGTERM, on_term)
         stats = pstats.Stats(main)
         for prof in list(profiles):
             try:
