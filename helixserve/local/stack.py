@@ -265,6 +265,7 @@ async def run_stack(
     tls: Any = None,
     cost: Any = None,
     step_timeout_s: float | None = None,
+    stats_interval_s: float | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. With `workers`, start them first, restart any that exits
     (helixserve/local/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live
@@ -273,8 +274,9 @@ async def run_stack(
     with `workers` and no `tls`, theirs (dev credentials unless they run insecure). `cost`
     (runtime.costs.CostInputs): the profiles, GPU catalog (the cluster is read with it) and
     dtype of the plan; None: the analytic model and the shipped catalog. `step_timeout_s`:
-    how long the coordinator waits for a step's result before it counts the node as failing
-    (None: CoordinatorConfig's default; a rehearsal scales it by its time scale)."""
+    how long the coordinator waits for a step's result before it counts the node as failing,
+    `stats_interval_s` how often it polls every worker's Info (None: CoordinatorConfig's
+    defaults; a rehearsal scales both by its time scale)."""
     from helixserve.api.app import create_app
     from helixserve.planner import load_placement
     from helixserve.runtime import Coordinator, CoordinatorConfig
@@ -305,6 +307,8 @@ async def run_stack(
                                    kv_watermark=kv_watermark, recovery=recovery, cost=cost)
         if step_timeout_s is not None:
             config = dataclasses.replace(config, step_timeout_s=step_timeout_s)
+        if stats_interval_s is not None:
+            config = dataclasses.replace(config, stats_interval_s=stats_interval_s)
         coord = await Coordinator.create(cluster, placement, model_dir, config, tls=tls)
         coord.process_stats = None if supervisor is None else supervisor.stats
         try:

@@ -6,10 +6,12 @@ stacks' `die_with_parent` (the rehearsal sets its `PARENT_PID_ENV`). `links CONF
 link proxy; `forkserver worker` the fork server the emulated workers are forked from
 (helixserve/rehearse/forkserver.py), each of which runs `run_command`.
 
-The coordinator's step timeout: `serve` has no flag for it, so the rehearsal passes
-`--rehearse-step-timeout-s S` ahead of serve's flags and this entry point gives it to the
-stack's coordinator (`run_stack(step_timeout_s=S)`): a timeout of wall seconds must grow with
-the time scale, or a step that takes K x longer on purpose counts as a failing node.
+The coordinator's timing: `serve` has no flags for it, so the rehearsal passes
+`--rehearse-step-timeout-s S` and `--rehearse-stats-interval-s S` ahead of serve's flags and
+this entry point gives them to the stack's coordinator (`run_stack`): both are wall seconds,
+which must grow with the time scale: a step that takes K x longer on purpose must not count
+as a failing node, and the poll of every worker's Info (0.5 s of cluster time) must not come
+K x more often per token than on the cluster, adding CPU the cluster would not spend.
 
 Profiling: with `HELIXSERVE_PROFILE_DIR=DIR` in the environment (rehearse passes it on), the
 child runs under cProfile, every Python thread included (the worker's engine thread as well as
@@ -28,22 +30,31 @@ from helixserve.local.launch import die_with_parent
 
 #: the directory for per-process cProfile dumps (module doc)
 PROFILE_DIR_ENV = "HELIXSERVE_PROFILE_DIR"
-#: `serve`'s coordinator step timeout, in seconds (module doc)
+#: `serve` flags of the rehearsal's own: its coordinator's timing, in wall seconds (module doc)
 STEP_TIMEOUT_FLAG = "--rehearse-step-timeout-s"
+STATS_INTERVAL_FLAG = "--rehearse-stats-interval-s"
+_STACK_OPTIONS = {STEP_TIMEOUT_FLAG: "step_timeout_s", STATS_INTERVAL_FLAG: "stats_interval_s"}
 
 
-def _with_step_timeout(args: list[str]) -> list[str]:
-    """`serve` ARGS without STEP_TIMEOUT_FLAG S, whose S the stack's coordinator gets."""
-    if args[:1] != ["serve"] or STEP_TIMEOUT_FLAG not in args:
+def _with_stack_options(args: list[str]) -> list[str]:
+    """`serve` ARGS without the rehearsal's flags (_STACK_OPTIONS), whose values the stack's
+    coordinator gets (`run_stack`'s keyword arguments)."""
+    if args[:1] != ["serve"]:
         return args
-    at = args.index(STEP_TIMEOUT_FLAG)
-    timeout_s = float(args[at + 1])
-    import functools
+    options: dict[str, Any] = {}
+    rest = list(args)
+    for flag, name in _STACK_OPTIONS.items():
+        if flag in rest:
+            at = rest.index(flag)
+            options[name] = float(rest[at + 1])
+            del rest[at:at + 2]
+    if options:
+        import functools
 
-    from helixserve.local import stack
+        from helixserve.local import stack
 
-    stack.run_stack = functools.partial(stack.run_stack, step_timeout_s=timeout_s)  # type: ignore[assignment]
-    return args[:at] + args[at + 2:]
+        stack.run_stack = functools.partial(stack.run_stack, **options)  # type: ignore[assignment]
+    return rest
 
 
 def _profiled(run: Any, name: str, directory: str) -> int:
@@ -93,7 +104,7 @@ def run_command(args: list[str]) -> int:
     also what each worker forked by the fork server runs."""
     from helixserve.cli import main as cli_main
 
-    args = _with_step_timeout(args)
+    args = _with_stack_options(args)
     directory = os.environ.get(PROFILE_DIR_ENV)
     if directory:
         return _profiled(lambda: cli_main(args), args[0] if args else "child", directory)

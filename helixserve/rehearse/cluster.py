@@ -39,7 +39,7 @@ import yaml
 from helixserve.engine.emulated import DEFAULT_RESERVED_GB_PER_GPU
 from helixserve.errors import UserError
 from helixserve.local.launch import PARENT_PID_ENV
-from helixserve.rehearse.child import STEP_TIMEOUT_FLAG
+from helixserve.rehearse.child import STATS_INTERVAL_FLAG, STEP_TIMEOUT_FLAG
 from helixserve.rehearse.forkserver import COMMAND as FORKSERVER
 from helixserve.rehearse.forkserver import ForkServer
 from helixserve.rehearse.inputs import RehearsalInputs, reserve_ports
@@ -140,6 +140,12 @@ class EmulatedCluster:
         return CoordinatorConfig().step_timeout_s * self.time_scale
 
     @property
+    def stats_interval_s(self) -> float:
+        """How often the coordinator polls every worker's Info: its default x the time scale
+        (the same period in cluster time, so the same polls per token as on the cluster)."""
+        return CoordinatorConfig().stats_interval_s * self.time_scale
+
+    @property
     def api_url(self) -> str:
         return f"http://{HOST}:{self.ports.api}"
 
@@ -216,6 +222,7 @@ class EmulatedCluster:
         self._wait_workers(timeout_s=120.0)
         self._spawn("coordinator", [
             "serve", STEP_TIMEOUT_FLAG, repr(self.step_timeout_s),
+            STATS_INTERVAL_FLAG, repr(self.stats_interval_s),
             "--cluster", str(self.cluster_path), *common, "--host", HOST,
             "--port", str(self.ports.api), "--profiles", str(self.inputs.profiles_path),
             "--gpu-reserve-gb", str(DEFAULT_RESERVED_GB_PER_GPU), "--no-replan",

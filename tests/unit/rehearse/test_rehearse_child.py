@@ -16,7 +16,7 @@ from helixserve.rehearse.cluster import EmulatedCluster
 from helixserve.runtime.config import CoordinatorConfig
 
 
-def test_the_step_timeout_flag_is_taken_out_and_given_to_the_stack(
+def test_the_rehearsals_flags_are_taken_out_and_given_to_the_stack(
         monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, object] = {}
 
@@ -24,19 +24,21 @@ def test_the_step_timeout_flag_is_taken_out_and_given_to_the_stack(
         seen.update(kwargs)
 
     monkeypatch.setattr(stack, "run_stack", fake_run_stack)
-    args = child._with_step_timeout(["serve", child.STEP_TIMEOUT_FLAG, "1200.0", "--port", "1"])
+    args = child._with_stack_options(["serve", child.STEP_TIMEOUT_FLAG, "1200.0",
+                                      child.STATS_INTERVAL_FLAG, "2.0", "--port", "1"])
     assert args == ["serve", "--port", "1"]
     stack.run_stack()
-    assert seen == {"step_timeout_s": 1200.0}
-    # other commands, and serve without the flag, are left alone
-    assert child._with_step_timeout(["worker", "--port", "1"]) == ["worker", "--port", "1"]
-    assert child._with_step_timeout(["serve", "--port", "1"]) == ["serve", "--port", "1"]
+    assert seen == {"step_timeout_s": 1200.0, "stats_interval_s": 2.0}
+    # other commands, and serve without the flags, are left alone
+    assert child._with_stack_options(["worker", "--port", "1"]) == ["worker", "--port", "1"]
+    assert child._with_stack_options(["serve", "--port", "1"]) == ["serve", "--port", "1"]
 
 
-def test_the_coordinators_step_timeout_grows_with_the_time_scale() -> None:
+def test_the_coordinators_timing_grows_with_the_time_scale() -> None:
     cluster = EmulatedCluster.__new__(EmulatedCluster)  # no ports, no processes
     cluster.time_scale = 8.0
     assert cluster.step_timeout_s == CoordinatorConfig().step_timeout_s * 8.0
+    assert cluster.stats_interval_s == CoordinatorConfig().stats_interval_s * 8.0
 
 
 def test_a_profiled_child_writes_its_threads_stats(tmp_path: Path) -> None:
