@@ -12,8 +12,10 @@ and online, the Azure conversation trace rescaled to `--rate` requests/s.
 
 Every run is one `helixserve rehearse ... --json` subprocess (EMULATED GPUs and links, the real
 coordinator, OpenAI API, gRPC and mutual TLS, docs/rehearse.md); this script adds what the
-rehearsal does not report: the resident memory of its processes (sampled from /proc every
-0.5 s: at the end of start-up and at its peak) and the wall time. It prints one table per
+rehearsal does not report: the memory of its processes (PSS and RSS from
+/proc/PID/smaps_rollup every 0.5 s, at the end of start-up and at the peak of the workers' +
+coordinator's PSS; PSS counts a page shared by n processes 1/n in each, so it sums across the
+forked workers honestly) and the wall time. It prints one table per
 cluster and the planner's point (milp's measured decode tokens/s over Helix's placement and
 over the best of swarm and separate), and writes everything with `--json`.
 
