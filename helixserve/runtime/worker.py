@@ -19,8 +19,8 @@ What travels: a request's first item on a route (its prefill chunks) carries its
 coordinator and its sampling; the worker keeps them (`kept`, per request, until the request is
 released) and the request's later decode items are continuation items that carry only request
 id, step id, position, token ids and hidden states (proto/helix.proto, WorkItem). All items one
-engine step sends to the same next hop go in one message, all results of one step for one
-coordinator in one message.
+engine step sends to the same next hop go in one message (up to BATCH_BYTES, then the next
+at once), all results of one step for one coordinator in one message.
 
 Where results go: an item names the coordinator that sent it; the coordinator keeps a Work stream
 open to every worker, so the last hop writes the sampled token straight onto that stream (one
