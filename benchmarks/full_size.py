@@ -12,8 +12,10 @@ and online, the Azure conversation trace rescaled to `--rate` requests/s.
 
 Every run is one `helixserve rehearse ... --json` subprocess (EMULATED GPUs and links, the real
 coordinator, OpenAI API, gRPC and mutual TLS, docs/rehearse.md); this script adds what the
-rehearsal does not report: the resident memory of its processes (sampled from /proc every
-0.5 s: at the end of start-up and at its peak) and the wall time. It prints one table per
+rehearsal does not report: the memory of its processes (PSS and RSS from
+/proc/PID/smaps_rollup every 0.5 s, at the end of start-up and at the peak of the workers' +
+coordinator's PSS; PSS counts a page shared by n processes 1/n in each, so it sums across the
+forked workers honestly) and the wall time. It prints one table per
 cluster and the planner's point (milp's measured decode tokens/s over Helix's placement and
 over the best of swarm and separate), and writes everything with `--json`.
 
@@ -127,16 +129,27 @@ def _kind(pid: int) -> str:
     return "other"
 
 
-def _rss_bytes(pid: int) -> int:
+def _memory_bytes(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) of a process from /proc/PID/smaps_rollup; (0, 0) once it is gone. PSS
+    counts a page shared by n processes as 1/n in each, so PSS sums to the memory the
+    processes take together (RSS counts the shared interpreter and libraries once per
+    process)."""
+    rss = pss = 0
     try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Rss:"):
+                    rss = int(line.split()[1]) * 1024
+                elif line.startswith("Pss:"):
+                    pss = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        return 0
+        return 0, 0
+    return rss, pss
 
 
 class MemorySampler(threading.Thread):
-    """RSS of a process tree by kind (workers, coordinator, links, the rehearse driver)."""
+    """RSS and PSS of a process tree by kind (workers, coordinator, links, the rehearse
+    driver): `peak` and `at_start` hold RSS by kind, and the same keys with `_pss` PSS."""
 
     def __init__(self, root: int, period_s: float = 0.5) -> None:
         super().__init__(daemon=True)
@@ -158,7 +171,11 @@ class MemorySampler(threading.Thread):
         by: dict[str, int] = {}
         for pid in tree:
             kind = "driver" if pid == self.root else _kind(pid)
-            by[kind] = by.get(kind, 0) + _rss_bytes(pid)
+            rss, pss = _memory_bytes(pid)
+            by[kind] = by.get(kind, 0) + rss
+            by[f"{kind}_pss"] = by.get(f"{kind}_pss", 0) + pss
+        by["runtime"] = by.get("workers", 0) + by.get("coordinator", 0)
+        by["runtime_pss"] = by.get("workers_pss", 0) + by.get("coordinator_pss", 0)
         return by, len(tree)
 
     def run(self) -> None:
@@ -166,10 +183,11 @@ class MemorySampler(threading.Thread):
             by, n = self.sample()
             if self.started.is_set() and self.at_start is None:
                 self.at_start, self.processes_at_start = by, n
-            runtime = by.get("workers", 0) + by.get("coordinator", 0)
-            if runtime > self.peak.get("runtime", 0):
-                self.peak = by | {"runtime": runtime}
-            self.peak_total = max(self.peak_total, sum(by.values()))
+            if by["runtime_pss"] > self.peak.get("runtime_pss", 0):
+                self.peak = by
+            self.peak_total = max(self.peak_total,
+                                  sum(v for k, v in by.items() if k.endswith("_pss")
+                                      and k != "runtime_pss"))
             self.stop.wait(self.period_s)
 
 
@@ -233,7 +251,7 @@ def rehearse(cluster: str, placement: Path, setting: str, args: argparse.Namespa
     row["memory_gib"] = {
         "at_start": {k: round(v / gib, 3) for k, v in (sampler.at_start or {}).items()},
         "peak_runtime": {k: round(v / gib, 3) for k, v in sampler.peak.items()},
-        "peak_all_processes": round(sampler.peak_total / gib, 3),
+        "peak_all_processes_pss": round(sampler.peak_total / gib, 3),
         "processes": sampler.processes_at_start,
     }
     if out.exists():
@@ -260,9 +278,10 @@ def summary(row: dict[str, Any]) -> dict[str, Any]:
         "tpot_p50_measured": m["tpot_p50_s"], "tpot_p50_simulated": s["tpot_p50_s"],
         "runtime_cpu_ms_per_token": rep["runtime_cpu_ms_per_token"],
         "start_s": rep["start_s"],
-        "runtime_rss_gib_at_start": (mem["at_start"].get("workers", 0)
-                                     + mem["at_start"].get("coordinator", 0)) or None,
+        "runtime_rss_gib_at_start": mem["at_start"].get("runtime"),
         "runtime_rss_gib_peak": mem["peak_runtime"].get("runtime"),
+        "runtime_pss_gib_at_start": mem["at_start"].get("runtime_pss"),
+        "runtime_pss_gib_peak": mem["peak_runtime"].get("runtime_pss"),
         "overrun_s": sum(n["overrun_s"] or 0 for n in nodes),
         "max_flow_tokens_per_s": rep["placement"]["max_flow_tokens_per_s"],
         "concurrency": rep["concurrency"],
@@ -280,7 +299,7 @@ def print_table(cluster: str, rows: list[dict[str, Any]], time_scale: float) -> 
           "(numbers in cluster time)")
     head = (f"{'placement':<9} {'setting':<8} {'flow':>6} {'decode m':>9} {'decode s':>9} "
             f"{'m/s':>5} {'TTFT50 m':>9} {'TTFT50 s':>9} {'TPOT50 m':>9} {'TPOT50 s':>9} "
-            f"{'cpu ms/tok':>10} {'start s':>7} {'RSS GiB':>11} {'overrun s':>9}")
+            f"{'cpu ms/tok':>10} {'start s':>7} {'PSS GiB':>11} {'RSS GiB':>11} {'overrun s':>9}")
     print(head)
     for r in rows:
         s = r["summary"]
@@ -288,13 +307,14 @@ def print_table(cluster: str, rows: list[dict[str, Any]], time_scale: float) -> 
             print(f"{r['placement']:<9} {r['setting']:<8} failed (rc {r['rc']})")
             continue
         rss = f"{fmt(s['runtime_rss_gib_at_start'], '.2f')}/{fmt(s['runtime_rss_gib_peak'], '.2f')}"
+        pss = f"{fmt(s['runtime_pss_gib_at_start'], '.2f')}/{fmt(s['runtime_pss_gib_peak'], '.2f')}"
         print(f"{r['placement']:<9} {r['setting']:<8} {fmt(s['max_flow_tokens_per_s'], '6.0f')} "
               f"{fmt(s['decode_measured'], '9.1f')} {fmt(s['decode_simulated'], '9.1f')} "
               f"{fmt(s['decode_ratio'], '5.2f')} {fmt(s['ttft_p50_measured'], '9.2f')} "
               f"{fmt(s['ttft_p50_simulated'], '9.2f')} {fmt(s['tpot_p50_measured'], '9.3f')} "
               f"{fmt(s['tpot_p50_simulated'], '9.3f')} "
               f"{fmt(s['runtime_cpu_ms_per_token'], '10.2f')} {fmt(s['start_s'], '7.1f')} "
-              f"{rss:>11} {fmt(s['overrun_s'], '9.1f')}")
+              f"{pss:>11} {rss:>11} {fmt(s['overrun_s'], '9.1f')}")
 
 
 def planner_point(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -119,6 +119,27 @@ class EmulationReport:
                 f"{self.overrun_s:.2f} s over the emulated times")
 
 
+class ZeroHidden(RawHidden):
+    """Emulated activations: `nbytes` of zeros, made only when `data` is read (when the worker
+    writes the message to the next hop). Until then a queued item costs this host no memory
+    for its hidden states, however long the backlog behind a slow hop; what crosses the wire
+    is the real size."""
+
+    nbytes: int
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "nbytes", nbytes)
+
+    @property  # type: ignore[override]
+    def data(self) -> bytes:
+        return bytes(self.nbytes)
+
+    def __repr__(self) -> str:
+        return f"ZeroHidden({self.dtype!r}, {self.shape}, {self.nbytes} bytes)"
+
+
 @dataclass
 class _LastStage:
     """What the last stage keeps of one request to choose its tokens."""
@@ -179,7 +200,6 @@ class EmulatedEngine:
         self.cost = CostModel(model, spec.profiles, spec.catalog or load_gpu_catalog(),
                               reserved_gb_per_gpu=spec.reserved_gb_per_gpu)
         self._row_bytes = model.hidden_size * DTYPE_BYTES[dtype]
-        self._zero_row = bytes(self._row_bytes)
         self._special = set(self.eos_token_ids)
         if args.bos_token_id is not None:
             self._special.add(int(args.bos_token_id))
@@ -308,6 +328,13 @@ class EmulatedEngine:
             t = cache[key] = self.cost.batch_time_s(self.node, layers, prompt_tokens, decode_seqs)
         return t
 
+    def compact_input(self, hidden: RawHidden) -> RawHidden:
+        """What the worker keeps of a received item's hidden states while it waits for its
+        step: their dtype, shape and size, not their bytes. The emulated engine's outputs are
+        zeros of the real size whatever came in, so a backlog of queued prefill chunks (8 MiB
+        each for LLaMA-2-70B) costs this host no memory; the bytes still crossed the hop."""
+        return ZeroHidden(hidden.dtype, tuple(hidden.shape), len(hidden.data))
+
     # ---- the step ----------------------------------------------------------------------
     def step(self, items: list[WorkItem]) -> list[ItemOutput]:
         """One step over all items, taking the emulated time; outputs in the order of items.
@@ -345,13 +372,12 @@ class EmulatedEngine:
         out = ItemOutput(it.request_id)
         n = len(it.token_ids)
         if it.end_layer < self.num_model_layers:
-            # hidden: [n, hidden_size] of self.dtype, passed on as it came, or zeros
+            # hidden: [n, hidden_size], zeros in the dtype that came in (self.dtype on the
+            # first stage): the emulated activations carry no values, only their size
             h = it.hidden
-            if isinstance(h, RawHidden) and len(h.data) == n * self._row_bytes:
-                out.hidden = RawHidden(h.dtype, (n, self.hidden_size), h.data)
-            else:
-                data = self._zero_row if n == 1 else bytes(n * self._row_bytes)
-                out.hidden = RawHidden(self.dtype, (n, self.hidden_size), data)
+            dtype = h.dtype if isinstance(h, RawHidden) else self.dtype
+            out.hidden = ZeroHidden(dtype, (n, self.hidden_size),
+                                    n * self.hidden_size * DTYPE_BYTES[dtype])
             return out
         state = self._record_prompt(it)
         if it.sample:

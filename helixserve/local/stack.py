@@ -9,6 +9,7 @@ the OpenAI API on uvicorn, clean shutdown in reverse order.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections.abc import Callable
@@ -263,6 +264,8 @@ async def run_stack(
     recovery: Any = None,
     tls: Any = None,
     cost: Any = None,
+    step_timeout_s: float | None = None,
+    stats_interval_s: float | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. With `workers`, start them first, restart any that exits
     (helixserve/local/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live
@@ -270,7 +273,10 @@ async def run_stack(
     `tls` (runtime.security.TlsConfig): the coordinator's credentials for worker traffic;
     with `workers` and no `tls`, theirs (dev credentials unless they run insecure). `cost`
     (runtime.costs.CostInputs): the profiles, GPU catalog (the cluster is read with it) and
-    dtype of the plan; None: the analytic model and the shipped catalog."""
+    dtype of the plan; None: the analytic model and the shipped catalog. `step_timeout_s`:
+    how long the coordinator waits for a step's result before it counts the node as failing,
+    `stats_interval_s` how often it polls every worker's Info (None: CoordinatorConfig's
+    defaults; a rehearsal scales both by its time scale)."""
     from helixserve.api.app import create_app
     from helixserve.planner import load_placement
     from helixserve.runtime import Coordinator, CoordinatorConfig
@@ -297,9 +303,13 @@ async def run_stack(
             supervisor.start()
             if tls is None:
                 tls = workers.coordinator_tls
-        coord = await Coordinator.create(cluster, placement, model_dir, CoordinatorConfig(
-            scheduler=scheduler, kv_allocation=kv_allocation, kv_watermark=kv_watermark,
-            recovery=recovery, cost=cost), tls=tls)
+        config = CoordinatorConfig(scheduler=scheduler, kv_allocation=kv_allocation,
+                                   kv_watermark=kv_watermark, recovery=recovery, cost=cost)
+        if step_timeout_s is not None:
+            config = dataclasses.replace(config, step_timeout_s=step_timeout_s)
+        if stats_interval_s is not None:
+            config = dataclasses.replace(config, stats_interval_s=stats_interval_s)
+        coord = await Coordinator.create(cluster, placement, model_dir, config, tls=tls)
         coord.process_stats = None if supervisor is None else supervisor.stats
         try:
             app = create_app(coord, served_model_name, api_key)

@@ -39,8 +39,12 @@ import yaml
 from helixserve.engine.emulated import DEFAULT_RESERVED_GB_PER_GPU
 from helixserve.errors import UserError
 from helixserve.local.launch import PARENT_PID_ENV
+from helixserve.rehearse.child import STATS_INTERVAL_FLAG, STEP_TIMEOUT_FLAG
+from helixserve.rehearse.forkserver import COMMAND as FORKSERVER
+from helixserve.rehearse.forkserver import ForkServer
 from helixserve.rehearse.inputs import RehearsalInputs, reserve_ports
 from helixserve.rehearse.links import ProxyConfig, ProxyRoute, link_table, read_stats
+from helixserve.runtime.config import CoordinatorConfig
 from helixserve.spec.cluster import COORDINATOR
 
 HOST = "127.0.0.1"
@@ -49,6 +53,8 @@ STOP_GRACE_S = 10.0
 #: a worker still serving when it is told to stop fails what it holds after this long (the
 #: coordinator has gone by then; nothing is left to finish)
 WORKER_DRAIN_S = 2.0
+#: glibc malloc arenas per child process (MALLOC_ARENA_MAX; see child_env)
+MALLOC_ARENAS = 2
 #: the shutdown line of an emulated worker (helixserve/commands/worker.py, EmulationReport)
 _REPORT_RE = re.compile(
     r"EMULATED engine emulated (\d+) steps, ([\d.]+) s of emulated compute, (\d+) prompt \+ "
@@ -90,13 +96,18 @@ def cpu_seconds(pid: int) -> float | None:
 
 def child_env() -> dict[str, str]:
     """The environment of every child: this helixserve first on the path, one CPU thread
-    for numeric libraries, and the pid the child must not outlive."""
+    for numeric libraries, at most MALLOC_ARENAS malloc arenas, and the pid the child must
+    not outlive."""
     import helixserve
 
     root = str(Path(helixserve.__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env["OMP_NUM_THREADS"] = "1"
+    # glibc's malloc gives each thread that allocates its own arena (the engine thread, gRPC's
+    # and the event loop's), and each keeps what it once held: 2 arenas cut 42 workers'
+    # memory under load by ~0.5 GiB (docs/rehearse.md) for no CPU this host could measure
+    env.setdefault("MALLOC_ARENA_MAX", str(MALLOC_ARENAS))
     env[PARENT_PID_ENV] = str(os.getpid())
     return env
 
@@ -111,7 +122,9 @@ class EmulatedCluster:
         self.nodes = [r.name for r in inputs.placement.nodes]
         self.ports = Ports.reserve(self.nodes, base_port)
         self.logs = workdir / "logs"
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        #: name -> a subprocess.Popen, or a ForkedProcess for a worker (forkserver.py)
+        self.procs: dict[str, Any] = {}
+        self.forkserver: ForkServer | None = None
         self.cluster_path = workdir / "cluster.yaml"
         self.placement_path = workdir / "placement.json"
         self.stats_path = workdir / "links-stats.json"
@@ -119,6 +132,18 @@ class EmulatedCluster:
         self.emulated: dict[str, dict[str, float]] = {}
         #: the model name the API serves (set once it answers)
         self.model_name = ""
+
+    @property
+    def step_timeout_s(self) -> float:
+        """The coordinator's step timeout: its default x the time scale (every step takes K
+        times its cluster time in wall time)."""
+        return CoordinatorConfig().step_timeout_s * self.time_scale
+
+    @property
+    def stats_interval_s(self) -> float:
+        """How often the coordinator polls every worker's Info: its default x the time scale
+        (the same period in cluster time, so the same polls per token as on the cluster)."""
+        return CoordinatorConfig().stats_interval_s * self.time_scale
 
     @property
     def api_url(self) -> str:
@@ -153,10 +178,11 @@ class EmulatedCluster:
         self.cluster_path.write_text(yaml.safe_dump(data, sort_keys=False))
         self.inputs.placement.save(self.placement_path)
 
-    def _spawn(self, name: str, args: list[str], stdout: Any = None) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str], stdout: Any = None,
+               stdin: Any = None) -> subprocess.Popen[bytes]:
         log = (self.logs / f"{name}.log").open("wb")
         proc = subprocess.Popen([sys.executable, "-m", "helixserve.rehearse.child", *args],
-                                stdout=stdout or log, stderr=log, env=child_env(),
+                                stdin=stdin, stdout=stdout or log, stderr=log, env=child_env(),
                                 start_new_session=True)
         log.close()
         self.procs[name] = proc
@@ -168,14 +194,18 @@ class EmulatedCluster:
         self.write_files()
         creds = create_dev_credentials(self.workdir / "tls", self.nodes)
         common = ["--model", str(self.inputs.model_dir), "--placement", str(self.placement_path)]
+        server = self._spawn("forkserver", [FORKSERVER, "worker"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
+        self.forkserver = ForkServer(server)
         for node in self.nodes:
-            self._spawn(f"worker-{node}", [
+            self.procs[f"worker-{node}"] = self.forkserver.spawn([
                 "worker", "--engine", "emulated", *common, "--node", node,
                 "--cluster", str(self.cluster_path), "--profiles", str(self.inputs.profiles_path),
                 "--gpu-reserve-gb", str(DEFAULT_RESERVED_GB_PER_GPU),
                 "--time-scale", repr(self.time_scale), "--host", HOST,
                 "--port", str(self.ports.private[node]),
-                "--drain-timeout-s", str(WORKER_DRAIN_S), *creds.nodes[node].flags()])
+                "--drain-timeout-s", str(WORKER_DRAIN_S), *creds.nodes[node].flags()],
+                self.logs / f"worker-{node}.log")
         names = [COORDINATOR, *self.nodes]
         worker_pids = {self.procs[f"worker-{n}"].pid: n for n in self.nodes}
         config = ProxyConfig(
@@ -191,7 +221,9 @@ class EmulatedCluster:
             raise RuntimeError(f"rehearse: the link proxy did not start:\n{self.log_tail('links')}")
         self._wait_workers(timeout_s=120.0)
         self._spawn("coordinator", [
-            "serve", "--cluster", str(self.cluster_path), *common, "--host", HOST,
+            "serve", STEP_TIMEOUT_FLAG, repr(self.step_timeout_s),
+            STATS_INTERVAL_FLAG, repr(self.stats_interval_s),
+            "--cluster", str(self.cluster_path), *common, "--host", HOST,
             "--port", str(self.ports.api), "--profiles", str(self.inputs.profiles_path),
             "--gpu-reserve-gb", str(DEFAULT_RESERVED_GB_PER_GPU), "--no-replan",
             "--log-level", "warning", *creds.coordinator.flags()])
@@ -294,7 +326,7 @@ class EmulatedCluster:
         """Coordinator and API first (they release what the workers hold), then the workers,
         then the proxy; each process group SIGTERMed, SIGKILLed after STOP_GRACE_S. Then
         what each worker emulated, from its shutdown line. Safe to call twice."""
-        order = (["coordinator"] + [f"worker-{n}" for n in self.nodes] + ["links"])
+        order = ["coordinator", *(f"worker-{n}" for n in self.nodes), "links", "forkserver"]
         order = [n for n in order if n in self.procs]
         if "coordinator" in order:
             _stop_group(self.procs["coordinator"], STOP_GRACE_S)
@@ -305,6 +337,8 @@ class EmulatedCluster:
         proxy = self.procs.get("links")
         if proxy is not None and proxy.stdout is not None:
             proxy.stdout.close()
+        if self.forkserver is not None:
+            self.forkserver.close()
         for node in self.nodes:
             m = _REPORT_RE.search(self.log_tail(f"worker-{node}", 4000))
             if m:
@@ -317,13 +351,13 @@ class EmulatedCluster:
         return all(p.poll() is not None for p in self.procs.values())
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _signal_group(proc: Any, sig: int) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
 
 
-def _stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+def _stop_group(proc: Any, grace_s: float) -> None:
     """SIGTERM the child's process group, SIGKILL it after `grace_s`, reap the child."""
     _signal_group(proc, signal.SIGTERM)
     try:

@@ -9,6 +9,7 @@ started anything.
 
 from __future__ import annotations
 
+import random
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,7 +130,7 @@ def reserve_ports(base_port: int, needs: list[str], host: str = "127.0.0.1") -> 
     now; base 0: ports the OS picks. UserError naming the flag, the port and its use when one
     of the range is taken (there is a small race until the processes bind them)."""
     if base_port == 0:
-        return [_free_port(host) for _ in needs]
+        return free_ports(len(needs), host)
     if not 1024 <= base_port <= 65536 - len(needs):
         raise UserError(f"--base-port: bad value {base_port}; need 1024..{65536 - len(needs)} "
                         f"({len(needs)} ports from it)")
@@ -144,7 +145,49 @@ def reserve_ports(base_port: int, needs: list[str], host: str = "127.0.0.1") -> 
     return ports
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+#: lowest port `free_ports` draws from
+LOW_PORT = 10_000
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux; else IANA's)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free now, drawn at random below the kernel's ephemeral range:
+    the ports the OS picks for a bind to port 0 come from that range, which every outgoing
+    connection on the host (a rehearsal's own gRPC and HTTP clients, and whatever else runs)
+    also takes from, so one picked there is often taken again before the process that
+    needs it binds it. Each is held until all are found (no duplicates); the OS picks when
+    the range below holds too few."""
+    lo, _ = ephemeral_range()
+    rng = random.Random()
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        tries = 0
+        while len(ports) < count:
+            tries += 1
+            if lo - LOW_PORT < 4 * count or tries > 50 * count:
+                port = 0  # let the OS pick
+            else:
+                port = rng.randrange(LOW_PORT, lo)
+                if port in ports:
+                    continue
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+            ports.append(int(s.getsockname()[1]))
+    finally:
+        for s in held:
+            s.close()
+    return ports

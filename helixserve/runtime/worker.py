@@ -19,8 +19,8 @@ What travels: a request's first item on a route (its prefill chunks) carries its
 coordinator and its sampling; the worker keeps them (`kept`, per request, until the request is
 released) and the request's later decode items are continuation items that carry only request
 id, step id, position, token ids and hidden states (proto/helix.proto, WorkItem). All items one
-engine step sends to the same next hop go in one message, all results of one step for one
-coordinator in one message.
+engine step sends to the same next hop go in one message (up to BATCH_BYTES, then the next
+at once), all results of one step for one coordinator in one message.
 
 Where results go: an item names the coordinator that sent it; the coordinator keeps a Work stream
 open to every worker, so the last hop writes the sampled token straight onto that stream (one
@@ -74,6 +74,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from helixserve.engine.errors import EngineError, KvExhaustedError
+from helixserve.engine.protocol import RawHidden
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
@@ -163,8 +164,73 @@ class _Switch:
 
 
 #: bytes of items one message to the next hop carries before the rest waits for the next
-#: message: with one item of at most MAX_MESSAGE_BYTES / 2 more, a message stays under the limit
-BATCH_BYTES = tp.MAX_MESSAGE_BYTES // 4
+#: message: with one item of at most MAX_MESSAGE_BYTES / 2 more, a message stays under the limit.
+#: Each message exists ~3 times on each side while it crosses (protobuf, serialized, gRPC's
+#: buffers), per stream: 4 MiB keeps that small (a 512-token LLaMA-2-70B prefill chunk, 8 MiB,
+#: goes alone) and still carries a step's decode items (16 KiB each) in one message
+BATCH_BYTES = 4 * 1024 * 1024
+#: a bound on what an item carries beside its hidden states, token ids and route (ids,
+#: sampling); only BATCH_BYTES uses it, which has room to spare
+ITEM_OVERHEAD_BYTES = 512
+
+
+@dataclass
+class _Outgoing:
+    """An item for a next hop, waiting in its `_Peer` queue. Raw hidden states (the emulated
+    engine's, which hold only their size until asked for their bytes) become the message
+    when it is written, so a backlog behind a slow hop holds no activations; a tensor is
+    converted at once (a GPU tensor must not wait in a queue)."""
+
+    msg: pb.WorkItem
+    """The message to send; with `hidden`, the item as it came here (without its hidden
+    states), turned into the next hop's by `to_pb`."""
+    coordinator_id: str
+    hidden: RawHidden | None = None
+    compute_s: float = 0.0
+    #: bytes of the hidden states; batching counts these rather than asking protobuf for the
+    #: message's size (upb's ByteSize encodes the whole message: a copy of the activations)
+    hidden_bytes: int = 0
+
+    @staticmethod
+    def of(msg: pb.WorkItem, hidden: Any, compute_s: float, coordinator_id: str) -> _Outgoing:
+        if isinstance(hidden, RawHidden):
+            size = getattr(hidden, "nbytes", None)
+            return _Outgoing(msg, coordinator_id, hidden, compute_s,
+                             len(hidden.data) if size is None else int(size))
+        # hidden: a tensor [num_tokens, hidden_size]
+        size = int(hidden.numel()) * int(hidden.element_size())
+        return _Outgoing(tp.forward_item_pb(msg, hidden, compute_s), coordinator_id,
+                         hidden_bytes=size)
+
+    def size_bytes(self) -> int:
+        """A bound on the bytes the item adds to a message (hidden states, token ids, route
+        hops of at most 128 bytes, the rest), without encoding the message."""
+        return (self.hidden_bytes + ITEM_OVERHEAD_BYTES + 8 * len(self.msg.token_ids)
+                + 128 * len(self.msg.route))
+
+    @property
+    def request_id(self) -> str:
+        return self.msg.request_id
+
+    @property
+    def step_id(self) -> int:
+        return self.msg.step_id
+
+    def write_into(self, dst: pb.WorkItem) -> None:
+        """Write the next hop's message into `dst` (an item of the outgoing batch): the same
+        message as `tp.forward_item_pb`, with the raw hidden states' bytes copied once, into
+        the batch itself (through a pb.Tensor and a standalone item they would be copied three
+        times, and each 512-token prefill chunk of LLaMA-2-70B is 8 MiB)."""
+        dst.CopyFrom(self.msg)
+        if self.hidden is None:
+            return
+        if self.msg.route:  # a full item: the next hop's index (a continuation has none)
+            dst.hop_index = self.msg.hop_index + 1
+        dst.compute_s = self.compute_s
+        # hidden: [num_tokens, hidden_size] of dtype, row-major bytes
+        dst.hidden.dtype = self.hidden.dtype
+        dst.hidden.shape.extend(self.hidden.shape)
+        dst.hidden.data = self.hidden.data
 
 
 class _Peer:
@@ -182,13 +248,13 @@ class _Peer:
         self.worker = worker
         self.address = address
         #: items for the next hop with their coordinator's id (a continuation item names none)
-        self.queue: asyncio.Queue[tuple[pb.WorkItem, str]] = asyncio.Queue()
+        self.queue: asyncio.Queue[_Outgoing] = asyncio.Queue()
         #: (request id, step id, coordinator id) of items written to the current stream
         self.sent: deque[tuple[str, int, str]] = deque(maxlen=SENT_MEMORY)
         # The current stream's wait for its next item. A broken stream's request iterator
         # is left suspended by gRPC; cancelling this wait keeps it from taking (and losing)
         # an item meant for the next stream.
-        self._getter: asyncio.Future[tuple[pb.WorkItem, str]] | None = None
+        self._getter: asyncio.Future[_Outgoing] | None = None
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
@@ -204,18 +270,19 @@ class _Peer:
                 message = f"next hop {self.address} unreachable: {exc.code().name}"
                 taken = self._stop_getter()
                 if taken is not None:
-                    self.sent.append((taken[0].request_id, taken[0].step_id, taken[1]))
+                    self.sent.append((taken.request_id, taken.step_id, taken.coordinator_id))
                 self._fail_sent(message)
                 self._fail_queued(message)
             finally:
                 taken = self._stop_getter()
                 if taken is not None:  # the stream ended normally after taking it
-                    self.worker.report_error(taken[0].request_id, taken[0].step_id, taken[1],
+                    self.worker.report_error(taken.request_id, taken.step_id,
+                                             taken.coordinator_id,
                                              tp.UNAVAILABLE,
                                              f"stream to next hop {self.address} ended")
                 await channel.close()
 
-    def _stop_getter(self) -> tuple[pb.WorkItem, str] | None:
+    def _stop_getter(self) -> _Outgoing | None:
         """End the current stream's wait; the item it took and never wrote, if any."""
         getter, self._getter = self._getter, None
         if getter is None:
@@ -227,7 +294,7 @@ class _Peer:
             return None
         return getter.result()
 
-    async def _requests(self, first: tuple[pb.WorkItem, str]) -> AsyncIterator[pb.WorkBatch]:
+    async def _requests(self, first: _Outgoing) -> AsyncIterator[pb.WorkBatch]:
         items = [first]
         hello = True
         while True:
@@ -235,15 +302,18 @@ class _Peer:
             # to BATCH_BYTES: a backlog of prefill chunks behind a slow link must not make one
             # message past gRPC's limit (each item is at most half of it: prefill chunks are
             # cut so), the rest goes in the next message at once
-            size = first[0].ByteSize()
+            batch = tp.work_batch_pb([], sender=self.worker.node if hello else "")
+            first.write_into(batch.items.add())
+            size = first.size_bytes()
             while size < BATCH_BYTES and not self.queue.empty():
                 item = self.queue.get_nowait()
                 items.append(item)
-                size += item[0].ByteSize()
-            self.sent.extend((m.request_id, m.step_id, cid) for m, cid in items)
+                item.write_into(batch.items.add())
+                size += item.size_bytes()
+            self.sent.extend((o.request_id, o.step_id, o.coordinator_id) for o in items)
             self.worker.count_sent(len(items))
-            yield tp.work_batch_pb([m for m, _ in items],
-                                   sender=self.worker.node if hello else "")
+            yield batch
+            del batch  # not kept while the stream waits for the next item
             hello = False
             getter = self._getter = asyncio.ensure_future(self.queue.get())
             items = [await getter]
@@ -268,8 +338,9 @@ class _Peer:
 
     def _fail_queued(self, message: str) -> None:
         while not self.queue.empty():
-            msg, cid = self.queue.get_nowait()
-            self.worker.report_error(msg.request_id, msg.step_id, cid, tp.UNAVAILABLE, message)
+            out = self.queue.get_nowait()
+            self.worker.report_error(out.request_id, out.step_id, out.coordinator_id,
+                                     tp.UNAVAILABLE, message)
 
 
 class Worker(pb_grpc.HelixWorkerServicer):
@@ -583,11 +654,11 @@ class Worker(pb_grpc.HelixWorkerServicer):
             else:
                 nxt = item.addresses[item.hop_index + 1]
                 # hidden: [num_tokens, hidden_size] leaves for the next hop
-                msg = tp.forward_item_pb(job.msg, out.hidden, compute_s)
                 peer = self.peers.get(nxt)
                 if peer is None or peer.task.done():
                     peer = self.peers[nxt] = _Peer(self, nxt)
-                peer.queue.put_nowait((msg, item.coordinator_id))
+                peer.queue.put_nowait(_Outgoing.of(job.msg, out.hidden, compute_s,
+                                                   item.coordinator_id))
 
     def deliver(self, result: pb.WorkResult, coordinator_id: str, origin: _Stream | None) -> None:
         stream = self.coordinators.get(coordinator_id) or origin
@@ -743,7 +814,22 @@ class Worker(pb_grpc.HelixWorkerServicer):
             self.kept[item.request_id] = tp.RequestRoute.of(item)
             if len(self.kept) > KEPT_MEMORY:
                 del self.kept[next(iter(self.kept))]
-        return _Job(item, msg, stream)
+        return _Job(item, self._own_input(msg, item), stream)
+
+    def _own_input(self, msg: pb.WorkItem, item: tp.WireItem) -> pb.WorkItem:
+        """The message a job keeps for forwarding, without hidden states (the item holds
+        them): an item of a received batch shares the batch's arena, so keeping it would keep
+        every item's activations of the batch alive until its last job ran. The emulated engine
+        keeps only the size of its input (`compact_input`): its outputs are zeros anyway."""
+        if not msg.HasField("hidden"):
+            return msg
+        compact = getattr(self.engine, "compact_input", None)
+        if compact is not None and item.hidden is not None:
+            item.hidden = compact(item.hidden)
+        msg.ClearField("hidden")
+        own = pb.WorkItem()
+        own.CopyFrom(msg)
+        return own
 
     def _stale_route(self, msg: pb.WorkItem) -> bool:
         """An item routed here for layers this worker held before a LoadRange."""

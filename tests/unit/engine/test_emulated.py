@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helixserve.costmodel import CostModel
-from helixserve.engine.emulated import EmulatedEngine, EmulationSpec
+from helixserve.engine.emulated import EmulatedEngine, EmulationSpec, ZeroHidden
 from helixserve.engine.emulated_tokenizer import EmulatedTokenizer, has_tokenizer
 from helixserve.engine.errors import InvalidWorkError, KvExhaustedError
 from helixserve.engine.protocol import Engine, RawHidden, WorkItem
@@ -159,7 +159,18 @@ def test_activations_have_the_models_real_size_and_pass_on(profiles):
     assert isinstance(out.hidden, RawHidden)
     assert out.hidden.shape == (5, 8192) and len(out.hidden.data) == 5 * ROW_BYTES
     (nxt,) = middle.step([WorkItem("a", 10, 20, 0, list(range(5)), out.hidden, None)])
-    assert nxt.hidden.data is out.hidden.data and nxt.hidden.shape == (5, 8192)
+    assert nxt.hidden.shape == (5, 8192) and nxt.hidden.data == bytes(5 * ROW_BYTES)
+
+
+def test_queued_input_keeps_only_its_size_and_the_output_keeps_the_real_one(profiles):
+    middle = engine(profiles, 10, 20)
+    came = RawHidden("bfloat16", (3, 8192), bytes(3 * ROW_BYTES))
+    kept = middle.compact_input(came)
+    assert isinstance(kept, ZeroHidden) and kept.nbytes == 3 * ROW_BYTES  # no bytes held
+    assert kept.shape == (3, 8192) and kept.dtype == "bfloat16"
+    (out,) = middle.step([WorkItem("a", 10, 20, 0, [1, 2, 3], kept, None)])
+    assert out.hidden.dtype == "bfloat16" and out.hidden.shape == (3, 8192)
+    assert len(out.hidden.data) == 3 * ROW_BYTES  # the real size leaves for the next hop
 
 
 def run_tokens(e: EmulatedEngine, rid: str, prompt: list[int], n: int,

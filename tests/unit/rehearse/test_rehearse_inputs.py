@@ -164,3 +164,18 @@ def test_report_table_says_emulated_and_shows_missing_numbers_as_dashes():
     assert ttft.split()[3:] == ["-", "-", "-"]
     assert "(no link in the cluster file)" in text and "error: HTTP 429: queue full" in text
     assert "75.00 ms a token" in text
+
+
+def test_ports_the_rehearsal_picks_are_distinct_and_below_the_ephemeral_range() -> None:
+    import socket
+
+    from helixserve.rehearse.inputs import LOW_PORT, ephemeral_range, free_ports
+
+    ports = free_ports(90)
+    assert len(set(ports)) == 90
+    lo, _ = ephemeral_range()
+    if lo - LOW_PORT >= 4 * 90:  # else the OS picks them
+        assert all(LOW_PORT <= p < lo for p in ports)
+    for p in ports[:5]:  # free once returned
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))

@@ -18,7 +18,7 @@ from helixserve.request import SamplingParams
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
-from helixserve.runtime.worker import Worker, _Job, _Peer, _Stream
+from helixserve.runtime.worker import Worker, _Job, _Outgoing, _Peer, _Stream
 
 ROUTE = (NodeRange("a", 0, 2), NodeRange("b", 2, 4))
 ADDRESSES = ("h:1", "h:2")
@@ -170,7 +170,8 @@ def test_a_backlog_for_the_next_hop_is_split_under_the_message_limit(
         peer.sent, peer._getter = deque(), None
         item = _full("r0", hop=1)
         for i in range(10):
-            peer.queue.put_nowait((_full(f"r{i}", hop=1), CID))
+            msg = _full(f"r{i}", hop=1)
+            peer.queue.put_nowait(_Outgoing(msg, CID, hidden_bytes=len(msg.hidden.data)))
         requests = peer._requests(peer.queue.get_nowait())
         sent = [await requests.__anext__()]
         while not peer.queue.empty():
@@ -179,6 +180,35 @@ def test_a_backlog_for_the_next_hop_is_split_under_the_message_limit(
         assert sum(len(m.items) for m in sent) == 10 and len(sent) > 1
         # each message: under the cap plus at most one item
         assert all(m.ByteSize() <= 2_000 + item.ByteSize() + 64 for m in sent)
+        # the size counted is a bound on the encoded one, without encoding it
+        out = _Outgoing(item, CID, hidden_bytes=len(item.hidden.data))
+        assert item.ByteSize() <= out.size_bytes() <= item.ByteSize() + 1024
         assert [m.request_id for b in sent for m in b.items] == [f"r{i}" for i in range(10)]
 
     asyncio.run(main())
+
+
+def test_raw_hidden_states_for_the_next_hop_become_bytes_only_when_written() -> None:
+    """An emulated engine's activations wait in the next hop's queue as their size; the
+    message written has them at full size, and the item as it came is unchanged."""
+    from helixserve.engine.emulated import ZeroHidden
+    from helixserve.engine.protocol import RawHidden
+
+    came = _full("r", hop=1)
+    came.ClearField("hidden")
+    out = _Outgoing.of(came, ZeroHidden("float16", (3, 8), 48), 0.5, CID)
+    assert out.hidden is not None and out.request_id == "r" and out.step_id == 1
+    assert out.hidden_bytes == 48
+    msg = pb.WorkItem()
+    out.write_into(msg)
+    assert msg == tp.forward_item_pb(came, RawHidden("float16", (3, 8), bytes(48)), 0.5)
+    assert msg.hop_index == 2 and len(msg.hidden.data) == 48 and not came.HasField("hidden")
+    # a continuation item stays one (no hop index, no route), as forward_item_pb makes it
+    cont = tp.continuation_to_pb("r", 2, 3, [9])
+    out = _Outgoing.of(cont, RawHidden("float16", (1, 8), bytes(16)), 0.25, CID)
+    msg = pb.WorkItem()
+    out.write_into(msg)
+    assert msg == tp.forward_item_pb(cont, RawHidden("float16", (1, 8), bytes(16)), 0.25)
+    # a tensor is converted at once (a GPU tensor must not wait in a queue)
+    now = _Outgoing.of(came, torch.zeros(3, 8), 0.5, CID)
+    assert now.hidden is None and len(now.msg.hidden.data) == 3 * 8 * 4
