@@ -19,10 +19,12 @@ from helixserve.commands.certs import add_tls_arguments, tls_from_args
 from helixserve.commands.serve import (
     add_kv_arguments,
     add_recovery_arguments,
+    add_timing_arguments,
     check_exposure,
     check_kv_arguments,
     is_loopback,
     recovery_config,
+    timing_options,
 )
 
 
@@ -70,6 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_kv_arguments(p)
     add_recovery_arguments(p)
+    add_timing_arguments(p)
     add_tls_arguments(p, local_default=True)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
@@ -203,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
                 kv_allocation=args.kv_allocation,
                 kv_watermark=args.kv_watermark,
                 recovery=recovery_config(args),
+                timing=timing_options(args),
                 # the profile the demo planned with: the router and re-plan use it too
                 cost=CostInputs.load(files.profiles_path),
             )

@@ -48,6 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_kv_arguments(p)
     add_cost_arguments(p)
     add_recovery_arguments(p)
+    add_timing_arguments(p)
     add_tls_arguments(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
@@ -160,13 +161,34 @@ def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="longest a request waits for a re-plan or a restarted worker (default 60)",
     )
-    p.add_argument(
-        "--hang-timeout-s",
-        type=finite_float,
-        default=10.0,
-        help="declare a worker down (hung) when two Info calls in a row, this long each, get "
-        "no answer (default 10)",
-    )
+
+
+def add_timing_arguments(p: argparse.ArgumentParser) -> None:
+    """The coordinator's timeouts and poll (serve and demo); CoordinatorConfig's fields of
+    the same names (helixserve/runtime/config.py) say what each means. Unset: its defaults."""
+    for flag, default, what in (
+        ("--step-timeout-s", 300, "a step whose result has not come back in this long "
+         "counts as its worker failing"),
+        ("--stats-interval-s", 0.5, "period of the poll of every worker's KV and queue"),
+        ("--hang-timeout-s", 10, "declare a worker down (hung) when two Info calls in a row, "
+         "this long each, get no answer"),
+        ("--admission-timeout-s", 120, "longest a request waits for KV room while the model "
+         "is covered (then 503 with Retry-After)"),
+    ):
+        p.add_argument(flag, type=finite_float, default=None,
+                       help=f"{what} (default {default})")
+
+
+def timing_options(args: argparse.Namespace) -> dict[str, float]:
+    """The CoordinatorConfig fields set by add_timing_arguments' flags."""
+    from helixserve.errors import UserError
+
+    names = ("step_timeout_s", "stats_interval_s", "hang_timeout_s", "admission_timeout_s")
+    options = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    for name, value in options.items():
+        if not value > 0:
+            raise UserError(f"--{name.replace('_', '-')}: bad value {value:g}; need > 0")
+    return options
 
 
 def recovery_config(args: argparse.Namespace) -> Any:
@@ -226,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
             kv_allocation=args.kv_allocation,
             kv_watermark=args.kv_watermark,
             recovery=recovery_config(args),
+            timing=timing_options(args),
             tls=tls,
             cost=cost,
         )

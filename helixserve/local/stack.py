@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -264,8 +264,7 @@ async def run_stack(
     recovery: Any = None,
     tls: Any = None,
     cost: Any = None,
-    step_timeout_s: float | None = None,
-    stats_interval_s: float | None = None,
+    timing: Mapping[str, Any] | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM. With `workers`, start them first, restart any that exits
     (helixserve/local/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live
@@ -273,10 +272,10 @@ async def run_stack(
     `tls` (runtime.security.TlsConfig): the coordinator's credentials for worker traffic;
     with `workers` and no `tls`, theirs (dev credentials unless they run insecure). `cost`
     (runtime.costs.CostInputs): the profiles, GPU catalog (the cluster is read with it) and
-    dtype of the plan; None: the analytic model and the shipped catalog. `step_timeout_s`:
-    how long the coordinator waits for a step's result before it counts the node as failing,
-    `stats_interval_s` how often it polls every worker's Info (None: CoordinatorConfig's
-    defaults; a rehearsal scales both by its time scale)."""
+    dtype of the plan; None: the analytic model and the shipped catalog. `timing`:
+    CoordinatorConfig's timing fields by name (step_timeout_s, stats_interval_s,
+    hang_timeout_s, admission_timeout_s; `serve --step-timeout-s` ...), the others its
+    defaults; a rehearsal scales them by its time scale."""
     from helixserve.api.app import create_app
     from helixserve.planner import load_placement
     from helixserve.runtime import Coordinator, CoordinatorConfig
@@ -305,10 +304,7 @@ async def run_stack(
                 tls = workers.coordinator_tls
         config = CoordinatorConfig(scheduler=scheduler, kv_allocation=kv_allocation,
                                    kv_watermark=kv_watermark, recovery=recovery, cost=cost)
-        if step_timeout_s is not None:
-            config = dataclasses.replace(config, step_timeout_s=step_timeout_s)
-        if stats_interval_s is not None:
-            config = dataclasses.replace(config, stats_interval_s=stats_interval_s)
+        config = dataclasses.replace(config, **(timing or {}))
         coord = await Coordinator.create(cluster, placement, model_dir, config, tls=tls)
         coord.process_stats = None if supervisor is None else supervisor.stats
         try:

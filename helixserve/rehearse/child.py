@@ -6,13 +6,6 @@ stacks' `die_with_parent` (the rehearsal sets its `PARENT_PID_ENV`). `links CONF
 link proxy; `forkserver worker` the fork server the emulated workers are forked from
 (helixserve/rehearse/forkserver.py), each of which runs `run_command`.
 
-The coordinator's timing: `serve` has no flags for it, so the rehearsal passes
-`--rehearse-step-timeout-s S` and `--rehearse-stats-interval-s S` ahead of serve's flags and
-this entry point gives them to the stack's coordinator (`run_stack`): both are wall seconds,
-which must grow with the time scale: a step that takes K x longer on purpose must not count
-as a failing node, and the poll of every worker's Info (0.5 s of cluster time) must not come
-K x more often per token than on the cluster, adding CPU the cluster would not spend.
-
 Profiling: with `HELIXSERVE_PROFILE_DIR=DIR` in the environment (rehearse passes it on), the
 child runs under cProfile, every Python thread included (the worker's engine thread as well as
 its event loop), and writes `DIR/<command>-<pid>.prof` (pstats format) when it exits normally
@@ -30,31 +23,6 @@ from helixserve.local.launch import die_with_parent
 
 #: the directory for per-process cProfile dumps (module doc)
 PROFILE_DIR_ENV = "HELIXSERVE_PROFILE_DIR"
-#: `serve` flags of the rehearsal's own: its coordinator's timing, in wall seconds (module doc)
-STEP_TIMEOUT_FLAG = "--rehearse-step-timeout-s"
-STATS_INTERVAL_FLAG = "--rehearse-stats-interval-s"
-_STACK_OPTIONS = {STEP_TIMEOUT_FLAG: "step_timeout_s", STATS_INTERVAL_FLAG: "stats_interval_s"}
-
-
-def _with_stack_options(args: list[str]) -> list[str]:
-    """`serve` ARGS without the rehearsal's flags (_STACK_OPTIONS), whose values the stack's
-    coordinator gets (`run_stack`'s keyword arguments)."""
-    if args[:1] != ["serve"]:
-        return args
-    options: dict[str, Any] = {}
-    rest = list(args)
-    for flag, name in _STACK_OPTIONS.items():
-        if flag in rest:
-            at = rest.index(flag)
-            options[name] = float(rest[at + 1])
-            del rest[at:at + 2]
-    if options:
-        import functools
-
-        from helixserve.local import stack
-
-        stack.run_stack = functools.partial(stack.run_stack, **options)  # type: ignore[assignment]
-    return rest
 
 
 def _profiled(run: Any, name: str, directory: str) -> int:
@@ -104,7 +72,6 @@ def run_command(args: list[str]) -> int:
     also what each worker forked by the fork server runs."""
     from helixserve.cli import main as cli_main
 
-    args = _with_stack_options(args)
     directory = os.environ.get(PROFILE_DIR_ENV)
     if directory:
         return _profiled(lambda: cli_main(args), args[0] if args else "child", directory)

@@ -39,7 +39,6 @@ import yaml
 from helixserve.engine.emulated import DEFAULT_RESERVED_GB_PER_GPU
 from helixserve.errors import UserError
 from helixserve.local.launch import PARENT_PID_ENV
-from helixserve.rehearse.child import STATS_INTERVAL_FLAG, STEP_TIMEOUT_FLAG
 from helixserve.rehearse.forkserver import COMMAND as FORKSERVER
 from helixserve.rehearse.forkserver import ForkServer
 from helixserve.rehearse.inputs import RehearsalInputs, reserve_ports
@@ -146,6 +145,12 @@ class EmulatedCluster:
         return CoordinatorConfig().stats_interval_s * self.time_scale
 
     @property
+    def hang_timeout_s(self) -> float:
+        """The coordinator's Info deadline for declaring a worker hung: its default x the time
+        scale (a rehearsal's machine is saturated on purpose)."""
+        return CoordinatorConfig().hang_timeout_s * self.time_scale
+
+    @property
     def api_url(self) -> str:
         return f"http://{HOST}:{self.ports.api}"
 
@@ -221,8 +226,9 @@ class EmulatedCluster:
             raise RuntimeError(f"rehearse: the link proxy did not start:\n{self.log_tail('links')}")
         self._wait_workers(timeout_s=120.0)
         self._spawn("coordinator", [
-            "serve", STEP_TIMEOUT_FLAG, repr(self.step_timeout_s),
-            STATS_INTERVAL_FLAG, repr(self.stats_interval_s),
+            "serve", "--step-timeout-s", repr(self.step_timeout_s),
+            "--stats-interval-s", repr(self.stats_interval_s),
+            "--hang-timeout-s", repr(self.hang_timeout_s),
             "--cluster", str(self.cluster_path), *common, "--host", HOST,
             "--port", str(self.ports.api), "--profiles", str(self.inputs.profiles_path),
             "--gpu-reserve-gb", str(DEFAULT_RESERVED_GB_PER_GPU), "--no-replan",

@@ -168,7 +168,7 @@ def test_deploy_gpu_product_of_a_gpu_not_in_the_cluster(
     example = REPO / "deploy" / "kubernetes" / "example"
     argv = ["deploy", "k8s", "--cluster", str(example / "cluster.yaml"), "--placement",
             str(example / "placement.json"), "--model-path", "/models/llama-30b", "--image",
-            "helixserve:x", "--out", str(tmp_path / "k8s")]
+            "helixserve:x", "--api-key-secret", "helixserve-api-key", "--out", str(tmp_path / "k8s")]
     gpus = sorted({line.split("gpu:")[1].split(",")[0].split("}")[0].strip()
                    for line in (example / "cluster.yaml").read_text().splitlines()
                    if "gpu:" in line})

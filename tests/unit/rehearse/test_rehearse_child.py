@@ -10,28 +10,27 @@ from pathlib import Path
 
 import pytest
 
-from helixserve.local import stack
 from helixserve.rehearse import child
 from helixserve.rehearse.cluster import EmulatedCluster
 from helixserve.runtime.config import CoordinatorConfig
 
 
-def test_the_rehearsals_flags_are_taken_out_and_given_to_the_stack(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: dict[str, object] = {}
+def test_serves_timing_flags_are_the_coordinators_fields() -> None:
+    # the rehearsal passes its scaled timing as serve's own flags
+    from helixserve.cli import build_parser
+    from helixserve.commands.serve import timing_options
+    from helixserve.errors import UserError
 
-    def fake_run_stack(*args: object, **kwargs: object) -> None:
-        seen.update(kwargs)
-
-    monkeypatch.setattr(stack, "run_stack", fake_run_stack)
-    args = child._with_stack_options(["serve", child.STEP_TIMEOUT_FLAG, "1200.0",
-                                      child.STATS_INTERVAL_FLAG, "2.0", "--port", "1"])
-    assert args == ["serve", "--port", "1"]
-    stack.run_stack()
-    assert seen == {"step_timeout_s": 1200.0, "stats_interval_s": 2.0}
-    # other commands, and serve without the flags, are left alone
-    assert child._with_stack_options(["worker", "--port", "1"]) == ["worker", "--port", "1"]
-    assert child._with_stack_options(["serve", "--port", "1"]) == ["serve", "--port", "1"]
+    parser = build_parser()
+    base = ["serve", "--cluster", "c.yaml", "--placement", "p.json", "--model", "m"]
+    args = parser.parse_args([*base, "--step-timeout-s", "1200", "--stats-interval-s", "2",
+                              "--hang-timeout-s", "80"])
+    options = timing_options(args)
+    assert options == {"step_timeout_s": 1200.0, "stats_interval_s": 2.0, "hang_timeout_s": 80.0}
+    CoordinatorConfig(**options).check()  # every name is a field
+    assert timing_options(parser.parse_args(base)) == {}
+    with pytest.raises(UserError, match="--admission-timeout-s: bad value 0"):
+        timing_options(parser.parse_args([*base, "--admission-timeout-s", "0"]))
 
 
 def test_the_coordinators_timing_grows_with_the_time_scale() -> None:
@@ -39,6 +38,7 @@ def test_the_coordinators_timing_grows_with_the_time_scale() -> None:
     cluster.time_scale = 8.0
     assert cluster.step_timeout_s == CoordinatorConfig().step_timeout_s * 8.0
     assert cluster.stats_interval_s == CoordinatorConfig().stats_interval_s * 8.0
+    assert cluster.hang_timeout_s == CoordinatorConfig().hang_timeout_s * 8.0
 
 
 def test_a_profiled_child_writes_its_threads_stats(tmp_path: Path) -> None:
