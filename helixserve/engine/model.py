@@ -302,14 +302,13 @@ def attention(
     kv_cache: torch.Tensor,
     plan: AttentionPlan,
     args: ModelArgs,
-    dense: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """qkv: [n, heads + 2 * kv_heads, hd] after rope (k/v already stored) -> [n, heads * hd].
 
     kv_cache: [2, kv_heads, num_slots, head_dim] of this layer (keys, values): a gather of
     a set of slots comes out as [kv_heads, slots, head_dim], the layout SDPA wants.
-    dense: dense decode contexts of this layer (keys [d, kv_heads, hd, cap], values
-    [d, kv_heads, cap, hd]), or None.
+    dense: [2, d, kv_heads, cap, hd] dense decode contexts of this layer, or None.
     """
     n = qkv.shape[0]
     nh, kvh, hd = args.num_heads, args.num_kv_heads, args.head_dim
@@ -317,7 +316,7 @@ def attention(
     if dense is not None:
         # Dense decode contexts kept across steps (see ShardEngine): no gather.
         assert plan.dense_bias is not None
-        return dense_decode_attention(q, *dense, plan.dense_bias).view(n, nh * hd)
+        return dense_decode_attention(q, dense, plan.dense_bias).view(n, nh * hd)
     if plan.all_decode:
         return _decode_attention(q, kv_cache, plan).reshape(n, nh * hd)
     gqa = nh != kvh
@@ -343,27 +342,25 @@ def attention(
 
 
 def dense_decode_attention(
-    q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
+    q: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor
 ) -> torch.Tensor:
     """One query token per request over dense contexts, read whole (padding included).
 
-    q: [d, heads, hd]; keys_t: [d, kv_heads, hd, cap] (keys, transposed), values:
-    [d, kv_heads, cap, hd] (both contiguous); bias: [d * kv_heads, 1, cap], 0 where a
-    request attends, -inf past its length -> [d * kv_heads, group, hd] (= [d, heads, hd]).
+    q: [d, heads, hd]; dense: [2, d, kv_heads, cap, hd] (keys, values; contiguous);
+    bias: [d * kv_heads, 1, cap], 0 where a request attends, -inf past its length
+    -> [d * kv_heads, group, hd] (= [d, heads, hd] in memory).
 
     The query heads that share a kv head are that head's `group` queries (as in
     transformers' repeat_kv, head h reads kv head h // group), so each key is read once
     per group. Reading the whole contiguous `cap` (the capacity is kept within
     DENSE_DECODE_CAP_STEP of the longest context) rather than a strided [:ctx] view was
-    ~20% faster on the dev CPU; masked positions add exact zeros to the softmax. Keys are
-    kept transposed so the scores' matmul reads them without a transpose (its time fell
-    by about a half at batch 16 on the dev CPU).
+    ~20% faster on the dev CPU; masked positions add exact zeros to the softmax.
     """
-    d, kvh, hd, cap = keys_t.shape
+    _, d, kvh, cap, hd = dense.shape
     qg = q.reshape(d * kvh, q.shape[1] // kvh, hd)
-    keys = keys_t.view(d * kvh, hd, cap)
-    scores = torch.baddbmm(bias, qg, keys, alpha=hd**-0.5)  # [d*kvh, g, cap]
-    return torch.bmm(torch.softmax(scores, dim=-1), values.view(d * kvh, cap, hd))
+    keys = dense[0].view(d * kvh, cap, hd)
+    scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=hd**-0.5)  # [d*kvh, g, cap]
+    return torch.bmm(torch.softmax(scores, dim=-1), dense[1].view(d * kvh, cap, hd))
 
 
 def grouped_decode_attention(
@@ -407,13 +404,13 @@ def layer_forward(
     kv_cache: torch.Tensor,
     plan: AttentionPlan,
     args: ModelArgs,
-    dense: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One transformer block. x: [n, hidden] -> [n, hidden].
 
     kv_cache: [2, kv_heads, num_slots, head_dim] of this layer (keys, values); this step's
-    keys/values are written into it and, with dense decode contexts of this layer (keys
-    [d, kv_heads, hd, cap], values [d, kv_heads, cap, hd]), into those too.
+    keys/values are written into it and, with dense decode contexts ([2, d, kv_heads, cap,
+    hd] of this layer), into those too.
     """
     n = x.shape[0]
     nh, kvh, hd = args.num_heads, args.num_kv_heads, args.head_dim
@@ -423,10 +420,6 @@ def layer_forward(
     new_kv = qkv[:, nh:].view(n, 2, kvh, hd)
     kv_cache.index_copy_(2, plan.slots, new_kv.permute(1, 2, 0, 3))
     if dense is not None:
-        keys_t, values = dense
-        rows, pos = plan.dense_rows, plan.dense_pos
-        # new_kv[:, 0]: [d, kv_heads, hd] -> keys_t[row, :, :, pos]; values[row, :, pos]
-        torch.ops.aten.index_put_(keys_t, [rows, None, None, pos], new_kv[:, 0])
-        torch.ops.aten.index_put_(values, [rows, None, pos], new_kv[:, 1])
+        torch.ops.aten.index_put_(dense, [None, plan.dense_rows, None, plan.dense_pos], new_kv)
     x = w.o.add_to(attention(qkv, kv_cache, plan, args, dense), x)
     return w.mlp.add_to(rms_norm(x, w.post_norm, args.rms_norm_eps), x)

@@ -80,12 +80,9 @@ class DenseContexts:
     """The requests, in the order of the step's rows."""
     positions: list[int]
     """Position of each request's token in that step."""
-    keys_t: torch.Tensor
-    """[local_layers, d, kv_heads, head_dim, cap]: keys stored transposed, the layout the
-    scores' batched matmul reads fastest; positions past a request's length are finite
-    (masked out)."""
-    values: torch.Tensor
-    """[local_layers, d, kv_heads, cap, head_dim], likewise."""
+    kv: torch.Tensor
+    """[local_layers, 2 (keys, values), d, kv_heads, cap, head_dim]; positions past a
+    request's length are finite (masked out)."""
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
@@ -326,8 +323,7 @@ class ShardEngine:
             w = self.layers[local]
             kv = self.kv.kv[local]  # [2, kv_heads, slots, head_dim]
             if dense is not None:
-                x = layer_forward(x, w, kv, plan, self.args,
-                                  (dense.keys_t[local], dense.values[local]))
+                x = layer_forward(x, w, kv, plan, self.args, dense.kv[local])
             elif len(active) == len(items):
                 x = layer_forward(x, w, kv, plan, self.args)
             else:
@@ -350,8 +346,8 @@ class ShardEngine:
 
         Gathering every request's keys/values out of the paged cache each step (per
         layer) cost ~25% of a batch-32 decode step. When the same requests decode step
-        after step, their contexts are kept dense (keys [layers, d, kv_heads, hd, cap],
-        values [layers, d, kv_heads, cap, hd]), with spare capacity (up to DENSE_DECODE_CAP_STEP positions) into which each
+        after step, their contexts are kept in one dense [layers, 2, d, kv_heads, cap, hd]
+        tensor, with spare capacity (up to DENSE_DECODE_CAP_STEP positions) into which each
         step writes its new token in place. The paged cache stays the source of truth: the
         dense copy is rebuilt from it whenever the batch changes, and grown (copied into a
         larger buffer) when the longest context reaches its capacity. It is not used when
@@ -391,31 +387,32 @@ class ShardEngine:
             and prev.ids == ids
             and all(p == q + 1 for p, q in zip(positions, prev.positions, strict=True))
         )
-        kvh, hd = a.num_kv_heads, a.head_dim
-        if same and prev is not None and prev.values.shape[3] == cap:
-            return DenseContexts(ids, positions, prev.keys_t, prev.values)
-        keys_t = torch.empty((layers, d, kvh, hd, cap), dtype=self.dtype, device=self.device)
-        values = torch.empty((layers, d, kvh, cap, hd), dtype=self.dtype, device=self.device)
         if same and prev is not None:
-            # Grow: copy into larger buffers; the new positions are zeros (masked, finite).
-            have = prev.values.shape[3]
-            keys_t[..., :have] = prev.keys_t
-            keys_t[..., have:] = 0
-            values[:, :, :, :have] = prev.values
-            values[:, :, :, have:] = 0
-            return DenseContexts(ids, positions, keys_t, values)
+            have = prev.kv.shape[4]
+            if cap == have:
+                return DenseContexts(ids, positions, prev.kv)
+            # Grow: copy into a larger buffer; the new positions are zeros (masked, finite).
+            grown = torch.empty(
+                (layers, 2, d, a.num_kv_heads, cap, a.head_dim),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            grown[:, :, :, :, :have] = prev.kv
+            grown[:, :, :, :, have:] = 0
+            return DenseContexts(ids, positions, grown)
+        dkv = torch.empty(
+            (layers, 2, d, a.num_kv_heads, cap, a.head_dim), dtype=self.dtype, device=self.device
+        )
         blocks = self.kv.context_blocks(list(ids), max_ctx).reshape(-1)  # [d * nb]
         n = min(blocks.shape[0] // d * bs, cap)
         # Positions past a request's length are masked, but must be finite: the gathered
         # blocks hold finite values (zeroed when handed out), the rest is zeroed here.
-        keys_t[..., n:] = 0
-        values[:, :, :, n:] = 0
+        dkv[:, :, :, :, n:] = 0
         for local in range(layers):
-            g = self.kv.kv[local].view(2, kvh, -1, bs * hd)
-            g = g.index_select(2, blocks).view(2, kvh, d, -1, hd)[:, :, :, :n]
-            keys_t[local, :, :, :, :n] = g[0].permute(1, 0, 3, 2)  # [d, kvh, hd, n]
-            values[local, :, :, :n] = g[1].transpose(0, 1)  # [d, kvh, n, hd]
-        return DenseContexts(ids, positions, keys_t, values)
+            g = self.kv.kv[local].view(2, a.num_kv_heads, -1, bs * a.head_dim)
+            g = g.index_select(2, blocks).view(2, a.num_kv_heads, d, -1, a.head_dim)
+            dkv[local, :, :, :, :n] = g[:, :, :, :n].transpose(1, 2)
+        return DenseContexts(ids, positions, dkv)
 
     def _validate(self, items: list[WorkItem]) -> None:
         check_step(items, self, lambda rid: self._seq_len.get(rid, 0))
