@@ -342,27 +342,33 @@ def _draw_unseeded(x: torch.Tensor, params: list[SamplingParams],
     plain = [i for i, f in enumerate(filtered) if not f]
     if plain:
         at = torch.tensor(plain, device=probs.device)
-        pos, _ = _cut_and_draw_plain(probs[at], u[at])
-        out[at] = pos
+        out[at] = _draw_plain(_take(probs, plain, at), u[at])
     cut = [i for i, f in enumerate(filtered) if f]
     if cut:
         at = torch.tensor(cut, device=probs.device)
         sub, sub_params = _take(probs, cut, at), [params[i] for i in cut]
-        if probs.device.type == "cpu":
-            out[at] = _draw_filtered_cpu(sub, sub_params, u[at])
-        else:
-            vals, order = torch.sort(sub, dim=-1, descending=True)
-            pos, _ = _cut_and_draw(vals, sub_params, u[at], vocab)
-            out[at] = order.gather(1, pos[:, None])[:, 0]
+        draw = _draw_filtered_cpu if probs.device.type == "cpu" else _draw_filtered_sorted
+        out[at] = draw(sub, sub_params, u[at])
     return out
 
 
-def _cut_and_draw_plain(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, None]:
-    """No filter: inverse CDF over the row in vocabulary order. probs: [rows, vocab]."""
+def _draw_filtered_sorted(probs: torch.Tensor, params: list[SamplingParams],
+                          u: torch.Tensor) -> torch.Tensor:
+    """probs: [rows, vocab] (on CUDA) -> [rows] token ids, over one sort of the rows (no
+    partial candidates, so no data-dependent fallback and no host sync)."""
+    vals, order = torch.sort(probs, dim=-1, descending=True)
+    pos, _ = _cut_and_draw(vals, params, u, probs.shape[1])
+    return order.gather(1, pos[:, None])[:, 0]
+
+
+def _draw_plain(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """No filter: inverse CDF over each row in vocabulary order. probs: [rows, vocab],
+    u: [rows] -> [rows] token ids (a token of probability 0 is never drawn: the mass does
+    not grow there)."""
     mass = probs.cumsum(dim=-1)
     total = mass[:, -1:]
     target = torch.minimum(u[:, None] * total, torch.nextafter(total, total * 0))
-    return torch.searchsorted(mass, target, right=True)[:, 0].clamp(max=probs.shape[1] - 1), None
+    return torch.searchsorted(mass, target, right=True)[:, 0].clamp(max=probs.shape[1] - 1)
 
 
 # ---- the step ----------------------------------------------------------------------------

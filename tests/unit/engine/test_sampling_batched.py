@@ -112,6 +112,25 @@ def test_unseeded_rows_draw_the_reference_distribution(monkeypatch, params, cand
         assert abs(got[token] / draws - p) <= 5 * (p * (1 - p) / draws) ** 0.5 + 1e-9, token
 
 
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(top_k=4, min_p=0.1),
+     SamplingParams(temperature=0.7, top_k=6, top_p=0.6, min_p=0.1)],
+)
+def test_the_sorted_draw_cuda_takes_draws_the_reference_distribution(params):
+    """The CUDA path (one sort of the rows), run here on CPU tensors."""
+    logits = torch.tensor([3.0, 2.5, 2.4, 1.0, 0.9, 0.5, 0.0, -1.0, -3.0, -8.0, 1.7, 0.2])
+    draws = 3000
+    x = ((logits - logits.max()) / params.temperature)[None].repeat(draws, 1)
+    u = torch.rand(draws, generator=torch.Generator().manual_seed(2))
+    got = Counter(sampling._draw_filtered_sorted(torch.softmax(x, -1), [params] * draws,
+                                                 u).tolist())
+    want = _reference_probs(logits, params)
+    assert set(got) <= set(torch.nonzero(want).flatten().tolist())
+    for token, p in enumerate(want.tolist()):
+        assert abs(got[token] / draws - p) <= 5 * (p * (1 - p) / draws) ** 0.5 + 1e-9, token
+
+
 def test_unseeded_rows_of_a_large_vocabulary_stay_in_the_nucleus():
     vocab, n = 49152, 16
     gen = torch.Generator().manual_seed(3)
