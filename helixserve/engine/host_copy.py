@@ -9,6 +9,8 @@ to copy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -22,9 +24,19 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def from_host(values: list[int], device: torch.device) -> torch.Tensor:
-    """int64 tensor of `values` on `device`: one (pinned, non-blocking) host-to-device copy."""
+def to_device(values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]],
+              device: torch.device,
+              dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor of `values` on `device`. On CUDA through pinned memory with a non-blocking
+    copy: `torch.tensor(values, device=cuda)` copies from pageable memory and waits for the
+    stream, a host sync per small index tensor."""
+    host = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
-        return torch.tensor(values, dtype=torch.long)
-    host = torch.tensor(values, dtype=torch.long).pin_memory()
-    return host.to(device, non_blocking=True)
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def from_host(values: Sequence[int] | Sequence[Sequence[int]],
+              device: torch.device) -> torch.Tensor:
+    """int64 tensor of `values` on `device` (`to_device`)."""
+    return to_device(values, device)

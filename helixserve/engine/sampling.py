@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from helixserve.engine.host_copy import to_host
+from helixserve.engine.host_copy import to_device, to_host
 from helixserve.request import PromptLogprob, SamplingParams
 
 NEG_INF = float("-inf")
@@ -119,8 +119,7 @@ def suppresses_stop(params: SamplingParams, hist: RequestHistory) -> bool:
 
 
 def _index(rows: list[int], ids: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
-    return (torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor(ids, dtype=torch.long, device=device))
+    return to_device(rows, device), to_device(ids, device)
 
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
@@ -142,7 +141,7 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
                 vals.append(v)
     if rows:
         at = _index(rows, ids, dev)
-        logits[at] += torch.tensor(vals, dtype=dt, device=dev)
+        logits[at] += to_device(vals, dev, dt)
     rows, ids, vals = [], [], []
     for i, (p, h) in enumerate(zip(params, hists, strict=True)):
         if p.repetition_penalty != 1.0:
@@ -152,7 +151,7 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
             vals += [p.repetition_penalty] * len(seen)
     if rows:
         at = _index(rows, ids, dev)
-        sel, rp = logits[at], torch.tensor(vals, dtype=dt, device=dev)
+        sel, rp = logits[at], to_device(vals, dev, dt)
         logits[at] = torch.where(sel > 0, sel / rp, sel * rp)
     rows, ids = [], []
     presence: list[float] = []
@@ -169,8 +168,7 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
                     counts.append(c)
     if rows:
         at = _index(rows, ids, dev)
-        pres, freq, cnt = (torch.tensor(v, dtype=dt, device=dev)
-                           for v in (presence, frequency, counts))
+        pres, freq, cnt = (to_device(v, dev, dt) for v in (presence, frequency, counts))
         logits[at] -= pres + freq * cnt
     rows, ids = [], []
     for i, (p, h) in enumerate(zip(params, hists, strict=True)):
@@ -203,7 +201,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     """[rows, 1] tensor of per-row values, in `like`'s dtype and device."""
-    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+    return to_device(values, like.device, like.dtype)[:, None]
 
 
 def _take(x: torch.Tensor, rows: list[int], at: torch.Tensor) -> torch.Tensor:
@@ -226,14 +224,14 @@ def exact_support_(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     vocab = x.shape[-1]
     k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
     if k_rows:
-        at = torch.tensor(k_rows, device=x.device)
-        ks = torch.tensor([params[i].top_k for i in k_rows], device=x.device)
+        at = to_device(k_rows, x.device)
+        ks = [params[i].top_k for i in k_rows]
         sub = _take(x, k_rows, at)
-        kth = torch.topk(sub, int(ks.max())).values.gather(1, (ks - 1)[:, None])
+        kth = torch.topk(sub, max(ks)).values.gather(1, to_device(ks, x.device)[:, None] - 1)
         _put(x, at, sub.masked_fill_(sub < kth, NEG_INF))
     p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if p_rows:
-        at = torch.tensor(p_rows, device=x.device)
+        at = to_device(p_rows, x.device)
         sub = _take(x, p_rows, at)
         sorted_logits, order = torch.sort(sub, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
@@ -247,7 +245,7 @@ def exact_support_(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
         _put(x, at, sub.masked_fill_(drop, NEG_INF))
     m_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
     if m_rows:
-        at = torch.tensor(m_rows, device=x.device)
+        at = to_device(m_rows, x.device)
         sub = _take(x, m_rows, at)
         probs = torch.softmax(sub, dim=-1)
         min_p = _column([params[i].min_p for i in m_rows], probs)
@@ -286,13 +284,13 @@ def _cut_and_draw(vals: torch.Tensor, params: list[SamplingParams], u: torch.Ten
     dev = vals.device
     mass = vals.double().cumsum(dim=-1)  # [rows, k] inclusive
     before = torch.cat([torch.zeros(rows, 1, dtype=mass.dtype, device=dev), mass[:, :-1]], 1)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else k for p in params], device=dev)
+    top_k = to_device([p.top_k if 0 < p.top_k < vocab else k for p in params], dev)
     kth = vals.gather(1, (top_k.clamp(max=k) - 1)[:, None])
     keep = (vals >= kth).sum(dim=-1)
     kept_mass = mass.gather(1, (keep - 1)[:, None])
-    top_p = torch.tensor([p.top_p for p in params], dtype=mass.dtype, device=dev)[:, None]
+    top_p = to_device([p.top_p for p in params], dev, mass.dtype)[:, None]
     keep = torch.minimum(keep, (before < top_p * kept_mass).sum(dim=-1).clamp(min=1))
-    min_p = torch.tensor([p.min_p for p in params], dtype=vals.dtype, device=dev)[:, None]
+    min_p = to_device([p.min_p for p in params], dev, vals.dtype)[:, None]
     keep = torch.minimum(keep, (vals >= min_p * vals[:, :1]).sum(dim=-1).clamp(min=1))
     unresolved = (keep >= k) & (k < vocab) | (top_k > k)
     total = mass.gather(1, (keep - 1)[:, None])
@@ -341,11 +339,11 @@ def _draw_unseeded(x: torch.Tensor, params: list[SamplingParams],
     filtered = [0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
     plain = [i for i, f in enumerate(filtered) if not f]
     if plain:
-        at = torch.tensor(plain, device=probs.device)
+        at = to_device(plain, probs.device)
         out[at] = _draw_plain(_take(probs, plain, at), u[at])
     cut = [i for i, f in enumerate(filtered) if f]
     if cut:
-        at = torch.tensor(cut, device=probs.device)
+        at = to_device(cut, probs.device)
         sub, sub_params = _take(probs, cut, at), [params[i] for i in cut]
         draw = _draw_filtered_cpu if probs.device.type == "cpu" else _draw_filtered_sorted
         out[at] = draw(sub, sub_params, u[at])
@@ -394,12 +392,12 @@ def sample_rows(
         chosen = _argmax(logits).to(dev)
     else:
         if any(plain_greedy):
-            at = torch.tensor([i for i, g in enumerate(plain_greedy) if g], device=dev)
+            at = to_device([i for i, g in enumerate(plain_greedy) if g], dev)
             chosen[at] = _argmax(logits[at]).to(dev)
         others = [i for i, g in enumerate(plain_greedy) if not g]
         o_params = [params[i] for i in others]
         o_hists = [hists[i] for i in others]
-        o_at = torch.tensor(others, device=dev)
+        o_at = to_device(others, dev)
         # work: [others, vocab], the sampler's own copy, adjusted, then made finite (once:
         # a second pass would turn the -inf a NaN became into the lowest float)
         adjust = any(p.changes_logits or suppresses_stop(p, h)
@@ -424,7 +422,7 @@ def sample_rows(
             unseeded = [n for n, j in enumerate(sampled) if o_params[j].seed is None]
             if seeded:
                 rows = [others[sampled[n]] for n in seeded]
-                chosen[torch.tensor(rows, device=dev)] = _draw_seeded(
+                chosen[to_device(rows, dev)] = _draw_seeded(
                     x[seeded], [params[r] for r in rows], [hists[r] for r in rows])
             if unseeded:
                 rows = [others[sampled[n]] for n in unseeded]
@@ -432,7 +430,7 @@ def sample_rows(
                     generator = torch.Generator(device=dev)
                     generator.manual_seed(random.SystemRandom().getrandbits(62))
                 x_u = x if len(unseeded) == len(sampled) else x[unseeded]
-                chosen[torch.tensor(rows, device=dev)] = _draw_unseeded(
+                chosen[to_device(rows, dev)] = _draw_unseeded(
                     x_u, [params[r] for r in rows], generator)
     return _results(logits, params, chosen)
 
@@ -444,7 +442,7 @@ def _results(logits: torch.Tensor, params: list[SamplingParams],
     parts = [chosen.double()]
     top_n = max((params[i].logprobs or 0 for i in want), default=0)
     if want:
-        at = torch.tensor(want, device=logits.device)
+        at = to_device(want, logits.device)
         logprobs = torch.log_softmax(logits[at], dim=-1)  # [want, vocab], the model's own
         parts.append(logprobs.gather(1, chosen[at][:, None])[:, 0].double())
         if top_n > 0:

@@ -375,7 +375,7 @@ class ShardEngine:
         if 2 * layers * d * a.num_kv_heads * cap * a.head_dim * elem > DENSE_DECODE_MAX_BYTES:
             return None
         plan.dense_rows = torch.arange(d, device=self.device)
-        plan.dense_pos = torch.tensor(positions, device=self.device)
+        plan.dense_pos = from_host(positions, self.device)
         # Attend to positions <= each row's own; the rest of the capacity is masked.
         past = torch.arange(cap, device=self.device)[None, :] > plan.dense_pos[:, None]
         bias = torch.zeros(d, a.num_kv_heads, 1, cap, dtype=self.dtype, device=self.device)
@@ -485,16 +485,16 @@ class ShardEngine:
         max_ctx = 0
         if decode_rows:
             max_ctx = max(decode_lens)
-            d_rows = torch.tensor(decode_rows, device=dev)
+            d_rows = from_host(decode_rows, dev)
             d_blocks = self.kv.context_blocks(decode_ids, max_ctx).reshape(-1)  # [d * nb]
             if min(decode_lens) != max_ctx:
-                lens = torch.tensor(decode_lens, device=dev)
+                lens = from_host(decode_lens, dev)
                 d_mask = torch.arange(max_ctx, device=dev)[None, :] < lens[:, None]
                 d_mask = d_mask[:, None, None, :]  # [d, 1, 1, max_ctx]
-        pos_t = torch.tensor(positions, device=dev)
+        pos_t = from_host(positions, dev)
         cos, sin = self.rope.qkv_tables(pos_t, max(positions))
         return AttentionPlan(
-            slots=torch.tensor(slots, device=dev),
+            slots=from_host(slots, dev),
             cos=cos,
             sin=sin,
             decode_rows=d_rows,
