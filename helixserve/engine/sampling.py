@@ -410,12 +410,13 @@ def sample_rows(
             work = torch.nan_to_num(logits, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max)
         greedy = [j for j, p in enumerate(o_params) if p.is_greedy]
         if greedy:
-            chosen[o_at[greedy]] = _argmax(work[greedy]).to(dev)
+            g_at = to_device(greedy, dev)
+            chosen[o_at[g_at]] = _argmax(work[g_at]).to(dev)
         sampled = [j for j, p in enumerate(o_params) if not p.is_greedy]
         if sampled:
             # Subtract the max first: a tiny temperature then sends the rest to -inf instead
             # of the top to +inf (softmax is shift-invariant).
-            x = work if len(sampled) == len(others) else work[sampled]
+            x = _take(work, sampled, to_device(sampled, dev))
             x.sub_(x.amax(dim=-1, keepdim=True))
             x.div_(_column([o_params[j].temperature for j in sampled], x))
             seeded = [n for n, j in enumerate(sampled) if o_params[j].seed is not None]
@@ -423,15 +424,16 @@ def sample_rows(
             if seeded:
                 rows = [others[sampled[n]] for n in seeded]
                 chosen[to_device(rows, dev)] = _draw_seeded(
-                    x[seeded], [params[r] for r in rows], [hists[r] for r in rows])
+                    _take(x, seeded, to_device(seeded, dev)), [params[r] for r in rows],
+                    [hists[r] for r in rows])
             if unseeded:
                 rows = [others[sampled[n]] for n in unseeded]
                 if generator is None:
                     generator = torch.Generator(device=dev)
                     generator.manual_seed(random.SystemRandom().getrandbits(62))
-                x_u = x if len(unseeded) == len(sampled) else x[unseeded]
                 chosen[to_device(rows, dev)] = _draw_unseeded(
-                    x_u, [params[r] for r in rows], generator)
+                    _take(x, unseeded, to_device(unseeded, dev)), [params[r] for r in rows],
+                    generator)
     return _results(logits, params, chosen)
 
 

@@ -11,8 +11,11 @@ the lm_head over its prompt rows (and only those requests: the sampler's path st
 per request).
 
 Per request the engine keeps: its KV blocks (shared by all local layers), the number of
-tokens in its KV (the next position), and on the last stage its token history and its
-random generator for sampling.
+tokens in its KV (the next position), and on the last stage its token history and, for a
+seeded request, its own random generator (unseeded requests draw from the engine's).
+A step's inputs come in with one embedding call and one scatter of the hidden states
+brought; the hidden states leaving it and the sampled tokens go to the host in one copy
+each (engine/host_copy.py), on the engine's thread.
 """
 
 from __future__ import annotations
