@@ -1,11 +1,12 @@
 """Engine throughput: helixserve's engines vs Hugging Face `generate` (and vLLM-CPU).
 
-Engines: `helixserve` (the torch ShardEngine), `vllm-stage` (helixserve's vllm engine,
+Engines: `helixserve` (the torch ShardEngine), `helixserve-sampled` (the same, sampling
+with temperature 0.8 and top-p 0.95, no seed, instead of greedy), `vllm-stage` (helixserve's vllm engine,
 VllmStageEngine: vLLM's model runner driven through the same WorkItem steps as a worker
 drives it; needs vLLM), `hf`, `vllm-cpu` (one plain `vllm.LLM`, vLLM's own scheduler).
 
 Demo model (SmolLM2-135M-Instruct, float32), prompts of --prompt-tokens random token ids,
---output-tokens greedy output tokens with no early stop, at each --batches size. Every
+--output-tokens output tokens (greedy, or sampled for helixserve-sampled) with no early stop, at each --batches size. Every
 (engine, batch) runs in its own subprocess so peak RSS is per configuration; all run in
 one invocation so ratios compare like with like on a shared, noisy machine.
 
@@ -14,6 +15,7 @@ one invocation so ratios compare like with like on a shared, noisy machine.
 - decode_tokens_per_s: batch * (output_tokens - 1) / time of the remaining steps.
   For HF `generate` (no separate hooks) the prefill is timed by separate
   max_new_tokens=1 calls (best of 3) and subtracted from the full generate.
+- decode_cpu_s (helixserve engines): process CPU time of those steps.
 - peak_rss_bytes: ru_maxrss of the subprocess.
 
 Also measured (CPU): resident memory of engines holding a layer range ([0, L), [0, L/2),
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ENGINES = ("helixserve", "vllm-stage", "hf", "vllm-cpu")
+ENGINES = ("helixserve", "helixserve-sampled", "vllm-stage", "hf", "vllm-cpu")
 NEEDS_VLLM = ("vllm-stage", "vllm-cpu")
 PREFILL_REPEATS = 3
 
@@ -84,7 +86,7 @@ def _kv_budget_bytes(model_dir: str, tokens: int) -> int:
 
 
 def run_helixserve(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int,
-                   engine_name: str = "torch") -> dict:
+                   engine_name: str = "torch", sampled: bool = False) -> dict:
     from helixserve.engine import WorkItem, load_engine
     from helixserve.request import SamplingParams
 
@@ -97,13 +99,14 @@ def run_helixserve(model_dir: str, batch: int, prompt_tokens: int, output_tokens
         budget += _kv_budget_bytes(model_dir, batch * 128)  # vLLM's CPU blocks: 128 tokens
     device, dtype = _device_dtype()
     eng = load_engine(engine_name, model_dir, 0, num_layers, device, dtype, kv_cache_bytes=budget)
-    greedy = SamplingParams(temperature=0.0)
+    params = SamplingParams(temperature=0.8, top_p=0.95) if sampled else SamplingParams(
+        temperature=0.0)
     prompts = _prompts(batch, prompt_tokens, eng.vocab_size)
     ids = [f"r{i}" for i in range(batch)]
 
     def prefill() -> list[int]:
         items = [
-            WorkItem(r, 0, num_layers, 0, p, None, greedy)
+            WorkItem(r, 0, num_layers, 0, p, None, params)
             for r, p in zip(ids, prompts, strict=True)
         ]
         return [o.token_id for o in eng.step(items)]  # type: ignore[misc]
@@ -118,17 +121,27 @@ def run_helixserve(model_dir: str, batch: int, prompt_tokens: int, output_tokens
         t0 = time.perf_counter()
         last = prefill()
         prefill_s = min(prefill_s, time.perf_counter() - t0)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     for step in range(output_tokens - 1):
         pos = prompt_tokens + step
         items = [
-            WorkItem(r, 0, num_layers, pos, [t], None, greedy)
+            WorkItem(r, 0, num_layers, pos, [t], None, params)
             for r, t in zip(ids, last, strict=True)
         ]
         last = [o.token_id for o in eng.step(items)]  # type: ignore[misc]
-    t2 = time.perf_counter()
-    name = "helixserve" if engine_name == "torch" else "vllm-stage"
-    return _result(name, batch, prompt_tokens, output_tokens, prefill_s, t2 - t1)
+    t2, c2 = time.perf_counter(), time.process_time()
+    name = "vllm-stage" if engine_name != "torch" else (
+        "helixserve-sampled" if sampled else "helixserve")
+    out = _result(name, batch, prompt_tokens, output_tokens, prefill_s, t2 - t1)
+    # CPU time of the decode steps: on a shared machine it varies less than wall time
+    # (with --threads 1 it is the step's compute alone)
+    out["decode_cpu_s"] = c2 - c1
+    return out
+
+
+def run_helixserve_sampled(model_dir: str, batch: int, prompt_tokens: int,
+                           output_tokens: int) -> dict:
+    return run_helixserve(model_dir, batch, prompt_tokens, output_tokens, sampled=True)
 
 
 def run_vllm_stage(model_dir: str, batch: int, prompt_tokens: int, output_tokens: int) -> dict:
@@ -272,8 +285,8 @@ def _num_layers(model_dir: str) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
 
 
-RUNNERS = {"helixserve": run_helixserve, "vllm-stage": run_vllm_stage, "hf": run_hf,
-           "vllm-cpu": run_vllm}
+RUNNERS = {"helixserve": run_helixserve, "helixserve-sampled": run_helixserve_sampled,
+           "vllm-stage": run_vllm_stage, "hf": run_hf, "vllm-cpu": run_vllm}
 
 
 def _in_subprocess(argv: list[str]) -> dict:
@@ -335,7 +348,7 @@ def main() -> int:
     )
     engines = [e for e in args.engines if e not in NEEDS_VLLM or _vllm_importable()]
     print(
-        f"{'engine':<11} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak RSS MiB':>13}"
+        f"{'engine':<18} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak RSS MiB':>13}"
     )
     # Rounds alternate the engines so that both see the same (shared, noisy) machine; per
     # (engine, batch) the best round is reported, each metric on its own.
@@ -355,7 +368,7 @@ def main() -> int:
                 r["round"] = rnd
                 runs.append(r)
                 print(
-                    f"{engine:<11} {batch:>5} {r['prefill_tokens_per_s']:>14.1f} "
+                    f"{engine:<18} {batch:>5} {r['prefill_tokens_per_s']:>14.1f} "
                     f"{r['decode_tokens_per_s']:>13.1f} {r['peak_rss_bytes'] / 2**20:>13.0f}"
                     f"   (round {rnd + 1}/{args.rounds})",
                     flush=True,
@@ -373,14 +386,14 @@ def main() -> int:
         print(f"\nbest of {args.rounds} rounds")
         for r in results:
             print(
-                f"{r['engine']:<11} {r['batch']:>5} {r['prefill_tokens_per_s']:>14.1f} "
+                f"{r['engine']:<18} {r['batch']:>5} {r['prefill_tokens_per_s']:>14.1f} "
                 f"{r['decode_tokens_per_s']:>13.1f} {r['peak_rss_bytes'] / 2**20:>13.0f}"
             )
     ratios = []
     for batch in args.batches:
         by = {r["engine"]: r for r in results if r["batch"] == batch}
         for ours, other in (("helixserve", "hf"), ("helixserve", "vllm-cpu"),
-                            ("vllm-stage", "vllm-cpu")):
+                            ("vllm-stage", "vllm-cpu"), ("helixserve-sampled", "helixserve")):
             if ours in by and other in by:
                 ratios.append(
                     {
@@ -396,7 +409,7 @@ def main() -> int:
     print()
     for r in ratios:
         print(
-            f"batch {r['batch']:>3}: {r['engine']} / {r['vs']:<8} decode x{r['decode_ratio']:.2f}  prefill x{r['prefill_ratio']:.2f}"
+            f"batch {r['batch']:>3}: {r['engine']} / {r['vs']:<10} decode x{r['decode_ratio']:.2f}  prefill x{r['prefill_ratio']:.2f}"
         )
     memory = []
     if not args.no_memory:

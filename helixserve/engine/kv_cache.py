@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from helixserve.engine.host_copy import from_host
 from helixserve.engine.kv_blocks import BlockAllocator
 
 
@@ -96,7 +97,7 @@ class PagedKVCache(BlockAllocator):
         for rid in request_ids:
             table = self._tables[rid]
             rows.append(table[:num_blocks] + [table[0]] * (num_blocks - len(table)))
-        return torch.tensor(rows, dtype=torch.long, device=self.device)  # [r, nb]
+        return from_host(rows, self.device)  # [r, nb]
 
     def context_slots(self, request_ids: list[str], ctx_len: int) -> torch.Tensor:
         """Slots of positions [0, ctx_len) of each request: [len(request_ids), ctx_len].
@@ -110,7 +111,7 @@ class PagedKVCache(BlockAllocator):
         for rid in request_ids:
             table = self._tables[rid]
             rows.append(table[:num_blocks] + [table[0]] * (num_blocks - len(table)))
-        tables = torch.tensor(rows, dtype=torch.long, device=self.device)  # [r, num_blocks]
+        tables = from_host(rows, self.device)  # [r, num_blocks]
         offsets = torch.arange(bs, device=self.device)
         slots = (tables[:, :, None] * bs + offsets).view(len(request_ids), num_blocks * bs)
         return slots[:, :ctx_len]

@@ -11,13 +11,17 @@ the lm_head over its prompt rows (and only those requests: the sampler's path st
 per request).
 
 Per request the engine keeps: its KV blocks (shared by all local layers), the number of
-tokens in its KV (the next position), and on the last stage its token history and its
-random generator for sampling.
+tokens in its KV (the next position), and on the last stage its token history and, for a
+seeded request, its own random generator (unseeded requests draw from the engine's).
+A step's inputs come in with one embedding call and one scatter of the hidden states
+brought; the hidden states leaving it and the sampled tokens go to the host in one copy
+each (engine/host_copy.py), on the engine's thread.
 """
 
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from helixserve.engine.config import ModelArgs
+from helixserve.engine.host_copy import from_host, to_host
 from helixserve.engine.kv_cache import KVCacheLayout, PagedKVCache
 from helixserve.engine.loader import load_range
 from helixserve.engine.model import (
@@ -184,6 +189,9 @@ class ShardEngine:
             self.allocate_kv(kv_cache_bytes)
         else:  # a placeholder of one block until `allocate_kv`
             self.kv = PagedKVCache(self._kv_layout, 1, device)
+        self._generator = torch.Generator(device=device)
+        """Unseeded requests' draws (seeded ones have their own generator)."""
+        self._generator.manual_seed(random.SystemRandom().getrandbits(62))
         self.last_logits: torch.Tensor | None = None
         """Logits of the rows sampled in the last step, [num_sampled, vocab] (tests, debugging)."""
 
@@ -370,7 +378,7 @@ class ShardEngine:
         if 2 * layers * d * a.num_kv_heads * cap * a.head_dim * elem > DENSE_DECODE_MAX_BYTES:
             return None
         plan.dense_rows = torch.arange(d, device=self.device)
-        plan.dense_pos = torch.tensor(positions, device=self.device)
+        plan.dense_pos = from_host(positions, self.device)
         # Attend to positions <= each row's own; the rest of the capacity is masked.
         past = torch.arange(cap, device=self.device)[None, :] > plan.dense_pos[:, None]
         bias = torch.zeros(d, a.num_kv_heads, 1, cap, dtype=self.dtype, device=self.device)
@@ -420,16 +428,29 @@ class ShardEngine:
             self._history.pop(request_id, None)
 
     def _input_rows(self, items: list[WorkItem]) -> torch.Tensor:
-        parts = []
+        """x: [total_tokens, hidden]. One embedding call over every row (rows that bring
+        hidden states look up token 0, then are overwritten), one host-to-device copy of the
+        brought hidden states and one scatter of them; no per-item copies."""
+        ids: list[int] = []
+        brought: list[torch.Tensor] = []
+        brought_rows: list[int] = []
         for it in items:
             if it.start_layer == 0:
-                ids = torch.tensor(it.token_ids, dtype=torch.long, device=self.device)
-                assert self.embed is not None, "layer 0 is held, so the embedding is loaded"
-                parts.append(F.embedding(ids, self.embed))
+                ids += it.token_ids
             else:
                 assert isinstance(it.hidden, torch.Tensor), "wire hidden states are tensors here"
-                parts.append(it.hidden.to(device=self.device, dtype=self.dtype))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+                brought.append(it.hidden)  # [num_tokens, hidden], on the host
+                brought_rows += range(len(ids), len(ids) + len(it.token_ids))
+                ids += [0] * len(it.token_ids)
+        host = brought[0] if len(brought) == 1 else torch.cat(brought) if brought else None
+        hidden = None if host is None else host.to(device=self.device, dtype=self.dtype)
+        if hidden is not None and len(brought_rows) == len(ids):
+            return hidden
+        assert self.embed is not None, "layer 0 is held, so the embedding is loaded"
+        x = F.embedding(from_host(ids, self.device), self.embed)
+        if hidden is not None:
+            x.index_copy_(0, from_host(brought_rows, self.device), hidden)
+        return x
 
     @staticmethod
     def _rows(offsets: list[int], active: tuple[int, ...]) -> torch.Tensor:
@@ -467,16 +488,16 @@ class ShardEngine:
         max_ctx = 0
         if decode_rows:
             max_ctx = max(decode_lens)
-            d_rows = torch.tensor(decode_rows, device=dev)
+            d_rows = from_host(decode_rows, dev)
             d_blocks = self.kv.context_blocks(decode_ids, max_ctx).reshape(-1)  # [d * nb]
             if min(decode_lens) != max_ctx:
-                lens = torch.tensor(decode_lens, device=dev)
+                lens = from_host(decode_lens, dev)
                 d_mask = torch.arange(max_ctx, device=dev)[None, :] < lens[:, None]
                 d_mask = d_mask[:, None, None, :]  # [d, 1, 1, max_ctx]
-        pos_t = torch.tensor(positions, device=dev)
+        pos_t = from_host(positions, dev)
         cos, sin = self.rope.qkv_tables(pos_t, max(positions))
         return AttentionPlan(
-            slots=torch.tensor(slots, device=dev),
+            slots=from_host(slots, dev),
             cos=cos,
             sin=sin,
             decode_rows=d_rows,
@@ -493,9 +514,9 @@ class ShardEngine:
     ) -> list[ItemOutput]:
         outs = [ItemOutput(it.request_id) for it in items]
         to_sample: list[int] = []
+        self._hidden_outputs(items, offsets, x, outs)
         for i, it in enumerate(items):
             if it.end_layer < self.num_model_layers:
-                outs[i].hidden = x[offsets[i] : offsets[i + 1]]  # [num_tokens, hidden]
                 continue
             hist = self._history.setdefault(it.request_id, RequestHistory())
             self._record_tokens(hist, it)
@@ -508,17 +529,40 @@ class ShardEngine:
                 to_sample.append(i)
         if to_sample:
             assert self.final_norm is not None and self.lm_head is not None
-            last_rows = torch.tensor([offsets[i + 1] - 1 for i in to_sample], device=self.device)
-            h = rms_norm(x[last_rows], self.final_norm, self.args.rms_norm_eps)
+            last_rows = [offsets[i + 1] - 1 for i in to_sample]
+            rows = x if len(last_rows) == x.shape[0] else x[from_host(last_rows, self.device)]
+            h = rms_norm(rows, self.final_norm, self.args.rms_norm_eps)
             logits = self.lm_head(h)  # [num_sampled, vocab]
             self.last_logits = logits
             params = [items[i].sampling or SamplingParams() for i in to_sample]
             hists = [self._history[items[i].request_id] for i in to_sample]
-            for i, res in zip(to_sample, sample_rows(logits, params, hists), strict=True):
+            results = sample_rows(logits, params, hists, self._generator)
+            for i, res in zip(to_sample, results, strict=True):
                 outs[i].token_id, outs[i].logprob = res.token_id, res.logprob
                 outs[i].top_logprobs = res.top_logprobs
                 self._history[items[i].request_id].sampled_once = True
         return outs
+
+    def _hidden_outputs(self, items: list[WorkItem], offsets: list[int], x: torch.Tensor,
+                        outs: list[ItemOutput]) -> None:
+        """The hidden states of the items that end before the model's last layer, taken off
+        the device in one copy (pinned, on this engine thread); each output is a view of it.
+        x: [total_tokens, hidden]."""
+        leaving = [i for i, it in enumerate(items) if it.end_layer < self.num_model_layers]
+        if not leaving:
+            return
+        if len(leaving) == len(items):
+            host, starts = to_host(x), offsets
+        else:
+            rows: list[int] = []
+            starts = [0] * (len(items) + 1)
+            for i in leaving:
+                starts[i] = len(rows)
+                rows.extend(range(offsets[i], offsets[i + 1]))
+            host = to_host(x[from_host(rows, self.device)])
+        for i in leaving:
+            n = offsets[i + 1] - offsets[i]
+            outs[i].hidden = host[starts[i] : starts[i] + n]  # [num_tokens, hidden]
 
     @staticmethod
     def _prompt_end(it: WorkItem, hist: RequestHistory) -> int | None:

@@ -12,8 +12,8 @@ from engine_testlib import GREEDY
 from helixserve.engine import ShardEngine, WorkItem
 from helixserve.engine.sampling import (
     RequestHistory,
-    apply_penalties,
-    filter_support,
+    adjust_logits,
+    exact_support_,
     sample_rows,
 )
 from helixserve.errors import UserError
@@ -81,7 +81,7 @@ def test_tiny_top_p_keeps_the_top_token(top_p):
     the top token must stay, not leave softmax all NaN (the API answered 500)."""
     params = SamplingParams(seed=3, temperature=1.0, top_p=top_p)
     assert set(_support(params, draws=50)) == {0}
-    row = filter_support(LOGITS.clone(), params)
+    row = exact_support_(LOGITS.clone()[None], [params])[0]
     assert torch.isfinite(row[0]) and torch.isinf(row[1:]).all()
 
 
@@ -115,14 +115,14 @@ def test_penalties_change_logits_as_specified():
     hist = RequestHistory()
     hist.add_tokens([0, 1], generated=False)  # prompt
     hist.add_tokens([3, 3, 2], generated=True)  # output
-    rep = logits.clone()
-    apply_penalties(rep, SamplingParams(repetition_penalty=2.0), hist)
+    rep = logits.clone()[None]
+    adjust_logits(rep, [SamplingParams(repetition_penalty=2.0)], [hist])
     # Every seen id (prompt or output): positive / 2, negative * 2; id 4 untouched.
-    assert rep.tolist() == [1.0, -2.0, 0.25, 1.5, -2.0]
-    pf = logits.clone()
-    apply_penalties(pf, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), hist)
+    assert rep[0].tolist() == [1.0, -2.0, 0.25, 1.5, -2.0]
+    pf = logits.clone()[None]
+    adjust_logits(pf, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [hist])
     # Only generated ids: minus presence once plus frequency per occurrence; prompt ids untouched.
-    assert pf.tolist() == [2.0, -1.0, 0.5 - 0.75, 3.0 - 1.0, -2.0]
+    assert pf[0].tolist() == [2.0, -1.0, 0.5 - 0.75, 3.0 - 1.0, -2.0]
 
 
 def test_penalty_turns_greedy_choice():
