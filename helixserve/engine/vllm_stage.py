@@ -29,6 +29,7 @@ starting at layer 0 enters as (embedding, zeros), the same as vLLM's first layer
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,9 @@ class VllmStageEngine:
         eos = config.get("eos_token_id")
         self.eos_token_ids = [] if eos is None else list(eos) if isinstance(eos, list) else [eos]
         self.device, self.dtype = device, dtype
+        #: unseeded requests' draws (seeded ones have their own generator), as the torch engine
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(random.SystemRandom().getrandbits(62))
         self.is_first = start_layer == 0
         self.is_last = end_layer == self.num_model_layers
         self.loaded_tensor_names = built.loaded_tensor_names
@@ -363,7 +367,8 @@ class VllmStageEngine:
         logits = torch.stack([row for _, row in to_sample])  # [num_sampled, vocab]
         params = [by_id[rid].sampling or SamplingParams() for rid, _ in to_sample]
         hists = [self._history[rid] for rid, _ in to_sample]
-        for (rid, _), res in zip(to_sample, sample_rows(logits, params, hists), strict=True):
+        for (rid, _), res in zip(to_sample, sample_rows(logits, params, hists,
+                                                            self._generator), strict=True):
             outs[rid].token_id, outs[rid].logprob = res.token_id, res.logprob
             outs[rid].top_logprobs = res.top_logprobs
             self._history[rid].sampled_once = True
