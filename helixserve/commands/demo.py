@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         prepare_demo,
         run_stack,
         usage_examples,
+        workers_with_layers,
     )
     from helixserve.runtime.costs import CostInputs
 
@@ -164,17 +165,21 @@ def run(args: argparse.Namespace) -> int:
     if fraction < 0:
         raise UserError(f"--worker-link-fraction: must be >= 0, got {fraction}")
     files = prepare_demo(workdir, args.host, memory_gb, args.reprofile, fraction or None, log)
+    # a node the planner gave no layers runs no worker (its worker would exit at start)
+    to_start, unplaced = workers_with_layers(files.workers, files.placement)
+    for node in unplaced:
+        log(f"demo: {node}: no layers in this placement, not started")
     workers = WorkerProcesses(
         files.model_dir,
         files.placement_path,
-        files.workers,
+        to_start,
         workdir / "logs",
         num_threads=args.worker_threads,
         extra_args=["--kv-cache-bytes", str(args.worker_kv_cache_mb * 2**20),
                     "--engine", args.engine],
         # given certificates: the coordinator's, and each worker's <node>.crt/.key beside it
         # (the layout of `certs create`); else dev ones in workdir
-        credentials=None if tls is None else _given_credentials(tls, [w.node for w in files.workers]),
+        credentials=None if tls is None else _given_credentials(tls, [w.node for w in to_start]),
         insecure=args.insecure,
     )
     if args.insecure:
@@ -189,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         name = args.served_model_name or files.model_dir.name
         print(usage_examples(args.host, args.port, name, api_key), flush=True)
 
-    log(f"demo: starting {len(files.workers)} workers (logs in {workdir / 'logs'})")
+    log(f"demo: starting {len(to_start)} workers (logs in {workdir / 'logs'})")
     try:
         asyncio.run(
             run_stack(

@@ -43,7 +43,10 @@ class DemoFiles:
     profiles_path: Path | None
     cluster_path: Path
     placement_path: Path
+    #: every node of the cluster file; `workers_with_layers` says which to start
     workers: list[WorkerSpec]
+    #: the placement in `placement_path`
+    placement: Any = None
 
 
 def default_workdir() -> Path:
@@ -166,8 +169,23 @@ def prepare_demo(
             "loopback and nothing is throttled"
         )
         write_local_cluster(cluster_path, "local-demo", workers, memory_gb, round(gbps, 9))
-        plan_placement(model_dir, cluster_path, profiles, placement_path)
-    return DemoFiles(workdir, model_dir, profiles, cluster_path, placement_path, workers)
+        placement = plan_placement(model_dir, cluster_path, profiles, placement_path)
+    return DemoFiles(workdir, model_dir, profiles, cluster_path, placement_path, workers,
+                     placement)
+
+
+def workers_with_layers(workers: list[WorkerSpec],
+                        placement: Any) -> tuple[list[WorkerSpec], list[str]]:
+    """The workers to start: those of the nodes the placement gives layers (in `workers`'
+    order), and the names of the others. A planner may leave a node without layers (a
+    small memory budget, or a faster chain without it); a worker started for it would exit
+    ("no node holds layers") and take the demo down."""
+    placed = {n.name for n in placement.nodes}
+    start = [w for w in workers if w.node in placed]
+    if not start:
+        raise UserError(f"placement: no layers on any of the nodes "
+                        f"{', '.join(w.node for w in workers)}")
+    return start, [w.node for w in workers if w.node not in placed]
 
 
 def describe_placement(placement: Any, cluster: Any, predicted: bool = True) -> str:

@@ -21,6 +21,13 @@ leaves when the link has sent everything queued before it (serialization at
 tokens on the coordinator's stream, flow control) travel the reverse link. Times are x
 `time_scale` (bandwidth / K, latency x K), as the emulated GPUs' are.
 
+A caller whose socket is not in /proc/net/tcp(6) (that table is read in pieces while
+connections come and go, and an entry can be missed on a busy host) is looked up again,
+waiting longer each time; one still not found is `UNATTRIBUTED`: its bytes are forwarded
+without limits and counted apart (the stats file's "unattributed", `read_unattributed`),
+never credited to the coordinator. Only a socket found and held by none of the workers is
+the other source's (the coordinator's).
+
 A pair the cluster file gives no link (`ClusterSpec.link` is None: bandwidth 0) should carry
 nothing, since no route uses it; if it does, its bytes are forwarded without limits and
 counted under that pair with `"unlinked": true`, so the report shows it.
@@ -160,6 +167,11 @@ class ProxyConfig:
 #: times a caller not found among the workers is looked up again, and the wait between
 RESOLVE_RETRIES = 5
 RESOLVE_RETRY_S = 0.02
+#: a caller whose socket was not found at all is looked up this many more times, the wait
+#: doubling from RESOLVE_RETRY_S (about 1.3 s in all), before it counts as UNATTRIBUTED
+MISS_RETRIES = 6
+#: the source of a connection whose caller could not be found (module doc)
+UNATTRIBUTED = "unattributed"
 
 
 def socket_inode(host: str, port: int) -> int | None:
@@ -198,7 +210,9 @@ def pid_holding(inode: int, pids: list[int]) -> int | None:
 
 
 class SourceResolver:
-    """Machine name of a connection's peer, via the process that holds its socket."""
+    """Machine name of a connection's peer, via the process that holds its socket: a worker's
+    name, `other` when the socket was found and none of the workers holds it, UNATTRIBUTED
+    when the socket was not found (a miss, or a caller already gone)."""
 
     def __init__(self, pids: dict[int, str], other: str) -> None:
         self.pids = pids
@@ -206,8 +220,10 @@ class SourceResolver:
 
     def __call__(self, peer: tuple[str, int]) -> str:
         inode = socket_inode(peer[0], peer[1])
-        pid = pid_holding(inode, list(self.pids)) if inode is not None else None
-        return self.pids.get(pid, self.other) if pid is not None else self.other
+        if not inode:  # not listed, or listed without a socket (0: closed, TIME_WAIT)
+            return UNATTRIBUTED
+        pid = pid_holding(inode, list(self.pids))
+        return self.other if pid is None else self.pids[pid]
 
 
 # ---- the proxy -----------------------------------------------------------------------------
@@ -258,15 +274,8 @@ class LinkProxy:
         self._tasks.add(task)
         try:
             peer = writer.get_extra_info("peername")
-            src = self.resolve((peer[0], peer[1])) if peer else self.config.other_source
-            # A worker's socket may not be found at once on a loaded host (seen: a t0 -> t1
-            # connection counted as the coordinator's); ask again before taking the peer for
-            # the other source, which costs only the coordinator's connections a short wait
-            for _ in range(RESOLVE_RETRIES if peer else 0):
-                if src != self.config.other_source:
-                    break
-                await asyncio.sleep(RESOLVE_RETRY_S)
-                src = self.resolve((peer[0], peer[1]))
+            src = (await self._source((peer[0], peer[1])) if peer
+                   else self.config.other_source)
             key = (src, route.node)
             self.connections[key] = self.connections.get(key, 0) + 1
             try:
@@ -284,6 +293,27 @@ class LinkProxy:
                         w.close()
         finally:
             self._tasks.discard(task)
+
+    async def _source(self, peer: tuple[str, int]) -> str:
+        """Who is calling from `peer`. A worker's socket may not be found at once on a loaded
+        host (seen: a t0 -> t1 connection, and 1.1 GB to n9, counted as the coordinator's):
+        ask again before taking the peer for the other source, which costs only the
+        coordinator's connections a short wait; a socket never found is UNATTRIBUTED."""
+        src = self.resolve(peer)
+        other = self.config.other_source
+        for _ in range(RESOLVE_RETRIES):
+            if src not in (other, UNATTRIBUTED):
+                return src
+            await asyncio.sleep(RESOLVE_RETRY_S)
+            src = self.resolve(peer)
+        wait_s = RESOLVE_RETRY_S
+        for _ in range(MISS_RETRIES):
+            if src != UNATTRIBUTED:
+                break
+            await asyncio.sleep(wait_s)
+            wait_s *= 2
+            src = self.resolve(peer)
+        return src
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     link: Link) -> None:
@@ -319,9 +349,12 @@ class LinkProxy:
             sender.cancel()
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per directed link that carried a connection: bytes, chunks, connections, shape."""
+        """Per directed link between machines that carried a connection: bytes, chunks,
+        connections, shape (UNATTRIBUTED traffic is in `unattributed`)."""
         out: dict[str, dict[str, Any]] = {}
         for (src, dst), link in sorted(self.links.items()):
+            if UNATTRIBUTED in (src, dst):
+                continue
             out[f"{src}->{dst}"] = {
                 "src": src, "dst": dst, "bytes": link.bytes_sent, "chunks": link.chunks,
                 "connections": self.connections.get((src, dst), 0),
@@ -330,11 +363,27 @@ class LinkProxy:
             }
         return out
 
+    def unattributed(self) -> dict[str, dict[str, int]]:
+        """Per machine called by a caller that was not found: bytes to it ("bytes_in"), bytes
+        of its replies ("bytes_out") and connections."""
+        nodes = sorted({dst if src == UNATTRIBUTED else src
+                        for src, dst in self.links if UNATTRIBUTED in (src, dst)})
+
+        def sent(key: tuple[str, str]) -> int:
+            link = self.links.get(key)
+            return 0 if link is None else link.bytes_sent
+
+        return {node: {"bytes_in": sent((UNATTRIBUTED, node)),
+                       "bytes_out": sent((node, UNATTRIBUTED)),
+                       "connections": self.connections.get((UNATTRIBUTED, node), 0)}
+                for node in nodes}
+
     def write_stats(self) -> None:
         self.writes += 1
         path = Path(self.config.stats_path)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"writes": self.writes, "links": self.stats()}))
+        tmp.write_text(json.dumps({"writes": self.writes, "links": self.stats(),
+                                   "unattributed": self.unattributed()}))
         os.replace(tmp, path)  # a reader never sees half a file
 
 
@@ -345,6 +394,15 @@ def read_stats(path: str | Path) -> tuple[int, dict[str, dict[str, Any]]]:
         return int(raw["writes"]), dict(raw["links"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0, {}
+
+
+def read_unattributed(path: str | Path) -> dict[str, dict[str, int]]:
+    """Per machine, the traffic of callers that were not found (`LinkProxy.unattributed`);
+    {} before the proxy wrote any, or when all were found."""
+    try:
+        return dict(json.loads(Path(path).read_text()).get("unattributed", {}))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
 
 
 async def run_proxy(config_path: str) -> None:

@@ -80,6 +80,9 @@ class Coordinator:
     step_timeout_s: float
     #: CoordinatorConfig.admission_timeout_s (set by `create`)
     admission_timeout_s: float = CoordinatorConfig.admission_timeout_s
+    #: CoordinatorConfig.hang_timeout_s (set by `create`): also the re-route health check's
+    #: deadline
+    hang_timeout_s: float = CoordinatorConfig.hang_timeout_s
 
     def __init__(self, placement: Any, model_dir: Path, router: Any, max_queue: int,
                  max_reroutes: int, stats_interval_s: float, kv_allocation: str = "on-demand",
@@ -164,6 +167,7 @@ class Coordinator:
             await self.recovery.install_actual()
         self.step_timeout_s = cfg.step_timeout_s
         self.admission_timeout_s = cfg.admission_timeout_s
+        self.hang_timeout_s = cfg.hang_timeout_s
         self.tokenizer = await tokenizer_task
         self.dispatch.chunk_tokens = startup.chunk_tokens(self.nodes.values(),
                                                           cfg.prefill_chunk_tokens)
@@ -406,8 +410,11 @@ class Coordinator:
                                      f"{fl.reroutes} re-routes)")
         log.warning("re-routing %s: %s", fl.internal_id, reason)
         # Which hop failed? A worker reports an unreachable next hop before this coordinator's
-        # own stream to it breaks: ask every hop, so the new route avoids the dead one.
-        await asyncio.gather(*(self.nodes[h.name].check_alive() for h in fl.hops))
+        # own stream to it breaks: ask every hop, so the new route avoids the dead one. The
+        # deadline is the one a live worker's Info gets (hang_timeout_s, scaled by rehearsals):
+        # a busy host's worker must not go down on one slow answer.
+        await asyncio.gather(*(self.nodes[h.name].check_alive(self.hang_timeout_s)
+                               for h in fl.hops))
         self.reroutes += 1
         try:
             self.core.reroute(fl.internal_id, counted=not stale)

@@ -207,8 +207,11 @@ class NodeClient:
 
     # ---- unary calls -----------------------------------------------------------------------
 
-    async def check_alive(self, timeout_s: float = 1.0) -> bool:
-        """Health check; a node that is not SERVING (dead, draining) is reported down."""
+    async def check_alive(self, timeout_s: float) -> bool:
+        """Health check; a node that is not SERVING (dead, draining) or that does not answer
+        within `timeout_s` is reported down. The coordinator passes its hang_timeout_s (the
+        deadline it gives a live worker's Info call): a 1 s deadline took nodes of a
+        saturated host down on one slow answer."""
         if not self.alive or self._channel is None:
             return False
         health = health_pb2_grpc.HealthStub(self._channel)

@@ -117,9 +117,10 @@ def prefill_chunk_tokens(hidden_size: int, dtype: torch.dtype | str,
 # ---- tensors ----------------------------------------------------------------------------
 
 
-def tensor_to_pb(t: torch.Tensor | RawHidden) -> pb.Tensor:
+def _wire_fields(t: torch.Tensor | RawHidden) -> tuple[str, list[int], bytes]:
+    """(dtype name, shape, row-major bytes) of hidden states or any tensor."""
     if isinstance(t, RawHidden):
-        return pb.Tensor(dtype=t.dtype, shape=list(t.shape), data=t.data)
+        return t.dtype, list(t.shape), t.data
     import torch
 
     t = t.detach()
@@ -128,7 +129,30 @@ def tensor_to_pb(t: torch.Tensor | RawHidden) -> pb.Tensor:
     t = t.contiguous()
     # Reinterpret as bytes: works for bf16, which numpy cannot represent.
     data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-    return pb.Tensor(dtype=dtype_name(t.dtype), shape=list(t.shape), data=data)
+    return dtype_name(t.dtype), list(t.shape), data
+
+
+def raw_hidden(t: torch.Tensor | RawHidden) -> RawHidden:
+    """Hidden states as their wire bytes (a tensor is copied off its device once)."""
+    if isinstance(t, RawHidden):
+        return t
+    dtype, shape, data = _wire_fields(t)
+    return RawHidden(dtype, tuple(shape), data)
+
+
+def tensor_to_pb(t: torch.Tensor | RawHidden) -> pb.Tensor:
+    dtype, shape, data = _wire_fields(t)
+    return pb.Tensor(dtype=dtype, shape=shape, data=data)
+
+
+def set_tensor_pb(dst: pb.Tensor, t: torch.Tensor | RawHidden) -> None:
+    """Write `t` into `dst` (a field of a message being built) in place: the bytes are copied
+    once, into the message (through `tensor_to_pb` and `CopyFrom` they are copied twice more)."""
+    dtype, shape, data = _wire_fields(t)
+    dst.dtype = dtype
+    del dst.shape[:]
+    dst.shape.extend(shape)
+    dst.data = data
 
 
 def tensor_from_pb(
@@ -138,14 +162,17 @@ def tensor_from_pb(
     rank, each fixed dim (None = any) and byte length; the result has the message's dtype."""
     import torch
 
-    got_shape = _checked_shape(msg, where, shape, dtype)
+    # Each read of a bytes field copies it (upb hands out a new bytes object): read it once.
+    data = msg.data
+    got_shape = _checked_shape(msg, where, shape, dtype, data)
     # bytearray: torch needs a writable buffer, and the engine may work in place.
-    return torch.frombuffer(bytearray(msg.data), dtype=getattr(torch, msg.dtype)).view(got_shape)
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, msg.dtype)).view(got_shape)
 
 
 def _checked_shape(msg: pb.Tensor, where: str, shape: Sequence[int | None],
-                   dtype: torch.dtype | str | None) -> list[int]:
-    """The message's shape, after checking its dtype, rank, fixed dims and byte length."""
+                   dtype: torch.dtype | str | None, data: bytes | None = None) -> list[int]:
+    """The message's shape, after checking its dtype, rank, fixed dims and byte length.
+    `data`: `msg.data` when the caller has read it already (each read copies the bytes)."""
     if msg.dtype not in _ITEMSIZE or (dtype is not None and msg.dtype != dtype_name(dtype)):
         want = dtype_name(dtype) if dtype is not None else " | ".join(_ITEMSIZE)
         raise WireError(f"{where}.dtype: got {msg.dtype!r}, expected {want}")
@@ -159,9 +186,10 @@ def _checked_shape(msg: pb.Tensor, where: str, shape: Sequence[int | None],
         raise WireError(f"{where}.shape: dims must be positive, got {got_shape}")
     itemsize = _ITEMSIZE[msg.dtype]
     want_bytes = math.prod(got_shape) * itemsize
-    if len(msg.data) != want_bytes:
+    got_bytes = len(msg.data if data is None else data)
+    if got_bytes != want_bytes:
         raise WireError(
-            f"{where}.data: {len(msg.data)} bytes, expected {want_bytes} "
+            f"{where}.data: {got_bytes} bytes, expected {want_bytes} "
             f"(shape {got_shape} x {itemsize} bytes of {msg.dtype})"
         )
     return got_shape
@@ -177,8 +205,9 @@ def hidden_from_pb(msg: pb.Tensor, where: str, num_tokens: int,
     engine) gets the checked bytes as RawHidden, in the sender's dtype, without torch.
     """
     if isinstance(expect.dtype, str):
-        shape = _checked_shape(msg, where, (num_tokens, expect.hidden_size), None)
-        return RawHidden(msg.dtype, tuple(shape), msg.data)
+        data = msg.data  # one read: each copies the bytes
+        shape = _checked_shape(msg, where, (num_tokens, expect.hidden_size), None, data)
+        return RawHidden(msg.dtype, tuple(shape), data)
     import torch
 
     hidden = tensor_from_pb(msg, where, (num_tokens, expect.hidden_size))
@@ -307,7 +336,7 @@ def item_to_pb(item: WireItem, route_pb: list[pb.Hop] | None = None) -> pb.WorkI
         num_prompt_tokens=item.num_prompt_tokens or 0,
     )
     if item.hidden is not None:
-        msg.hidden.CopyFrom(tensor_to_pb(item.hidden))
+        set_tensor_pb(msg.hidden, item.hidden)
     sampling = sampling_to_pb(item.sampling)
     if sampling is not None:
         msg.sampling.CopyFrom(sampling)
@@ -318,16 +347,31 @@ def forward_item_pb(msg: pb.WorkItem, hidden: torch.Tensor | RawHidden,
                     compute_s: float) -> pb.WorkItem:
     """The same item for the next hop: hidden states replace nothing else. A continuation item
     (empty route) stays one: the next hop keeps the request's route too."""
-    if not msg.route:
-        return pb.WorkItem(request_id=msg.request_id, step_id=msg.step_id,
-                           position=msg.position, token_ids=msg.token_ids, sample=msg.sample,
-                           compute_s=compute_s, hidden=tensor_to_pb(hidden))
     out = pb.WorkItem()
-    out.CopyFrom(msg)
-    out.hop_index = msg.hop_index + 1
-    out.compute_s = compute_s
-    out.hidden.CopyFrom(tensor_to_pb(hidden))
+    forward_item_into(out, msg, hidden, compute_s)
     return out
+
+
+def forward_item_into(dst: pb.WorkItem, msg: pb.WorkItem, hidden: torch.Tensor | RawHidden,
+                      compute_s: float) -> None:
+    """`forward_item_pb` written into `dst` (an item of an outgoing batch, or a new message):
+    the hidden states' bytes are copied once, into `dst` itself. `msg` should come without
+    hidden states (the worker clears the previous hop's): a full item's are copied, then
+    replaced."""
+    if msg.route:
+        # a full item: everything but the hidden states, then the next hop's index
+        dst.CopyFrom(msg)
+        dst.hop_index = msg.hop_index + 1
+    else:
+        # a continuation item stays one: only what changed
+        dst.Clear()
+        dst.request_id = msg.request_id
+        dst.step_id = msg.step_id
+        dst.position = msg.position
+        dst.token_ids.extend(msg.token_ids)
+        dst.sample = msg.sample
+    dst.compute_s = compute_s
+    set_tensor_pb(dst.hidden, hidden)
 
 
 def continuation_to_pb(request_id: str, step_id: int, position: int,

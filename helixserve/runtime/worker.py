@@ -178,12 +178,12 @@ ITEM_OVERHEAD_BYTES = 512
 class _Outgoing:
     """An item for a next hop, waiting in its `_Peer` queue. Raw hidden states (the emulated
     engine's, which hold only their size until asked for their bytes) become the message
-    when it is written, so a backlog behind a slow hop holds no activations; a tensor is
-    converted at once (a GPU tensor must not wait in a queue)."""
+    when it is written, so a backlog behind a slow hop holds no activations; a tensor becomes
+    its bytes at once (a GPU tensor must not wait in a queue), written into the batch later."""
 
     msg: pb.WorkItem
     """The message to send; with `hidden`, the item as it came here (without its hidden
-    states), turned into the next hop's by `to_pb`."""
+    states), turned into the next hop's by `write_into`."""
     coordinator_id: str
     hidden: RawHidden | None = None
     compute_s: float = 0.0
@@ -198,9 +198,8 @@ class _Outgoing:
             return _Outgoing(msg, coordinator_id, hidden, compute_s,
                              len(hidden.data) if size is None else int(size))
         # hidden: a tensor [num_tokens, hidden_size]
-        size = int(hidden.numel()) * int(hidden.element_size())
-        return _Outgoing(tp.forward_item_pb(msg, hidden, compute_s), coordinator_id,
-                         hidden_bytes=size)
+        raw = tp.raw_hidden(hidden)
+        return _Outgoing(msg, coordinator_id, raw, compute_s, len(raw.data))
 
     def size_bytes(self) -> int:
         """A bound on the bytes the item adds to a message (hidden states, token ids, route
@@ -217,20 +216,14 @@ class _Outgoing:
         return self.msg.step_id
 
     def write_into(self, dst: pb.WorkItem) -> None:
-        """Write the next hop's message into `dst` (an item of the outgoing batch): the same
-        message as `tp.forward_item_pb`, with the raw hidden states' bytes copied once, into
-        the batch itself (through a pb.Tensor and a standalone item they would be copied three
-        times, and each 512-token prefill chunk of LLaMA-2-70B is 8 MiB)."""
-        dst.CopyFrom(self.msg)
+        """Write the next hop's message into `dst` (an item of the outgoing batch): the
+        hidden states' bytes are copied once, into the batch itself (through a pb.Tensor and
+        a standalone item they would be copied three times, and each 512-token prefill chunk
+        of LLaMA-2-70B is 8 MiB)."""
         if self.hidden is None:
-            return
-        if self.msg.route:  # a full item: the next hop's index (a continuation has none)
-            dst.hop_index = self.msg.hop_index + 1
-        dst.compute_s = self.compute_s
-        # hidden: [num_tokens, hidden_size] of dtype, row-major bytes
-        dst.hidden.dtype = self.hidden.dtype
-        dst.hidden.shape.extend(self.hidden.shape)
-        dst.hidden.data = self.hidden.data
+            dst.CopyFrom(self.msg)
+        else:
+            tp.forward_item_into(dst, self.msg, self.hidden, self.compute_s)
 
 
 class _Peer:

@@ -13,25 +13,65 @@ coordinator and workers call the same code. Routing policies are chosen by name:
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from helixserve.errors import UserError
-from helixserve.planner.placement import Placement
-from helixserve.scheduler.base import GraphRouter
-from helixserve.scheduler.baselines import RandomRouter, ShortestQueueRouter, SwarmRouter
-from helixserve.scheduler.maxflow import MaxFlowRouter
-from helixserve.scheduler.options import CLUSTER_FACTS, RouterOptions, router_options
-from helixserve.scheduler.types import NodeState, RequestInfo, Route, Router
 
-#: routing policies by name; each takes (placement, seed=..., **options)
-ROUTERS: dict[str, Callable[..., GraphRouter]] = {
-    "maxflow": MaxFlowRouter,
-    "random": RandomRouter,
-    "shortest-queue": ShortestQueueRouter,
-    "swarm": SwarmRouter,
+if TYPE_CHECKING:  # the real names for type checkers; at run time see __getattr__
+    from helixserve.planner.placement import Placement
+    from helixserve.scheduler.base import GraphRouter
+    from helixserve.scheduler.baselines import RandomRouter, ShortestQueueRouter, SwarmRouter
+    from helixserve.scheduler.maxflow import MaxFlowRouter
+    from helixserve.scheduler.options import CLUSTER_FACTS, RouterOptions, router_options
+    from helixserve.scheduler.types import NodeState, RequestInfo, Route, Router
+
+    ROUTERS: dict[str, Callable[..., GraphRouter]]
+
+#: public name -> submodule that defines it. Loaded when first used, so that importing one
+#: submodule (`batch`, `queue`, `kv`: what a worker needs) does not import the routers,
+#: numpy (`spread`) or the cost model (`options`).
+_EXPORTS = {
+    "GraphRouter": "base",
+    "RandomRouter": "baselines",
+    "ShortestQueueRouter": "baselines",
+    "SwarmRouter": "baselines",
+    "MaxFlowRouter": "maxflow",
+    "CLUSTER_FACTS": "options",
+    "RouterOptions": "options",
+    "router_options": "options",
+    "NodeState": "types",
+    "RequestInfo": "types",
+    "Route": "types",
+    "Router": "types",
 }
+
+
+def _routers() -> dict[str, Callable[..., GraphRouter]]:
+    """Routing policies by name; each takes (placement, seed=..., **options)."""
+    from helixserve.scheduler.baselines import RandomRouter, ShortestQueueRouter, SwarmRouter
+    from helixserve.scheduler.maxflow import MaxFlowRouter
+
+    return {
+        "maxflow": MaxFlowRouter,
+        "random": RandomRouter,
+        "shortest-queue": ShortestQueueRouter,
+        "swarm": SwarmRouter,
+    }
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ROUTERS":
+        value: Any = _routers()
+    else:
+        module = _EXPORTS.get(name)
+        if module is None:
+            raise AttributeError(f"module 'helixserve.scheduler' has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"helixserve.scheduler.{module}"), name)
+    globals()[name] = value
+    return value
 
 
 def make_router(name: str, placement: Placement, seed: int = 0, **options: Any) -> GraphRouter:
@@ -44,11 +84,16 @@ def make_router(name: str, placement: Placement, seed: int = 0, **options: Any) 
     `maxflow`) are refused by a policy that does not take them, and a name that is no option
     at all is refused: a misspelt option must not be silently dropped.
     """
+    from helixserve.scheduler.options import CLUSTER_FACTS, RouterOptions
+
+    # the module's table (once loaded, the same dict: a caller may have added a policy)
+    routers: dict[str, Callable[..., GraphRouter]] = (globals().get("ROUTERS")
+                                                      or __getattr__("ROUTERS"))
     try:
-        cls = ROUTERS[name]
+        cls = routers[name]
     except KeyError:
         raise UserError(
-            f"scheduler: unknown routing policy {name!r}; known: {', '.join(ROUTERS)}"
+            f"scheduler: unknown routing policy {name!r}; known: {', '.join(routers)}"
         ) from None
     accepted = set(inspect.signature(cls).parameters) - {"placement", "seed"}
     known = set(RouterOptions.__annotations__)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from helixserve.errors import UserError
 from helixserve.local.launch import WorkerSpec
-from helixserve.local.stack import flow_routes, write_local_cluster
+from helixserve.local.stack import flow_routes, workers_with_layers, write_local_cluster
 from helixserve.planner import Flow
+from helixserve.planner.placement import NodeRange, Placement
 from helixserve.spec import load_cluster
 
 
@@ -60,3 +64,19 @@ def test_serve_missing_model_dir_is_one_line_exit_2(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 2
     assert "--model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_demo_starts_workers_only_for_nodes_with_layers():
+    """A planner may leave a node without layers; its worker would exit ("no node 'n1' holds
+    layers") and take the demo down, so it is not started."""
+    workers = [WorkerSpec(f"n{i}", "127.0.0.1", 5000 + i) for i in (1, 2, 3)]
+    placement = Placement("m", "local-demo", 30, "milp",
+                          [NodeRange("n3", 0, 12), NodeRange("n2", 12, 30)])
+    start, unplaced = workers_with_layers(workers, placement)
+    assert [w.node for w in start] == ["n2", "n3"] and unplaced == ["n1"]
+    every = Placement("m", "c", 30, "milp", [NodeRange(f"n{i}", 10 * i - 10, 10 * i)
+                                             for i in (1, 2, 3)])
+    assert workers_with_layers(workers, every) == (workers, [])
+    with pytest.raises(UserError, match="no layers on any of the nodes n1, n2, n3"):
+        workers_with_layers(workers, Placement("m", "c", 30, "milp",
+                                               [NodeRange("x", 0, 30)]))

@@ -11,7 +11,9 @@ import socket
 
 import pytest
 
+from helixserve.rehearse import links as links_mod
 from helixserve.rehearse.links import (
+    UNATTRIBUTED,
     UNLIMITED,
     Link,
     LinkProxy,
@@ -22,6 +24,7 @@ from helixserve.rehearse.links import (
     link_table,
     pid_holding,
     read_stats,
+    read_unattributed,
     socket_inode,
 )
 from helixserve.spec.cluster import parse_cluster
@@ -149,3 +152,84 @@ def test_caller_is_found_by_the_process_holding_its_socket():
         finally:
             conn.close()
             client.close()
+
+
+def test_a_socket_found_nowhere_is_unattributed_not_the_coordinators():
+    """Only a caller whose socket is found, and held by none of the workers, is the other
+    source (the coordinator); one not found at all (a missed /proc row) is UNATTRIBUTED."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        client = socket.create_connection(server.getsockname())
+        conn, peer = server.accept()
+        try:
+            assert SourceResolver({}, "coordinator")(peer) == "coordinator"
+        finally:
+            conn.close()
+            client.close()
+    with socket.socket() as gone:
+        gone.bind(("127.0.0.1", 0))
+        port = gone.getsockname()[1]
+    assert socket_inode("127.0.0.1", port) is None
+    assert SourceResolver({os.getpid(): "n7"}, "coordinator")(("127.0.0.1", port)) == UNATTRIBUTED
+
+
+def _run_proxy(tmp_path, resolve, payload_bytes: int = 50_000) -> tuple[dict, dict]:
+    async def main() -> None:
+        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        target = await asyncio.start_server(echo, "127.0.0.1", 0)
+        listen = _free_port()
+        config = ProxyConfig([ProxyRoute("n9", listen, target.sockets[0].getsockname()[1])],
+                             {("coordinator", "n9"): LinkShape(10.0, 0.0),
+                              ("n1", "n9"): LinkShape(10.0, 0.0)}, {},
+                             str(tmp_path / "stats.json"))
+        proxy = LinkProxy(config, resolve=resolve)
+        await proxy.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listen)
+            writer.write(bytes(payload_bytes))
+            await writer.drain()
+            await reader.readexactly(payload_bytes)
+            writer.close()
+            proxy.write_stats()
+        finally:
+            await proxy.close()
+            target.close()
+
+    asyncio.run(main())
+    return read_stats(tmp_path / "stats.json")[1], read_unattributed(tmp_path / "stats.json")
+
+
+@pytest.mark.parametrize(("answers", "credited"), [
+    # a worker's socket missed twice, then found: its own link
+    ([UNATTRIBUTED, UNATTRIBUTED, "n1"], "n1"),
+    # found, but the pid scan missed it once: still the worker's
+    (["coordinator", "n1"], "n1"),
+    # found and held by no worker every time: the coordinator's
+    (["coordinator"] * 20, "coordinator"),
+    # never found: counted apart, not on the coordinator's link
+    ([UNATTRIBUTED] * 20, UNATTRIBUTED),
+])
+def test_a_missed_lookup_is_retried_and_never_credited_to_the_coordinator(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, answers: list[str], credited: str) -> None:
+    monkeypatch.setattr(links_mod, "RESOLVE_RETRY_S", 0.0)
+    asked: list[tuple[str, int]] = []
+
+    def resolve(peer: tuple[str, int]) -> str:
+        asked.append(peer)
+        return answers[min(len(asked), len(answers)) - 1]
+
+    stats, apart = _run_proxy(tmp_path, resolve)
+    if credited == UNATTRIBUTED:
+        assert set(stats) == set()  # neither coordinator->n9 nor any other link
+        assert apart == {"n9": {"bytes_in": 50_000, "bytes_out": 50_000, "connections": 1}}
+        assert len(asked) == 1 + links_mod.RESOLVE_RETRIES + links_mod.MISS_RETRIES
+    else:
+        assert set(stats) == {f"{credited}->n9", f"n9->{credited}"} and apart == {}
+        assert stats[f"{credited}->n9"]["bytes"] == 50_000
+        assert stats[f"{credited}->n9"]["connections"] == 1

@@ -61,7 +61,7 @@ class FakeNode:
         self.released += ids
         return len(ids)
 
-    async def check_alive(self) -> bool:
+    async def check_alive(self, timeout_s: float) -> bool:
         return True
 
     async def close(self) -> None:
@@ -204,6 +204,46 @@ def test_a_reader_cancelled_by_anyio_still_frees_the_kv() -> None:
         await _settle()
         assert not coord.active
         assert all(n.released == [internal] for n in coord.nodes.values())  # type: ignore[attr-defined]
+        await coord.close()
+
+    asyncio.run(main())
+
+
+def test_a_reroute_health_checks_each_hop_with_the_hang_timeout() -> None:
+    """A re-route asks every hop of the failed route whether it is alive, with the deadline a
+    live worker's Info gets (CoordinatorConfig.hang_timeout_s, scaled by rehearsals), not 1 s:
+    on a saturated host one slow answer took a node down."""
+    from helixserve.runtime.config import CoordinatorConfig
+    from helixserve.runtime.transport import UNAVAILABLE
+
+    assert Coordinator.hang_timeout_s == CoordinatorConfig().hang_timeout_s
+
+    async def main() -> None:
+        coord = _coordinator()
+        coord.hang_timeout_s = 37.5  # as `create` sets it from the config
+        a = coord.nodes["a"]
+        deadlines: list[tuple[str, float]] = []
+        failed: list[bool] = []
+        answer = a._answer  # type: ignore[attr-defined]
+
+        def fail_first_sampled(request_id: str, step_id: int, sample: bool) -> None:
+            if sample and not failed:  # the first token: "the next hop is unreachable"
+                failed.append(True)
+                r = WireResult(request_id, step_id, status_code=UNAVAILABLE,
+                               error="next hop fake-b:1 unreachable: UNAVAILABLE")
+                asyncio.get_running_loop().call_soon(coord.inbox.deliver, "a", r)
+            else:
+                answer(request_id, step_id, sample)
+
+        a._answer = fail_first_sampled  # type: ignore[attr-defined]
+        for node in coord.nodes.values():
+            async def check_alive(timeout_s: float, name: str = node.name) -> bool:
+                deadlines.append((name, timeout_s))
+                return True
+            node.check_alive = check_alive  # type: ignore[method-assign]
+        events = [ev async for ev in coord.generate(_request(3))]
+        assert len(events) == 3 and coord.reroutes == 1
+        assert sorted(deadlines) == [("a", 37.5), ("b", 37.5)]
         await coord.close()
 
     asyncio.run(main())

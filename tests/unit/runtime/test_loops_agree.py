@@ -50,7 +50,7 @@ class FakeNode:
     async def release(self, ids: list[str]) -> int:
         return len(ids)
 
-    async def check_alive(self) -> bool:
+    async def check_alive(self, timeout_s: float) -> bool:
         return True
 
     async def close(self) -> None:

@@ -189,3 +189,52 @@ def test_info_reports_the_wire_version_and_message_counts():
     assert (info.wire_version, info.work_messages_out, info.work_items_out) == (2, 3, 48)
     # a worker of an older contract reports no version: full items only
     assert tp.info_from_pb(tp.pb.InfoReply()).wire_version == 0
+
+
+class _CountingTensor:
+    """A pb.Tensor stand-in that counts reads of `data` (each read of a protobuf bytes field
+    copies it: 8 MiB per prefill chunk of LLaMA-2-70B)."""
+
+    def __init__(self, msg):
+        self.dtype, self.shape, self._data, self.reads = msg.dtype, list(msg.shape), msg.data, 0
+
+    @property
+    def data(self):
+        self.reads += 1
+        return self._data
+
+
+def test_hidden_bytes_are_read_once():
+    raw_expect = tp.ExpectedInput(10, 20, 30, 8, "float16")
+    msg = _CountingTensor(tp.tensor_to_pb(torch.randn(2, 8).half()))
+    got = tp.hidden_from_pb(msg, "h", 2, raw_expect)
+    assert msg.reads == 1 and got.shape == (2, 8) and got.dtype == "float16"
+    assert got.data == msg._data
+    msg = _CountingTensor(tp.tensor_to_pb(torch.randn(2, 8)))
+    assert torch.equal(tp.tensor_from_pb(msg, "x", (2, 8), torch.float32).view(-1),
+                       torch.frombuffer(bytearray(msg._data), dtype=torch.float32))
+    assert msg.reads == 1
+    # a wrong length is still named, with the byte counts
+    bad = tp.pb.Tensor(dtype="float16", shape=[2, 8], data=bytes(31))
+    with pytest.raises(tp.WireError, match=r"h\.data: 31 bytes, expected 32"):
+        tp.hidden_from_pb(bad, "h", 2, raw_expect)
+
+
+def test_forward_item_into_writes_over_a_used_item():
+    """The worker writes next-hop items into a batch's items: whatever `dst` held (another
+    item, the previous hop's hidden states) is replaced, as `forward_item_pb` builds it."""
+    from helixserve.engine.protocol import RawHidden
+
+    full = tp.item_to_pb(_item())  # carries hop 1's input hidden states
+    cont = tp.continuation_to_pb("r", 4, 7, [3])
+    for msg, hidden in ((full, torch.ones(2, 8)),
+                        (cont, RawHidden("float32", (1, 8), bytes(32)))):
+        dst = tp.item_to_pb(_item(request_id="old", hidden=torch.randn(5, 8)))
+        tp.forward_item_into(dst, msg, hidden, 0.75)
+        assert dst == tp.forward_item_pb(msg, hidden, 0.75)
+        assert list(dst.hidden.shape) == list(hidden.shape) and dst.compute_s == 0.75
+    assert not dst.route and dst.request_id == "r" and dst.hop_index == 0
+    back = tp.item_from_pb(tp.forward_item_pb(full, torch.ones(2, 8), 0.75),
+                           tp.ExpectedInput(20, 30, 30, 8, torch.float32))
+    assert back.hop_index == 2 and torch.equal(back.hidden, torch.ones(2, 8))
+    assert back.sampling == _item().sampling and back.route == ROUTE

@@ -209,6 +209,13 @@ def test_raw_hidden_states_for_the_next_hop_become_bytes_only_when_written() -> 
     msg = pb.WorkItem()
     out.write_into(msg)
     assert msg == tp.forward_item_pb(cont, RawHidden("float16", (1, 8), bytes(16)), 0.25)
-    # a tensor is converted at once (a GPU tensor must not wait in a queue)
-    now = _Outgoing.of(came, torch.zeros(3, 8), 0.5, CID)
-    assert now.hidden is None and len(now.msg.hidden.data) == 3 * 8 * 4
+    # a tensor becomes its bytes at once (a GPU tensor must not wait in a queue) and is
+    # written like raw hidden states, into the batch
+    t = torch.arange(24, dtype=torch.float32).view(3, 8)
+    now = _Outgoing.of(came, t, 0.5, CID)
+    assert now.hidden is not None and now.hidden_bytes == 3 * 8 * 4
+    t.zero_()  # later changes to the engine's tensor do not reach the queued item
+    msg = pb.WorkItem()
+    now.write_into(msg)
+    assert msg == tp.forward_item_pb(came, torch.arange(24, dtype=torch.float32).view(3, 8), 0.5)
+    assert list(msg.hidden.shape) == [3, 8] and msg.hidden.dtype == "float32"
