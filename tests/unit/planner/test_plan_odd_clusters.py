@@ -158,7 +158,7 @@ def test_reserve_that_leaves_kv_for_too_few_layers_is_an_error(tmp_path, capsys)
             "--jobs", "1"]
     capsys.readouterr()
     assert main([*argv, "--gpu-reserve-gb", "20", "--quiet"]) == 0
-    assert "throughput 0.0" not in capsys.readouterr().out
+    assert "throughput (max flow) 0.0" not in capsys.readouterr().out
     line = one_line_error([*argv, "--gpu-reserve-gb", "30"], capsys)
     assert "odd.yaml: with 30 GB kept per GPU (--gpu-reserve-gb)" in line
     assert "at most 40 of the 60 layers" in line
