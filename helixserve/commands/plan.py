@@ -23,6 +23,8 @@ DEFAULT_SERVE_DURATION_S = {"served": 300.0, "flow": 1200.0}
 FLOW_SHARE = 0.2
 #: portfolio candidates with less max flow than this share of the best are not simulated
 MIN_FLOW_SHARE = 0.5
+#: starts simulated at most, so that most of the budget goes to the climb
+MAX_STARTS = 5
 
 
 def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None:
@@ -424,13 +426,18 @@ class SimScorer:
         from helixserve.planner.parallel import map_in_workers
 
         net = self.net
-        calls = [(net.cluster, net.model, net.cost, self.placement(r), self.requests,
-                  self.config) for r in batch]
-        results = map_in_workers(_simulate, calls, self.jobs)
-        for _, events in results:
+        placed = [self.placement(r) for r in batch]
+        # a placement whose max flow is 0 (the links chain none of its stages) serves
+        # nothing: the router needs flows to route over, so it scores 0 unsimulated
+        runs = [p for p in placed if p.flows]
+        calls = [(net.cluster, net.model, net.cost, p, self.requests, self.config)
+                 for p in runs]
+        results = dict(zip(map(id, runs), map_in_workers(_simulate, calls, self.jobs),
+                           strict=True))
+        for _, events in results.values():
             self.events += events
             clock.charge(events * SIM_EVENT_UNITS)
-        return [value for value, _ in results]
+        return [results[id(p)][0] if id(p) in results else 0.0 for p in placed]
 
 
 @dataclass
@@ -490,9 +497,11 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
         t0 = clock.now()
         end = t0 + (1 - FLOW_SHARE) * budget if counting else started + time_limit_s
         # in the order they are simulated while the budget lasts: the max flow's answer,
-        # petals' (the best served start on helix-mix-42), the regional pipelines, then the
-        # portfolio's other answers by max flow; none whose max flow is under MIN_FLOW_SHARE
-        # of the best (they serve far less: uniform, separate beyond the cap)
+        # the baselines petals' and swarm's (the best served starts on helix-mix-42:
+        # 1,032 and 991 decode tokens/s against the max flow's 762), the regional
+        # pipelines, then the portfolio's other answers by max flow, MAX_STARTS in all;
+        # none whose max flow is under MIN_FLOW_SHARE of the best (they serve far less:
+        # uniform, separate beyond the cap)
         best_of: dict[str, Candidate] = {}
         for c in candidates:
             if c.ranges and (c.source not in best_of
@@ -501,12 +510,15 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
         floor = MIN_FLOW_SHARE * (flow.throughput_tokens_per_s or 0.0)
         others = [c for c in sorted(best_of.values(), key=lambda c: -c.value_tokens_per_s)
                   if c.value_tokens_per_s >= floor]
+        first = ("petals", "swarm")
         starts = [("max flow", ranges_of(flow))]
-        starts += [(f"max flow: {c.source}", c.ranges) for c in others if c.source == "petals"]
+        starts += [(f"max flow: {c.source}", c.ranges) for name in first for c in others
+                   if c.source == name]
         regional = regional_pipelines(cluster, model, cost)
         if regional is not None:
             starts.append(("regional pipelines", ranges_of(regional)))
-        starts += [(f"max flow: {c.source}", c.ranges) for c in others if c.source != "petals"]
+        starts += [(f"max flow: {c.source}", c.ranges) for c in others if c.source not in first]
+        starts = starts[:MAX_STARTS]
         say(f"served objective: {len(starts)} starts, simulated {config.duration_s:.0f} s "
             f"each ({engine} engine)")
         outcome = served_search(net, starts, scorer, end, seed, progress=say)

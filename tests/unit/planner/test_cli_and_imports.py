@@ -61,8 +61,8 @@ def test_plan_picks_the_placement_that_serves_best(tmp_path, capsys):
     the trace; the one with the most simulated decode tokens/s is written."""
     out = tmp_path / "p.json"
     trace = SHARED / "traces" / "azure-llm-conv-2023.csv"
-    assert main(["plan", "--example", "--time-limit", "3", "--quiet", "--out", str(out),
-                 "--serve-trace", str(trace), "--serve-duration", "80"]) == 0
+    assert main(["plan", "--example", "--objective", "flow", "--time-limit", "3", "--quiet",
+                 "--out", str(out), "--serve-trace", str(trace), "--serve-duration", "80"]) == 0
     text = capsys.readouterr().out
     assert "serving selection (vllm engine, 80 s offline, the first 20 s not counted" in text
     table = [line.split() for line in

@@ -222,12 +222,27 @@ def test_serving_selection_skips_candidates_that_serve_nothing(tmp_path, capsys)
         f"2023-11-16 18:15:{10 + i:02d}.0000000,{300 + 10 * i},{40 + i}\n" for i in range(10)))
     out = tmp_path / "chosen.json"
     assert main(["plan", "--cluster", cluster, "--model", str(LLAMA30), "--work-limit", WORK,
-                 "--jobs", "1", "--quiet", "--serve-trace", str(trace), "--serve-duration",
+                 "--jobs", "1", "--quiet", "--objective", "flow", "--serve-trace", str(trace),
+                 "--serve-duration",
                  "20", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "stacked-tiling" in printed
     data = json.loads(out.read_text())
     assert data["throughput_tokens_per_s"] > 0
+    assert [(n["start_layer"], n["end_layer"]) for n in data["nodes"]] == [(0, 60)] * 3
+
+
+def test_served_objective_scores_unlinked_candidates_zero(tmp_path, capsys) -> None:
+    """The served objective on the same unlinked cluster: candidates whose max flow is 0
+    score 0 without a simulation, and the whole-model replicas are kept."""
+    names = ["a", "b", "c"]
+    cluster = write_cluster(tmp_path, [f"{{name: {n}, gpu: A100-80GB}}" for n in names],
+                            coordinator_links_only(names))
+    out = tmp_path / "chosen.json"
+    assert main(["plan", "--cluster", cluster, "--model", str(LLAMA30), "--work-limit", WORK,
+                 "--jobs", "1", "--quiet", "--serve-duration", "20", "--out", str(out)]) == 0
+    assert "served (simulated, vllm engine, 20 s offline" in capsys.readouterr().out
+    data = json.loads(out.read_text())
     assert [(n["start_layer"], n["end_layer"]) for n in data["nodes"]] == [(0, 60)] * 3
 
 
