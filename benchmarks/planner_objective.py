@@ -5,11 +5,11 @@ work clock: `--work-limit`), whose budget includes the max-flow portfolio's answ
 `--objective flow` returns in the same share); then the served placement, the max-flow
 answer and the Helix authors' Gurobi placement (benchmarks/helix-placements/) are each
 simulated as `helixserve simulate --offline` does, in every engine model asked for
-(default `vllm` and `helix-prototype`). Printed and written: max flows, what the planner
+(default `vllm` and `helix-prototype`; the max-flow answer in the first only). Printed and written: max flows, what the planner
 predicted each serves (its own scorer's run), what each serves simulated, and the ratios
 milp / authors by the max-flow evaluator, by the planner's prediction and simulated.
 
-    python -m benchmarks.planner_objective --work-limit 300 \\
+    python -m benchmarks.planner_objective --work-limit 100 \\
         --json benchmarks/results/planner_objective.json
 
 Everything is simulated and deterministic for the work limit and the seed.
@@ -83,21 +83,19 @@ def run_cluster(name: str, args: argparse.Namespace, requests: list[Any]) -> dic
         flow = evaluate(cluster, model, cost, p).throughput_tokens_per_s
         row: dict[str, Any] = {"max_flow_tokens_per_s": round(flow, 1),
                                "nodes": [[r.name, r.start_layer, r.end_layer] for r in p.nodes]}
-        for engine in args.engines:
+        for engine in args.engines if label != "max-flow answer" else args.engines[:1]:
             engine_cost = CostModel(model, profiles,
                                     reserved_gb_per_gpu=engine_gpu_reserve_gb(engine))
             row[engine] = round(simulate(cluster, model, engine_cost, p, requests, engine,
                                          args.duration, args.warmup), 1)
             print(f"  [{name}] {label}: {engine} {row[engine]:,.1f} decode tokens/s", flush=True)
         out["placements"][label] = row
-    # what the planner predicted: its scorer's number for milp; the authors' placement and
-    # the max-flow answer scored the same way (the scorer's config), for the ratio
+    # what the planner predicted: its scorer's number for milp, and the authors' placement
+    # scored the same way (the scorer's window), for the ratio
     scorer_cfg = planned.config
-    pred = {}
-    for label in ("milp", "authors"):
-        p = placements[label]
-        pred[label] = simulate(cluster, model, cost, p, requests, "vllm",
-                               scorer_cfg.duration_s, scorer_cfg.warmup_s)
+    pred = {"milp": planned.outcome.best.served_tokens_per_s,
+            "authors": simulate(cluster, model, cost, authors, requests, "vllm",
+                                scorer_cfg.duration_s, scorer_cfg.warmup_s)}
     rows = out["placements"]
     out["ratios_milp_over_authors"] = {
         "max_flow": round(rows["milp"]["max_flow_tokens_per_s"]
@@ -105,9 +103,8 @@ def run_cluster(name: str, args: argparse.Namespace, requests: list[Any]) -> dic
         "predicted_served": round(pred["milp"] / pred["authors"], 3),
         **{engine: round(rows["milp"][engine] / rows["authors"][engine], 3)
            for engine in args.engines},
-        **{f"max-flow answer {engine}": round(rows["max-flow answer"][engine]
-                                              / rows["authors"][engine], 3)
-           for engine in args.engines},
+        f"max-flow answer {args.engines[0]}": round(
+            rows["max-flow answer"][args.engines[0]] / rows["authors"][args.engines[0]], 3),
     }
     out["predicted_served_tokens_per_s"] = {k: round(v, 1) for k, v in pred.items()}
     print(f"  [{name}] ratios milp / authors: {out['ratios_milp_over_authors']}", flush=True)
@@ -117,8 +114,8 @@ def run_cluster(name: str, args: argparse.Namespace, requests: list[Any]) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=list(CLUSTERS))
-    ap.add_argument("--work-limit", type=float, default=300.0,
-                    help="plan --work-limit of the served objective (default 300)")
+    ap.add_argument("--work-limit", type=float, default=100.0,
+                    help="plan --work-limit of the served objective (default 100)")
     ap.add_argument("--serve-duration", type=float, default=300.0,
                     help="the served objective's simulated seconds per placement")
     ap.add_argument("--engines", nargs="+", default=["vllm", "helix-prototype"])

@@ -114,7 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "docs/planner.md, 'The served objective'")
     p.add_argument("--time-limit", type=finite_float, default=None, metavar="SECONDS",
                    help="wall-clock budget of the milp planner (default 300 with the served "
-                   f"objective, {FLOW_SHARE:.0%} of it for the max-flow portfolio; 60 with "
+                   f"objective, {FLOW_SHARE * 100:.0f}%% of it for the max-flow portfolio; 60 with "
                    "--objective flow)")
     p.add_argument("--work-limit", type=finite_float, default=None, metavar="UNITS",
                    help="plan to a budget of work instead of time: every search stops after "
