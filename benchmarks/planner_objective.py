@@ -75,6 +75,7 @@ def run_cluster(name: str, args: argparse.Namespace, requests: list[Any]) -> dic
         "serve_duration_s": args.serve_duration,
         "served_evaluations": planned.outcome.evaluations,
         "chosen_from": planned.outcome.best.source,
+        "route_within_regions": planned.placement.route_within_regions,
         "starts": [{"source": s.source, "served_tokens_per_s": round(s.served_tokens_per_s, 1)}
                    for s in planned.outcome.starts],
         "climb": [round(s.served_tokens_per_s, 1) for s in planned.outcome.steps],
@@ -93,7 +94,7 @@ def run_cluster(name: str, args: argparse.Namespace, requests: list[Any]) -> dic
     # what the planner predicted: its scorer's number for milp, and the authors' placement
     # scored the same way (the scorer's window), for the ratio
     scorer_cfg = planned.config
-    pred = {"milp": planned.outcome.best.served_tokens_per_s,
+    pred = {"milp": planned.served_tokens_per_s,
             "authors": simulate(cluster, model, cost, authors, requests, "vllm",
                                 scorer_cfg.duration_s, scorer_cfg.warmup_s)}
     rows = out["placements"]

@@ -415,11 +415,15 @@ class SimScorer:
         self.net, self.requests, self.config = net, requests, config
         self.jobs, self.partial = jobs, partial_inference
         self.events = 0
+        #: simulate with the router keeping requests inside their region (placement field)
+        self.within_regions = False
 
     def placement(self, ranges: Any) -> Any:
         from helixserve.planner.registry import to_placement
 
-        return to_placement(self.net, "served", ranges, None, self.partial)
+        p = to_placement(self.net, "served", ranges, None, self.partial)
+        p.route_within_regions = self.within_regions
+        return p
 
     def __call__(self, batch: Any) -> list[float]:
         from helixserve.planner import clock
@@ -453,6 +457,8 @@ class ServedPlan:
     """planner.served.ServedOutcome: the starts and the climb, with what each serves."""
     config: Any
     """The simulator.selection.SelectionConfig every placement was scored with."""
+    served_tokens_per_s: float
+    """What the placement serves in that simulation (with its `route_within_regions`)."""
 
 
 def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
@@ -471,7 +477,7 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
     from helixserve.planner.parallel import check_jobs
     from helixserve.planner.portfolio import Candidate
     from helixserve.planner.registry import plan, to_placement
-    from helixserve.planner.served import served_search
+    from helixserve.planner.served import MIN_GAIN, served_search
     from helixserve.simulator.presets import engine_config
     from helixserve.simulator.selection import SelectionConfig, regional_pipelines
 
@@ -522,12 +528,23 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
         say(f"served objective: {len(starts)} starts, simulated {config.duration_s:.0f} s "
             f"each ({engine} engine)")
         outcome = served_search(net, starts, scorer, end, seed, progress=say)
-    best = outcome.best
-    within = all(e - s <= net.max_layers[i] for i, (s, e) in best.ranges.items())
-    bound = flow.upper_bound_tokens_per_s if within else None
+        best = outcome.best
+        served = best.served_tokens_per_s
+        regions = len({n.region for n in cluster.nodes}) > 1
+        if regions:
+            # across regions, the answer once more with the router keeping each request in
+            # its region where the flow continues there (simulator/selection.py's variant)
+            scorer.within_regions = True
+            kept_in = scorer([best.ranges])[0]
+            say(f"served: the answer routed within regions serves {kept_in:,.1f}")
+            regions = kept_in > served * (1 + MIN_GAIN)
+            served = max(served, kept_in)
+    held_within_cap = all(e - s <= net.max_layers[i] for i, (s, e) in best.ranges.items())
+    bound = flow.upper_bound_tokens_per_s if held_within_cap else None
     placement = to_placement(net, "milp", best.ranges, bound, partial)
+    placement.route_within_regions = regions
     placement.solve_time_s = time.perf_counter() - started
-    return ServedPlan(placement, flow, outcome, config)
+    return ServedPlan(placement, flow, outcome, config, served)
 
 
 def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
@@ -545,8 +562,9 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
               f"{config.duration_s:.0f} s offline, the first {config.warmup_s:.0f} s not "
               f"counted")
     line = (f"served (simulated, {args.serve_engine} engine, {window}): "
-            f"{outcome.best.served_tokens_per_s:,.1f} decode tokens/s from "
-            f"{outcome.best.source}; the max-flow answer "
+            f"{out.served_tokens_per_s:,.1f} decode tokens/s from {outcome.best.source}"
+            f"{', routed within regions' if out.placement.route_within_regions else ''}; "
+            f"the max-flow answer "
             f"{outcome.starts[0].served_tokens_per_s:,.1f}; {outcome.evaluations} placements "
             f"simulated")
     return out.placement, line
