@@ -18,8 +18,9 @@ for the placement that scores best.
 Search (`served_search`), on the planner clock (clock.py: seconds, or counted work with
 `--work-limit`, the scorer charging its own work):
   1. starts, in the caller's order of priority (the command's: the max flow's answer,
-     petals', across regions the regional pipelines, the portfolio's other answers), scored
-     a batch at a time while the next batch fits in what is left; duplicates once;
+     petals' and swarm's, across regions the regional pipelines, the portfolio's other
+     answers; commands/plan.py, `plan_served`), scored a batch at a time while the next
+     batch fits in what is left; duplicates once;
   2. climb: from the best start, draw `batch` distinct neighbours (half by stage
      annealing's moves when the placement is stage-structured: move or swap machines,
      shift a boundary, split or merge stages; the others by one-machine moves: shift, grow
@@ -27,13 +28,15 @@ Search (`served_search`), on the planner clock (clock.py: seconds, or counted wo
      run them side by side), and move to the best of them when it serves more than the
      current placement; stop at the deadline, before a batch that would not fit in what is
      left (by the last batch's cost), or after `max_stall` batches without a gain.
-The answer depends only on the inputs, the seed and the budget: the proposals come from one
-seeded generator and a batch is scored whole whatever the scorer's parallelism.
+On the work clock the answer depends only on the inputs, the seed and the budget: the
+proposals come from one seeded generator, a batch is scored whole whatever the scorer's
+parallelism, and the scorer charges its work, not its time.
 
 What is proven: nothing about the served throughput. The portfolio's bound is an upper bound
 on the max flow of every placement within the weight cap (compute at each node's full-KV
 batch); it stays what `plan` prints as the bound, and the served throughput of a placement
-is far below it (5-15% on the Helix clusters).
+is far below it (2-12% of its own max flow for the served objective's answers on the Helix
+clusters; docs/planner.md, "What the bound bounds").
 """
 
 from __future__ import annotations
