@@ -54,10 +54,11 @@ def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 def plan_value(tmp_path: Path, argv: list[str], planner: str,
                capsys: pytest.CaptureFixture[str]) -> float:
-    """Plan with `planner`, then the throughput `evaluate --json` gives the placement."""
+    """Plan with `planner` on the max-flow objective (what these tests compare), then the
+    throughput `evaluate --json` gives the placement."""
     out = tmp_path / f"{planner}.json"
-    assert main(["plan", *argv, "--planner", planner, "--jobs", "1", "--quiet",
-                 "--out", str(out)]) == 0
+    assert main(["plan", *argv, "--planner", planner, "--objective", "flow", "--jobs", "1",
+                 "--quiet", "--out", str(out)]) == 0
     capsys.readouterr()
     # the rest (--no-partial-inference too) carries over
     cut = next(i for i, a in enumerate(argv) if a in ("--work-limit", "--time-limit"))
@@ -291,8 +292,8 @@ def test_relaxations_too_big_to_build_in_their_share_are_skipped(tmp_path, capsy
             "--model", model_with_layers(tmp_path, 120)]
     out = tmp_path / "p.json"
     # the point is the time limit: 10% of 2 s is too short to build either relaxation
-    assert main(["plan", *argv, "--time-limit", "2", "--planner", "milp", "--jobs", "1",
-                 "--out", str(out)]) == 0
+    assert main(["plan", *argv, "--objective", "flow", "--time-limit", "2", "--planner", "milp",
+                 "--jobs", "1", "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert "coverage relaxation skipped" in err and "region relaxation skipped" in err, err
     # and on the work clock (units of work in place of seconds: the same shares)
@@ -342,8 +343,9 @@ def test_weight_fraction_lets_one_machine_hold_the_model(tmp_path, capsys) -> No
     out = tmp_path / "p.json"
     line = one_line_error(["plan", *base, "--time-limit", "2", "--out", str(out)], capsys)
     assert "does not fit" in line and "with --weight-fraction 0.8 it loads" in line
-    assert main(["plan", *base, "--work-limit", WORK, "--quiet", "--jobs", "1",
-                 "--weight-fraction", "0.8", "--out", str(out)]) == 0
+    # the max-flow objective plans with evaluate's memory (the served one with the engine's)
+    assert main(["plan", *base, "--objective", "flow", "--work-limit", WORK, "--quiet",
+                 "--jobs", "1", "--weight-fraction", "0.8", "--out", str(out)]) == 0
     capsys.readouterr()
     placement = json.loads(out.read_text())
     assert placement["nodes"] == [{"name": "a", "start_layer": 0, "end_layer": 60}]
