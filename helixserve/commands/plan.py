@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,18 @@ from helixserve.commands.args import finite_float
 from helixserve.commands.costs import add_cost_args
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "example"
+#: what milp maximises (--objective)
+OBJECTIVES = ("served", "flow")
+#: defaults of --time-limit and --serve-duration per objective
+DEFAULT_TIME_LIMIT_S = {"served": 300.0, "flow": 60.0}
+DEFAULT_SERVE_DURATION_S = {"served": 300.0, "flow": 1200.0}
+#: with the served objective: the max-flow portfolio's share of the budget; the
+#: simulations (planner/served.py) get the rest
+FLOW_SHARE = 0.2
+#: portfolio candidates with less max flow than this share of the best are not simulated
+MIN_FLOW_SHARE = 0.5
+#: starts simulated at most, so that most of the budget goes to the climb
+MAX_STARTS = 5
 
 
 def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None:
@@ -52,8 +65,10 @@ def check_model_path(model: str) -> None:
                     f"(config.json is enough to plan); bundled: {known}")
 
 
-def load_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """(cluster, model, cost model) from the parsed flags; UserError on bad input."""
+def load_inputs(args: argparse.Namespace, engine: str | None = None) -> tuple[Any, Any, Any]:
+    """(cluster, model, cost model) from the parsed flags; UserError on bad input. `engine`:
+    without --gpu-reserve-gb, the memory that engine model keeps outside weights and KV
+    (simulator/presets.py) instead of the cost model's default."""
     from helixserve.commands.costs import build_cost_model, read_cost_flags
     from helixserve.errors import UserError
     from helixserve.spec import load_cluster, load_model
@@ -69,7 +84,12 @@ def load_inputs(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     cluster = load_cluster(args.cluster, catalog=flags.catalog)
     check_model_path(args.model)
     model = load_model(args.model, name=args.model_name)
-    return cluster, model, build_cost_model(flags, model, cluster)
+    reserve = None
+    if engine is not None and flags.reserved_gb_per_gpu is None:
+        from helixserve.simulator.presets import engine_gpu_reserve_gb
+
+        reserve = engine_gpu_reserve_gb(engine)
+    return cluster, model, build_cost_model(flags, model, cluster, reserved_gb_per_gpu=reserve)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -85,8 +105,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_input_args(p, example=True)
     p.add_argument("--planner", default="milp",
                    help="milp (default), petals, swarm, separate or uniform")
-    p.add_argument("--time-limit", type=finite_float, default=60.0, metavar="SECONDS",
-                   help="wall-clock budget of the milp planner (default 60)")
+    p.add_argument("--objective", default="served", choices=OBJECTIVES,
+                   help="what milp maximises: served (default) the decode tokens/s a "
+                   "placement serves in the cluster simulator (--serve-engine, the trace of "
+                   "--serve-trace or the --workload mix, --serve-duration), over the max-flow "
+                   "portfolio's candidates and their neighbours; flow the max flow alone (the "
+                   "planner before issue 34; its bound is printed either way). "
+                   "docs/planner.md, 'The served objective'")
+    p.add_argument("--time-limit", type=finite_float, default=None, metavar="SECONDS",
+                   help="wall-clock budget of the milp planner (default 300 with the served "
+                   f"objective, {FLOW_SHARE * 100:.0f}%% of it for the max-flow portfolio; 60 with "
+                   "--objective flow)")
     p.add_argument("--work-limit", type=finite_float, default=None, metavar="UNITS",
                    help="plan to a budget of work instead of time: every search stops after "
                    "this many units of counted work (a unit is about one second of one core of "
@@ -123,14 +152,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "round trip: docs/planner.md). About 10 s of simulation per candidate on "
                    "24 machines")
     p.add_argument("--serve-engine", default="vllm", choices=("vllm", "reserve"),
-                   help="engine model of that simulation (default vllm: on-demand KV, "
-                   "chunked prefill of 512 tokens; see `helixserve simulate --engine`). "
-                   "Its memory is the plan's: pass --gpu-reserve-gb 4.5 to plan and select "
-                   "with vLLM's")
-    p.add_argument("--serve-duration", type=finite_float, default=1200.0, metavar="SECONDS",
+                   help="engine model of the served objective's and --serve-trace's "
+                   "simulations (default vllm: on-demand KV, chunked prefill of 512 tokens; "
+                   "see `helixserve simulate --engine`). The served objective plans with "
+                   "its memory (vllm: 4.5 GB per GPU outside weights and KV) unless "
+                   "--gpu-reserve-gb is given; with --objective flow the memory is the "
+                   "plan's: pass --gpu-reserve-gb 4.5 to plan and select with vLLM's")
+    p.add_argument("--serve-duration", type=finite_float, default=None, metavar="SECONDS",
                    help="simulated seconds per candidate, the first quarter (at most 300 s) "
-                   "not counted (default 1200); with --serve-mode replay, the horizon after "
-                   "the trace's last arrival")
+                   "not counted (default 300 with the served objective, 1200 for "
+                   "--objective flow --serve-trace); with --serve-mode replay, the horizon "
+                   "after the trace's last arrival")
     p.add_argument("--serve-mode", default="saturate", choices=("saturate", "replay"),
                    help="how --serve-trace scores a candidate: saturate (default) keeps the "
                    "queue full (the cluster's capacity under the trace's mix); replay serves "
@@ -147,6 +179,12 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.planner import evaluate, load_placement, plan
     from helixserve.planner.report import format_table, node_rows, plot_placement
 
+    served = args.objective == "served" and args.planner == "milp" and not args.from_placement
+    objective = "served" if served else "flow"
+    if args.time_limit is None:
+        args.time_limit = DEFAULT_TIME_LIMIT_S[objective]
+    if args.serve_duration is None:
+        args.serve_duration = DEFAULT_SERVE_DURATION_S[objective]
     if args.time_limit <= 0:
         raise UserError(f"--time-limit: bad value {args.time_limit!r}; must be > 0")
     if args.work_limit is not None and args.work_limit <= 0:
@@ -159,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     out_path = check_output("--out", args.out) if args.out else None
     plot_path = check_image("--plot", args.plot) if args.plot else None
     requests = _serve_requests(args.serve_trace) if args.serve_trace else None
-    cluster, model, cost = load_inputs(args)
+    # the served objective simulates the engine that will serve: plan with its memory
+    cluster, model, cost = load_inputs(args, engine=args.serve_engine if served else None)
     started = time.perf_counter()
 
     def progress(msg: str) -> None:
@@ -168,14 +207,20 @@ def run(args: argparse.Namespace) -> int:
 
     partial = not args.no_partial_inference
     current = None
+    served_line = None
     if args.from_placement:
         current = load_placement(args.from_placement)
         placement = _replan(args, cluster, model, cost, current, progress, partial)
+    elif served:
+        if requests is None:
+            requests = workload_requests(cost.workload, args.seed)
+        placement, served_line = _plan_served(args, cluster, model, cost, requests, progress,
+                                              partial, started)
     else:
         placement = plan(args.planner, cluster, model, cost, time_limit_s=args.time_limit,
                          seed=args.seed, progress=progress, partial_inference=partial,
                          jobs=args.jobs, work_limit=args.work_limit)
-    if requests is not None:
+    if requests is not None and not served:
         placement = _select_by_serving(args, cluster, model, cost, placement, requests, progress)
         # the chosen candidate came out of the planning and the selection together
         placement.solve_time_s = time.perf_counter() - started
@@ -185,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"cluster {cluster.name}: {len(cluster.nodes)} nodes; model {model.name}: "
           f"{model.num_layers} layers; planner {placement.planner}")
     print(format_table(node_rows(cluster, cost, placement, result.flows), unused))
+    if served_line is not None:
+        print(served_line)
     print(summary_line(result.throughput_tokens_per_s, placement.upper_bound_tokens_per_s,
                        placement.solve_time_s, cost.workload))
     if current is not None:
@@ -217,11 +264,14 @@ def summary_line(throughput: float, bound: float | None, solve_time_s: float | N
     """Throughput (decode tokens/s and, with a workload, requests/s), the proven upper bound
     and the gap between them. The gap says how far the optimum can be above this placement,
     at most; a large gap may be a weak bound as much as a weak placement (docs/planner.md,
-    "Bounds and gaps")."""
-    line = f"throughput {throughput_text(throughput, mix)}"
+    "Bounds and gaps"). Both are max flows: the bound is on the max flow of every placement
+    within the weight cap, not on what a placement serves (docs/planner.md, "What the bound
+    bounds")."""
+    line = f"throughput (max flow) {throughput_text(throughput, mix)}"
     if bound:
         gap = 1 - throughput / bound
-        line += f"; proven upper bound {bound:,.1f} (gap {gap:.1%})"
+        line += (f"; proven upper bound on the max flow {bound:,.1f} (gap {gap:.1%}; "
+                 f"not a bound on served throughput)")
     else:
         line += "; no proven upper bound for this placement"
     return line + f"; solved in {solve_time_s or 0:.1f}s"
@@ -294,3 +344,227 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
               f"offline, the first {config.warmup_s:.0f} s not counted; * = kept):")
     print(format_selection(report))
     return chosen
+
+
+#: units of the planner's work clock (clock.py: about a second of one core of the reference
+#: 2-core VM) charged per event a served-objective simulation processes: 110,000 events/s
+#: measured there under load (66,226 events in 1.23 s of process CPU time, a 120 s window of
+#: helix-single-24)
+SIM_EVENT_UNITS = 1 / 60_000
+#: requests drawn for the served objective when no --serve-trace is given
+WORKLOAD_REQUESTS = 4000
+
+
+def workload_requests(mix: Any, seed: int = 0) -> list[Any]:
+    """Requests for the served objective without a trace: prompt and output lengths drawn
+    (seeded) from exponential distributions with the --workload mix's means (the Azure
+    conversation trace's without one: prompt 763, output 232 tokens), within the
+    simulator's default length filter (4-2,048 prompt and 4-1,024 output tokens)."""
+    import random
+
+    from helixserve.costmodel.workload import Workload
+    from helixserve.simulator.workload import LengthFilter, TraceRequest
+
+    mix = mix or Workload.conversation()
+    bounds = LengthFilter()
+    rng = random.Random(seed)
+
+    def draw(mean: float, most: int) -> int:
+        return min(most, max(bounds.min_tokens, round(rng.expovariate(1.0 / mean))))
+
+    return [TraceRequest(f"w{i}", 0.0, draw(mix.prompt_tokens, bounds.max_prompt_tokens),
+                         draw(mix.output_tokens, bounds.max_output_tokens))
+            for i in range(WORKLOAD_REQUESTS)]
+
+
+def _simulate(cluster: Any, model: Any, cost: Any, placement: Any, requests: list[Any],
+              config: Any) -> tuple[float, int]:
+    """(decode tokens/s, events) of `placement` under a SelectionConfig: offline after the
+    warm-up (saturate), or over the trace replayed (replay); a worker function."""
+    from helixserve.simulator.metrics import summarize
+    from helixserve.simulator.selection import replay_tokens_per_s
+    from helixserve.simulator.sim import SimConfig, Simulation
+
+    replay = config.mode == "replay"
+    last_arrival_s = max((q.arrival_s for q in requests), default=0.0)
+    cfg = SimConfig(
+        duration_s=last_arrival_s + config.duration_s if replay else config.duration_s,
+        offline=not replay,
+        warmup_s=0.0 if replay else config.warmup_s,
+        scheduler=config.scheduler,
+        seed=config.seed,
+        kv_allocation=config.kv_allocation,
+        chunked_prefill=config.chunked_prefill,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
+        max_prompt_tokens=config.max_prompt_tokens,
+        max_prefilling=config.max_prefilling,
+    )
+    result = Simulation(cluster, model, cost, placement, list(requests), cfg).run()
+    value = (replay_tokens_per_s(result, requests) if replay
+             else summarize(result)["decode_throughput_tokens_per_s"])
+    return float(value), int(result.events)
+
+
+class SimScorer:
+    """The served objective's scorer (planner/served.py, `ServedScorer`): each placement
+    simulated under `config`, a batch on up to `jobs` processes; charges the planner clock
+    SIM_EVENT_UNITS per event, so `--work-limit` does not depend on the machine."""
+
+    def __init__(self, net: Any, requests: list[Any], config: Any, jobs: int,
+                 partial_inference: bool = True) -> None:
+        self.net, self.requests, self.config = net, requests, config
+        self.jobs, self.partial = jobs, partial_inference
+        self.events = 0
+        #: simulate with the router keeping requests inside their region (placement field)
+        self.within_regions = False
+
+    def placement(self, ranges: Any) -> Any:
+        from helixserve.planner.registry import to_placement
+
+        p = to_placement(self.net, "served", ranges, None, self.partial)
+        p.route_within_regions = self.within_regions
+        return p
+
+    def __call__(self, batch: Any) -> list[float]:
+        from helixserve.planner import clock
+        from helixserve.planner.parallel import map_in_workers
+
+        net = self.net
+        placed = [self.placement(r) for r in batch]
+        # a placement whose max flow is 0 (the links chain none of its stages) serves
+        # nothing: the router needs flows to route over, so it scores 0 unsimulated
+        runs = [p for p in placed if p.flows]
+        calls = [(net.cluster, net.model, net.cost, p, self.requests, self.config)
+                 for p in runs]
+        results = dict(zip(map(id, runs), map_in_workers(_simulate, calls, self.jobs),
+                           strict=True))
+        for _, events in results.values():
+            self.events += events
+            clock.charge(events * SIM_EVENT_UNITS)
+        return [results[id(p)][0] if id(p) in results else 0.0 for p in placed]
+
+
+@dataclass
+class ServedPlan:
+    """What `plan_served` found: the placement and how it got there."""
+
+    placement: Any
+    """The chosen placement (planner "milp"; its flows and max flow by the evaluator; the
+    portfolio's bound when it is within the weight cap)."""
+    flow: Any
+    """The max-flow portfolio's answer (what `--objective flow` returns with its budget)."""
+    outcome: Any
+    """planner.served.ServedOutcome: the starts and the climb, with what each serves."""
+    config: Any
+    """The simulator.selection.SelectionConfig every placement was scored with."""
+    served_tokens_per_s: float
+    """What the placement serves in that simulation (with its `route_within_regions`)."""
+
+
+def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
+                engine: str = "vllm", duration_s: float = 300.0, mode: str = "saturate",
+                time_limit_s: float = 300.0, work_limit: float | None = None, seed: int = 0,
+                jobs: int | None = None, partial: bool = True, progress: Any = None,
+                started: float | None = None) -> ServedPlan:
+    """The served objective (planner/served.py): the max-flow portfolio in FLOW_SHARE of the
+    budget (`time_limit_s` seconds from `started`, or `work_limit` units), then its answers
+    and their neighbours scored by simulating `requests` on `engine` for `duration_s` (the
+    first quarter, at most 300 s, not counted) in the rest."""
+    from contextlib import nullcontext
+
+    from helixserve.planner import clock
+    from helixserve.planner.flow import FlowNetwork
+    from helixserve.planner.parallel import check_jobs
+    from helixserve.planner.portfolio import Candidate
+    from helixserve.planner.registry import plan, to_placement
+    from helixserve.planner.served import MIN_GAIN, served_search
+    from helixserve.simulator.presets import engine_config
+    from helixserve.simulator.selection import SelectionConfig, regional_pipelines
+
+    say = progress or (lambda msg: None)
+    started = time.perf_counter() if started is None else started
+    counting = work_limit is not None
+    budget = work_limit if work_limit is not None else time_limit_s
+    candidates: list[Candidate] = []
+    flow = plan("milp", cluster, model, cost, time_limit_s=FLOW_SHARE * time_limit_s,
+                seed=seed, progress=say, partial_inference=partial, jobs=jobs,
+                work_limit=FLOW_SHARE * work_limit if work_limit is not None else None,
+                candidates=candidates)
+    net = FlowNetwork(cluster, model, cost)
+    config = SelectionConfig.from_engine(
+        engine_config(engine), duration_s=duration_s, warmup_s=min(300.0, duration_s / 4),
+        seed=seed, mode=mode).check()
+    scorer = SimScorer(net, requests, config, check_jobs(jobs), partial)
+
+    def ranges_of(p: Any) -> dict[int, tuple[int, int]]:
+        return {net.index[r.name]: (r.start_layer, r.end_layer) for r in p.nodes}
+
+    with clock.work_clock() if counting else nullcontext():
+        t0 = clock.now()
+        end = t0 + (1 - FLOW_SHARE) * budget if counting else started + time_limit_s
+        # in the order they are simulated while the budget lasts: the max flow's answer,
+        # the baselines petals' and swarm's (the best served starts on helix-mix-42:
+        # 1,032 and 991 decode tokens/s against the max flow's 762), the regional
+        # pipelines, then the portfolio's other answers by max flow, MAX_STARTS in all;
+        # none whose max flow is under MIN_FLOW_SHARE of the best (they serve far less:
+        # uniform, separate beyond the cap)
+        best_of: dict[str, Candidate] = {}
+        for c in candidates:
+            if c.ranges and (c.source not in best_of
+                             or c.value_tokens_per_s > best_of[c.source].value_tokens_per_s):
+                best_of[c.source] = c
+        floor = MIN_FLOW_SHARE * (flow.throughput_tokens_per_s or 0.0)
+        others = [c for c in sorted(best_of.values(), key=lambda c: -c.value_tokens_per_s)
+                  if c.value_tokens_per_s >= floor]
+        first = ("petals", "swarm")
+        starts = [("max flow", ranges_of(flow))]
+        starts += [(f"max flow: {c.source}", c.ranges) for name in first for c in others
+                   if c.source == name]
+        regional = regional_pipelines(cluster, model, cost)
+        if regional is not None:
+            starts.append(("regional pipelines", ranges_of(regional)))
+        starts += [(f"max flow: {c.source}", c.ranges) for c in others if c.source not in first]
+        starts = starts[:MAX_STARTS]
+        say(f"served objective: {len(starts)} starts, simulated {config.duration_s:.0f} s "
+            f"each ({engine} engine)")
+        outcome = served_search(net, starts, scorer, end, seed, progress=say)
+        best = outcome.best
+        served = best.served_tokens_per_s
+        regions = len({n.region for n in cluster.nodes}) > 1
+        if regions:
+            # across regions, the answer once more with the router keeping each request in
+            # its region where the flow continues there (simulator/selection.py's variant)
+            scorer.within_regions = True
+            kept_in = scorer([best.ranges])[0]
+            say(f"served: the answer routed within regions serves {kept_in:,.1f}")
+            regions = kept_in > served * (1 + MIN_GAIN)
+            served = max(served, kept_in)
+    held_within_cap = all(e - s <= net.max_layers[i] for i, (s, e) in best.ranges.items())
+    bound = flow.upper_bound_tokens_per_s if held_within_cap else None
+    placement = to_placement(net, "milp", best.ranges, bound, partial)
+    placement.route_within_regions = regions
+    placement.solve_time_s = time.perf_counter() - started
+    return ServedPlan(placement, flow, outcome, config, served)
+
+
+def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
+                 requests: list[Any], progress: Any, partial: bool,
+                 started: float) -> tuple[Any, str]:
+    """`plan_served` from the flags: the placement and the line that says what it serves."""
+    out = plan_served(cluster, model, cost, requests, engine=args.serve_engine,
+                      duration_s=args.serve_duration, mode=args.serve_mode,
+                      time_limit_s=args.time_limit, work_limit=args.work_limit,
+                      seed=args.seed, jobs=args.jobs, partial=partial, progress=progress,
+                      started=started)
+    config, outcome = out.config, out.outcome
+    window = (f"the trace replayed, {config.duration_s:.0f} s past its last arrival"
+              if config.mode == "replay" else
+              f"{config.duration_s:.0f} s offline, the first {config.warmup_s:.0f} s not "
+              f"counted")
+    line = (f"served (simulated, {args.serve_engine} engine, {window}): "
+            f"{out.served_tokens_per_s:,.1f} decode tokens/s from {outcome.best.source}"
+            f"{', routed within regions' if out.placement.route_within_regions else ''}; "
+            f"the max-flow answer "
+            f"{outcome.starts[0].served_tokens_per_s:,.1f}; {outcome.evaluations} placements "
+            f"simulated")
+    return out.placement, line

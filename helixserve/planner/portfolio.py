@@ -94,6 +94,9 @@ class PlanOutcome:
     upper_bound_tokens_per_s: float | None = None
     #: one report per stage of the portfolio, in order (empty for the baselines)
     stages: list[StageReport] = field(default_factory=list)
+    #: every candidate the portfolio valued, within the weight cap or not (empty for the
+    #: baselines): the starts of the served objective (served.py)
+    candidates: list[Candidate] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -511,9 +514,9 @@ def run_portfolio(net: FlowNetwork, time_limit_s: float, seed: int = 0,
         say(f"best: {outside.value_tokens_per_s:,.1f} tokens/s from {outside.source}, beyond "
             f"the weight cap (within it: {best.value_tokens_per_s:,.1f}, bound "
             f"{inc.bound():,.1f})")
-        return PlanOutcome(outside.ranges, None, inc.reports)
+        return PlanOutcome(outside.ranges, None, inc.reports, inc.candidates + inc.beyond_cap)
     bound = max(inc.bound(), best.value_tokens_per_s)
     gap = 1 - best.value_tokens_per_s / bound if bound else 0.0
     say(f"best: {best.value_tokens_per_s:,.1f} tokens/s from {best.source}; bound {bound:,.1f} "
         f"(gap {gap:.1%})")
-    return PlanOutcome(best.ranges, bound, inc.reports)
+    return PlanOutcome(best.ranges, bound, inc.reports, inc.candidates + inc.beyond_cap)

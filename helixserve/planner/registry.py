@@ -14,7 +14,13 @@ from helixserve.planner.bounds import layer_work_bound
 from helixserve.planner.flow import FlowNetwork
 from helixserve.planner.parallel import check_jobs
 from helixserve.planner.placement import NodeRange, Placement
-from helixserve.planner.portfolio import PlanOutcome, Progress, StageReport, run_portfolio
+from helixserve.planner.portfolio import (
+    Candidate,
+    PlanOutcome,
+    Progress,
+    StageReport,
+    run_portfolio,
+)
 from helixserve.spec import ClusterSpec, ModelSpec
 
 
@@ -61,13 +67,16 @@ def plan(
     jobs: int | None = None,
     stages: list[StageReport] | None = None,
     work_limit: float | None = None,
+    candidates: list[Candidate] | None = None,
 ) -> Placement:
     """Run planner `name`; the Placement comes back with flows and throughput filled.
     `jobs`: processes for milp's searches, one seed each (parallel.py); None: the cores
     this process may use (at most 8). `stages`: when given, what each stage of milp's
     portfolio did (portfolio.StageReport) is appended to it. `work_limit`: plan on the work
     clock (clock.py) with this many units instead of `time_limit_s` seconds: the same
-    inputs then give the same placement on any machine and with any `jobs`."""
+    inputs then give the same placement on any machine and with any `jobs`. `candidates`:
+    when given, every placement milp's portfolio valued is appended to it (none for a
+    baseline); the served objective starts from them (served.py)."""
     planner = PLANNERS.get(name)
     if planner is None:
         raise UserError(f"--planner: unknown planner {name!r}; known: {', '.join(PLANNERS)}")
@@ -87,6 +96,8 @@ def plan(
                           progress, check_jobs(jobs), partial_inference)
     if stages is not None:
         stages.extend(outcome.stages)
+    if candidates is not None:
+        candidates.extend(outcome.candidates)
     placement = to_placement(net, name, outcome.ranges, outcome.upper_bound_tokens_per_s,
                              partial_inference)
     bound = outcome.upper_bound_tokens_per_s

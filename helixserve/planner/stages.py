@@ -86,13 +86,13 @@ def chain_start(net: FlowNetwork) -> Ranges:
     return ranges
 
 
-class _State:
+class State:
     def __init__(self, cuts: list[int], stage: np.ndarray) -> None:
         self.cuts = list(cuts)
         self.stage = stage.copy()  # -1: unused
 
-    def copy(self) -> _State:
-        return _State(self.cuts, self.stage)
+    def copy(self) -> State:
+        return State(self.cuts, self.stage)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         cuts = np.asarray(self.cuts)
@@ -110,7 +110,7 @@ class _State:
         return self.cuts[p + 1] - self.cuts[p]
 
 
-def _propose(st: _State, kmax: np.ndarray, rng: random.Random) -> _State | None:  # noqa: C901
+def propose(st: State, kmax: np.ndarray, rng: random.Random) -> State | None:  # noqa: C901
     """A random neighbour of `st`, or None when the drawn move does not apply."""
     new = st.copy()
     S = len(st.cuts) - 1
@@ -180,7 +180,7 @@ def stage_search(net: FlowNetwork, starts: list[Ranges], deadline_s: float, seed
     n = len(net.names)
     kmax = np.asarray(net.max_layers, dtype=np.int64)
     scorer = Scorer(net, partial_inference)
-    best: _State | None = None
+    best: State | None = None
     best_value = -1.0
     for ranges in [*starts, chain_start(net)]:
         form = stage_form(ranges, L)
@@ -190,7 +190,7 @@ def stage_search(net: FlowNetwork, starts: list[Ranges], deadline_s: float, seed
         stage = np.full(n, -1, dtype=np.int64)
         for i, p in stage_of.items():
             stage[i] = p
-        st = _State(cuts, stage)
+        st = State(cuts, stage)
         value = scorer.score(*st.arrays())[0][0]
         if value > best_value:
             best, best_value = st, value
@@ -202,7 +202,7 @@ def stage_search(net: FlowNetwork, starts: list[Ranges], deadline_s: float, seed
     span = max(deadline_s - t0, 1e-3)
     temp0 = TEMPERATURE * max(best_value, 1.0)
     while (now := clock.now()) < deadline_s:
-        cand = _propose(cur, kmax, rng)
+        cand = propose(cur, kmax, rng)
         if cand is None:
             continue
         temp = temp0 * max(0.0, 1.0 - (now - t0) / span)

@@ -24,8 +24,9 @@ def test_control_plane_imports_no_torch_grpc_fastapi():
 def test_plan_example_then_evaluate(tmp_path, capsys):
     out = tmp_path / "p.json"
     png = tmp_path / "p.png"
-    assert main(["plan", "--example", "--time-limit", "3", "--quiet", "--out", str(out),
-                 "--plot", str(png)]) == 0
+    # the max-flow objective: `evaluate` gives its throughput back with the same memory
+    assert main(["plan", "--example", "--objective", "flow", "--time-limit", "3", "--quiet",
+                 "--out", str(out), "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     assert "throughput" in text and "a100-0" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -61,8 +62,8 @@ def test_plan_picks_the_placement_that_serves_best(tmp_path, capsys):
     the trace; the one with the most simulated decode tokens/s is written."""
     out = tmp_path / "p.json"
     trace = SHARED / "traces" / "azure-llm-conv-2023.csv"
-    assert main(["plan", "--example", "--time-limit", "3", "--quiet", "--out", str(out),
-                 "--serve-trace", str(trace), "--serve-duration", "80"]) == 0
+    assert main(["plan", "--example", "--objective", "flow", "--time-limit", "3", "--quiet",
+                 "--out", str(out), "--serve-trace", str(trace), "--serve-duration", "80"]) == 0
     text = capsys.readouterr().out
     assert "serving selection (vllm engine, 80 s offline, the first 20 s not counted" in text
     table = [line.split() for line in

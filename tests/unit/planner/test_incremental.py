@@ -104,8 +104,8 @@ def test_choose_and_input_errors(llama70b, measured_cost):
 
 def test_cli_plan_from(tmp_path, capsys):
     current = tmp_path / "current.json"
-    assert main(["plan", "--example", "--work-limit", "1", "--quiet", "--jobs", "1",
-                 "--out", str(current)]) == 0
+    assert main(["plan", "--example", "--objective", "flow", "--work-limit", "1", "--quiet",
+                 "--jobs", "1", "--out", str(current)]) == 0
     capsys.readouterr()
     out = tmp_path / "next.json"
     assert main(["plan", "--example", "--work-limit", "1", "--quiet", "--jobs", "1",

@@ -168,7 +168,9 @@ def test_python_m_helixserve_plan_runs_once_with_workers(tmp_path):
     # again (a second plan, or a second demo on the same work dir)
     out = tmp_path / "p.json"
     proc = subprocess.run(
+        # the served objective's simulations run on the same workers
         [sys.executable, "-m", "helixserve", "plan", "--work-limit", str(WORK), "--jobs", "2",
+         "--serve-duration", "20",
          "--cluster", str(SHARED / "clusters" / "helix-single-24.yaml"),
          "--model", str(SHARED / "models" / "llama-2-70b"),
          "--profiles", str(SHARED / "profiles" / "helix-measured.csv"), "--out", str(out)],

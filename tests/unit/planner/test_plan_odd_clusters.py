@@ -54,10 +54,11 @@ def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 def plan_value(tmp_path: Path, argv: list[str], planner: str,
                capsys: pytest.CaptureFixture[str]) -> float:
-    """Plan with `planner`, then the throughput `evaluate --json` gives the placement."""
+    """Plan with `planner` on the max-flow objective (what these tests compare), then the
+    throughput `evaluate --json` gives the placement."""
     out = tmp_path / f"{planner}.json"
-    assert main(["plan", *argv, "--planner", planner, "--jobs", "1", "--quiet",
-                 "--out", str(out)]) == 0
+    assert main(["plan", *argv, "--planner", planner, "--objective", "flow", "--jobs", "1",
+                 "--quiet", "--out", str(out)]) == 0
     capsys.readouterr()
     # the rest (--no-partial-inference too) carries over
     cut = next(i for i, a in enumerate(argv) if a in ("--work-limit", "--time-limit"))
@@ -158,7 +159,7 @@ def test_reserve_that_leaves_kv_for_too_few_layers_is_an_error(tmp_path, capsys)
             "--jobs", "1"]
     capsys.readouterr()
     assert main([*argv, "--gpu-reserve-gb", "20", "--quiet"]) == 0
-    assert "throughput 0.0" not in capsys.readouterr().out
+    assert "throughput (max flow) 0.0" not in capsys.readouterr().out
     line = one_line_error([*argv, "--gpu-reserve-gb", "30"], capsys)
     assert "odd.yaml: with 30 GB kept per GPU (--gpu-reserve-gb)" in line
     assert "at most 40 of the 60 layers" in line
@@ -222,12 +223,27 @@ def test_serving_selection_skips_candidates_that_serve_nothing(tmp_path, capsys)
         f"2023-11-16 18:15:{10 + i:02d}.0000000,{300 + 10 * i},{40 + i}\n" for i in range(10)))
     out = tmp_path / "chosen.json"
     assert main(["plan", "--cluster", cluster, "--model", str(LLAMA30), "--work-limit", WORK,
-                 "--jobs", "1", "--quiet", "--serve-trace", str(trace), "--serve-duration",
+                 "--jobs", "1", "--quiet", "--objective", "flow", "--serve-trace", str(trace),
+                 "--serve-duration",
                  "20", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "stacked-tiling" in printed
     data = json.loads(out.read_text())
     assert data["throughput_tokens_per_s"] > 0
+    assert [(n["start_layer"], n["end_layer"]) for n in data["nodes"]] == [(0, 60)] * 3
+
+
+def test_served_objective_scores_unlinked_candidates_zero(tmp_path, capsys) -> None:
+    """The served objective on the same unlinked cluster: candidates whose max flow is 0
+    score 0 without a simulation, and the whole-model replicas are kept."""
+    names = ["a", "b", "c"]
+    cluster = write_cluster(tmp_path, [f"{{name: {n}, gpu: A100-80GB}}" for n in names],
+                            coordinator_links_only(names))
+    out = tmp_path / "chosen.json"
+    assert main(["plan", "--cluster", cluster, "--model", str(LLAMA30), "--work-limit", WORK,
+                 "--jobs", "1", "--quiet", "--serve-duration", "20", "--out", str(out)]) == 0
+    assert "served (simulated, vllm engine, 20 s offline" in capsys.readouterr().out
+    data = json.loads(out.read_text())
     assert [(n["start_layer"], n["end_layer"]) for n in data["nodes"]] == [(0, 60)] * 3
 
 
@@ -276,8 +292,8 @@ def test_relaxations_too_big_to_build_in_their_share_are_skipped(tmp_path, capsy
             "--model", model_with_layers(tmp_path, 120)]
     out = tmp_path / "p.json"
     # the point is the time limit: 10% of 2 s is too short to build either relaxation
-    assert main(["plan", *argv, "--time-limit", "2", "--planner", "milp", "--jobs", "1",
-                 "--out", str(out)]) == 0
+    assert main(["plan", *argv, "--objective", "flow", "--time-limit", "2", "--planner", "milp",
+                 "--jobs", "1", "--out", str(out)]) == 0
     err = capsys.readouterr().err
     assert "coverage relaxation skipped" in err and "region relaxation skipped" in err, err
     # and on the work clock (units of work in place of seconds: the same shares)
@@ -327,8 +343,9 @@ def test_weight_fraction_lets_one_machine_hold_the_model(tmp_path, capsys) -> No
     out = tmp_path / "p.json"
     line = one_line_error(["plan", *base, "--time-limit", "2", "--out", str(out)], capsys)
     assert "does not fit" in line and "with --weight-fraction 0.8 it loads" in line
-    assert main(["plan", *base, "--work-limit", WORK, "--quiet", "--jobs", "1",
-                 "--weight-fraction", "0.8", "--out", str(out)]) == 0
+    # the max-flow objective plans with evaluate's memory (the served one with the engine's)
+    assert main(["plan", *base, "--objective", "flow", "--work-limit", WORK, "--quiet",
+                 "--jobs", "1", "--weight-fraction", "0.8", "--out", str(out)]) == 0
     capsys.readouterr()
     placement = json.loads(out.read_text())
     assert placement["nodes"] == [{"name": "a", "start_layer": 0, "end_layer": 60}]

@@ -23,7 +23,8 @@ def test_replay_selection_lets_the_baselines_compete_and_keeps_the_best(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "p.json"
     trace = _burst(tmp_path / "burst.csv", 4)
-    assert main(["plan", "--example", "--time-limit", "3", "--jobs", "1", "--quiet",
+    assert main(["plan", "--example", "--objective", "flow", "--time-limit", "3", "--jobs", "1",
+                 "--quiet",
                  "--out", str(out), "--serve-trace", str(trace), "--serve-mode", "replay",
                  "--serve-duration", "600"]) == 0
     text = capsys.readouterr().out

@@ -56,7 +56,7 @@ def test_plan_and_evaluate_report_requests_per_s(tmp_path: Path,
                  "--quiet", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     planned = json.loads(out.read_text())["throughput_tokens_per_s"]
-    assert (f"throughput {planned:,.1f} decode tokens/s = {planned / 40:,.2f} requests/s of "
+    assert (f"throughput (max flow) {planned:,.1f} decode tokens/s = {planned / 40:,.2f} requests/s of "
             f"2000:40 (prompt 2,000, output 40 tokens; r 50.00)") in text
     assert main(["evaluate", "--example", "--placement", str(out), "--workload", "2000:40",
                  "--json"]) == 0

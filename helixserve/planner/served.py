@@ -1,0 +1,261 @@
+"""The served objective: placements chosen by the decode throughput they serve, not by their
+max flow (`plan --objective served`, the default; docs/planner.md, "The served objective").
+
+Why. The max flow credits every node with T(k), the decode rate at the batch its own KV
+allows (b(k) = 340-800 sequences for LLaMA-2-70B on the Helix clusters). A node inside a
+pipeline batches only the requests in flight through it: a request holds KV on every node
+of its route at once but sits in one node's batch at a time, so a node's batch is about
+in_flight / depth, in_flight is capped by the tightest KV on the routes through the node,
+and each route serves in_flight / round trip (Little's law). The round trip depends on the
+whole route (its depth, its slow GPUs, the prompts that ride in its iterations), which no
+per-node capacity of a max flow expresses: a per-node serving T(k) made the MILP build one
+long chain (docs/planner.md, "Serving-aware capacity (tried, removed)"). So a placement is
+scored whole, by a `ServedScorer` (the command's is the cluster simulator, offline and
+saturated, with the serving engine's model: continuous batching of what is really in
+flight, KV on every hop of a route, prompts chunked along it), and the search below looks
+for the placement that scores best.
+
+Search (`served_search`), on the planner clock (clock.py: seconds, or counted work with
+`--work-limit`, the scorer charging its own work):
+  1. starts, in the caller's order of priority (the command's: the max flow's answer,
+     petals' and swarm's, across regions the regional pipelines, the portfolio's other
+     answers; commands/plan.py, `plan_served`), scored a batch at a time while the next
+     batch fits in what is left; duplicates once;
+  2. climb: from the best start, draw `batch` distinct neighbours (half by stage
+     annealing's moves when the placement is stage-structured: move or swap machines,
+     shift a boundary, split or merge stages; the others by one-machine moves: shift, grow
+     or shrink a range, or copy another machine's), score them together (the scorer may
+     run them side by side), and move to the best of them when it serves more than the
+     current placement; stop at the deadline, before a batch that would not fit in what is
+     left (by the last batch's cost), or after `max_stall` batches without a gain.
+On the work clock the answer depends only on the inputs, the seed and the budget: the
+proposals come from one seeded generator, a batch is scored whole whatever the scorer's
+parallelism, and the scorer charges its work, not its time.
+
+What is proven: nothing about the served throughput. The portfolio's bound is an upper bound
+on the max flow of every placement within the weight cap (compute at each node's full-KV
+batch); it stays what `plan` prints as the bound, and the served throughput of a placement
+is far below it (2-12% of its own max flow for the served objective's answers on the Helix
+clusters; docs/planner.md, "What the bound bounds").
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from helixserve.planner import clock
+from helixserve.planner.baselines import Ranges
+from helixserve.planner.flow import FlowNetwork
+from helixserve.planner.search import to_ranges
+from helixserve.planner.stages import State, propose, stage_form
+
+#: neighbours scored together per step of the climb (fixed, so the answer does not depend
+#: on how many of them the scorer runs at once)
+BATCH = 2
+#: proposals drawn per neighbour wanted before a step gives up (most are rejected by rule)
+DRAWS_PER_NEIGHBOUR = 200
+#: a neighbour must serve this much more than the current placement to be taken: runs of
+#: nearly equal placements differ by their event order, not by what they serve
+MIN_GAIN = 0.002
+#: share of a stage-structured placement's neighbours drawn by stage moves
+STAGE_MOVES = 0.5
+
+
+class ServedScorer(Protocol):
+    """Decode tokens/s each placement serves, in the order given; deterministic for its
+    ranges, and charging its work to the planner clock (`clock.charge`)."""
+
+    def __call__(self, batch: Sequence[Ranges]) -> list[float]: ...
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One placement the search scored."""
+
+    source: str
+    ranges: Ranges
+    served_tokens_per_s: float
+
+
+@dataclass
+class ServedOutcome:
+    """The best placement found and what was scored on the way."""
+
+    best: Scored
+    #: every start, scored, in the order given (duplicates once)
+    starts: list[Scored] = field(default_factory=list)
+    #: accepted steps of the climb, in order
+    steps: list[Scored] = field(default_factory=list)
+    evaluations: int = 0
+
+
+def key(ranges: Ranges) -> tuple[tuple[int, int, int], ...]:
+    """A placement's identity: its (node, start, end) triples, sorted."""
+    return tuple(sorted((i, s, e) for i, (s, e) in ranges.items()))
+
+
+class _Cache:
+    """Scores by placement, so a placement met twice is scored (and charged) once."""
+
+    def __init__(self, scorer: ServedScorer) -> None:
+        self.scorer = scorer
+        self.values: dict[tuple[tuple[int, int, int], ...], float] = {}
+        self.evaluations = 0
+
+    def score(self, batch: Sequence[Ranges]) -> list[float]:
+        todo: list[Ranges] = []
+        seen: set[tuple[tuple[int, int, int], ...]] = set()
+        for r in batch:
+            k = key(r)
+            if k not in self.values and k not in seen:
+                todo.append(r)
+                seen.add(k)
+        if todo:
+            for r, v in zip(todo, self.scorer(todo), strict=True):
+                self.values[key(r)] = v
+            self.evaluations += len(todo)
+        return [self.values[key(r)] for r in batch]
+
+
+def _state(ranges: Ranges, n: int, num_layers: int) -> State | None:
+    form = stage_form(ranges, num_layers)
+    if form is None:
+        return None
+    cuts, stage_of = form
+    stage = np.full(n, -1, dtype=np.int64)
+    for i, p in stage_of.items():
+        stage[i] = p
+    return State(cuts, stage)
+
+
+def node_move(ranges: Ranges, kmax: np.ndarray, num_layers: int,
+              rng: random.Random) -> Ranges | None:
+    """A random one-machine change of `ranges` that keeps every layer held and every
+    machine within its cap, or None when the drawn move does not apply: shift a range by
+    1-3 layers, grow or shrink one end by 1-2, or give a machine another machine's range
+    (a replica there)."""
+    held = sorted(ranges)
+    if not held:
+        return None
+    i = held[rng.randrange(len(held))]
+    s, e = ranges[i]
+    move = rng.random()
+    if move < 0.3:
+        d = rng.choice((-3, -2, -1, 1, 2, 3))
+        s, e = s + d, e + d
+    elif move < 0.55:
+        if rng.random() < 0.5:
+            e += rng.choice((1, 2))
+        else:
+            s -= rng.choice((1, 2))
+    elif move < 0.8:
+        if rng.random() < 0.5:
+            e -= rng.choice((1, 2))
+        else:
+            s += rng.choice((1, 2))
+    else:
+        j = held[rng.randrange(len(held))]
+        s, e = ranges[j]
+    if not (0 <= s < e <= num_layers) or e - s > kmax[i] or (s, e) == ranges[i]:
+        return None
+    new = dict(ranges)
+    new[i] = (s, e)
+    cover = np.zeros(num_layers + 1, dtype=np.int64)
+    for a, b in new.values():
+        cover[a] += 1
+        cover[b] -= 1
+    if not np.all(np.cumsum(cover)[:num_layers] > 0):
+        return None
+    return new
+
+
+def neighbours(ranges: Ranges, kmax: np.ndarray, num_layers: int, rng: random.Random,
+               count: int, exclude: set[tuple[tuple[int, int, int], ...]]) -> list[Ranges]:
+    """Up to `count` distinct neighbours of `ranges`, none of them in `exclude` (placements
+    already scored): stage moves (stages.py) for half of them when `ranges` is
+    stage-structured, one-machine moves (`node_move`) otherwise."""
+    out: list[Ranges] = []
+    keys = set(exclude)
+    st = _state(ranges, len(kmax), num_layers)
+    for _ in range(DRAWS_PER_NEIGHBOUR * count):
+        if len(out) >= count:
+            break
+        cand: Ranges | None
+        if st is not None and rng.random() < STAGE_MOVES:
+            moved = propose(st, kmax, rng)
+            cand = None if moved is None else to_ranges(*moved.arrays())
+        else:
+            cand = node_move(ranges, kmax, num_layers, rng)
+        if not cand:
+            continue
+        k = key(cand)
+        if k in keys:
+            continue
+        keys.add(k)
+        out.append(cand)
+    return out
+
+
+def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer: ServedScorer,
+                  deadline_s: float, seed: int = 0, batch: int = BATCH,
+                  max_stall: int = 50,
+                  progress: Callable[[str], None] | None = None) -> ServedOutcome:
+    """The placement of `starts` and their stage neighbourhoods that `scorer` scores highest,
+    found by `deadline_s` (planner clock); see the module doc. `starts` must not be empty."""
+    if not starts:
+        raise ValueError("served_search: no start")
+    say = progress or (lambda msg: None)
+    L = net.model.num_layers
+    cache = _Cache(scorer)
+    unique: list[tuple[str, Ranges]] = []
+    seen: set[tuple[tuple[int, int, int], ...]] = set()
+    for source, ranges in starts:
+        if ranges and key(ranges) not in seen:
+            seen.add(key(ranges))
+            unique.append((source, ranges))
+    # the starts in the order given (the caller's priority), a batch at a time, while the
+    # next batch fits in what is left; at least the first
+    scored: list[Scored] = []
+    step_cost = 0.0
+    for b in range(0, len(unique), batch):
+        if scored and clock.now() + step_cost > deadline_s:
+            say(f"served: {len(unique) - b} starts left unscored (budget)")
+            break
+        started = clock.now()
+        chunk = unique[b : b + batch]
+        for (source, ranges), v in zip(chunk, cache.score([r for _, r in chunk]), strict=True):
+            scored.append(Scored(source, ranges, v))
+            say(f"served: {source} serves {v:,.1f} decode tokens/s")
+        step_cost = clock.now() - started
+    best = max(scored, key=lambda c: c.served_tokens_per_s)
+    out = ServedOutcome(best, scored)
+    cur = best
+    kmax = np.asarray(net.max_layers, dtype=np.int64)
+    rng = random.Random(seed)
+    stall = 0
+    while stall < max_stall and clock.now() + step_cost <= deadline_s:
+        started = clock.now()
+        cands = neighbours(cur.ranges, kmax, L, rng, batch, set(cache.values))
+        if not cands:
+            break
+        vals = cache.score(cands)
+        step_cost = clock.now() - started
+        j = max(range(len(cands)), key=lambda x: vals[x])
+        if vals[j] > cur.served_tokens_per_s * (1 + MIN_GAIN):
+            cur = Scored("climb", cands[j], vals[j])
+            out.steps.append(cur)
+            stall = 0
+            say(f"served climb: {vals[j]:,.1f} decode tokens/s "
+                f"({cache.evaluations} placements scored)")
+        else:
+            stall += 1
+    if cur.served_tokens_per_s > out.best.served_tokens_per_s:
+        out.best = cur
+    out.evaluations = cache.evaluations
+    return out
+
