@@ -84,6 +84,9 @@ def placement_file(cluster: str, planner: str, work_limit: float) -> tuple[Path,
     out = PLACEMENT_CACHE / f"{cluster}-{planner}-wl{work_limit:g}-{planner_fingerprint()}.json"
     cmd = [sys.executable, "-m", "helixserve", "plan", "--cluster", rel(cluster_yaml),
            "--model", rel(MODEL), "--profiles", rel(PROFILES), "--planner", planner,
+           # the max-flow planner, as the placements of docs/benchmarks.md's table were planned
+           # (plan's default objective simulates serving: benchmarks/planner_served.py)
+           "--objective", "flow",
            "--gpu-reserve-gb", f"{GPU_RESERVE_GB:g}", "--work-limit", f"{work_limit:g}",
            "--out", rel(out), "--quiet"]
     meta = {"source": rel(out), "plan_command": shlex.join(["python", *cmd[1:]])}
