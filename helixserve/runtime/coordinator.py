@@ -78,10 +78,8 @@ class Coordinator:
     max_model_len: int
     eos_token_ids: list[int]
     step_timeout_s: float
-    #: CoordinatorConfig.admission_timeout_s (set by `create`)
+    #: CoordinatorConfig's (set by `create`); hang_timeout_s is the re-route health check's too
     admission_timeout_s: float = CoordinatorConfig.admission_timeout_s
-    #: CoordinatorConfig.hang_timeout_s (set by `create`): also the re-route health check's
-    #: deadline
     hang_timeout_s: float = CoordinatorConfig.hang_timeout_s
 
     def __init__(self, placement: Any, model_dir: Path, router: Any, max_queue: int,
@@ -165,9 +163,8 @@ class Coordinator:
         if self.recovery is not None:
             # workers restarted with other ranges since the placement file was written
             await self.recovery.install_actual()
-        self.step_timeout_s = cfg.step_timeout_s
-        self.admission_timeout_s = cfg.admission_timeout_s
-        self.hang_timeout_s = cfg.hang_timeout_s
+        self.step_timeout_s, self.admission_timeout_s, self.hang_timeout_s = (
+            cfg.step_timeout_s, cfg.admission_timeout_s, cfg.hang_timeout_s)
         self.tokenizer = await tokenizer_task
         self.dispatch.chunk_tokens = startup.chunk_tokens(self.nodes.values(),
                                                           cfg.prefill_chunk_tokens)
@@ -209,8 +206,8 @@ class Coordinator:
         self.admission.pump()
 
     def cost_model(self) -> CostModel:
-        """The cost model the router and the re-plan use (runtime/costs.py): `create` builds
-        it from the config; a coordinator made otherwise gets the analytic one, once."""
+        """The router's and re-plan's cost model (runtime/costs.py): `create` builds it from
+        the config; a coordinator made otherwise gets the analytic one."""
         if self.cost is None:
             self.cost = runtime_cost_model(self.model_dir, self.placement.model)
         return self.cost
@@ -232,9 +229,8 @@ class Coordinator:
         workers.report(self.core, self.nodes)
 
     def max_new_tokens(self, prompt_tokens: int) -> int | None:
-        """Most tokens a request of this prompt length could generate on the roomiest route
-        of the live workers; None while no route covers the model or before the workers
-        reported."""
+        """Most tokens a request of this prompt length could generate on the roomiest live
+        route; None while no route covers the model or before the workers reported."""
         if not self.covered():
             return None
         self._sync_nodes()
@@ -243,9 +239,6 @@ class Coordinator:
     def covered(self) -> bool:
         """Whether the live workers' ranges cover every layer."""
         return workers.covered(self.nodes, self.placement.num_layers)
-
-    def recovery_state(self) -> dict[str, Any] | None:
-        return None if self.recovery is None else self.recovery.snapshot()
 
     def stats(self) -> CoordinatorStats:
         """Snapshot for /metrics and /health: requests running/waiting, per node, per route."""
@@ -259,8 +252,8 @@ class Coordinator:
             tokens_generated=self.tokens_generated, reroutes=self.reroutes,
             preemptions=self.preemptions, kv_allocation=self.kv_allocation, nodes=nodes,
             routes={"->".join(r): c for r, c in self.hop_counts.items()},
-            down_events=self.down_events, recovery=self.recovery_state(),
-            dropped_results=self.inbox.dropped)
+            down_events=self.down_events, dropped_results=self.inbox.dropped,
+            recovery=None if self.recovery is None else self.recovery.snapshot())
 
     # ---- what the workers' streams report -------------------------------------------------
 

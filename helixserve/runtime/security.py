@@ -375,6 +375,23 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
         f.write(data)
 
 
+def _check_dev_names(nodes: Sequence[str], hosts: Sequence[str],
+                     node_hosts: Mapping[str, Sequence[str]]) -> None:
+    """UserError naming the first bad node or host name of a dev CA's certificates."""
+    unknown = sorted(set(node_hosts) - set(nodes))
+    if unknown:
+        raise UserError(f"--hosts: {unknown[0]!r} is not one of the nodes ({', '.join(nodes)})")
+    every = [*hosts, *(h for hs in node_hosts.values() for h in hs)]
+    bad = [n for n in [*nodes, *every] if not n or any(c.isspace() or c in "/*" for c in n)]
+    if bad:
+        raise UserError(f"certs: bad node or host name {bad[0]!r} (no spaces, '/' or "
+                        "wildcards: each certificate names its own node's host)")
+    bad_nodes = [n for n in nodes if not _name_ok(n) or n in (COORDINATOR_NAME, "ca")]
+    if bad_nodes:
+        raise UserError(f"--nodes: bad node name {bad_nodes[0]!r}; use letters, digits, - _ . "
+                        f"(not 'coordinator' or 'ca')")
+
+
 def create_dev_credentials(out_dir: str | os.PathLike[str], nodes: Sequence[str],
                            hosts: Sequence[str] = (),
                            node_hosts: Mapping[str, Sequence[str]] | None = None
@@ -392,18 +409,7 @@ def create_dev_credentials(out_dir: str | os.PathLike[str], nodes: Sequence[str]
 
     out = Path(out_dir)
     node_hosts = dict(node_hosts or {})
-    unknown = sorted(set(node_hosts) - set(nodes))
-    if unknown:
-        raise UserError(f"--hosts: {unknown[0]!r} is not one of the nodes ({', '.join(nodes)})")
-    every = [*hosts, *(h for hs in node_hosts.values() for h in hs)]
-    bad = [n for n in [*nodes, *every] if not n or any(c.isspace() or c in "/*" for c in n)]
-    if bad:
-        raise UserError(f"certs: bad node or host name {bad[0]!r} (no spaces, '/' or "
-                        "wildcards: each certificate names its own node's host)")
-    bad_nodes = [n for n in nodes if not _name_ok(n) or n in (COORDINATOR_NAME, "ca")]
-    if bad_nodes:
-        raise UserError(f"--nodes: bad node name {bad_nodes[0]!r}; use letters, digits, - _ . "
-                        f"(not 'coordinator' or 'ca')")
+    _check_dev_names(nodes, hosts, node_hosts)
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=5)
     until = now + datetime.timedelta(days=DEV_CERT_DAYS)
