@@ -254,15 +254,39 @@ def analyse(case: dict[str, Any], tie: float) -> None:
     case["disagreements"] = disagreements(scores, tie)
 
 
+def merge(old: dict[str, Any], case: dict[str, Any], ran: list[str]) -> None:
+    """Add to `case` (this run's) what `old` (an earlier run's) has that this run did not
+    score: every scorer not in `ran` whole (scores, details, why skipped), and for the scorers
+    in `ran` the placements not scored now."""
+    for plan, meta in old["placements"].items():
+        case["placements"].setdefault(plan, meta)
+    for scorer, scores in old["scores"].items():
+        if scorer not in ran:
+            case["scores"][scorer] = scores
+            case["details"][scorer] = old["details"].get(scorer, {})
+            case["skipped"].pop(scorer, None)
+            if scorer in old["skipped"]:
+                case["skipped"][scorer] = old["skipped"][scorer]
+            continue
+        now, details = case["scores"][scorer], case["details"][scorer]
+        for plan, value in scores.items():
+            if plan not in now:
+                now[plan] = value
+                details[plan] = old["details"].get(scorer, {}).get(plan, {})
+        for key, value in old["details"].get(scorer, {}).items():
+            details.setdefault(key, value)
+
+
 def fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
 def print_case(name: str, case: dict[str, Any]) -> None:
-    scorers = [s for s in case["scores"] if any(v is not None for v in case["scores"][s].values())]
+    scorers = [s for s in SCORERS if s in case["scores"]
+               and any(v is not None for v in case["scores"][s].values())]
     print(f"\n{name}, llama-2-70b: decode tokens/s")
     print(f"{'placement':<14}" + "".join(f"{s:>16}" for s in scorers))
-    for plan in case["placements"]:
+    for plan in (p for p in PLANS if p in case["placements"]):
         print(f"{plan:<14}" + "".join(f"{fmt(case['scores'][s].get(plan), '.1f'):>16}"
                                      for s in scorers))
     for label, key in (("milp/authors", "milp_over_authors"),
@@ -336,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="which planner produced milp, kept in the JSON (default: the planner "
                     "repo's path and revision)")
     ap.add_argument("--json", type=Path, default=None, metavar="OUT")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep OUT's scores of the (cluster, scorer, placement) not run now "
+                    "(so the columns can be run one at a time) and replace those run now")
     args = ap.parse_args(argv)
     for flag, window in (("--vllm-window", args.vllm_window),
                          ("--helix-prototype-window", args.helix_prototype_window)):
@@ -373,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
+    prior: dict[str, Any] = {}
+    if args.merge and args.json and args.json.exists():
+        prior = json.loads(args.json.read_text())
+        report["merged_commands"] = prior.get("merged_commands", [prior.get("command")])
     started = time.perf_counter()
     scoring = Scoring()
     with tempfile.TemporaryDirectory(prefix="planner-served-") as tmp_name:
@@ -416,12 +447,18 @@ def main(argv: list[str] | None = None) -> int:
                     # the authors' own files (exact hand-offs), the number their artifact gives
                     case["details"][scorer]["authors_published_files"] = helix_sim.score(
                         args.helix_artifact, name, None, python=args.helix_python)
+            if name in prior.get("clusters", {}):
+                merge(prior["clusters"][name], case,
+                      [s for s in scorers if s not in case["skipped"]])
             analyse(case, args.tie)
             report["clusters"][name] = case
             print_case(name, case)
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(report, indent=1) + "\n")
+    for name, old in prior.get("clusters", {}).items():
+        if name not in report["clusters"]:
+            report["clusters"][name] = old
     report["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     for note in notes:

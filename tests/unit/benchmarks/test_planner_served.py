@@ -86,3 +86,21 @@ def test_a_missing_artifact_is_named(tmp_path) -> None:
     why = helix_sim.missing_artifact(tmp_path)
     assert why is not None and "not a checkout of Thesys-lab/Helix-ASPLOS25" in why
     assert helix_sim.score(tmp_path, "helix-single-24", None)["error"] == why
+
+
+def test_merge_keeps_an_earlier_runs_columns_and_rows() -> None:
+    old = {"placements": {"milp": {"source": "a"}, "authors": {}},
+           "scores": {"evaluator": {"milp": 1.0, "authors": 2.0},
+                      "helix-sim": {"milp": 3.0, "authors": 4.0}},
+           "details": {"evaluator": {}, "helix-sim": {"authors_published_files": {"x": 1}}},
+           "skipped": {}}
+    case = {"placements": {"milp": {"source": "b"}},
+            "scores": {"evaluator": {"milp": 5.0}, "helix-sim": {"milp": None}},
+            "details": {"evaluator": {"milp": {}}, "helix-sim": {"milp": {}}},
+            "skipped": {"helix-sim": "no --helix-artifact given"}}
+    planner_served.merge(old, case, ran=["evaluator"])
+    assert case["placements"]["milp"] == {"source": "b"}  # this run's wins
+    assert case["scores"]["evaluator"] == {"milp": 5.0, "authors": 2.0}
+    assert case["scores"]["helix-sim"] == {"milp": 3.0, "authors": 4.0}
+    assert case["skipped"] == {}
+    assert case["details"]["helix-sim"]["authors_published_files"] == {"x": 1}
