@@ -270,7 +270,7 @@ def merge(old: dict[str, Any], case: dict[str, Any], ran: list[str]) -> None:
             continue
         now, details = case["scores"][scorer], case["details"][scorer]
         for plan, value in scores.items():
-            if plan not in now:
+            if now.get(plan) is None and value is not None or plan not in now:
                 now[plan] = value
                 details[plan] = old["details"].get(scorer, {}).get(plan, {})
         for key, value in old["details"].get(scorer, {}).items():
@@ -363,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", action="store_true",
                     help="keep OUT's scores of the (cluster, scorer, placement) not run now "
                     "(so the columns can be run one at a time) and replace those run now")
+    ap.add_argument("--merge-from", type=Path, nargs="+", default=[], metavar="JSON",
+                    help="merge these earlier outputs too, in order (runs of columns side by "
+                    "side, each with its own --json)")
     args = ap.parse_args(argv)
     for flag, window in (("--vllm-window", args.vllm_window),
                          ("--helix-prototype-window", args.helix_prototype_window)):
@@ -400,10 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    prior: dict[str, Any] = {}
+    priors: list[dict[str, Any]] = []
     if args.merge and args.json and args.json.exists():
-        prior = json.loads(args.json.read_text())
-        report["merged_commands"] = prior.get("merged_commands", [prior.get("command")])
+        priors.append(json.loads(args.json.read_text()))
+    priors += [json.loads(path.read_text()) for path in args.merge_from]
+    if priors:
+        report["merged_commands"] = [c for old in priors
+                                     for c in old.get("merged_commands", [old.get("command")])]
     started = time.perf_counter()
     scoring = Scoring()
     with tempfile.TemporaryDirectory(prefix="planner-served-") as tmp_name:
@@ -447,18 +453,25 @@ def main(argv: list[str] | None = None) -> int:
                     # the authors' own files (exact hand-offs), the number their artifact gives
                     case["details"][scorer]["authors_published_files"] = helix_sim.score(
                         args.helix_artifact, name, None, python=args.helix_python)
-            if name in prior.get("clusters", {}):
-                merge(prior["clusters"][name], case,
-                      [s for s in scorers if s not in case["skipped"]])
+            ran = [s for s in scorers if s not in case["skipped"]]
+            for old in priors:
+                if name in old["clusters"]:
+                    merge(old["clusters"][name], case, ran)
+                    ran += [s for s in old["clusters"][name]["scores"]
+                            if s not in ran and s not in old["clusters"][name]["skipped"]]
             analyse(case, args.tie)
             report["clusters"][name] = case
             print_case(name, case)
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(report, indent=1) + "\n")
-    for name, old in prior.get("clusters", {}).items():
-        if name not in report["clusters"]:
-            report["clusters"][name] = old
+    for old in priors:
+        for name, old_case in old["clusters"].items():
+            if name not in report["clusters"]:
+                report["clusters"][name] = old_case
+                print_case(name, old_case)
+    report["scorers"] = [s for s in SCORERS
+                         if any(s in c["scores"] for c in report["clusters"].values())]
     report["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     for note in notes:
