@@ -347,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--helix-no-partial-inference", action="store_true",
                     help="Helix's simulator links only exact hand-offs (as the authors "
                     "generated their own files)")
+    ap.add_argument("--helix-published", action="store_true",
+                    help="also run the authors' placement with their own published simulator "
+                    "cluster file (the number their artifact gives; details only)")
     ap.add_argument("--rehearse", action="store_true",
                     help="also score each placement with helixserve rehearse --offline "
                     "(benchmarks/full_size.py; minutes a placement)")
@@ -449,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                     case["details"][scorer][plan] = out
                     if "error" in out:
                         print(f"  {scorer} {plan}: {out['error']}", file=sys.stderr)
-                if scorer == "helix-sim" and "authors" in plans:
+                if scorer == "helix-sim" and "authors" in plans and args.helix_published:
                     # the authors' own files (exact hand-offs), the number their artifact gives
                     case["details"][scorer]["authors_published_files"] = helix_sim.score(
                         args.helix_artifact, name, None, python=args.helix_python)
