@@ -342,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--helix-artifact", type=Path, default=None, metavar="PATH",
                     help="a local checkout of Thesys-lab/Helix-ASPLOS25 (benchmarks/helix_sim.py "
                     "says how to get it); without it the helix-sim column is skipped")
+    ap.add_argument("--helix-sim-window", type=float, nargs=2, default=None,
+                    metavar=("DURATION", "WARMUP"),
+                    help="simulated seconds and warmup of Helix's simulator (default: the "
+                    "authors' 660 60, their own function; another window runs its steps "
+                    "with that window, benchmarks/helix_sim.py)")
     ap.add_argument("--helix-python", default=sys.executable, metavar="PY",
                     help="interpreter with Helix's requirements (gurobipy, networkx, matplotlib)")
     ap.add_argument("--helix-no-partial-inference", action="store_true",
@@ -371,14 +376,18 @@ def main(argv: list[str] | None = None) -> int:
                     "side, each with its own --json)")
     args = ap.parse_args(argv)
     for flag, window in (("--vllm-window", args.vllm_window),
-                         ("--helix-prototype-window", args.helix_prototype_window)):
-        if window[0] <= 0 or not 0 <= window[1] < window[0]:
+                         ("--helix-prototype-window", args.helix_prototype_window),
+                         ("--helix-sim-window", args.helix_sim_window)):
+        if window is not None and (window[0] <= 0 or not 0 <= window[1] < window[0]):
             ap.error(f"{flag}: bad value {window[0]:g} {window[1]:g}; need DURATION > 0 and "
                      "0 <= WARMUP < DURATION")
     if args.placements is not None and not args.placements.is_dir():
         ap.error(f"--placements: {args.placements} is not a directory")
     args.planner_repo = args.planner_repo.resolve()
     scorers = list(args.scorers) + (["rehearsal"] if args.rehearse else [])
+    helix_window = None  # (warmup, counted) seconds; None: the authors'
+    if args.helix_sim_window:
+        helix_window = (args.helix_sim_window[1], args.helix_sim_window[0] - args.helix_sim_window[1])
     notes: list[str] = []
     helix_missing = None
     if "helix-sim" in scorers:
@@ -400,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
                     "work_limit": args.work_limit, "time_limit_s": args.time_limit},
         "scorers": scorers,
         "windows_s": {"vllm": args.vllm_window, "helix-prototype": args.helix_prototype_window,
-                      "helix-sim": [helix_sim.WINDOW["warmup_s"] + helix_sim.WINDOW["duration_s"],
-                                    helix_sim.WINDOW["warmup_s"]]},
+                      "helix-sim": args.helix_sim_window or [
+                          helix_sim.WINDOW["warmup_s"] + helix_sim.WINDOW["duration_s"],
+                          helix_sim.WINDOW["warmup_s"]]},
         "notes": notes, "clusters": {},
     }
     for note in notes:
@@ -445,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
                     elif scorer == "helix-sim":
                         out = helix_sim.score(args.helix_artifact, name, placement,
                                               python=args.helix_python,
-                                              partial_inference=not args.helix_no_partial_inference)
+                                              partial_inference=not args.helix_no_partial_inference,
+                                              window=helix_window)
                     else:
                         out = rehearse(key, plan, placement, args, tmp)
                     case["scores"][scorer][plan] = out.get("decode_tokens_per_s")
@@ -455,7 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                 if scorer == "helix-sim" and "authors" in plans and args.helix_published:
                     # the authors' own files (exact hand-offs), the number their artifact gives
                     case["details"][scorer]["authors_published_files"] = helix_sim.score(
-                        args.helix_artifact, name, None, python=args.helix_python)
+                        args.helix_artifact, name, None, python=args.helix_python,
+                        window=helix_window)
             ran = [s for s in scorers if s not in case["skipped"]]
             for old in priors:
                 if name in old["clusters"]:
