@@ -135,6 +135,8 @@ def plan_placement(key: str, planner: str, args: argparse.Namespace,
     """`helixserve plan --planner P` (milp with the given budget) in `--planner-repo`."""
     flags = ["--cluster", str(CLUSTERS[key][0]), "--model", str(full_size.MODEL),
              "--profiles", str(full_size.PROFILES), "--planner", planner]
+    if args.gpu_reserve_gb is not None:
+        flags += ["--gpu-reserve-gb", f"{args.gpu_reserve_gb:g}"]
     if planner == "milp":
         if args.work_limit is not None:
             flags += ["--work-limit", f"{args.work_limit:g}"]
@@ -327,6 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     budget.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                         help="helixserve plan --time-limit for milp (default: plan's, 60 s)")
     ap.add_argument("--jobs", type=int, default=None, help="helixserve plan --jobs for milp")
+    ap.add_argument("--gpu-reserve-gb", type=float, default=None, metavar="GB",
+                    help="helixserve plan --gpu-reserve-gb for every planned placement "
+                    "(default: plan's, 1 GiB; 4.5 is the memory the vllm engine model and the "
+                    "rehearsal serve with)")
     ap.add_argument("--planner-repo", type=Path, default=REPO, metavar="DIR",
                     help="checkout whose `helixserve plan` plans (default: this one)")
     ap.add_argument("--placements", type=Path, default=None, metavar="DIR",
@@ -406,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         "planner": {"label": args.label or f"{args.planner_repo} @ "
                     f"{git_describe(args.planner_repo)}",
                     "repo": str(args.planner_repo), "rev": git_describe(args.planner_repo),
-                    "work_limit": args.work_limit, "time_limit_s": args.time_limit},
+                    "work_limit": args.work_limit, "time_limit_s": args.time_limit,
+                    "gpu_reserve_gb": args.gpu_reserve_gb},
         "scorers": scorers,
         "windows_s": {"vllm": args.vllm_window, "helix-prototype": args.helix_prototype_window,
                       "helix-sim": args.helix_sim_window or [
