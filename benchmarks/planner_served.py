@@ -287,9 +287,9 @@ def print_case(name: str, case: dict[str, Any]) -> None:
     scorers = [s for s in SCORERS if s in case["scores"]
                and any(v is not None for v in case["scores"][s].values())]
     print(f"\n{name}, llama-2-70b: decode tokens/s")
-    print(f"{'placement':<14}" + "".join(f"{s:>16}" for s in scorers))
+    print(f"{'placement':<15}" + "".join(f"{s:>16}" for s in scorers))
     for plan in (p for p in PLANS if p in case["placements"]):
-        print(f"{plan:<14}" + "".join(f"{fmt(case['scores'][s].get(plan), '.1f'):>16}"
+        print(f"{plan:<15}" + "".join(f"{fmt(case['scores'][s].get(plan), '.1f'):>16}"
                                      for s in scorers))
     for label, key in (("milp/authors", "milp_over_authors"),
                        ("milp/best base", "milp_over_best_baseline")):
@@ -300,7 +300,7 @@ def print_case(name: str, case: dict[str, Any]) -> None:
             if key == "milp_over_best_baseline" and r["best_baseline"]:
                 cell += f" ({r['best_baseline']})"
             cells.append(f"{cell:>16}")
-        print(f"{label:<14}" + "".join(cells))
+        print(f"{label:<15}" + "".join(cells))
     for s, why in case["skipped"].items():
         print(f"  {s}: {why}")
     if not case["disagreements"]:
