@@ -492,6 +492,13 @@ def main(argv: list[str] | None = None) -> int:
             if name not in report["clusters"]:
                 report["clusters"][name] = old_case
                 print_case(name, old_case)
+    # Helix's simulator's window as each cell ran (merged runs may differ): [warmup, counted]
+    ran_windows = {name: sorted({tuple(d["window_s"]) for d in c["details"].get("helix-sim", {})
+                                 .values() if isinstance(d, dict) and "window_s" in d})
+                   for name, c in report["clusters"].items()}
+    if any(ran_windows.values()):
+        report["helix_sim_windows_warmup_counted_s"] = {n: [list(w) for w in ws]
+                                                        for n, ws in ran_windows.items() if ws}
     report["scorers"] = [s for s in SCORERS
                          if any(s in c["scores"] for c in report["clusters"].values())]
     report["machine"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
