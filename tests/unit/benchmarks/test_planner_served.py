@@ -1,0 +1,106 @@
+"""benchmarks/planner_served.py (issue 34 item 3) on a tiny setting, its ranking
+disagreements, and benchmarks/helix_sim.py's placement conversion."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import helix_sim, planner_served
+from helixserve.errors import UserError
+from helixserve.planner import NodeRange, Placement
+
+
+def test_a_tiny_run_writes_every_score_and_skips_helix_with_a_note(tmp_path, capsys) -> None:
+    out = tmp_path / "served.json"
+    rc = planner_served.main([
+        "--clusters", "single-24", "--plans", "authors", "swarm",
+        "--scorers", "evaluator", "vllm", "helix-sim", "--vllm-window", "20", "5",
+        "--save-placements", str(tmp_path / "placements"), "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["format"] == planner_served.FORMAT
+    assert report["scorers"] == ["evaluator", "vllm", "helix-sim"]
+    assert report["windows_s"]["vllm"] == [20.0, 5.0]
+    assert any("helix-sim skipped" in n for n in report["notes"])
+    case = report["clusters"]["helix-single-24"]
+    assert set(case["placements"]) == {"authors", "swarm"}
+    assert case["placements"]["swarm"]["plan_command"].startswith("helixserve plan")
+    for scorer in ("evaluator", "vllm"):
+        assert all(v > 0 for v in case["scores"][scorer].values())
+        assert sorted(case["rankings"][scorer]) == ["authors", "swarm"]
+        assert set(case["ratios"][scorer]) == {"milp_over_authors", "milp_over_best_baseline",
+                                               "best_baseline"}
+    assert case["scores"]["helix-sim"] == {"authors": None, "swarm": None}
+    assert "no --helix-artifact" in case["skipped"]["helix-sim"]
+    assert "helix-sim" not in case["rankings"]
+    assert isinstance(case["disagreements"], list)
+    assert (tmp_path / "placements" / "helix-single-24-swarm.json").exists()
+    printed = capsys.readouterr().out
+    assert "evaluator" in printed and "authors" in printed
+
+
+def test_an_injected_ranking_disagreement_is_reported(capsys) -> None:
+    case = {
+        "placements": {"milp": {}, "authors": {}, "swarm": {}},
+        "scores": {"evaluator": {"milp": 7000.0, "authors": 4000.0, "swarm": 3000.0},
+                   "vllm": {"milp": 400.0, "authors": 450.0, "swarm": 300.0},
+                   "helix-sim": {"milp": None, "authors": None, "swarm": None}},
+        "skipped": {"helix-sim": "no --helix-artifact given"},
+    }
+    planner_served.analyse(case, tie=0.0)
+    assert case["disagreements"] == [{
+        "pair": ["milp", "authors"], "ahead": {"milp": ["evaluator"], "authors": ["vllm"]},
+        "scores": {"evaluator": [7000.0, 4000.0], "vllm": [400.0, 450.0]}}]
+    assert case["rankings"] == {"evaluator": ["milp", "authors", "swarm"],
+                                "vllm": ["authors", "milp", "swarm"]}
+    assert case["ratios"]["vllm"] == {"milp_over_authors": 0.889,
+                                      "milp_over_best_baseline": 1.333, "best_baseline": "swarm"}
+    planner_served.print_case("helix-single-24", case)
+    assert "DISAGREE milp vs authors: milp ahead in evaluator; authors ahead in vllm" \
+        in capsys.readouterr().out
+    # within the tie band the same scores are no disagreement
+    planner_served.analyse(case, tie=0.2)
+    assert case["disagreements"] == []
+
+
+def test_placement_becomes_helix_ilp_sol_ini() -> None:
+    p = Placement(model="llama-2-70b", cluster="c", num_layers=80, planner="milp",
+                  nodes=[NodeRange("n0", 0, 40), NodeRange("n2", 40, 80)])
+    text = helix_sim.solution_ini(p, 3, "p.json")
+    assert text.splitlines() == [
+        "[Settings]", "offset=2", "", "[Solution]",
+        f"compute_node_2={list(range(40))}", "compute_node_3=[]",
+        f"compute_node_4={list(range(40, 80))}"]
+    with pytest.raises(UserError, match="n2 is not in the Helix cluster"):
+        helix_sim.solution_ini(p, 2, "p.json")
+    bad = Placement(model="llama-2-70b", cluster="c", num_layers=80, planner="milp",
+                    nodes=[NodeRange("gpu-a", 0, 80)])
+    with pytest.raises(UserError, match="'gpu-a' is not n<i>"):
+        helix_sim.solution_ini(bad, 3, "p.json")
+
+
+def test_a_missing_artifact_is_named(tmp_path) -> None:
+    assert helix_sim.missing_artifact(None) == "no --helix-artifact given"
+    why = helix_sim.missing_artifact(tmp_path)
+    assert why is not None and "not a checkout of Thesys-lab/Helix-ASPLOS25" in why
+    assert helix_sim.score(tmp_path, "helix-single-24", None)["error"] == why
+
+
+def test_merge_keeps_an_earlier_runs_columns_and_rows() -> None:
+    old = {"placements": {"milp": {"source": "a"}, "authors": {}},
+           "scores": {"evaluator": {"milp": 1.0, "authors": 2.0},
+                      "helix-sim": {"milp": 3.0, "authors": 4.0}},
+           "details": {"evaluator": {}, "helix-sim": {"authors_published_files": {"x": 1}}},
+           "skipped": {}}
+    case = {"placements": {"milp": {"source": "b"}},
+            "scores": {"evaluator": {"milp": 5.0}, "helix-sim": {"milp": None}},
+            "details": {"evaluator": {"milp": {}}, "helix-sim": {"milp": {}}},
+            "skipped": {"helix-sim": "no --helix-artifact given"}}
+    planner_served.merge(old, case, ran=["evaluator"])
+    assert case["placements"]["milp"] == {"source": "b"}  # this run's wins
+    assert case["scores"]["evaluator"] == {"milp": 5.0, "authors": 2.0}
+    assert case["scores"]["helix-sim"] == {"milp": 3.0, "authors": 4.0}
+    assert case["skipped"] == {}
+    assert case["details"]["helix-sim"]["authors_published_files"] == {"x": 1}
