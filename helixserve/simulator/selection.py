@@ -212,11 +212,15 @@ def stacked_tilings(
         low[t] = low[t + 1] + min(layers(t, r, k)[0] for r, k in options[t])
         high[t] = high[t + 1] + max(layers(t, r, k)[1] for r, k in options[t])
     # each type's choices nearest its share of the model first, the product's order on ties
-    order = []
-    for t, opts in enumerate(options):
+    def nearest_share(t: int) -> list[int]:
         share = L * capacity[t] / sum(capacity)
-        order.append(sorted(range(len(opts)), key=lambda i, t=t, o=opts, s=share: (
-            abs(layers(t, *o[i])[1] - s), i)))
+
+        def distance(i: int) -> tuple[float, int]:
+            return abs(layers(t, *options[t][i])[1] - share), i
+
+        return sorted(range(len(options[t])), key=distance)
+
+    order = [nearest_share(t) for t in range(len(types))]
 
     def walk(t: int, total: int, picked: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
         if t == len(types):
