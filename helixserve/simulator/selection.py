@@ -42,9 +42,8 @@ How a candidate is scored (`SelectionConfig.mode`):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from itertools import product
 from typing import Any
 
 from helixserve.costmodel import CostModel
@@ -146,30 +145,110 @@ def _types(cluster: ClusterSpec, cost: CostModel) -> list[tuple[str, list[str]]]
     return [(f"{k[0]}x{k[1]}", groups[k]) for k in sorted(groups, key=speed)]
 
 
+#: stacked tilings estimated at most (the best `SelectionConfig.tilings` of them simulated):
+#: helix-single-24 and helix-geo-24 have 667 each, all of them estimated; helix-mix-42
+#: (7 machine types) has ~910 million, of which the enumeration estimates the first this
+#: many in its order (below)
+MAX_TILINGS = 5000
+
+#: steps of the enumeration at most (a step: one (replicas, layers) choice tried for one type)
+MAX_TILING_STEPS = 200_000
+
+
+@dataclass
+class TilingCount:
+    """What `stacked_tilings` enumerated: `steps` choices tried, `candidates` tilings
+    estimated, and whether a cap (MAX_TILINGS, MAX_TILING_STEPS) stopped it."""
+
+    steps: int = 0
+    candidates: int = 0
+    capped: bool = False
+
+
 def stacked_tilings(
-    cluster: ClusterSpec, model: ModelSpec, cost: CostModel, prompt_per_output: float = 3.3
+    cluster: ClusterSpec,
+    model: ModelSpec,
+    cost: CostModel,
+    prompt_per_output: float = 3.3,
+    max_tilings: int = MAX_TILINGS,
+    max_steps: int = MAX_TILING_STEPS,
+    count: TilingCount | None = None,
 ) -> list[tuple[float, Placement]]:
-    """Every stacked tiling (see the module doc) with its analytic estimate, best first."""
+    """The stacked tilings (see the module doc) with their analytic estimates, best first.
+
+    The choices are a product over GPU types of (replicas per stage, layers); only those
+    whose layers cover the model (the last type trimming at most one layer a stage) are
+    tilings. The enumeration walks the types depth first, cutting a branch as soon as the
+    layers chosen so far plus what the remaining types can add cannot cover the model
+    exactly, and tries each type's choices nearest its share of the model first (its
+    machines' layer capacity over the cluster's). It stops after `max_tilings` tilings or
+    `max_steps` choices tried, whichever comes first (`count` says which); on a cluster
+    with fewer tilings than that (helix-single-24, helix-geo-24) every one is estimated,
+    and equal estimates keep the product's order, so the list is the full enumeration's."""
+    count = count if count is not None else TilingCount()
     types = _types(cluster, cost)
     L = model.num_layers
     options: list[list[tuple[int, int]]] = []  # per type: (replicas per stage, layers)
+    capacity: list[int] = []
     for _, names in types:
         n = len(names)
         kmax = min(cost.max_layers(cluster.node(x)) for x in names)
         if kmax < 1:
             return []
         options.append([(r, k) for r in range(1, n + 1) if n % r == 0 for k in range(1, kmax + 1)])
-    out: list[tuple[float, Placement]] = []
-    seen: set[tuple[tuple[str, int, int], ...]] = set()  # trimming can repeat a shape
-    for choice in product(*options):
+        capacity.append(n * kmax)
+    last = len(types) - 1
+
+    def layers(t: int, r: int, k: int) -> tuple[int, int]:
+        """Fewest and most layers type t adds with (r, k): the last type trims one layer off
+        each stage of 2 or more."""
+        stages = len(types[t][1]) // r
+        return (stages * (k - 1) if t == last and k >= 2 else stages * k), stages * k
+
+    # what types t.. can add at least and at most, to cut branches that cannot cover L
+    low = [0] * (len(types) + 1)
+    high = [0] * (len(types) + 1)
+    for t in range(last, -1, -1):
+        low[t] = low[t + 1] + min(layers(t, r, k)[0] for r, k in options[t])
+        high[t] = high[t + 1] + max(layers(t, r, k)[1] for r, k in options[t])
+    # each type's choices nearest its share of the model first, the product's order on ties
+    def nearest_share(t: int) -> list[int]:
+        share = L * capacity[t] / sum(capacity)
+
+        def distance(i: int) -> tuple[float, int]:
+            return abs(layers(t, *options[t][i])[1] - share), i
+
+        return sorted(range(len(options[t])), key=distance)
+
+    order = [nearest_share(t) for t in range(len(types))]
+
+    def walk(t: int, total: int, picked: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+        if t == len(types):
+            yield picked
+            return
+        for i in order[t]:
+            if count.steps >= max_steps:
+                count.capped = True
+                return
+            count.steps += 1
+            lo, hi = layers(t, *options[t][i])
+            if total + lo + low[t + 1] <= L <= total + hi + high[t + 1]:
+                yield from walk(t + 1, total + hi, picked + (i,))
+
+    found: dict[tuple[tuple[str, int, int], ...], tuple[float, tuple[int, ...], Placement]] = {}
+    for picked in walk(0, 0, ()):
+        if count.candidates >= max_tilings:
+            count.capped = True
+            break
+        choice = [options[t][i] for t, i in enumerate(picked)]
         stages: list[tuple[int, int]] = []  # (type index, layers)
         for t, (r, k) in enumerate(choice):
             stages += [(t, k)] * (len(types[t][1]) // r)
         excess = sum(k for _, k in stages) - L
-        last = len(types) - 1
         trimmable = [i for i, (t, k) in enumerate(stages) if t == last and k >= 2]
         if excess < 0 or excess > len(trimmable):
             continue
+        count.candidates += 1
         for i in trimmable[len(trimmable) - excess :]:
             stages[i] = (stages[i][0], stages[i][1] - 1)
         nodes: list[NodeRange] = []
@@ -181,16 +260,16 @@ def stacked_tilings(
                 nodes.append(NodeRange(name, layer, layer + k))
             used[t] += r
             layer += k
+        # trimming can repeat a shape: keep it once, at its first place in the product
         shape = tuple(sorted((n.name, n.start_layer, n.end_layer) for n in nodes))
-        if shape in seen:
+        if shape in found:
+            if picked < found[shape][1]:
+                found[shape] = (found[shape][0], picked, found[shape][2])
             continue
-        seen.add(shape)
         p = Placement(model.name, cluster.name, L, "stacked-tiling", nodes)
-        est = _estimate(cluster, cost, p, prompt_per_output)
-        if est > 0:
-            out.append((est, p))
-    out.sort(key=lambda x: -x[0])
-    return out
+        found[shape] = (_estimate(cluster, cost, p, prompt_per_output), picked, p)
+    ranked = sorted((v for v in found.values() if v[0] > 0), key=lambda v: (-v[0], v[1]))
+    return [(est, p) for est, _, p in ranked]
 
 
 def regional_pipelines(cluster: ClusterSpec, model: ModelSpec, cost: CostModel) -> Placement | None:

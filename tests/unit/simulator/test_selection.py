@@ -163,3 +163,54 @@ def test_unknown_selection_mode_is_an_error_naming_the_flag() -> None:
     with pytest.raises(UserError, match="--serve-mode: unknown mode 'bogus'"):
         select_placement(s.cluster, s.model, s.cost, [], fixed_requests(2, 10, 5),
                          SelectionConfig(mode="bogus"))
+
+
+def test_stacked_tilings_of_a_42_machine_cluster_stop_at_the_caps(shared_data) -> None:  # type: ignore[no-untyped-def]
+    """helix-mix-42's 7 machine types give 21 billion (replicas, layers) choices and ~910
+    million tilings: the enumeration stops at MAX_TILINGS estimated, within a budget of
+    steps, instead of walking the product."""
+    from pathlib import Path
+
+    from helixserve.costmodel import CostModel
+    from helixserve.simulator.selection import MAX_TILING_STEPS, MAX_TILINGS, TilingCount
+    from helixserve.spec import load_cluster, load_model, load_profiles
+
+    model = load_model(shared_data / "models" / "llama-2-70b")
+    cost = CostModel(model, load_profiles(shared_data / "profiles" / "helix-measured.csv"))
+    mix = load_cluster(Path(__file__).resolve().parents[3] / "benchmarks" / "helix-clusters"
+                       / "helix-mix-42.yaml")
+    count = TilingCount()
+    tilings = stacked_tilings(mix, model, cost, count=count)
+    assert count.capped and count.candidates == MAX_TILINGS
+    assert count.steps <= MAX_TILING_STEPS
+    assert 0 < len(tilings) <= MAX_TILINGS
+    estimates = [e for e, _ in tilings]
+    assert estimates == sorted(estimates, reverse=True)
+    for _, p in tilings[:50]:
+        assert p.covers_all_layers() and len(p.nodes) == len(mix.nodes)
+        for n in p.nodes:
+            assert n.num_layers <= cost.max_layers(mix.node(n.name))
+    # a smaller cap stops sooner, and the step cap alone stops it too
+    few = TilingCount()
+    assert len(stacked_tilings(mix, model, cost, max_tilings=10, count=few)) <= 10
+    assert few.candidates == 10 and few.steps < count.steps
+    short = TilingCount()
+    stacked_tilings(mix, model, cost, max_steps=100, count=short)
+    assert short.capped and short.steps == 100
+
+
+def test_stacked_tilings_under_the_caps_are_the_full_enumeration(shared_data) -> None:  # type: ignore[no-untyped-def]
+    """helix-single-24 has 667 tilings, under the caps: every one is estimated, and with the
+    caps lifted the list is the same."""
+    from helixserve.costmodel import CostModel
+    from helixserve.simulator.selection import TilingCount
+    from helixserve.spec import load_cluster, load_model, load_profiles
+
+    model = load_model(shared_data / "models" / "llama-2-70b")
+    cost = CostModel(model, load_profiles(shared_data / "profiles" / "helix-measured.csv"))
+    single = load_cluster(shared_data / "clusters" / "helix-single-24.yaml")
+    count = TilingCount()
+    tilings = stacked_tilings(single, model, cost, count=count)
+    assert not count.capped and count.candidates == 667
+    unlimited = stacked_tilings(single, model, cost, max_tilings=10**9, max_steps=10**9)
+    assert [(e, p.nodes) for e, p in tilings] == [(e, p.nodes) for e, p in unlimited]
