@@ -4,7 +4,7 @@ Per cluster: write cluster.yaml + gpus.csv, profile its speed classes, plan each
 (milp and the baselines, with the same cost model), then per placement start the stack once
 and run each workload's burst on it, and simulate the same burst on the same placement.
 
-`milp` is what `helixserve plan --serve-trace BURST --serve-mode replay` gives for the
+`milp` is what `helixserve plan --objective flow --serve-trace BURST --serve-mode replay` gives for the
 workload: the max-flow MILP's placement, stacked tilings and the baselines' placements each
 serve the burst in the simulator and the fastest is kept (simulator/selection.py), so its
 placement can differ per workload (then each gets a stack of its own). `milp-flow` (not in

@@ -126,8 +126,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the local search")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="processes for milp's annealing searches, each with its own seed, "
-                   "the best kept, and for --serve-trace's simulations (default: the cores "
-                   "this process may use, at most 8; 1: one process, the serial planner)")
+                   "the best kept, and for the served objective's and --serve-trace's "
+                   "simulations (default: the cores this process may use, at most 8; 1: one "
+                   "process, the serial planner)")
     p.add_argument("--from", dest="from_placement", metavar="CURRENT.json",
                    help="the placement the cluster runs now: also build one that keeps every "
                    "machine of it that is still in the cluster and still fits as it is, "
@@ -143,14 +144,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", help="write a PNG of the flow graph here")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.add_argument("--serve-trace", metavar="TRACE.csv",
-                   help="then pick the placement by simulated serving: the planned one, "
-                   "the cluster's best stacked tilings and, across regions, pipelines kept "
-                   "inside each region each serve this Azure-format trace offline (across "
-                   "regions each also with routing kept within regions), and the one with "
-                   "the most decode tokens/s is kept (the max flow ranks placements by "
-                   "compute, but on a KV-bound cluster what binds is KV concurrency over the "
-                   "round trip: docs/planner.md). About 10 s of simulation per candidate on "
-                   "24 machines")
+                   help="the trace the served objective simulates (default: requests drawn "
+                   "from the --workload mix); with --objective flow, then pick the placement "
+                   "by simulated serving: the planned one, the cluster's best stacked tilings "
+                   "and, across regions, regional pipelines (docs/simulator.md, "
+                   "'Serving-aware selection')")
     p.add_argument("--serve-engine", default="vllm", choices=("vllm", "reserve"),
                    help="engine model of the served objective's and --serve-trace's "
                    "simulations (default vllm: on-demand KV, chunked prefill of 512 tokens; "
