@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from helixserve.rehearse.links import (
+    UNATTRIBUTED,
     LinkProxy,
     LinkShape,
     ProxyConfig,
@@ -142,7 +143,8 @@ def test_proxy_names_the_calling_process() -> None:
             names.add(resolver(peer))
             conn.close()
         assert names == {"n4", "n6"}
-        assert resolver(("127.0.0.1", 1)) == "coordinator"  # nobody known: the other source
+        # no socket of that address at all: not credited to anyone's link
+        assert resolver(("127.0.0.1", 1)) == UNATTRIBUTED
     finally:
         for c in children:
             c.kill()
