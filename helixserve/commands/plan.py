@@ -379,28 +379,9 @@ def _simulate(cluster: Any, model: Any, cost: Any, placement: Any, requests: lis
               config: Any) -> tuple[float, int]:
     """(decode tokens/s, events) of `placement` under a SelectionConfig: offline after the
     warm-up (saturate), or over the trace replayed (replay); a worker function."""
-    from helixserve.simulator.metrics import summarize
-    from helixserve.simulator.selection import replay_tokens_per_s
-    from helixserve.simulator.sim import SimConfig, Simulation
+    from helixserve.simulator.selection import simulate_scored
 
-    replay = config.mode == "replay"
-    last_arrival_s = max((q.arrival_s for q in requests), default=0.0)
-    cfg = SimConfig(
-        duration_s=last_arrival_s + config.duration_s if replay else config.duration_s,
-        offline=not replay,
-        warmup_s=0.0 if replay else config.warmup_s,
-        scheduler=config.scheduler,
-        seed=config.seed,
-        kv_allocation=config.kv_allocation,
-        chunked_prefill=config.chunked_prefill,
-        prefill_chunk_tokens=config.prefill_chunk_tokens,
-        max_prompt_tokens=config.max_prompt_tokens,
-        max_prefilling=config.max_prefilling,
-    )
-    result = Simulation(cluster, model, cost, placement, list(requests), cfg).run()
-    value = (replay_tokens_per_s(result, requests) if replay
-             else summarize(result)["decode_throughput_tokens_per_s"])
-    return float(value), int(result.events)
+    return simulate_scored(cluster, model, cost, placement, requests, config)
 
 
 class SimScorer:

@@ -365,6 +365,14 @@ def simulate_candidate(
     after the warm-up (saturate), or over the makespan of the trace replayed (replay)."""
 
     _fill_flows(cluster, model, cost, placement)
+    return simulate_scored(cluster, model, cost, placement, requests, config)[0]
+
+
+def simulate_scored(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
+                    placement: Placement, requests: Sequence[Any],
+                    config: SelectionConfig) -> tuple[float, int]:
+    """(decode tokens/s, events simulated) of `placement` as `simulate_candidate` scores it,
+    its flows as they are (the served objective's scorer charges its clock by the events)."""
     replay = config.mode == "replay"
     last_arrival_s = max((q.arrival_s for q in requests), default=0.0)
     cfg = SimConfig(
@@ -380,10 +388,9 @@ def simulate_candidate(
         max_prefilling=config.max_prefilling,
     )
     result = Simulation(cluster, model, cost, placement, list(requests), cfg).run()
-    if replay:
-        return replay_tokens_per_s(result, requests)
-    out = summarize(result)
-    return float(out["decode_throughput_tokens_per_s"])
+    value = (replay_tokens_per_s(result, requests) if replay
+             else summarize(result)["decode_throughput_tokens_per_s"])
+    return float(value), int(result.events)
 
 
 def replay_tokens_per_s(result: Any, requests: Sequence[Any]) -> float:
