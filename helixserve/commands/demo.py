@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr, flush=True)
     from helixserve.engine.registry import resolve_engine
 
-    resolve_engine(args.engine)  # vllm not installed: one line now, not three worker logs
+    engine = resolve_engine(args.engine)  # vllm not installed: one line now, not 3 logs
     memory_gb = _memory(args.memory_gb)
     if args.workdir is not None:
         check_output("--workdir", args.workdir, directory=True)
@@ -181,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         # (the layout of `certs create`); else dev ones in workdir
         credentials=None if tls is None else _given_credentials(tls, [w.node for w in to_start]),
         insecure=args.insecure,
+        one_at_a_time=_shares_a_gpu(engine),
     )
     if args.insecure:
         log("demo: --insecure: worker ports are plaintext and take anyone's requests")
@@ -222,3 +223,13 @@ def run(args: argparse.Namespace) -> int:
         workers.stop()  # idempotent; covers an interrupt before run_stack's own cleanup
     print("demo: stopped", file=sys.stderr)
     return 0
+
+
+def _shares_a_gpu(engine: str) -> bool:
+    """Whether the demo's workers are vllm stages on one CUDA device: each then sizes its
+    memory once the one before has started (docs/vllm.md, "GPU memory")."""
+    if engine != "vllm":
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())

@@ -221,8 +221,12 @@ class WorkerProcesses:
         extra_args: list[str] | None = None,
         credentials: Any = None,
         insecure: bool = False,
+        one_at_a_time: bool = False,
     ) -> None:
         self.model_dir = model_dir
+        #: start each worker only once the one before answers its health check: stages that
+        #: share one GPU (vllm on CUDA) must not size themselves at the same time (docs/vllm.md)
+        self.one_at_a_time = one_at_a_time
         self.placement_path = placement_path
         self.workers = workers
         self.log_dir = log_dir
@@ -257,11 +261,15 @@ class WorkerProcesses:
         tls = self.coordinator_tls
         return [] if tls is None else tls.flags()
 
-    def start(self) -> None:
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start every worker; with `one_at_a_time`, each after the one before is ready (each
+        within `timeout_s`)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for w in self.workers:
             (self.log_dir / f"worker-{w.node}.log").unlink(missing_ok=True)
             self.start_one(w.node)
+            if self.one_at_a_time:
+                self._wait_one(w, timeout_s)
 
     def start_one(self, node: str) -> None:
         """Start (or start again, same address and flags) the worker of `node`; its log is
@@ -283,9 +291,11 @@ class WorkerProcesses:
         tail if one exits or the timeout passes."""
         deadline = time.monotonic() + timeout_s
         for w in self.workers:
-            wait_grpc_ready(w.node, w.address, self.procs[w.node],
-                            self.log_dir / f"worker-{w.node}.log", self.coordinator_tls,
-                            max(0.0, deadline - time.monotonic()))
+            self._wait_one(w, max(0.0, deadline - time.monotonic()))
+
+    def _wait_one(self, w: WorkerSpec, timeout_s: float) -> None:
+        wait_grpc_ready(w.node, w.address, self.procs[w.node],
+                        self.log_dir / f"worker-{w.node}.log", self.coordinator_tls, timeout_s)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM all (they drain), then SIGKILL whatever is still alive after `grace_s`."""

@@ -80,3 +80,26 @@ def test_the_demo_starts_workers_only_for_nodes_with_layers():
     with pytest.raises(UserError, match="no layers on any of the nodes n1, n2, n3"):
         workers_with_layers(workers, Placement("m", "c", 30, "milp",
                                                [NodeRange("x", 0, 30)]))
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_workers_sharing_a_gpu_start_one_after_another(tmp_path, monkeypatch, one_at_a_time):
+    # vllm stages on one CUDA device each size their memory at start: the next one may only
+    # start once the one before answers its health check
+    from helixserve.local import launch
+
+    events: list[str] = []
+    monkeypatch.setattr(launch, "spawn_worker",
+                        lambda cmd, log, **kw: events.append(f"start {cmd[cmd.index('--node') + 1]}"))
+    monkeypatch.setattr(launch, "wait_grpc_ready",
+                        lambda node, *a: events.append(f"ready {node}"))
+    workers = [WorkerSpec(f"n{i}", "127.0.0.1", 5000 + i) for i in range(3)]
+    procs = launch.WorkerProcesses(tmp_path / "m", tmp_path / "p.json", workers, tmp_path,
+                                   insecure=True, one_at_a_time=one_at_a_time)
+    procs.start()
+    if one_at_a_time:
+        assert events == ["start n0", "ready n0", "start n1", "ready n1", "start n2", "ready n2"]
+    else:
+        assert events == ["start n0", "start n1", "start n2"]
+    procs.wait_ready()
+    assert events[-3:] == ["ready n0", "ready n1", "ready n2"]
