@@ -42,7 +42,13 @@ from helixserve.local.launch import PARENT_PID_ENV
 from helixserve.rehearse.forkserver import COMMAND as FORKSERVER
 from helixserve.rehearse.forkserver import ForkServer
 from helixserve.rehearse.inputs import RehearsalInputs, reserve_ports
-from helixserve.rehearse.links import ProxyConfig, ProxyRoute, link_table, read_stats
+from helixserve.rehearse.links import (
+    ProxyConfig,
+    ProxyRoute,
+    link_table,
+    read_stats,
+    read_unattributed,
+)
 from helixserve.runtime.config import CoordinatorConfig
 from helixserve.spec.cluster import COORDINATOR
 
@@ -286,6 +292,11 @@ class EmulatedCluster:
             if s is not None:
                 out[name] = s
         return out
+
+    def unattributed(self) -> dict[str, dict[str, int]]:
+        """Per machine, the traffic whose caller the proxy could not find, as of its last
+        write (`link_stats` asks for one): counted on no link (docs/rehearse.md)."""
+        return read_unattributed(self.stats_path)
 
     def link_stats(self, timeout_s: float = 5.0) -> dict[str, dict[str, Any]]:
         """The proxy's per-link counters now (it writes them on SIGUSR1)."""

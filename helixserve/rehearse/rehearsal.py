@@ -113,11 +113,13 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
                 + (f" ({opts.duration_s * opts.time_scale:g} s wall at time scale "
                    f"{opts.time_scale:g})" if opts.time_scale != 1 else ""))
             links_before, cpu_before = cluster.link_stats(), cluster.cpu()
+            lost_before = cluster.unattributed()
             client_before = _own_cpu_s()
             run = asyncio.run(drive(cluster.api_url, cluster.model_name, inputs.requests,
                                     offline=opts.offline, duration_s=opts.duration_s,
                                     time_scale=opts.time_scale, concurrency=concurrency))
             cpu_after, links_after = cluster.cpu(), cluster.link_stats()
+            unattributed = _count_deltas(lost_before, cluster.unattributed())
             client_s = _own_cpu_s() - client_before
             coordinator = cluster.coordinator_metrics()
             pids = cluster.pids
@@ -138,7 +140,8 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
     cpu = {name: cpu_after[name] - cpu_before[name] for name in cpu_after if name in cpu_before}
     return build_report(
         opts, inputs, measured=measured, sim=sim, cpu=cpu, client_cpu_s=client_s,
-        links=_link_deltas(links_before, links_after), emulated=cluster.emulated,
+        links=_link_deltas(links_before, links_after), unattributed=unattributed,
+        emulated=cluster.emulated,
         pids=pids, concurrency=concurrency, start_s=start_s, wall_s=run.wall_s,
         errors=errors_of(run), load=(load_before, load_after), coordinator=coordinator,
         workdir=None if temporary else workdir)
@@ -160,9 +163,22 @@ def _link_deltas(before: dict[str, dict[str, Any]],
     return out
 
 
+def _count_deltas(before: dict[str, dict[str, int]],
+                  after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Per machine, its counters' growth between two reads; machines that did not grow left
+    out."""
+    out = {}
+    for node, now in after.items():
+        grew = {k: v - before.get(node, {}).get(k, 0) for k, v in now.items()}
+        if any(grew.values()):
+            out[node] = grew
+    return out
+
+
 def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: dict[str, Any],
                  sim: dict[str, Any], cpu: dict[str, float], client_cpu_s: float,
                  links: dict[str, dict[str, Any]], emulated: dict[str, dict[str, float]],
+                 unattributed: dict[str, dict[str, int]] | None = None,
                  pids: dict[str, int], concurrency: int, start_s: float, wall_s: float,
                  errors: list[str], load: tuple[float, float], coordinator: dict[str, Any],
                  workdir: Path | None) -> dict[str, Any]:
@@ -232,6 +248,8 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
                   "window_s": window_s, "wall_s": wall_s},
         "nodes": nodes,
         "links": link_rows,
+        # per machine: bytes whose caller the proxy could not find, on no link above
+        "unattributed_links": unattributed or {},
         "errors": errors,
         "start_s": start_s,
         "processes": pids,

@@ -85,6 +85,11 @@ def format_report(r: dict[str, Any]) -> str:
                      + ("  (no link in the cluster file)" if x.get("unlinked") else ""))
     if len(links) > TABLE_LINKS:
         lines.append(f"... {len(links) - TABLE_LINKS} more links in the JSON")
+    lost = r.get("unattributed_links") or {}
+    if lost:
+        total = sum(x.get("bytes_in", 0) + x.get("bytes_out", 0) for x in lost.values())
+        lines.append(f"unattributed (caller not found, on no link): {total:,} bytes to "
+                     f"{', '.join(sorted(lost))}")
     c = r["cpu_s"]
     per_k = r["runtime_cpu_ms_per_token"]
     lines += [

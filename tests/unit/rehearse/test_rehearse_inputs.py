@@ -164,6 +164,20 @@ def test_report_table_says_emulated_and_shows_missing_numbers_as_dashes():
     assert ttft.split()[3:] == ["-", "-", "-"]
     assert "(no link in the cluster file)" in text and "error: HTTP 429: queue full" in text
     assert "75.00 ms a token" in text
+    assert "unattributed" not in text  # none lost: no line
+    report["unattributed_links"] = {"n0": {"bytes_in": 1000, "bytes_out": 234, "connections": 1}}
+    assert "unattributed (caller not found, on no link): 1,234 bytes to n0" in format_report(report)
+
+
+def test_unattributed_traffic_is_counted_between_the_runs_two_reads():
+    from helixserve.rehearse.rehearsal import _count_deltas
+
+    before = {"n1": {"bytes_in": 10, "bytes_out": 0, "connections": 1}}
+    after = {"n1": {"bytes_in": 10, "bytes_out": 0, "connections": 1},
+             "n2": {"bytes_in": 5, "bytes_out": 7, "connections": 2}}
+    assert _count_deltas(before, after) == {"n2": {"bytes_in": 5, "bytes_out": 7,
+                                                   "connections": 2}}
+    assert _count_deltas({}, {}) == {}
 
 
 def test_ports_the_rehearsal_picks_are_distinct_and_below_the_ephemeral_range() -> None:
