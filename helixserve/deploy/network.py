@@ -22,24 +22,29 @@ from helixserve.deploy.k8s import (
 )
 
 
-def worker_network_policy(opts: RenderOptions) -> Obj:
-    """Ingress to worker pods: the worker port, from the coordinator and workers only."""
+def _ingress_policy(opts: RenderOptions, name: str, component: str, sources: list[Obj],
+                    port: int) -> Obj:
+    """A NetworkPolicy letting `sources` reach `port` of the `component` pods, and nothing
+    else in."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": metadata(opts, headless_service_name(opts), "worker"),
+        "metadata": metadata(opts, name, component),
         "spec": {
-            "podSelector": {"matchLabels": selector_labels(opts, "worker")},
+            "podSelector": {"matchLabels": selector_labels(opts, component)},
             "policyTypes": ["Ingress"],
-            "ingress": [{
-                "from": [
-                    {"podSelector": {"matchLabels": selector_labels(opts, "coordinator")}},
-                    {"podSelector": {"matchLabels": selector_labels(opts, "worker")}},
-                ],
-                "ports": [{"port": WORKER_PORT, "protocol": "TCP"}],
-            }],
+            "ingress": [{"from": sources, "ports": [{"port": port, "protocol": "TCP"}]}],
         },
     }
+
+
+def worker_network_policy(opts: RenderOptions) -> Obj:
+    """Ingress to worker pods: the worker port, from the coordinator and workers only."""
+    sources: list[Obj] = [
+        {"podSelector": {"matchLabels": selector_labels(opts, "coordinator")}},
+        {"podSelector": {"matchLabels": selector_labels(opts, "worker")}},
+    ]
+    return _ingress_policy(opts, headless_service_name(opts), "worker", sources, WORKER_PORT)
 
 
 def api_network_policy(opts: RenderOptions) -> Obj:
@@ -49,13 +54,4 @@ def api_network_policy(opts: RenderOptions) -> Obj:
         sources.append({"namespaceSelector": {"matchExpressions": [{
             "key": "kubernetes.io/metadata.name", "operator": "In",
             "values": sorted(opts.api_namespaces)}]}})
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": metadata(opts, api_service_name(opts), "coordinator"),
-        "spec": {
-            "podSelector": {"matchLabels": selector_labels(opts, "coordinator")},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": sources, "ports": [{"port": HTTP_PORT, "protocol": "TCP"}]}],
-        },
-    }
+    return _ingress_policy(opts, api_service_name(opts), "coordinator", sources, HTTP_PORT)
