@@ -97,18 +97,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A server that sends back what it reads."""
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+
+
 def test_proxy_forwards_and_counts_bytes_per_directed_link(tmp_path):
     """An echo server behind the proxy; the caller is told to be `n1`: what it sends counts
     on n1 -> n0, the echo on n0 -> n1; a pair without a link is forwarded, marked unlinked."""
 
     async def main() -> dict:
-        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-            writer.close()
-
-        target = await asyncio.start_server(echo, "127.0.0.1", 0)
+        target = await asyncio.start_server(_echo, "127.0.0.1", 0)
         target_port = target.sockets[0].getsockname()[1]
         listen = _free_port()
         config = ProxyConfig([ProxyRoute("n0", listen, target_port)],
@@ -176,13 +178,7 @@ def test_a_socket_found_nowhere_is_unattributed_not_the_coordinators():
 
 def _run_proxy(tmp_path, resolve, payload_bytes: int = 50_000) -> tuple[dict, dict]:
     async def main() -> None:
-        async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-            writer.close()
-
-        target = await asyncio.start_server(echo, "127.0.0.1", 0)
+        target = await asyncio.start_server(_echo, "127.0.0.1", 0)
         listen = _free_port()
         config = ProxyConfig([ProxyRoute("n9", listen, target.sockets[0].getsockname()[1])],
                              {("coordinator", "n9"): LinkShape(10.0, 0.0),
