@@ -44,8 +44,8 @@ from helixserve.scheduler.core import (
     SchedulerCore,
 )
 from helixserve.scheduler.options import router_options
-from helixserve.simulator.config import SimConfig
 from helixserve.simulator import prefix
+from helixserve.simulator.config import SimConfig
 from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.nodes import Batch, Chunk, NodeSteps, SimNode, SimRequest, chunks
 from helixserve.simulator.workload import TraceRequest, offline_stream
