@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from helixserve.errors import UserError
-from helixserve.prefix import BlockHash, CacheEvents, reusable_tokens
+from helixserve.prefix import BlockHash, CacheEvents
 from helixserve.scheduler.kv import KvBook, KvPolicy
 from helixserve.scheduler.prefix import PrefixRouting
 from helixserve.scheduler.queue import AdmissionQueue
@@ -532,35 +532,15 @@ class SchedulerCore:
     def _prefix_route(self, request_id: str, tokens: Sequence[int], info: RequestInfo,
                       pick: Route) -> tuple[Route, int]:
         """The route to admit on and its cached tokens (scheduler/prefix.py's rule)."""
-        if len(tokens) > info.prompt_tokens:  # a caller's list may run ahead of the core
-            tokens = tokens[:info.prompt_tokens]
-        bs = self.prefix_block_size
-        if not self.policy.cache_aware:
-            return pick, reusable_tokens(self.prefix.matched(request_id, tokens, pick, bs),
-                                         len(tokens), bs)
-        view = self.view
-        need = info.promise_tokens
+        p = self.policy
+        if not p.cache_aware:
+            return pick, self.prefix.cached_tokens(request_id, tokens, info, pick,
+                                                   self.prefix_block_size)
         check_fit = self.kv.policy.expected_output_tokens is not None
-
-        def usable(route: Route) -> bool:
-            for h in route.hops:
-                s = view.get(h.name)
-                if s is None or not s.alive or s.kv_free_tokens < need:
-                    return False
-            return self.router.accepts(route) and \
-                (not check_fit or self.kv.fits(info, route.nodes))
-
-        route, cached = self.prefix.choose(
-            request_id, tokens, pick, usable, view, bs, self.policy.prefix_prefill_weight,
-            self.policy.prefix_load_weight_tokens)
-        if route != pick:
-            # the router advanced its policy for `pick`; routers with state (maxflow's
-            # credits) take that back (GraphRouter.take; a Router without it keeps it)
-            take = getattr(self.router, "take", None)
-            if take is not None:
-                take(pick, route, info, view)
-        self.prefix.recent.taken(route)
-        return route, cached
+        return self.prefix.route(
+            request_id, tokens, info, pick, self.router, self.view, self.prefix_block_size,
+            p.prefix_prefill_weight, p.prefix_load_weight_tokens,
+            (lambda r: self.kv.fits(info, r.nodes)) if check_fit else None)
 
     def _drop_head(self, rid: str, reason: str) -> Rejection:
         self.queue.admitted()

@@ -58,7 +58,7 @@ from helixserve.prefix import (
     extend_hashes,
     reusable_tokens,
 )
-from helixserve.scheduler.types import NodeState, Route
+from helixserve.scheduler.types import NodeState, RequestInfo, Route, Router
 
 
 class PrefixIndex:
@@ -146,6 +146,11 @@ class RecentRoutes:
         return len(self._routes)
 
 
+def _prefill(tokens: Sequence[int], info: RequestInfo) -> Sequence[int]:
+    """The tokens its prefill runs (a caller's list may run ahead of the core's count)."""
+    return tokens[:info.prompt_tokens] if len(tokens) > info.prompt_tokens else tokens
+
+
 def route_load(route: Route, state: Mapping[str, NodeState]) -> int:
     """The load term: work queued or running on the route's busiest hop."""
     load = 0
@@ -191,6 +196,41 @@ class PrefixRouting:
                 c = self.stats[h.name] = [0, 0]
             c[0] += prompt_tokens
             c[1] += cached_tokens
+
+    def cached_tokens(self, request_id: str, tokens: Sequence[int], info: RequestInfo,
+                      route: Route, block_size: int) -> int:
+        """Tokens of the request's prefill that every hop of `route` holds."""
+        tokens = _prefill(tokens, info)
+        return reusable_tokens(self.matched(request_id, tokens, route, block_size),
+                               len(tokens), block_size)
+
+    def route(self, request_id: str, tokens: Sequence[int], info: RequestInfo, pick: Route,
+              router: Router, view: Mapping[str, NodeState], block_size: int,
+              prefill_weight: float, load_weight_tokens: float,
+              fits: Callable[[Route], bool] | None = None) -> tuple[Route, int]:
+        """The cache-aware choice (module doc) and its cached tokens. `pick`: the router's
+        route for `info`; `fits`: the KV ledger's extra check, when it makes one. The router
+        is told when another route is taken (`take`), and the route joins the recent ones."""
+        tokens = _prefill(tokens, info)
+        need = info.promise_tokens
+
+        def usable(route: Route) -> bool:
+            for h in route.hops:
+                s = view.get(h.name)
+                if s is None or not s.alive or s.kv_free_tokens < need:
+                    return False
+            return router.accepts(route) and (fits is None or fits(route))
+
+        route, cached = self.choose(request_id, tokens, pick, usable, view, block_size,
+                                    prefill_weight, load_weight_tokens)
+        if route != pick:
+            # the router advanced its policy for `pick`; routers with state (maxflow's
+            # credits) take that back (GraphRouter.take; a Router without it keeps it)
+            take = getattr(router, "take", None)
+            if take is not None:
+                take(pick, route, info, view)
+        self.recent.taken(route)
+        return route, cached
 
     def choose(self, request_id: str, tokens: Sequence[int], pick: Route,
                usable: Callable[[Route], bool], state: Mapping[str, NodeState],

@@ -15,6 +15,7 @@ from helixserve.simulator.metrics import format_table, summarize
 from helixserve.simulator.prefix import NodeCache
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.workload import LengthFilter, TraceRequest, multi_turn
+from helixserve.spec import Curve
 from tests.unit.simulator.conftest import Machine, Setup, make_setup, with_flows
 
 
@@ -29,13 +30,16 @@ def two_routes(memory_gb: float = 0.3) -> Setup:
 
 
 def pipelines() -> Setup:
-    """Two stages, two nodes each: four routes, hops running half the layers."""
-    return with_flows(make_setup([
-        Machine("a1", "T4", 0, 2, decode_ms=10.0, prompt_ms=20.0, max_decode=64),
-        Machine("a2", "L4", 0, 2, decode_ms=10.0, prompt_ms=20.0, max_decode=64),
-        Machine("b1", "A10", 2, 4, decode_ms=10.0, prompt_ms=20.0, max_decode=64),
-        Machine("b2", "A10G", 2, 4, decode_ms=10.0, prompt_ms=20.0, max_decode=64),
-    ]))
+    """Two stages, two nodes each: four routes, hops running half the layers. A prompt
+    takes 0.02 ms per token per layer (linear: what caching saves shows in the TTFT)."""
+    gpus = {"a1": "T4", "a2": "L4", "b1": "A10", "b2": "A10G"}
+    s = with_flows(make_setup([
+        Machine(n, gpu, 0 if n[0] == "a" else 2, 2 if n[0] == "a" else 4, decode_ms=10.0,
+                max_decode=64)
+        for n, gpu in gpus.items()]))
+    for gpu in gpus.values():
+        s.cost.profiles.curves["tiny", gpu, 1, "prompt"] = Curve((1, 100_000), (0.02, 2000.0))
+    return s
 
 
 def conversations(n: int = 15, gap_s: float = 0.37) -> list[TraceRequest]:
@@ -167,7 +171,7 @@ def test_prefill_computes_only_uncached_tokens_and_the_index_is_exact() -> None:
         assert all(index.matched_blocks(n.name, [h]) == 1 for h in held)
     # ...and the first stage's TTFT is shorter than without caching
     _, off = run(s, reqs, kv_allocation="reserve", cache_aware=False, prefix_caching=False)
-    assert summary["ttft_s"]["mean"] <= off["ttft_s"]["mean"]
+    assert summary["ttft_s"]["mean"] < 0.9 * off["ttft_s"]["mean"]
 
 
 def test_small_caches_evict_and_stay_within_kv() -> None:
