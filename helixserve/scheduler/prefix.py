@@ -15,9 +15,11 @@ hop of a route, over the layers `[start_layer, end_layer)` that hop runs:
     matched(route) = min over hops h of matched_blocks(h.node, names(tokens, h.span))
     cached(route)  = reusable_tokens(matched(route), len(tokens), block_size)
 
-(whole blocks, never the last prompt token). Names are kept per (request, span) and
-extended as the request grows (`RequestNames`), so a request waiting at the head of the
-queue is not hashed again at every admission point.
+(whole blocks, never the last prompt token). Names are kept per (request, span), hashed
+only as far as a match walks (a few blocks past the first miss) and extended as the request
+grows (`RequestNames`), so a request waiting at the head of the queue is not hashed again
+at every admission point; within one decision, a hop shared by several candidates is
+walked once.
 
 The rule (`SchedulerPolicy.cache_aware`). Like Dynamo's KV router, which weighs each
 worker's prefill blocks (what its cache does not hold) against its decode blocks (its load)
@@ -100,6 +102,10 @@ class PrefixIndex:
         """Names held by `node`."""
         return len(self._held.get(node, ()))
 
+    def held(self, node: str) -> set[BlockHash] | None:
+        """The names `node` holds (None: nothing known); read-only."""
+        return self._held.get(node)
+
 
 class RequestNames:
     """One request's block names per layer span, extended as its tokens grow."""
@@ -121,6 +127,27 @@ class RequestNames:
             extend_hashes(have, tokens[:blocks * block_size], block_size, start_layer,
                           end_layer)
         return have if len(have) <= blocks else have[:blocks]
+
+    def matched(self, held: set[BlockHash] | None, tokens: Sequence[int], blocks: int,
+                block_size: int, start_layer: int, end_layer: int) -> int:
+        """How many of the first `blocks` names on layers `[start_layer, end_layer)`,
+        consecutive from block 0, are in `held`. Names are hashed only as far as the walk
+        goes (a few blocks past the first miss), and kept."""
+        if not held or blocks <= 0:
+            return 0
+        have = self.by_span.get((start_layer, end_layer))
+        if have is None:
+            have = self.by_span[start_layer, end_layer] = []
+        i = 0
+        while i < blocks:
+            if i == len(have):  # hash on, doubling: O(blocks) in all
+                target = min(blocks, max(8, 2 * len(have)))
+                extend_hashes(have, tokens[:target * block_size], block_size, start_layer,
+                              end_layer)
+            if have[i] not in held:
+                return i
+            i += 1
+        return blocks
 
 
 class RecentRoutes:
@@ -172,20 +199,31 @@ class PrefixRouting:
         self.stats: dict[str, list[int]] = {}
 
     def matched(self, request_id: str, tokens: Sequence[int], route: Route,
-                block_size: int) -> int:
+                block_size: int,
+                memo: dict[tuple[str, int, int], int] | None = None) -> int:
         """Whole blocks of `tokens` every hop of `route` holds (only blocks a prefill could
-        take from cache: never the one with the last token)."""
-        blocks = max(0, len(tokens) - 1) // block_size
-        if blocks == 0:
+        take from cache: never the one with the last token). `memo`: per (node, span) the
+        blocks matched, shared by the candidates of one decision (routes share hops)."""
+        cap = max(0, len(tokens) - 1) // block_size
+        if cap == 0:
             return 0
         names = self.names.get(request_id)
         if names is None:
             names = self.names[request_id] = RequestNames()
+        blocks = cap
         for h in route.hops:
+            key = (h.name, h.start_layer, h.end_layer)
+            m = None if memo is None else memo.get(key)
+            if m is None:
+                # memoised: the whole walk, for any route; else only as far as it matters
+                m = names.matched(self.index.held(h.name), tokens,
+                                  cap if memo is not None else blocks, block_size,
+                                  h.start_layer, h.end_layer)
+                if memo is not None:
+                    memo[key] = m
+            blocks = min(blocks, m)
             if blocks == 0:
                 break
-            hop_names = names.names(tokens, blocks, block_size, h.start_layer, h.end_layer)
-            blocks = min(blocks, self.index.matched_blocks(h.name, hop_names))
         return blocks
 
     def count(self, route: Route, prompt_tokens: int, cached_tokens: int) -> None:
@@ -244,16 +282,17 @@ class PrefixRouting:
             return prefill_weight * (prompt - cached) + \
                 load_weight_tokens * route_load(route, state)
 
+        memo: dict[tuple[str, int, int], int] = {}
         best = pick
-        best_cached = reusable_tokens(self.matched(request_id, tokens, pick, block_size),
+        best_cached = reusable_tokens(self.matched(request_id, tokens, pick, block_size, memo),
                                       prompt, block_size)
         best_cost = cost(pick, best_cached)
         floor = best_cached + block_size
         for route in self.recent:
             if route == pick or not usable(route):
                 continue
-            cached = reusable_tokens(self.matched(request_id, tokens, route, block_size),
-                                     prompt, block_size)
+            cached = reusable_tokens(
+                self.matched(request_id, tokens, route, block_size, memo), prompt, block_size)
             if cached < floor:
                 continue
             c = cost(route, cached)

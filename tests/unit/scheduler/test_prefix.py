@@ -109,6 +109,28 @@ def test_request_names_are_hashed_once_per_block(monkeypatch: pytest.MonkeyPatch
     assert len(calls) == n + 3 and grown == block_hashes(tokens, BS, 0, 4, 8)
 
 
+def test_matching_hashes_only_as_far_as_it_walks(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = prefix_mod.next_hash
+
+    def counting(parent: bytes, block: Sequence[int]) -> bytes:
+        calls.append(1)
+        return real(parent, block)
+
+    tokens = list(range(4000))  # 1000 blocks of 4
+    held = set(block_hashes(tokens, BS, 0, 4, 3))
+    monkeypatch.setattr(prefix_mod, "next_hash", counting)
+    names = RequestNames()
+    assert names.matched(held, tokens, 999, BS, 0, 4) == 3
+    assert len(calls) == 8  # the first 8 blocks: 3 held, the 4th missing
+    assert names.matched(held, tokens, 999, BS, 0, 4) == 3 and len(calls) == 8
+    assert names.matched(None, tokens, 999, BS, 4, 8) == 0 and len(calls) == 8
+    everything = set(block_hashes(tokens, BS, 0, 4))
+    calls.clear()
+    assert names.matched(everything, tokens, 999, BS, 0, 4) == 999
+    assert len(calls) == 999 - 8  # each block hashed once in all
+
+
 def test_recent_routes_are_distinct_and_bounded() -> None:
     routes = [Route((NodeRange(n, 0, 8),)) for n in "abcd"]
     recent = RecentRoutes(3)
