@@ -108,6 +108,13 @@ class GraphRouter:
                 return False
         return True
 
+    def take(self, pick: Route, route: Route, req: RequestInfo,
+             state: Mapping[str, NodeState]) -> None:
+        """The caller admitted `req` on `route` instead of `pick`, the route this router just
+        returned for it (a cache-aware choice, scheduler/prefix.py): undo what choosing
+        `pick` taught the policy and learn `route` instead. Default: nothing (the policy
+        keeps no state, or keeps the coin it drew)."""
+
     # ---- for subclasses -------------------------------------------------------------------
 
     def _order(

@@ -15,7 +15,10 @@ What it owns:
 - the router (scheduler/__init__.py's policies): pure ordering over the core's view;
 - ONE KV ledger (scheduler/kv.py's `KvBook`): what each request holds and is promised on
   every node of its route; the view the router reads is the ledger's;
-- which nodes are down, and each request's replay size and re-route count.
+- which nodes are down, and each request's replay size and re-route count;
+- what each node's prefix cache holds (scheduler/prefix.py, from the workers' cache events)
+  and the cache-aware choice among routes: an admission says how many leading tokens every
+  hop takes from cache (`Admission.cached_tokens`).
 
 Admission points. The queue is offered to the router only at an admission point: a request
 arriving at an empty queue, a request finishing, nothing running, a node coming back, a
@@ -28,12 +31,14 @@ found. Everything here is pure and synchronous: no clocks, sockets or threads.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from helixserve.errors import UserError
+from helixserve.prefix import BlockHash, CacheEvents
 from helixserve.scheduler.kv import KvBook, KvPolicy
+from helixserve.scheduler.prefix import PrefixRouting
 from helixserve.scheduler.queue import AdmissionQueue
 from helixserve.scheduler.types import NodeState, RequestInfo, Route, Router
 
@@ -78,6 +83,24 @@ class SchedulerPolicy:
     max_reroutes: int | None = None
     #: longest prompt + output in tokens (None: unbounded); caps what a request is promised
     max_model_len: int | None = None
+    #: compute, for a request whose tokens are known (`CoreRequest.token_ids`), the leading
+    #: tokens every hop of its route holds in its prefix cache (`Admission.cached_tokens`);
+    #: False: no prefix caching, every admission computes its whole prompt
+    prefix_caching: bool = True
+    #: choose among candidate routes by the prefix each would reuse, weighed against load
+    #: (scheduler/prefix.py); False: the router's pick, reusing what it happens to hold
+    cache_aware: bool = True
+    #: cache-aware cost of each prompt token a route would compute (not in its cache)
+    prefix_prefill_weight: float = 1.0
+    #: cache-aware cost, in prompt tokens, of each request queued or running on the
+    #: route's busiest hop: a route with k more requests there must save k times this many
+    #: tokens more to be chosen (with the default weights)
+    prefix_load_weight_tokens: float = 64.0
+    #: distinct recent routes kept as cache-aware candidates besides the router's pick
+    prefix_recent_routes: int = 32
+    #: tokens per named block (helixserve/prefix.py); None: the engines' KV block size
+    #: (`set_block_size`). The simulator, which counts KV in single slots, sets its own
+    prefix_block_size: int | None = None
 
     def check(self) -> SchedulerPolicy:
         self.kv.check()
@@ -87,6 +110,13 @@ class SchedulerPolicy:
                 raise UserError(f"scheduler: {name}: must be >= 0 or None, got {value}")
         if self.max_prefilling == 0:
             raise UserError("scheduler: max_prefilling: must be >= 1 or None, got 0")
+        for name in ("prefix_prefill_weight", "prefix_load_weight_tokens",
+                     "prefix_recent_routes"):
+            if getattr(self, name) < 0:
+                raise UserError(f"scheduler: {name}: must be >= 0, got {getattr(self, name)}")
+        if self.prefix_block_size is not None and self.prefix_block_size < 1:
+            raise UserError(f"scheduler: prefix_block_size: must be >= 1 or None, got "
+                            f"{self.prefix_block_size}")
         return self
 
 
@@ -106,6 +136,12 @@ class CoreRequest:
     resumed: bool = False
     reroutes: int = 0
 
+    def token_ids(self) -> Sequence[int] | None:
+        """The tokens a prefill of it runs now (prompt + tokens generated so far), for prefix
+        caching; None: contents unknown, nothing is taken from cache for it. The runtime's
+        InFlight and the simulator's requests override it."""
+        return None
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -115,6 +151,9 @@ class Admission:
     route: Route
     info: RequestInfo
     resumed: bool
+    #: tokens [0, cached_tokens) every hop of `route` holds in its prefix cache (whole
+    #: blocks, never the last prompt token): the first item starts at this position
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,9 +203,12 @@ class SchedulerCore:
         self._version = 0
         #: new arrivals since the last `schedule()`, checked against the queue bound there
         self._fresh: list[str] = []
+        #: what each node's prefix cache holds, request names, recent routes, counters
+        self.prefix = PrefixRouting(policy.prefix_recent_routes)
         #: when a list: the decisions in order (the end-to-end check of the two loops):
         #: ("arrive", id, prompt, output), ("wake",) when admission runs, ("admit", id,
-        #: route nodes, {node: kv_free_tokens the router saw}, prompt, output left, resumed),
+        #: route nodes, {node: kv_free_tokens the router saw}, prompt, output left, resumed,
+        #: cached tokens),
         #: ("token", id), ("finish", id), ("preempt", victim, node, requester), ("reject", id)
         self.log: list[tuple[Any, ...]] | None = None
 
@@ -192,10 +234,33 @@ class SchedulerCore:
             self._version += 1
 
     def set_block_size(self, block_size: int) -> None:
+        if self.policy.prefix_block_size is None and block_size != self.kv.policy.block_size:
+            self.prefix.names.clear()  # names depend on the block size
         self.kv.set_block_size(block_size)
+
+    @property
+    def prefix_block_size(self) -> int:
+        """Tokens per named block: the policy's, else the KV block size."""
+        return self.policy.prefix_block_size or self.kv.policy.block_size
+
+    # ---- prefix caching (scheduler/prefix.py) -----------------------------------------------
+
+    def on_cache_events(self, node: str, events: CacheEvents) -> None:
+        """A worker's report of what its prefix cache stored and removed (with its results)."""
+        self.prefix.index.apply(node, events)
+
+    def prefix_miss(self, node: str, names: Iterable[BlockHash]) -> None:
+        """`node` refused a prefix (evicted since its last report): forget those names there.
+        The caller runs the request again, as after any failed item."""
+        self.prefix.index.drop(node, names)
+
+    def prefix_stats(self) -> dict[str, tuple[int, int]]:
+        """Per node: (prompt tokens looked up, tokens taken from cache), over admissions."""
+        return {node: (c[0], c[1]) for node, c in self.prefix.stats.items()}
 
     def node_down(self, node: str) -> None:
         self.down.add(node)
+        self.prefix.index.forget(node)  # a new process reports a reset; be safe meanwhile
         self._version += 1
         if node in self.kv.nodes:
             self.kv.nodes[node].state.alive = False
@@ -340,6 +405,7 @@ class SchedulerCore:
         if self.kv.release(request_id, now_s) is None:
             self.queue.remove(request_id)
         self._routes.pop(request_id, None)
+        self.prefix.forget_request(request_id)
         self._wake = True
 
     def reroute(self, request_id: str, counted: bool = True) -> None:
@@ -368,6 +434,7 @@ class SchedulerCore:
         req = self.requests.pop(old)
         req.request_id = new
         self.requests[new] = req
+        self.prefix.rename(old, new)
         if old in self.queue:
             self.queue[self.queue.index(old)] = new
 
@@ -448,14 +515,32 @@ class SchedulerCore:
                 not self.kv.fits(info, route.nodes):
             # promised within the expectation, but the requests there grew past theirs
             return None
+        cached = 0
+        tokens = req.token_ids() if self.policy.prefix_caching else None
+        if tokens is not None:
+            route, cached = self._prefix_route(req.request_id, tokens, info, route)
+            self.prefix.count(route, info.prompt_tokens, cached)
         self.kv.admit(info, [(h.name, h.end_layer - h.start_layer) for h in route.hops], now_s)
         self._routes[req.request_id] = route
         req.prefilling = True
         self.prefilling += 1
         if self.log is not None:
             self.log.append(("admit", req.request_id, route.nodes, seen, info.prompt_tokens,
-                             req.max_new_tokens - req.generated, req.resumed))
-        return Admission(req.request_id, route, info, req.resumed)
+                             req.max_new_tokens - req.generated, req.resumed, cached))
+        return Admission(req.request_id, route, info, req.resumed, cached)
+
+    def _prefix_route(self, request_id: str, tokens: Sequence[int], info: RequestInfo,
+                      pick: Route) -> tuple[Route, int]:
+        """The route to admit on and its cached tokens (scheduler/prefix.py's rule)."""
+        p = self.policy
+        if not p.cache_aware:
+            return pick, self.prefix.cached_tokens(request_id, tokens, info, pick,
+                                                   self.prefix_block_size)
+        check_fit = self.kv.policy.expected_output_tokens is not None
+        return self.prefix.route(
+            request_id, tokens, info, pick, self.router, self.view, self.prefix_block_size,
+            p.prefix_prefill_weight, p.prefix_load_weight_tokens,
+            (lambda r: self.kv.fits(info, r.nodes)) if check_fit else None)
 
     def _drop_head(self, rid: str, reason: str) -> Rejection:
         self.queue.admitted()

@@ -17,7 +17,9 @@ which is smooth weighted round-robin (nginx) with work-weighted steps: choices i
 rather than burst, and the work sent down each edge converges to its flow share (the
 credits stay bounded). If the chosen hop cannot complete a route (every continuation is
 masked), the next-best candidate is tried; credits change only along the route finally
-taken, so failed attempts leave no trace.
+taken, so failed attempts leave no trace. When the caller admits the request on another route
+than the one returned (the core's cache-aware choice, scheduler/prefix.py), `take` undoes the
+returned route's credit update and credits the route taken instead.
 
 Regions (placements with `route_within_regions`, which the serving selection sets when it
 simulates better; `node_region` here). A node whose flow continues inside its own region
@@ -114,6 +116,8 @@ class MaxFlowRouter(GraphRouter):
         self.credit: dict[tuple[str, str], float] = {}
         # Candidates seen at each vertex during the current search, for `_commit`.
         self._seen: dict[str, list[str]] = {}
+        # (credit key, value before) for each credit the last `_commit` changed, for `take`
+        self._undo: list[tuple[tuple[str, str], float | None]] = []
 
     def _keep_within_regions(self, region: Mapping[str, str]) -> None:
         """Drop a node's cross-region edges where its flow also continues in its region."""
@@ -181,13 +185,42 @@ class MaxFlowRouter(GraphRouter):
 
     def _commit(self, route: Route, req: RequestInfo, state: Mapping[str, NodeState]) -> None:
         work = float(req.prompt_tokens + req.max_new_tokens)
+        undo: list[tuple[tuple[str, str], float | None]] = []
         prev = COORDINATOR
         for j in route.nodes:
             if j in self.weights.get(prev, {}):  # a spilled hop leaves the credits alone
                 for c, value in self._projected(prev, self._seen[prev], req).items():
+                    undo.append(((prev, c), self.credit.get((prev, c))))
                     self.credit[prev, c] = value
                 self.credit[prev, j] -= work
             prev = j
+        self._undo = undo
+
+    def take(self, pick: Route, route: Route, req: RequestInfo,
+             state: Mapping[str, NodeState]) -> None:
+        """Undo the credits `pick` took (the last `_commit`) and credit `route` as if the
+        search had chosen it: at each vertex, the admissible flow successors (alive, holding
+        the layer, KV room for the request) share the work, the hop taken pays it."""
+        for key, value in reversed(self._undo):
+            if value is None:
+                self.credit.pop(key, None)
+            else:
+                self.credit[key] = value
+        self._undo = []
+        need = req.promise_tokens
+        self._seen = {}
+        prev, layer = COORDINATOR, 0
+        for h in route.hops:
+            self._seen[prev] = [
+                j for j in self.weights.get(prev, {})
+                if j in self.ranges and self.ranges[j].start_layer <= layer
+                < self.ranges[j].end_layer and (s := state.get(j)) is not None and s.alive
+                and s.kv_free_tokens >= need
+            ]
+            if h.name in self.weights.get(prev, {}) and h.name not in self._seen[prev]:
+                self._seen[prev].append(h.name)  # taken: it shares the work, whatever the mask
+            prev, layer = h.name, h.end_layer
+        self._commit(route, req, state)
 
     def _projected(self, vertex: str, cands: Sequence[str], req: RequestInfo) -> dict[str, float]:
         if not cands:

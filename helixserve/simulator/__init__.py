@@ -11,6 +11,7 @@ from helixserve.simulator.workload import (
     LengthFilter,
     TraceRequest,
     load_azure_trace,
+    multi_turn,
     poisson_arrivals,
     prepare_trace,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "format_table",
     "latencies",
     "load_azure_trace",
+    "multi_turn",
     "percentiles",
     "poisson_arrivals",
     "prepare_trace",

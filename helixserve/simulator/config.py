@@ -82,6 +82,15 @@ class SimConfig:
     #: "newest" admitted holding KV there (vLLM), or "requester", the one that needs the slot
     #: (what the live coordinator does)
     victim_rule: str = "newest"
+    #: model prefix caching (simulator/prefix.py) for requests whose token ids the trace
+    #: gives (e.g. workload.multi_turn); other requests are never cached. False: as without
+    prefix_caching: bool = True
+    #: the core weighs the prefix each candidate route holds against its load
+    #: (scheduler/prefix.py); False: the router's pick, reusing what it happens to hold
+    cache_aware: bool = True
+    #: tokens per named block of the simulated prefix caches (the engines' KV block size;
+    #: the KV ledger still counts single slots)
+    prefix_block_size: int = 16
 
     def check(self) -> SimConfig:
         """Raise UserError naming the bad field; return self."""
@@ -94,6 +103,8 @@ class SimConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"{name}: must be >= 1, got {value}")
+        if self.prefix_block_size < 1:
+            raise UserError(f"prefix_block_size: must be >= 1, got {self.prefix_block_size}")
         if self.layer_overhead_s < 0:
             raise UserError(f"layer_overhead_s: must be >= 0, got {self.layer_overhead_s}")
         if self.offline_feed not in OFFLINE_FEEDS:
@@ -115,4 +126,6 @@ class SimConfig:
         kv = KvPolicy(self.kv_allocation, self.kv_watermark, self.kv_expected_output_tokens,
                       victim_rule=self.victim_rule)
         return SchedulerPolicy(kv=kv, exact_capacities=True, max_prefilling=self.max_prefilling,
-                               reject_unroutable_when_idle=True).check()
+                               reject_unroutable_when_idle=True,
+                               prefix_caching=self.prefix_caching, cache_aware=self.cache_aware,
+                               prefix_block_size=self.prefix_block_size).check()

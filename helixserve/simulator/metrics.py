@@ -63,6 +63,16 @@ def _node_summary(n: Any, duration_s: float) -> dict[str, Any]:
     }
 
 
+def prefix_summary(result: SimResult) -> dict[str, Any]:
+    """Prompt tokens looked up in the prefix caches and found there, summed over every hop
+    of every admission (the core's counters, vLLM's prefix_cache_queries / hits)."""
+    stats: dict[str, tuple[int, int]] = result.extra.get("prefix_stats") or {}  # type: ignore[assignment]
+    queried = sum(q for q, _ in stats.values())
+    hit = sum(h for _, h in stats.values())
+    return {"queried_tokens": queried, "hit_tokens": hit,
+            "hit_rate": hit / queried if queried else 0.0}
+
+
 def summarize(result: SimResult) -> dict[str, Any]:
     cfg = result.config
     window_s = result.end_s - cfg.warmup_s
@@ -103,6 +113,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         # requests an offline feeder could not route and dropped (absent without one)
         **({"feed_dropped": result.extra["feed_dropped"]} if "feed_dropped" in result.extra
            else {}),
+        "prefix_cache": prefix_summary(result),
         "ttft_s": percentiles(lat["ttft_s"]),
         "tpot_s": percentiles(lat["tpot_s"]),
         "e2e_s": percentiles(lat["e2e_s"]),
@@ -162,6 +173,10 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{s['requests_waiting']} waiting, {s['requests_rejected']} rejected",
         )
     )
+    pc = s.get("prefix_cache") or {}
+    if pc.get("queried_tokens"):
+        rows.append(("prefix cache", f"{pc['hit_rate']:.1%} of prompt tokens hit "
+                                     f"({pc['hit_tokens']} of {pc['queried_tokens']}, per hop)"))
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E latency")):
         v = s[key]
         rows.append(

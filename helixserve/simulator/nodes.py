@@ -37,6 +37,7 @@ class SimRequest:
     __slots__ = (
         "rid", "arrival_s", "prompt", "output", "nodes", "starts", "hop", "in_prompt",
         "generated", "admit_s", "first_s", "finish_s", "dead", "resumed", "left", "chunk", "replayed",
+        "fill", "script", "names", "held",
     )  # fmt: skip
 
     def __init__(self, rid: str, arrival_s: float, prompt: int, output: int) -> None:
@@ -57,6 +58,13 @@ class SimRequest:
         self.left = 0  # prompt tokens still to prefill on the current hop
         self.replayed = 0  # generated tokens included in `prompt` (a resumed request)
         self.chunk = 0  # prompt tokens of the current hop in the running iteration
+        #: prompt tokens its prefill computes: `prompt` less those taken from prefix cache
+        self.fill = prompt
+        #: its prompt then output token ids (TraceRequest.token_ids; None: unknown), its
+        #: block names per layer span and the blocks it holds per hop (simulator/prefix.py)
+        self.script: tuple[int, ...] | None = None
+        self.names: Any = None
+        self.held: list[int] = []
 
 
 class Chunk:
@@ -64,11 +72,11 @@ class Chunk:
     (`SimConfig.prefill_chunk_tokens`): queued, run and sent on like a prompt of `prompt`
     tokens; the last one, back at the coordinator, is the request's first token."""
 
-    __slots__ = ("req", "prompt", "left", "chunk", "hop", "last")
+    __slots__ = ("req", "prompt", "fill", "left", "chunk", "hop", "last")
 
     def __init__(self, req: SimRequest, tokens: int, last: bool) -> None:
         self.req = req
-        self.prompt = tokens
+        self.prompt = self.fill = tokens
         self.left = tokens
         self.chunk = 0
         self.hop = 0
@@ -88,9 +96,10 @@ class Chunk:
 
 
 def chunks(r: SimRequest, size: int) -> list[Chunk]:
-    """`r`'s prompt cut into pieces of at most `size` tokens, in order."""
-    return [Chunk(r, min(size, r.prompt - at), at + size >= r.prompt)
-            for at in range(0, r.prompt, size)]
+    """`r`'s prompt (what its prefill computes: `fill`) cut into pieces of at most `size`
+    tokens, in order."""
+    return [Chunk(r, min(size, r.fill - at), at + size >= r.fill)
+            for at in range(0, r.fill, size)]
 
 
 def _prompt_left(r: SimRequest) -> int:
@@ -105,7 +114,7 @@ class SimNode:
     __slots__ = (
         "name", "spec", "start", "end", "may_partial", "pq", "dq", "busy", "max_prompt",
         "max_decode", "kv_cap", "busy_s", "iters", "decode_iters", "prompt_iters",
-        "prompt_tokens", "decode_tokens", "busy_timeline", "kv", "budget", "has_head",
+        "prompt_tokens", "decode_tokens", "busy_timeline", "kv", "budget", "has_head", "cache",
     )  # fmt: skip
 
     def __init__(self, spec: NodeSpec, start: int, end: int, cost: CostModel, buckets: int):
@@ -128,6 +137,8 @@ class SimNode:
         self.iters = self.decode_iters = self.prompt_iters = 0
         self.prompt_tokens = self.decode_tokens = 0
         self.busy_timeline = [0.0] * buckets
+        #: its prefix cache (simulator/prefix.py), when the run models one
+        self.cache: Any = None
 
     # read-only views of the node's KV account (metrics, tests)
     @property
@@ -186,7 +197,7 @@ class NodeSteps:
             if r.dead:
                 continue
             if type(r) is Chunk or r.in_prompt:
-                r.left = r.prompt
+                r.left = r.fill
                 node.pq.append(r)
             else:
                 node.dq.append(r)
@@ -302,10 +313,10 @@ class NodeSteps:
                 r = r.req
             group = out.get(nxt)
             if group is None:
-                out[nxt] = [[r], r.prompt]
+                out[nxt] = [[r], r.fill]
             else:
                 group[0].append(r)
-                group[1] += r.prompt
+                group[1] += r.fill
         for r in decode:
             if r.dead:
                 continue

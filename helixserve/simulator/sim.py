@@ -11,6 +11,10 @@ full and asserts it never overflows; a request no route could hold on an idle cl
 rejected and counted.
 - Nodes: continuous batching, partial inference and the head, timed by the cost model plus
   `layer_overhead_s` per layer run (`nodes.py`; docs/calibration.md).
+- Prefix caching (`SimConfig.prefix_caching`, for requests whose token ids the trace gives,
+  e.g. `workload.multi_turn`): each node caches named blocks as the engines do and reports
+  them to the core after each step; a request's prefill computes only what its route does
+  not hold (`prefix.py`).
 - The coordinator takes no time: it counts the token, finishes the request or sends the
   next decode step to the route's first node.
 - Offline mode keeps the admission queue non-empty (the next trace request, cycled, arrives
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,14 +44,26 @@ from helixserve.scheduler.core import (
     SchedulerCore,
 )
 from helixserve.scheduler.options import router_options
+from helixserve.simulator import prefix
 from helixserve.simulator.config import SimConfig
 from helixserve.simulator.network import Network, SimLink
-from helixserve.simulator.nodes import Batch, NodeSteps, SimNode, SimRequest, chunks
+from helixserve.simulator.nodes import Batch, Chunk, NodeSteps, SimNode, SimRequest, chunks
 from helixserve.simulator.workload import TraceRequest, offline_stream
 from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec
 from helixserve.spec.cluster import COORDINATOR
 
 _ARRIVE, _DONE, _DELIVER, _FEED = 0, 1, 2, 3
+
+
+@dataclass
+class SimCoreRequest(CoreRequest):
+    """A request whose tokens the trace gives: the core names its prefix blocks."""
+
+    #: its prompt then output token ids (TraceRequest.token_ids)
+    script: tuple[int, ...] = ()
+
+    def token_ids(self) -> Sequence[int]:
+        return self.script[:self.prompt_tokens + self.generated]
 
 
 @dataclass
@@ -135,6 +151,13 @@ class Simulation:
         self.router = router
         for n in self.nodes.values():
             n.kv = self.kv.nodes[n.name]
+        #: prefix caching is modelled (prefix.py): on, and some request's tokens are known
+        self.prefix_on = config.prefix_caching and any(q.token_ids is not None
+                                                       for q in requests)
+        self.block_size = config.prefix_block_size
+        if self.prefix_on:
+            for n in self.nodes.values():
+                n.cache = prefix.NodeCache()
         self.on_demand = self.kv.policy.on_demand
         self.net = Network(cluster, names)
         self.steps = NodeSteps(cost, config, self.buckets, self.bucket_s,
@@ -219,6 +242,7 @@ class Simulation:
             wall_s=time.perf_counter() - wall0,
             max_flow_tokens_per_s=self.placement.throughput_tokens_per_s,
             extra={"kv_allocation": self.cfg.kv_allocation, "preemptions": self.core.preemptions,
+                   "prefix_stats": self.core.prefix_stats(),
                    **({"feed_dropped": self.feed_dropped} if self.feeder else {})},
         )
 
@@ -240,13 +264,18 @@ class Simulation:
         if self.next_arrival < len(self.requests):
             self._push(self.requests[self.next_arrival].arrival_s, _ARRIVE, None, None)
         self.arrived += 1
-        self._queue(SimRequest(q.request_id, q.arrival_s, q.prompt_tokens, q.output_tokens))
+        r = SimRequest(q.request_id, q.arrival_s, q.prompt_tokens, q.output_tokens)
+        if self.prefix_on and q.token_ids is not None:
+            r.script = tuple(q.token_ids)
+        self._queue(r)
         self._admit()
 
     def _queue(self, r: SimRequest) -> None:
         """`r` waits in the core's queue (or is rejected at once: it could never fit)."""
+        req = CoreRequest(r.rid, r.prompt, r.output) if r.script is None else \
+            SimCoreRequest(r.rid, r.prompt, r.output, script=r.script)
         try:
-            self.core.arrive(CoreRequest(r.rid, r.prompt, r.output))
+            self.core.arrive(req)
         except NeverFitsError:
             self.rejected += 1
             return
@@ -276,8 +305,10 @@ class Simulation:
         r.starts = tuple(h.start_layer for h in d.route.hops)
         r.admit_s = self.now
         self.running[r.rid] = r
+        if r.script is not None:  # take the cached prefix on every hop; prefill the rest
+            r.fill = r.prompt - prefix.attach(r, d.cached_tokens, self.block_size)
         size = self.cfg.prefill_chunk_tokens
-        pieces: list[Any] = [r] if size is None or r.prompt <= size else chunks(r, size)
+        pieces: list[Any] = [r] if size is None or r.fill <= size else chunks(r, size)
         self._send(COORDINATOR, r.nodes[0], r.prompt * TOKEN_ID_BYTES, pieces)
 
     # ---- the offline feeders (SimConfig.offline_feed) ---------------------------------------
@@ -315,6 +346,8 @@ class Simulation:
 
     def _finish(self, r: SimRequest) -> None:
         r.finish_s = self.now
+        if r.script is not None:
+            prefix.release(r, self.block_size)
         self.core.finish(r.rid, self.now)
         del self.running[r.rid]
         self.in_flight -= 1
@@ -337,10 +370,13 @@ class Simulation:
         r.dead = True
         del self.running[r.rid]
         self.in_flight -= 1
+        if r.script is not None:
+            prefix.release(r, self.block_size)
         # its prompt plus every token generated so far (a request preempted twice must not
         # count the tokens of its first recompute again)
         q = SimRequest(r.rid, r.arrival_s, r.prompt - r.replayed + r.generated, r.output)
         q.generated, q.first_s, q.resumed, q.replayed = r.generated, r.first_s, True, r.generated
+        q.script, q.names = r.script, r.names
         self.waiting[r.rid] = q
 
     # ---- nodes -----------------------------------------------------------------------------
@@ -356,10 +392,36 @@ class Simulation:
             self._push(self.now + step[0], _DONE, node, step[1])
 
     def _done(self, node: SimNode, batch: Batch) -> None:
+        if self.prefix_on:
+            self._cache_step(node, batch)
         for nxt, nbytes, reqs in self.steps.done(node, batch):
             self._send(node.name, nxt, nbytes, reqs)
         if node.pq or node.dq:
             self._start(node)
+
+    def _cache_step(self, node: SimNode, batch: Batch) -> None:
+        """The step's full blocks go into the node's cache; unused ones beyond its free KV
+        are evicted; the events go to the core, as a worker reports its engine's."""
+        bs = self.block_size
+        prompts, decode = batch
+        for r in prompts:
+            if r.dead or r.left:
+                continue
+            if type(r) is Chunk:
+                if not r.last:
+                    continue
+                req = r.req
+            else:
+                req = r
+            if req.script is not None:  # its whole prompt has run here
+                prefix.computed(req, r.hop, req.prompt, bs)
+        for r in decode:
+            if not r.dead and r.script is not None:  # KV holds prompt + tokens generated
+                prefix.computed(r, r.hop, r.prompt - r.replayed + r.generated, bs)
+        prefix.end_of_step(node, bs)
+        events = node.cache.log.take()
+        if events:
+            self.core.on_cache_events(node.name, events)
 
     # ---- coordinator -----------------------------------------------------------------------
 

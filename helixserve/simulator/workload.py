@@ -1,4 +1,5 @@
-"""Request streams for the simulator: the Azure LLM inference trace, or Poisson arrivals.
+"""Request streams for the simulator: the Azure LLM inference trace, Poisson arrivals, or
+multi-turn conversations whose tokens are known (for prefix caching, `multi_turn`).
 
 The Azure trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`, Patel et al., Splitwise,
 ISCA 2024) gives each request's arrival time, prompt length and output length. Helix drops
@@ -26,6 +27,9 @@ class TraceRequest:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    #: its prompt then output token ids (prompt_tokens + output_tokens of them), so prefix
+    #: caching can name its blocks; None: contents unknown, never cached
+    token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,10 @@ class LengthFilter:
             else:
                 p = min(max(p, self.min_tokens), self.max_prompt_tokens)
                 o = min(max(o, self.min_tokens), self.max_output_tokens)
-                out.append(replace(r, prompt_tokens=p, output_tokens=o))
+                same = (p, o) == (r.prompt_tokens, r.output_tokens)
+                # clipped lengths no longer match the token ids: contents unknown
+                out.append(replace(r, prompt_tokens=p, output_tokens=o,
+                                   token_ids=r.token_ids if same else None))
         return out
 
 
@@ -158,3 +165,54 @@ def offline_stream(reqs: list[TraceRequest]) -> Iterator[tuple[int, int]]:
     while True:
         for r in reqs:
             yield r.prompt_tokens, r.output_tokens
+
+
+def multi_turn(
+    conversations: int,
+    turns: int,
+    system_prompt_tokens: int = 1000,
+    user_tokens: int = 100,
+    output_tokens: int = 100,
+    conversation_gap_s: float = 1.0,
+    turn_gap_s: float = 30.0,
+    vocab_size: int = 32000,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Chat conversations with token ids, for prefix caching: every conversation starts with
+    the same system prompt of `system_prompt_tokens`; turn k's prompt is turn k-1's prompt,
+    its output and new user tokens, so a conversation's history grows turn by turn.
+
+    Conversation c starts at `c * conversation_gap_s`; its turns arrive `turn_gap_s` apart
+    (the trace is open loop: a gap shorter than a turn's latency sends the next turn before
+    the previous one's output is cached). User and output lengths are drawn uniformly in
+    [length/2, 3*length/2] and tokens uniformly from the vocabulary, all from `seed`: the
+    same arguments give the same trace."""
+    for name, value in (("conversations", conversations), ("turns", turns),
+                        ("user_tokens", user_tokens), ("output_tokens", output_tokens),
+                        ("vocab_size", vocab_size)):
+        if value < 1:
+            raise UserError(f"multi-turn workload: {name}: must be >= 1, got {value}")
+    if system_prompt_tokens < 0 or conversation_gap_s < 0 or turn_gap_s < 0:
+        raise UserError("multi-turn workload: system_prompt_tokens, conversation_gap_s and "
+                        f"turn_gap_s must be >= 0, got {system_prompt_tokens}, "
+                        f"{conversation_gap_s}, {turn_gap_s}")
+    rng = random.Random(seed)
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(n)]
+
+    def length(mean: int) -> int:
+        return rng.randint(max(1, mean // 2), max(1, mean + mean // 2))
+
+    system = draw(system_prompt_tokens)
+    out: list[TraceRequest] = []
+    for c in range(conversations):
+        history = list(system)
+        for k in range(turns):
+            prompt = history + draw(length(user_tokens))
+            output = draw(length(output_tokens))
+            out.append(TraceRequest(f"conv{c}-turn{k}", c * conversation_gap_s + k * turn_gap_s,
+                                    len(prompt), len(output), tuple(prompt + output)))
+            history = prompt + output
+    out.sort(key=lambda r: r.arrival_s)
+    return out
