@@ -146,9 +146,9 @@ def check_step(items: list[WorkItem], engine: Any, seq_len: Callable[[str], int]
                max_item_tokens: int | None = None) -> None:
     """THE check of one step's items, before an engine changes anything: each request once,
     layers inside the engine's range, tokens present (at most `max_item_tokens` per item), a
-    position the KV has reached (or, for an item with `prefix_token_ids`, the prefix's end:
-    whether the cache holds it is the engine's check), hidden states of the right shape after layer 0, sampling
-    params on the last layer. `engine` gives start_layer, end_layer, hidden_size and
+    position the KV has reached (for an item with `prefix_token_ids`: the prefix's end; that
+    the cache holds it is the engine's check), hidden states of the right shape after layer
+    0, sampling params on the last layer, no prompt logprobs with a cached prefix. `engine` gives start_layer, end_layer, hidden_size and
     num_model_layers; raises InvalidWorkError naming the request."""
     from helixserve.engine.errors import InvalidWorkError
 
