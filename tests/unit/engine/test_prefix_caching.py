@@ -257,6 +257,9 @@ def test_penalties_see_the_prefix_tokens(engines, text_ids):
 
     run(e, "warm", 0)
     assert run(e, "hit", 24) == run(plain, "ref", 0)
+    e.step([WorkItem("h", 0, 30, 24, prompt[24:], None, params, prefix_token_ids=prompt[:24])])
+    plain.step([WorkItem("h", 0, 30, 0, prompt, None, params)])
+    assert history(e, "h") == history(plain, "h")
 
 
 def test_events_reset_and_caching_off(engines, text_ids):
@@ -286,3 +289,39 @@ def test_prompt_logprobs_are_not_taken_from_the_cache(engines, text_ids):
     with pytest.raises(InvalidWorkError, match="prompt logprobs"):
         e.step([item])
     assert not e.kv.has("x")
+
+
+def test_a_preempted_request_resumes_from_its_own_cached_blocks(engines, text_ids):
+    """Preempted (freed) and run again as prompt + output so far: the prefix it takes from
+    the cache holds generated tokens too, which the penalties count as generated."""
+    e, plain = engines["whole"], engines["plain"]
+    fresh(e, plain)
+    prompt = text_ids[:20]
+    params = SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0)
+
+    def decode(engine: ShardEngine, rid: str, tokens: list[int], n: int) -> None:
+        for _ in range(n):
+            (o,) = engine.step([WorkItem(rid, 0, 30, len(prompt) + len(tokens) - 1,
+                                         [tokens[-1]], None, params)])
+            tokens.append(o.token_id)  # type: ignore[arg-type]
+
+    want = [plain.step([WorkItem("p", 0, 30, 0, prompt, None, params)])[0].token_id]
+    decode(plain, "p", want, 8)  # type: ignore[arg-type]
+    got = [e.step([WorkItem("r", 0, 30, 0, prompt, None, params)])[0].token_id]
+    decode(e, "r", got, 4)  # type: ignore[arg-type]
+    e.free("r")  # preempted: prompt + 4 generated tokens written, 3 full blocks cached
+    again = prompt + got  # type: ignore[operator]
+    (o,) = e.step([WorkItem("r", 0, 30, 24, again[24:], None, params, num_prompt_tokens=20,
+                            prefix_token_ids=again[:24])])
+    got.append(o.token_id)
+    decode(e, "r", got, 3)  # type: ignore[arg-type]
+    assert got == want
+    assert history(e, "r") == history(plain, "p")
+    e.free("r")
+    plain.free("p")
+
+
+def history(e: ShardEngine, rid: str) -> tuple:
+    """What the last stage's sampler knows of a request's tokens."""
+    h = e._history[rid]
+    return h.prompt_ids, dict(h.output_counts), h.num_generated, h.sampled_once
