@@ -14,7 +14,11 @@ coordinator, API) is the real one. The engine does what the real engines do exce
 - **KV.** Paged, `block_size` tokens a block, as many blocks as the memory model gives this GPU
   with these layers loaded (costmodel `kv_capacity_tokens`; or `kv_cache_bytes` when given):
   the same BlockAllocator the torch engine's cache uses, so admission, growth, rewinds and
-  exhaustion (KvExhaustedError -> the coordinator preempts) are the real ones.
+  exhaustion (KvExhaustedError -> the coordinator preempts) are the real ones, and so is
+  prefix caching (on unless `prefix_caching=False`): full blocks are named and kept, evicted
+  LRU, and a new request's `prefix_token_ids` attach cached blocks or raise PrefixMissError.
+  A prefix taken from the cache is not computed, so it takes no time: a step is timed by
+  the tokens its items bring, which is what a cache hit saves on a real GPU.
 - **Activations** of the model's real size, [num_tokens, hidden_size] x dtype bytes (16 KiB
   a token for LLaMA-2-70B in fp16), as RawHidden: zeros from the first stage, passed on by
   the others. The real byte count crosses every hop, so whatever carries it (gRPC, TLS, an
@@ -31,7 +35,7 @@ coordinator, API) is the real one. The engine does what the real engines do exce
   change nothing. Logprobs asked for are 0.0 (the emitted token is certain).
 
 It keeps count of what it emulated (`report`): steps, emulated compute seconds, prompt and
-decode tokens. Labelled everywhere: `engine_name` "emulated", the worker's Info and logs.
+decode tokens, prompt tokens taken from the prefix cache. Labelled everywhere: `engine_name` "emulated", the worker's Info and logs.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from pathlib import Path
 from helixserve.costmodel import CostModel
 from helixserve.engine.config import ModelArgs
 from helixserve.engine.errors import InvalidWorkError
-from helixserve.engine.kv_blocks import BlockAllocator
+from helixserve.engine.kv_blocks import BlockAllocator, Prefix
 from helixserve.engine.protocol import (
     ItemOutput,
     KvStats,
@@ -56,6 +60,7 @@ from helixserve.engine.protocol import (
     kv_stats_of,
 )
 from helixserve.errors import UserError
+from helixserve.prefix import CacheEvents
 from helixserve.request import PromptLogprob, SamplingParams
 from helixserve.spec import GpuCatalog, ModelSpec, NodeSpec, ProfileTable, load_gpu_catalog
 from helixserve.spec.model import DTYPE_BYTES, parse_model
@@ -112,10 +117,13 @@ class EmulationReport:
     overrun_s: float = 0.0
     """Seconds steps took beyond their emulated time (bookkeeping slower than the GPU, or a
     host too busy to wake the engine thread on time): not 0 means this host is the limit."""
+    cached_tokens: int = 0
+    """Prompt tokens taken from the prefix cache (not computed, not timed)."""
 
     def describe(self) -> str:
         return (f"{self.steps} steps, {self.emulated_s:.2f} s of emulated compute, "
-                f"{self.prompt_tokens} prompt + {self.decode_tokens} decode tokens, "
+                f"{self.prompt_tokens} prompt + {self.decode_tokens} decode tokens "
+                f"({self.cached_tokens} prompt tokens from the prefix cache), "
                 f"{self.overrun_s:.2f} s over the emulated times")
 
 
@@ -159,6 +167,7 @@ class _Counters:
     prompt_tokens: int = 0
     decode_tokens: int = 0
     overrun_s: float = 0.0
+    cached_tokens: int = 0
     step_cache: dict[tuple[int, int, int], float] = field(default_factory=dict)
 
 
@@ -183,7 +192,8 @@ class EmulatedEngine:
 
     def __init__(self, model: ModelSpec, args: ModelArgs, spec: EmulationSpec, start_layer: int,
                  end_layer: int, dtype: str, block_size: int = DEFAULT_KV_BLOCK_SIZE,
-                 kv_cache_bytes: int | None = None, allocate_kv: bool = True) -> None:
+                 kv_cache_bytes: int | None = None, allocate_kv: bool = True,
+                 prefix_caching: bool = True) -> None:
         if not 0 <= start_layer < end_layer <= model.num_layers:
             raise UserError(f"--layers: range [{start_layer}, {end_layer}) is outside the "
                             f"model's {model.num_layers} layers")
@@ -195,6 +205,7 @@ class EmulatedEngine:
         self.dtype = dtype
         self.eos_token_ids = list(args.eos_token_ids)
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.node = NodeSpec(name=f"emulated-{spec.gpu}", gpu=spec.gpu, num_gpus=spec.num_gpus,
                              memory_gb=spec.memory_gb)
         self.cost = CostModel(model, spec.profiles, spec.catalog or load_gpu_catalog(),
@@ -206,14 +217,14 @@ class EmulatedEngine:
         self._seq_len: dict[str, int] = {}
         self._last: dict[str, _LastStage] = {}
         self._n = _Counters()
-        self.kv = BlockAllocator(1, block_size)  # a placeholder until allocate_kv
+        self.kv = BlockAllocator(1, block_size, prefix_caching)  # a placeholder until allocate_kv
         if allocate_kv:
             self.allocate_kv(kv_cache_bytes)
 
     @classmethod
     def load(cls, model_dir: str | Path, start_layer: int, end_layer: int, spec: EmulationSpec,
              dtype: str | None = None, kv_cache_bytes: int | None = None,
-             block_size: int | None = None) -> EmulatedEngine:
+             block_size: int | None = None, prefix_caching: bool = True) -> EmulatedEngine:
         """The engine for [start_layer, end_layer) of the model whose config.json is in
         `model_dir` (no weights are read); UserError naming the flag, file and value for a
         missing config, a GPU the profiles do not hold, a range that leaves no KV."""
@@ -232,13 +243,15 @@ class EmulatedEngine:
         model = parse_model(cfg, name, source=str(config), dtype_bytes=DTYPE_BYTES[wire])
         check_profiled(spec, name)
         return cls(model, args, spec, start_layer, end_layer, wire,
-                   block_size=block_size or DEFAULT_KV_BLOCK_SIZE, kv_cache_bytes=kv_cache_bytes)
+                   block_size=block_size or DEFAULT_KV_BLOCK_SIZE, kv_cache_bytes=kv_cache_bytes,
+                   prefix_caching=prefix_caching)
 
     def with_range(self, start_layer: int, end_layer: int) -> EmulatedEngine:
         """The same machine serving [start_layer, end_layer) (LoadRange); its KV is allocated
         by `allocate_kv`, after this engine's `release_memory` (as the torch engine's)."""
         return EmulatedEngine(self.model, self.args, self.spec, start_layer, end_layer,
-                              self.dtype, self.block_size, allocate_kv=False)
+                              self.dtype, self.block_size, allocate_kv=False,
+                              prefix_caching=self.prefix_caching)
 
     # ---- memory ------------------------------------------------------------------------
     def kv_blocks_for(self, kv_cache_bytes: int | None) -> int:
@@ -251,7 +264,8 @@ class EmulatedEngine:
         return self.cost.kv_capacity_tokens(self.node, layers) // self.block_size
 
     def allocate_kv(self, kv_cache_bytes: int | None = None) -> None:
-        """(Re)size the KV cache (drops every request's KV); UserError when it holds nothing."""
+        """(Re)size the KV cache (drops every request's KV and the prefix cache: the next
+        `take_cache_events` says reset); UserError when it holds nothing."""
         blocks = self.kv_blocks_for(kv_cache_bytes)
         if blocks < 1:
             layers = self.end_layer - self.start_layer
@@ -262,17 +276,21 @@ class EmulatedEngine:
             raise UserError(f"{where}: {self.spec.gpu} x{self.spec.num_gpus} has no room for one "
                             f"KV block with {layers} layers of {self.model.name} loaded "
                             f"({weights_gb:.1f} GB of weights, {have_gb:.1f} GB usable)")
-        self.kv = BlockAllocator(blocks, self.block_size)
+        self.kv = BlockAllocator(blocks, self.block_size, self.prefix_caching)
         self._seq_len, self._last = {}, {}
 
     def release_memory(self) -> None:
         """Drop the KV cache; the engine serves nothing afterwards (LoadRange)."""
-        self.kv = BlockAllocator(1, self.block_size)
+        self.kv = BlockAllocator(1, self.block_size, self.prefix_caching)
         self._seq_len, self._last = {}, {}
 
     # ---- bookkeeping -------------------------------------------------------------------
     def kv_stats(self) -> KvStats:
         return kv_stats_of(self.kv)
+
+    def take_cache_events(self) -> CacheEvents:
+        """Prefix blocks stored and evicted since the last call (reset on the first)."""
+        return self.kv.take_cache_events()
 
     def free(self, request_id: str) -> None:
         """Release a request's KV blocks and token state; idempotent."""
@@ -286,7 +304,7 @@ class EmulatedEngine:
     def report(self) -> EmulationReport:
         n = self._n
         return EmulationReport(n.steps, n.emulated_s, n.prompt_tokens, n.decode_tokens,
-                               n.overrun_s)
+                               n.overrun_s, n.cached_tokens)
 
     def describe(self) -> str:
         """For the worker's start-up log."""
@@ -299,7 +317,8 @@ class EmulatedEngine:
 
     # ---- time --------------------------------------------------------------------------
     def step_time_s(self, items: list[WorkItem]) -> float:
-        """Emulated seconds of one step over `items` (module doc), before time_scale."""
+        """Emulated seconds of one step over `items` (module doc), before time_scale. Only
+        the items' tokens are timed: a prefix attached from the cache is not computed."""
         cuts = sorted({it.start_layer for it in items} | {it.end_layer for it in items})
         total = 0.0
         for a, b in zip(cuts, cuts[1:], strict=False):
@@ -338,16 +357,28 @@ class EmulatedEngine:
     # ---- the step ----------------------------------------------------------------------
     def step(self, items: list[WorkItem]) -> list[ItemOutput]:
         """One step over all items, taking the emulated time; outputs in the order of items.
-        KvExhaustedError / InvalidWorkError change nothing and take no time."""
+        KvExhaustedError / InvalidWorkError / PrefixMissError change nothing and take no
+        time."""
         if not items:
             return []
         t0 = time.perf_counter()
         self._validate(items)
+        prefixes: dict[str, Prefix] = {}
+        for it in items:  # every prefix checked before anything changes
+            if it.prefix_token_ids:
+                p = prefixes[it.request_id] = Prefix(it.prefix_token_ids, it.start_layer,
+                                                     it.end_layer)
+                self.kv.check_prefix(it.request_id, p)
         for it in items:
-            if it.position < self._seq_len.get(it.request_id, 0):
-                self.kv.truncate(it.request_id, it.position)  # re-prefill from `position`
-                self._seq_len[it.request_id] = it.position
-        self.kv.reserve({it.request_id: it.position + len(it.token_ids) for it in items})
+            rid = it.request_id
+            if rid in prefixes:
+                if self.kv.has(rid) or rid in self._seq_len:
+                    self.free(rid)  # known here: it starts over from its prefix
+            elif it.position < self._seq_len.get(rid, 0):
+                self.kv.truncate(rid, it.position)  # re-prefill from `position`
+                self._seq_len[rid] = it.position
+        self.kv.reserve({it.request_id: it.position + len(it.token_ids) for it in items},
+                        prefixes)
         emulated_s = self.step_time_s(items) * self.spec.time_scale
         outs = [self._output(it) for it in items]
         n = self._n
@@ -355,6 +386,10 @@ class EmulatedEngine:
         n.emulated_s += emulated_s
         for it in items:
             self._seq_len[it.request_id] = it.position + len(it.token_ids)
+            self.kv.commit(it.request_id, it.position, it.token_ids, it.start_layer,
+                           it.end_layer)
+            if it.prefix_token_ids:
+                n.cached_tokens += len(it.prefix_token_ids)
             if _is_decode(it):
                 n.decode_tokens += 1
             else:
@@ -397,20 +432,30 @@ class EmulatedEngine:
         return out
 
     def _record_prompt(self, it: WorkItem) -> _LastStage:
-        """Fold the item's prompt tokens into its request's seed (last stage)."""
-        if it.position == 0:
+        """Fold the item's prompt tokens into its request's seed (last stage); for a request
+        that took a prefix from the cache, the prefix's first, as if computed."""
+        if it.position == 0 or it.prefix_token_ids:
             self._last.pop(it.request_id, None)  # a new request, or a re-prefill
         state = self._last.setdefault(it.request_id, _LastStage())
+        if it.prefix_token_ids:
+            self._fold_prompt(state, it, 0, it.prefix_token_ids)
+        self._fold_prompt(state, it, it.position, it.token_ids)
+        return state
+
+    @staticmethod
+    def _fold_prompt(state: _LastStage, it: WorkItem, position: int,
+                     token_ids: list[int]) -> None:
+        """Fold the prompt ones of tokens [position, ...) of `it`'s request into its seed
+        (crc32 is incremental: folding in pieces gives the seed of the whole)."""
         if it.num_prompt_tokens is not None:
-            prompt = it.token_ids[: max(0, it.num_prompt_tokens - it.position)]
+            prompt = token_ids[: max(0, it.num_prompt_tokens - position)]
         else:
-            prompt = [] if state.sampled_once else it.token_ids
-        if prompt and it.position == state.prompt_len:
+            prompt = [] if state.sampled_once else token_ids
+        if prompt and position == state.prompt_len:
             state.seed = zlib.crc32(array.array("q", prompt).tobytes(), state.seed)
             state.prompt_len += len(prompt)
             if it.sampling is not None and it.sampling.prompt_logprobs is not None:
                 state.prompt_ids = (state.prompt_ids or []) + list(prompt)
-        return state
 
     def token_at(self, seed: int, position: int, index: int, params: SamplingParams) -> int:
         """The token at `position` (the `index`-th generated) of a request whose prompt hashes

@@ -7,7 +7,10 @@ of `block_size` consecutive slots and covers the same slots in every local layer
 block table per request serves all layers (as in vLLM). A request grows block by block as
 its sequence grows; `free` returns its blocks. Asking for more blocks than are free raises
 `KvExhaustedError` (engine/errors.py) before anything is changed, so a full cache never
-corrupts state.
+corrupts state. With prefix caching the allocator also keeps full blocks of gone requests,
+named, for later requests to share (kv_blocks.py): a block handed out fresh is zeroed,
+whether it was never used or evicted from the cache; a block attached from the cache keeps
+its KV.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from helixserve.engine.host_copy import from_host
-from helixserve.engine.kv_blocks import BlockAllocator
+from helixserve.engine.kv_blocks import BlockAllocator, Prefix
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,13 @@ class KVCacheLayout:
 class PagedKVCache(BlockAllocator):
     """Preallocated key/value slots plus the block bookkeeping (BlockAllocator)."""
 
-    def __init__(self, layout: KVCacheLayout, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, layout: KVCacheLayout, num_blocks: int, device: torch.device,
+                 prefix_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(
                 f"KV cache budget too small: one block needs {layout.block_bytes} bytes"
             )
-        super().__init__(num_blocks, layout.block_size)
+        super().__init__(num_blocks, layout.block_size, prefix_caching)
         self.layout = layout
         num_slots = num_blocks * layout.block_size
         shape = (layout.num_layers, 2, layout.num_kv_heads, num_slots, layout.head_dim)
@@ -63,12 +67,19 @@ class PagedKVCache(BlockAllocator):
         self.v = self.kv[:, 1]
         self.device = device
 
-    def reserve(self, demands: dict[str, int]) -> list[int]:
-        """BlockAllocator.reserve, and the new blocks zeroed."""
-        fresh = super().reserve(demands)
+    def reserve(self, demands: dict[str, int],
+                prefixes: dict[str, Prefix] | None = None) -> list[int]:
+        """BlockAllocator.reserve, and the fresh blocks zeroed (evicted cached ones too; the
+        attached ones keep their KV)."""
+        fresh = super().reserve(demands, prefixes)
         if fresh:
             self._zero_blocks(fresh)
         return fresh
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """A request's own copy of a shared block it rewinds into (BlockAllocator.truncate)."""
+        bs = self.block_size
+        self.kv[:, :, :, dst * bs : (dst + 1) * bs] = self.kv[:, :, :, src * bs : (src + 1) * bs]
 
     def _zero_blocks(self, blocks: list[int]) -> None:
         """Zero new blocks: padded attention reads unwritten slots (masked out), and

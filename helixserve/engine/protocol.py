@@ -7,6 +7,11 @@ Three implement it: `torch` (engine/shard.py), `vllm` (engine/vllm_stage.py) and
 `emulated` (engine/emulated.py: no weights, each step takes the time the profiles give).
 A failed step raises one of engine/errors.py's classes and changes nothing.
 
+With prefix caching (docs/prefix-caching.md) an engine keeps the full KV blocks of running
+and finished requests, named by prefix.block_hashes; a new request's first item may carry
+`prefix_token_ids`, whose blocks the engine attaches instead of computing them, and the
+engine's `take_cache_events` tells the worker what it stored and evicted.
+
 Hidden states between stages are a torch tensor [num_tokens, hidden_size] for the torch and
 vllm engines, and `RawHidden` (the same bytes, dtype and shape, without torch) for the
 emulated engine; runtime/transport.py puts either on the wire. Torch-free.
@@ -22,6 +27,8 @@ from helixserve.request import PromptLogprob, SamplingParams
 
 if TYPE_CHECKING:
     import torch
+
+    from helixserve.prefix import CacheEvents
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,10 @@ class WorkItem:
     num_prompt_tokens: int | None = None
     """Optional: tokens at positions >= this are generated ones (for penalties after a
     re-prefill of prompt + output). None: tokens before the first sampled one are prompt."""
+    prefix_token_ids: list[int] | None = None
+    """Only on a request's first item at a hop, with `position > 0`: tokens [0, position)
+    whose KV the engine must take from its prefix cache (docs/prefix-caching.md); the engine
+    raises PrefixMissError if it does not hold them all."""
 
 
 @dataclass
@@ -81,6 +92,8 @@ class KvStats(TypedDict):
     used_blocks: int
     free_blocks: int
     capacity_tokens: int
+    cached_blocks: int
+    """Blocks holding cached prefixes no request uses (also counted in free_blocks)."""
 
 
 @runtime_checkable
@@ -100,7 +113,8 @@ class Engine(Protocol):
 
     def step(self, items: list[WorkItem]) -> list[ItemOutput]:
         """One batched step over `items` (at most one per request); outputs in their order.
-        Raises KvExhaustedError / InvalidWorkError (engine/errors.py) changing nothing."""
+        Raises KvExhaustedError / InvalidWorkError / PrefixMissError (engine/errors.py)
+        changing nothing."""
         ...
 
     def free(self, request_id: str) -> None:
@@ -112,6 +126,11 @@ class Engine(Protocol):
         ...
 
     def kv_stats(self) -> KvStats: ...
+
+    def take_cache_events(self) -> CacheEvents:
+        """Prefix blocks stored and removed since the last call (prefix.CacheEventLog; reset
+        on the first call); empty, but for that reset, without prefix caching."""
+        ...
 
 
 class RangeSwitchable(Engine, Protocol):
@@ -127,8 +146,9 @@ def check_step(items: list[WorkItem], engine: Any, seq_len: Callable[[str], int]
                max_item_tokens: int | None = None) -> None:
     """THE check of one step's items, before an engine changes anything: each request once,
     layers inside the engine's range, tokens present (at most `max_item_tokens` per item), a
-    position the KV has reached, hidden states of the right shape after layer 0, sampling
-    params on the last layer. `engine` gives start_layer, end_layer, hidden_size and
+    position the KV has reached (for an item with `prefix_token_ids`: the prefix's end; that
+    the cache holds it is the engine's check), hidden states of the right shape after layer
+    0, sampling params on the last layer, no prompt logprobs with a cached prefix. `engine` gives start_layer, end_layer, hidden_size and
     num_model_layers; raises InvalidWorkError naming the request."""
     from helixserve.engine.errors import InvalidWorkError
 
@@ -148,7 +168,13 @@ def check_step(items: list[WorkItem], engine: Any, seq_len: Callable[[str], int]
             raise InvalidWorkError(f"request {rid!r}: {len(it.token_ids)} tokens in one item; "
                                    f"this engine takes at most {max_item_tokens}")
         have = seq_len(rid)
-        if it.position > have:
+        if it.prefix_token_ids:
+            # A new request whose tokens [0, position) are taken from the prefix cache.
+            if len(it.prefix_token_ids) != it.position:
+                raise InvalidWorkError(
+                    f"request {rid!r}: {len(it.prefix_token_ids)} prefix tokens but position "
+                    f"{it.position} (the prefix is every token before the item's)")
+        elif it.position > have:
             raise InvalidWorkError(
                 f"request {rid!r}: position {it.position} but only {have} tokens "
                 "in this shard's KV cache (a step was skipped?)")
@@ -160,6 +186,12 @@ def check_step(items: list[WorkItem], engine: Any, seq_len: Callable[[str], int]
         if it.end_layer == engine.num_model_layers and it.sample and it.sampling is None:
             raise InvalidWorkError(f"request {rid!r}: reaches the last layer without "
                                    "sampling params")
+        if (it.prefix_token_ids and it.end_layer == engine.num_model_layers
+                and it.sampling is not None and it.sampling.prompt_logprobs is not None):
+            # The prefix's rows are not computed, so its tokens cannot be scored (vLLM
+            # skips its prefix cache for such requests too).
+            raise InvalidWorkError(f"request {rid!r}: asks for prompt logprobs, which need "
+                                   "the whole prompt computed, not taken from the prefix cache")
 
 
 def kv_stats_of(kv: Any) -> KvStats:
@@ -170,4 +202,5 @@ def kv_stats_of(kv: Any) -> KvStats:
         "used_blocks": kv.used_blocks,
         "free_blocks": kv.free_blocks,
         "capacity_tokens": kv.capacity_tokens,
+        "cached_blocks": getattr(kv, "cached_blocks", 0),
     }

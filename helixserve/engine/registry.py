@@ -84,22 +84,26 @@ def load_engine(
     block_size: int | None = None,
     emulation: EmulationSpec | None = None,
     gpu_memory_fraction: float | None = None,
+    prefix_caching: bool = True,
 ) -> Engine:
     """Build engine `name` (a resolved one: torch | vllm | emulated) for layers
     [start_layer, end_layer); `emulation` (the GPU and profiles) is required for emulated,
-    whose `dtype` is a wire name (float16, ...) or None (the config's torch_dtype)."""
+    whose `dtype` is a wire name (float16, ...) or None (the config's torch_dtype).
+    `prefix_caching`: keep full KV blocks for later requests (docs/prefix-caching.md)."""
     if name == "torch":
         from helixserve.engine.shard import ShardEngine
 
         return ShardEngine.load(model_dir, start_layer, end_layer, device=device, dtype=dtype,
-                                kv_cache_bytes=kv_cache_bytes, block_size=block_size or 16)
+                                kv_cache_bytes=kv_cache_bytes, block_size=block_size or 16,
+                                prefix_caching=prefix_caching)
     if name == "vllm":
         from helixserve.engine.vllm_stage import VllmStageEngine
 
         return VllmStageEngine.load(model_dir, start_layer, end_layer, device=device,
                                     dtype=dtype, kv_cache_bytes=kv_cache_bytes,
                                     block_size=block_size,
-                                    gpu_memory_fraction=gpu_memory_fraction)
+                                    gpu_memory_fraction=gpu_memory_fraction,
+                                    prefix_caching=prefix_caching)
     if gpu_memory_fraction is not None:
         raise UserError(f"--gpu-memory-fraction: only with --engine vllm (engine: {name})")
     if name == "emulated":
@@ -109,7 +113,7 @@ def load_engine(
             raise UserError("--engine emulated: needs --gpu and --profiles")
         return EmulatedEngine.load(model_dir, start_layer, end_layer, emulation,
                                    dtype=dtype, kv_cache_bytes=kv_cache_bytes,
-                                   block_size=block_size)
+                                   block_size=block_size, prefix_caching=prefix_caching)
     raise UserError(f"--engine: unknown '{name}'; known: {', '.join(ENGINES)}")
 
 
@@ -135,6 +139,7 @@ def load_checked(
     kv_cache_bytes: int | None = None,
     block_size: int | None = None,
     gpu_memory_fraction: float | None = None,
+    prefix_caching: bool = True,
 ) -> EngineChoice:
     """Load engine `requested` (torch | vllm | auto) for a worker and run its self-check
     (engine/selfcheck.py) before the worker reports healthy.
@@ -151,7 +156,8 @@ def load_checked(
     def checked(engine_name: str) -> tuple[Engine, str]:
         engine = load_engine(engine_name, model_dir, start_layer, end_layer, device=dev,
                              dtype=dtype, kv_cache_bytes=kv_cache_bytes, block_size=block_size,
-                             gpu_memory_fraction=gpu_memory_fraction)
+                             gpu_memory_fraction=gpu_memory_fraction,
+                             prefix_caching=prefix_caching)
         ref = load_reference(engine_name, model_dir, start_layer, dev, engine.dtype)
         try:
             report = self_check(engine, dev, reference=ref)

@@ -13,6 +13,12 @@ per request).
 Per request the engine keeps: its KV blocks (shared by all local layers), the number of
 tokens in its KV (the next position), and on the last stage its token history and, for a
 seeded request, its own random generator (unseeded requests draw from the engine's).
+With prefix caching (on by default; docs/prefix-caching.md) the KV cache also keeps the full
+blocks of running and finished requests, named by their tokens and layer span
+(engine/kv_blocks.py): after each step the blocks that became full are cached, and a new
+request whose first item carries `prefix_token_ids` takes those blocks from the cache
+instead of computing them (its item starts at position len(prefix_token_ids)); a prefix not
+all cached raises PrefixMissError before the step changes anything.
 A step's inputs come in with one embedding call and one scatter of the hidden states
 brought; the hidden states leaving it and the sampled tokens go to the host in one copy
 each (engine/host_copy.py), on the engine's thread.
@@ -30,6 +36,7 @@ import torch.nn.functional as F
 
 from helixserve.engine.config import ModelArgs
 from helixserve.engine.host_copy import from_host, to_host
+from helixserve.engine.kv_blocks import Prefix
 from helixserve.engine.kv_cache import KVCacheLayout, PagedKVCache
 from helixserve.engine.loader import load_range
 from helixserve.engine.model import (
@@ -42,7 +49,7 @@ from helixserve.engine.model import (
 )
 from helixserve.engine.protocol import (
     ItemOutput,
- KvStats,
+    KvStats,
     WorkItem,
     check_step,
     kv_stats_of,
@@ -54,6 +61,7 @@ from helixserve.engine.sampling import (
     score_tokens,
 )
 from helixserve.errors import UserError
+from helixserve.prefix import CacheEvents
 from helixserve.spec.scheduling import DEFAULT_KV_BLOCK_SIZE
 
 DEFAULT_CPU_KV_FRACTION = 0.25
@@ -148,8 +156,10 @@ class ShardEngine:
         block_size: int = DEFAULT_KV_BLOCK_SIZE,
         reuse_layers: dict[int, LayerWeights] | None = None,
         allocate_kv: bool = True,
+        prefix_caching: bool = True,
     ) -> None:
         self.args = args
+        self.prefix_caching = prefix_caching
         self.num_model_layers = args.num_layers
         self.start_layer, self.end_layer = start_layer, end_layer
         self.hidden_size = args.hidden_size
@@ -188,7 +198,7 @@ class ShardEngine:
         if allocate_kv:
             self.allocate_kv(kv_cache_bytes)
         else:  # a placeholder of one block until `allocate_kv`
-            self.kv = PagedKVCache(self._kv_layout, 1, device)
+            self.kv = PagedKVCache(self._kv_layout, 1, device, prefix_caching)
         self._generator = torch.Generator(device=device)
         """Unseeded requests' draws (seeded ones have their own generator)."""
         self._generator.manual_seed(random.SystemRandom().getrandbits(62))
@@ -205,6 +215,7 @@ class ShardEngine:
         dtype: torch.dtype | str | None = None,
         kv_cache_bytes: int | None = None,
         block_size: int = DEFAULT_KV_BLOCK_SIZE,
+        prefix_caching: bool = True,
     ) -> ShardEngine:
         """Load only the tensors of [start_layer, end_layer) from an HF dir or a GGUF file."""
         dev = resolve_device(device)
@@ -221,6 +232,7 @@ class ShardEngine:
             dt,
             kv_cache_bytes=kv_cache_bytes,
             block_size=block_size,
+            prefix_caching=prefix_caching,
         )
         _release_freed_heap()
         return engine
@@ -245,24 +257,26 @@ class ShardEngine:
             raise UserError(f"{model_dir}: {loaded.args.num_layers} layers, the running shard's "
                             f"model has {old.num_model_layers}")
         engine = cls(loaded.args, loaded.tensors, start_layer, end_layer, old.device, old.dtype,
-                     block_size=old.kv.block_size, reuse_layers=kept, allocate_kv=False)
+                     block_size=old.kv.block_size, reuse_layers=kept, allocate_kv=False,
+                     prefix_caching=old.prefix_caching)
         _release_freed_heap()
         return engine, end_layer - start_layer - len(kept)
 
     def allocate_kv(self, kv_cache_bytes: int | None = None) -> None:
         """(Re)allocate the paged KV cache: `kv_cache_bytes`, or the default share of the
-        memory free now. Drops every request's KV."""
+        memory free now. Drops every request's KV and the prefix cache (the next
+        `take_cache_events` says reset)."""
         self.kv = PagedKVCache(self._kv_layout, 1, self.device)  # the old cache freed first
         budget = (default_kv_budget_bytes(self.device) if kv_cache_bytes is None
                   else kv_cache_bytes)
         self.kv = PagedKVCache(self._kv_layout, self._kv_layout.num_blocks_for(budget),
-                               self.device)
+                               self.device, self.prefix_caching)
         self._seq_len, self._history, self._dense = {}, {}, None
 
     def release_memory(self) -> None:
         """Drop the KV cache and the weights this shard holds alone (shared layers live on
         in the shard that took them over); the engine is unusable afterwards."""
-        self.kv = PagedKVCache(self._kv_layout, 1, self.device)
+        self.kv = PagedKVCache(self._kv_layout, 1, self.device, self.prefix_caching)
         self.layers = []
         self.embed = self.lm_head = self.final_norm = None
         self._seq_len, self._history, self._dense = {}, {}, None
@@ -273,6 +287,10 @@ class ShardEngine:
     # ---- bookkeeping -------------------------------------------------------------------
     def kv_stats(self) -> KvStats:
         return kv_stats_of(self.kv)
+
+    def take_cache_events(self) -> CacheEvents:
+        """Prefix blocks stored and evicted since the last call (reset on the first)."""
+        return self.kv.take_cache_events()
 
     def free(self, request_id: str) -> None:
         """Release a request's KV blocks and sampler state; idempotent."""
@@ -293,12 +311,18 @@ class ShardEngine:
             return []
         prev_dense, self._dense = self._dense, None  # valid only if this step succeeds
         self._validate(items)
+        prefixes = self._prefixes(items)  # PrefixMissError before anything changes
         # Reserve KV before computing: KvExhaustedError leaves every request as it was
         # (except a rewind the items themselves asked for).
         for it in items:
-            if it.position < self._seq_len.get(it.request_id, 0):
-                self._rewind(it.request_id, it.position)
-        self.kv.reserve({it.request_id: it.position + len(it.token_ids) for it in items})
+            rid = it.request_id
+            if rid in prefixes:
+                if self.kv.has(rid) or rid in self._seq_len:
+                    self._rewind(rid, 0)  # known here: it starts over from its prefix
+            elif it.position < self._seq_len.get(rid, 0):
+                self._rewind(rid, it.position)
+        self.kv.reserve({it.request_id: it.position + len(it.token_ids) for it in items},
+                        prefixes)
 
         x = self._input_rows(items)  # [total_tokens, hidden]
         offsets = [0]
@@ -335,6 +359,8 @@ class ShardEngine:
 
         for it in items:
             self._seq_len[it.request_id] = it.position + len(it.token_ids)
+            self.kv.commit(it.request_id, it.position, it.token_ids, it.start_layer,
+                           it.end_layer)
         outs = self._outputs(items, offsets, x)
         self._dense = dense
         return outs
@@ -419,6 +445,17 @@ class ShardEngine:
 
     def _validate(self, items: list[WorkItem]) -> None:
         check_step(items, self, lambda rid: self._seq_len.get(rid, 0))
+
+    def _prefixes(self, items: list[WorkItem]) -> dict[str, Prefix]:
+        """The cached prefixes the items' new requests take; PrefixMissError (or, without
+        prefix caching, a miss of every block) before anything changes."""
+        out: dict[str, Prefix] = {}
+        for it in items:
+            if it.prefix_token_ids:
+                p = Prefix(it.prefix_token_ids, it.start_layer, it.end_layer)
+                self.kv.check_prefix(it.request_id, p)
+                out[it.request_id] = p
+        return out
 
     def _rewind(self, request_id: str, position: int) -> None:
         """The coordinator restarts a request from an earlier position (e.g. re-prefill)."""
@@ -601,9 +638,20 @@ class ShardEngine:
 
     @staticmethod
     def _record_tokens(hist: RequestHistory, it: WorkItem) -> None:
-        if it.num_prompt_tokens is None:
-            hist.add_tokens(it.token_ids, generated=hist.sampled_once)
-            return
-        split = max(0, min(len(it.token_ids), it.num_prompt_tokens - it.position))
-        hist.add_tokens(it.token_ids[:split], generated=False)
-        hist.add_tokens(it.token_ids[split:], generated=True)
+        """The item's tokens into the request's history; for a request that took a prefix
+        from the cache, the prefix's tokens first (prompt ones, and generated ones past
+        num_prompt_tokens), as if it had been computed."""
+        if it.prefix_token_ids:
+            _add_tokens(hist, 0, it.prefix_token_ids, it.num_prompt_tokens)
+        _add_tokens(hist, it.position, it.token_ids, it.num_prompt_tokens)
+
+
+def _add_tokens(hist: RequestHistory, position: int, token_ids: list[int],
+                num_prompt_tokens: int | None) -> None:
+    """Tokens at [position, ...) into a history: prompt or generated ones."""
+    if num_prompt_tokens is None:
+        hist.add_tokens(token_ids, generated=hist.sampled_once)
+        return
+    split = max(0, min(len(token_ids), num_prompt_tokens - position))
+    hist.add_tokens(token_ids[:split], generated=False)
+    hist.add_tokens(token_ids[split:], generated=True)

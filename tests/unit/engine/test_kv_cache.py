@@ -23,7 +23,7 @@ def small(random_models):
 def test_stats_and_growth(small):
     assert small.kv_stats() == {
         "block_size": 16, "total_blocks": 6, "used_blocks": 0, "free_blocks": 6,
-        "capacity_tokens": 96,
+        "capacity_tokens": 96, "cached_blocks": 0,
     }  # fmt: skip
     small.step([WorkItem("g", 0, 4, 0, list(range(3, 20)), None, GREEDY)])  # 17 tokens
     assert small.kv_stats()["used_blocks"] == 2
