@@ -35,3 +35,17 @@ class InvalidWorkError(EngineError, ValueError):
     too, as the engines raised before these classes existed."""
 
     status = "INVALID_ARGUMENT"
+
+
+class PrefixMissError(EngineError):
+    """A work item's `prefix_token_ids` name blocks this engine's prefix cache does not hold
+    (evicted since its last report, or caching is off); nothing was changed. The coordinator
+    drops the names from its index and runs the request again from token 0."""
+
+    status = "FAILED_PRECONDITION"
+
+    def __init__(self, request_id: str, missing: list[bytes]) -> None:
+        super().__init__(f"prefix miss: request {request_id!r}: {len(missing)} prefix "
+                         "block(s) not cached here")
+        self.request_id = request_id
+        self.missing = list(missing)

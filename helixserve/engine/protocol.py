@@ -57,6 +57,10 @@ class WorkItem:
     num_prompt_tokens: int | None = None
     """Optional: tokens at positions >= this are generated ones (for penalties after a
     re-prefill of prompt + output). None: tokens before the first sampled one are prompt."""
+    prefix_token_ids: list[int] | None = None
+    """Only on a request's first item at a hop, with `position > 0`: tokens [0, position)
+    whose KV the engine must take from its prefix cache (docs/prefix-caching.md); the engine
+    raises PrefixMissError if it does not hold them all."""
 
 
 @dataclass
@@ -81,6 +85,8 @@ class KvStats(TypedDict):
     used_blocks: int
     free_blocks: int
     capacity_tokens: int
+    cached_blocks: int
+    """Blocks holding cached prefixes no request uses (also counted in free_blocks)."""
 
 
 @runtime_checkable
@@ -170,4 +176,5 @@ def kv_stats_of(kv: Any) -> KvStats:
         "used_blocks": kv.used_blocks,
         "free_blocks": kv.free_blocks,
         "capacity_tokens": kv.capacity_tokens,
+        "cached_blocks": getattr(kv, "cached_blocks", 0),
     }
