@@ -1,0 +1,111 @@
+"""Prefix caching on the vllm engine (docs/prefix-caching.md): vLLM's own BlockPool caching
+under helixserve's block names, on the real demo model split over two VllmStageEngines
+([0, 15) and [15, 30), each in a process of its own, driven with work items directly).
+
+Greedy tokens of a request that takes its prefix from the cache (whole blocks, a prefix that
+ends inside a block, a prefix holding generated tokens, two running requests sharing blocks)
+are the tokens of the same prompt computed from token 0; each stage's cache events list
+exactly the names of the blocks it filled and evicted; a tiny KV budget evicts cached blocks
+least recently used before any step is refused; a prefix the cache lacks is refused with
+PrefixMissError naming the missing blocks, changing nothing; `prefix_caching=False` caches
+nothing. One pair of stage builds for the module: each test starts fresh engines (empty
+pools) on the same runners.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from vllm_procs import VLLM_MARKS
+from vllm_stage_procs import Run, Stage, generate, start_stages, stop_stages
+
+from helixserve.prefix import block_hashes, reusable_tokens
+
+pytestmark = [*VLLM_MARKS, pytest.mark.timeout(900)]
+
+BLOCK = 32
+RANGES = [(0, 15), (15, 30)]
+#: 15 fp32 layers of the demo model take 23,040 bytes per token: 737,280 per 32-token block.
+#: 13 blocks = vLLM's null block + 12 usable (384 tokens) per stage.
+KV_BYTES = 13 * 737_280
+USABLE = 12
+TEXT = ("You are a careful assistant. Answer briefly and truthfully, cite what you know, and say "
+        "when you do not know. The user may ask about history, science, cooking or travel; "
+        "keep every answer under five sentences and never invent facts or sources. ")
+
+
+@pytest.fixture(scope="module")
+def stages(demo_model: Path) -> Iterator[list[Stage]]:
+    procs = start_stages(demo_model, RANGES, KV_BYTES, BLOCK)
+    try:
+        yield procs
+    finally:
+        stop_stages(procs)
+
+
+@pytest.fixture(scope="module")
+def words(demo_model: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(demo_model)).encode(TEXT * 8)
+    assert len(ids) >= 400
+    return ids
+
+
+def fresh(stages: list[Stage], prefix_caching: bool = True) -> None:
+    for s in stages:
+        s.call("reset", prefix_caching)
+        assert s.events() == ([], [], True)  # a new engine: the core forgets what it knew
+        assert s.kv()["total_blocks"] == USABLE
+
+
+def names(stage: Stage, tokens: list[int]) -> list[bytes]:
+    return block_hashes(tokens, BLOCK, stage.start, stage.end)
+
+
+def test_a_cached_prefix_gives_the_tokens_of_a_full_prefill_and_exact_events(stages, words):
+    fresh(stages)
+    system, q1, q2, q3 = words[:80], words[200:220], words[230:255], words[260:270]
+    r1 = Run("t1-r1", system + q1)  # 100 prompt tokens
+    generate(stages, [r1], 30)
+    written1 = r1.prompt + r1.tokens[:-1]  # 129 tokens: 4 full blocks, prompt and generated
+    for s in stages:
+        assert s.events() == (names(s, written1), [], False)
+        assert s.kv()["used_blocks"] == 5 and s.kv()["cached_blocks"] == 0
+        s.call("free", r1.request_id)
+        assert s.kv()["used_blocks"] == 0 and s.kv()["cached_blocks"] == 4
+        assert s.events() == ([], [], False)
+
+    # r2 shares the 80-token system prompt: 2 whole blocks, the third block only in part.
+    # r3 is r1's next turn: its prefix is 4 blocks, the last of them mostly generated tokens.
+    r2 = Run("t1-r2", system + q2, cached=64)
+    r3 = Run("t1-r3", r1.prompt + r1.tokens + q3, cached=128)
+    assert r2.cached == reusable_tokens(2, len(r2.prompt), BLOCK)
+    assert r3.cached == reusable_tokens(4, len(r3.prompt), BLOCK)
+
+    def shared(step: int) -> None:
+        if step:
+            return
+        for s in stages:  # after the first step: both attached blocks 0 and 1
+            assert s.call("seq_len", r2.request_id) == len(r2.prompt)
+            assert s.call("seq_len", r3.request_id) == len(r3.prompt)
+            # 4 attached + r3's 1 new + r2's 2 new (its block 2 shares only 16 tokens)
+            assert s.kv()["used_blocks"] == 7 and s.kv()["cached_blocks"] == 0
+
+    generate(stages, [r2, r3], 12, shared)
+    written2 = r2.prompt + r2.tokens[:-1]  # 116: its block 2 (tokens 64-95) is new
+    written3 = r3.prompt + r3.tokens[:-1]  # 151: nothing new full (block 4 ends at 160)
+    for s in stages:
+        assert s.events() == (names(s, written2)[2:3], [], False)
+        assert names(s, written3)[:4] == names(s, written1)[:4]
+        for r in (r2, r3):
+            s.call("free", r.request_id)
+        assert s.kv()["cached_blocks"] == 5 and s.kv()["used_blocks"] == 0
+
+    # the same prompts from token 0, as without caching: the same greedy tokens
+    ref2, ref3 = Run("t1-ref2", r2.prompt), Run("t1-ref3", r3.prompt)
+    generate(stages, [ref2, ref3], 12)
+    assert ref2.tokens == r2.tokens
+    assert ref3.tokens == r3.tokens
