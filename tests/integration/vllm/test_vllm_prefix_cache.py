@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 from vllm_procs import VLLM_MARKS
-from vllm_stage_procs import Run, Stage, generate, start_stages, stop_stages
+from vllm_stage_procs import Run, Stage, StageError, generate, start_stages, stop_stages
 
+from helixserve.engine.protocol import WorkItem
 from helixserve.prefix import block_hashes, reusable_tokens
 
 pytestmark = [*VLLM_MARKS, pytest.mark.timeout(900)]
@@ -109,3 +110,102 @@ def test_a_cached_prefix_gives_the_tokens_of_a_full_prefill_and_exact_events(sta
     generate(stages, [ref2, ref3], 12)
     assert ref2.tokens == r2.tokens
     assert ref3.tokens == r3.tokens
+
+
+def test_a_tiny_kv_budget_evicts_cached_blocks_lru_before_refusing_a_step(stages, words):
+    fresh(stages)
+    done = [Run(f"t2-{i}", words[100 * i:100 * i + 100]) for i in range(3)]
+    for r in done:  # 103 tokens written each: 3 named blocks, then cached once freed
+        generate(stages, [r], 4)
+        for s in stages:
+            s.call("free", r.request_id)
+    for s in stages:
+        assert s.events()[0] == [n for r in done for n in names(s, r.prompt)]
+        assert s.kv()["cached_blocks"] == 9 and s.kv()["free_blocks"] == USABLE
+    # 300 prompt tokens need 10 blocks: the 3 never named, then the cached ones least recently
+    # used first (vLLM's order: the request freed first, its last block first)
+    long = Run("t2-long", words[::-1][:300])  # no block in common with the others
+    evicted: dict[str, list[bytes]] = {}
+
+    def running(step: int) -> None:
+        if step:
+            return
+        for s in stages:
+            assert s.kv()["used_blocks"] == 10 and s.kv()["cached_blocks"] == 2
+            stored, removed, _ = s.events()
+            assert stored == names(s, long.prompt)  # 9 full blocks
+            a, b, c = (names(s, r.prompt) for r in done)
+            assert removed == [*a[::-1], *b[::-1], c[2]]
+            evicted[s.start] = removed
+        # c's first 2 blocks are still cached but a request on them needs 2 more blocks:
+        # 4 in all (the cached ones count as free until attached), 2 free: refused as a whole
+        again = Run("t2-c-again", done[2].prompt, cached=64)
+        with pytest.raises(Exception) as err:
+            generate(stages[:1], [again], 1)
+        assert getattr(err.value, "kind", None) == "KvExhaustedError", err.value
+        assert err.value.attrs["needed_blocks"] == 4 and err.value.attrs["free_blocks"] == 2
+        assert stages[0].kv()["cached_blocks"] == 2 and stages[0].call("seq_len", again.request_id) == 0
+
+    generate(stages, [long], 4, running)
+    for s in stages:
+        s.call("free", long.request_id)
+        assert s.kv()["used_blocks"] == 0
+    # what survived eviction still serves: c again from its 2 cached blocks, same tokens
+    again = Run("t2-c-again2", done[2].prompt, cached=64)
+    generate(stages, [again], 4)
+    assert again.tokens == done[2].tokens
+    # what was evicted is refused by name, changing nothing
+    before = stages[0].kv()
+    stages[0].events()
+    with pytest.raises(Exception) as err:
+        generate(stages, [Run("t2-a-again", done[0].prompt, cached=64)], 1)
+    assert getattr(err.value, "kind", None) == "PrefixMissError", err.value
+    assert err.value.attrs["missing"] == names(stages[0], done[0].prompt)[:2]
+    assert stages[0].kv() == before and stages[0].events() == ([], [], False)
+
+
+def test_a_missing_prefix_is_refused_naming_the_missing_blocks_changing_nothing(stages, words):
+    import numpy as np
+
+    fresh(stages)
+    a = stages[0]
+    prompt = words[:100]
+    a.step([WorkItem("t3-r", a.start, a.end, 0, prompt)])
+    a.call("free", "t3-r")
+    a.events()
+    before = a.kv()
+    assert before["cached_blocks"] == 3
+    wrong = prompt[:64] + words[300:332]  # blocks 0, 1 cached; block 2 is not
+    items = [WorkItem("t3-new", a.start, a.end, 0, words[:10]),
+             WorkItem("t3-p", a.start, a.end, 96, words[96:101], prefix_token_ids=wrong)]
+    with pytest.raises(StageError) as err:
+        a.step(items)
+    assert err.value.kind == "PrefixMissError" and str(err.value).startswith("PrefixMissError: prefix miss")
+    assert err.value.attrs["request_id"] == "t3-p"
+    assert err.value.attrs["missing"] == [names(a, wrong)[2]]
+    assert a.kv() == before and a.events() == ([], [], False)
+    assert a.call("seq_len", "t3-new") == 0 and a.call("seq_len", "t3-p") == 0
+    # a prefix is whole blocks, the tokens before the position
+    with pytest.raises(StageError) as err:
+        a.step([WorkItem("t3-odd", a.start, a.end, 50, words[50:55], prefix_token_ids=prompt[:50])])
+    assert err.value.kind == "InvalidWorkError"
+    assert a.kv() == before
+    # the right prefix: attached, and the hidden states of the rest are a full prefill's
+    hit = a.step([WorkItem("t3-p", a.start, a.end, 96, prompt[96:], prefix_token_ids=prompt[:96])])
+    full = a.step([WorkItem("t3-full", a.start, a.end, 0, prompt)])
+    assert a.call("seq_len", "t3-p") == 100 and hit[0].hidden.shape == (4, 576)
+    np.testing.assert_allclose(hit[0].hidden, full[0].hidden[96:], rtol=1e-4, atol=1e-4)
+
+
+def test_without_prefix_caching_nothing_is_cached_and_every_prefix_misses(stages, words):
+    fresh(stages, prefix_caching=False)
+    r = Run("t4-r", words[:100])
+    generate(stages, [r], 4)
+    for s in stages:
+        s.call("free", r.request_id)
+        assert s.kv()["cached_blocks"] == 0 and s.kv()["free_blocks"] == USABLE
+        assert s.events() == ([], [], False)
+    with pytest.raises(StageError) as err:
+        generate(stages, [Run("t4-again", r.prompt, cached=64)], 1)
+    assert err.value.kind == "PrefixMissError"
+    assert err.value.attrs["missing"] == names(stages[0], r.prompt)[:2]
