@@ -68,9 +68,9 @@ def names(stage: Stage, tokens: list[int]) -> list[bytes]:
 
 def test_a_cached_prefix_gives_the_tokens_of_a_full_prefill_and_exact_events(stages, words):
     fresh(stages)
-    system, q1, q2, q3 = words[:80], words[200:220], words[230:255], words[260:270]
-    r1 = Run("t1-r1", system + q1)  # 100 prompt tokens
-    generate(stages, [r1], 30)
+    system, q1, q2, q3 = words[:80], words[200:240], words[240:265], words[270:280]
+    r1 = Run("t1-r1", system + q1)  # 120 prompt tokens
+    generate(stages, [r1], 10)
     written1 = r1.prompt + r1.tokens[:-1]  # 129 tokens: 4 full blocks, prompt and generated
     for s in stages:
         assert s.events() == (names(s, written1), [], False)
@@ -95,9 +95,9 @@ def test_a_cached_prefix_gives_the_tokens_of_a_full_prefill_and_exact_events(sta
             # 4 attached + r3's 1 new + r2's 2 new (its block 2 shares only 16 tokens)
             assert s.kv()["used_blocks"] == 7 and s.kv()["cached_blocks"] == 0
 
-    generate(stages, [r2, r3], 12, shared)
-    written2 = r2.prompt + r2.tokens[:-1]  # 116: its block 2 (tokens 64-95) is new
-    written3 = r3.prompt + r3.tokens[:-1]  # 151: nothing new full (block 4 ends at 160)
+    generate(stages, [r2, r3], 8, shared)
+    written2 = r2.prompt + r2.tokens[:-1]  # 112: its block 2 (tokens 64-95) is new
+    written3 = r3.prompt + r3.tokens[:-1]  # 147: nothing new full (block 4 ends at 160)
     for s in stages:
         assert s.events() == (names(s, written2)[2:3], [], False)
         assert names(s, written3)[:4] == names(s, written1)[:4]
@@ -107,7 +107,7 @@ def test_a_cached_prefix_gives_the_tokens_of_a_full_prefill_and_exact_events(sta
 
     # the same prompts from token 0, as without caching: the same greedy tokens
     ref2, ref3 = Run("t1-ref2", r2.prompt), Run("t1-ref3", r3.prompt)
-    generate(stages, [ref2, ref3], 12)
+    generate(stages, [ref2, ref3], 8)
     assert ref2.tokens == r2.tokens
     assert ref3.tokens == r3.tokens
 
@@ -209,3 +209,19 @@ def test_without_prefix_caching_nothing_is_cached_and_every_prefix_misses(stages
         generate(stages, [Run("t4-again", r.prompt, cached=64)], 1)
     assert err.value.kind == "PrefixMissError"
     assert err.value.attrs["missing"] == names(stages[0], r.prompt)[:2]
+
+
+def test_the_runner_is_told_the_cached_prefix_as_computed_tokens():
+    from vllm import SamplingParams
+
+    from helixserve.engine.vllm_batch import BatchEntry, RunnerRequest, scheduler_output
+
+    reqs = {"p": RunnerRequest(block_ids=[7, 8, 3], num_tokens=64,
+                               prefix_token_ids=list(range(64)))}
+    so = scheduler_output([BatchEntry("p", 64, [100, 101], [3], (0, 4))], reqs, set(),
+                          SamplingParams(max_tokens=1))
+    new = so.scheduled_new_reqs[0]
+    assert new.prompt_token_ids == [*range(64), 100, 101] and new.num_computed_tokens == 64
+    assert new.block_ids == ([7, 8, 3],)  # the shared cached blocks head the table
+    assert so.num_scheduled_tokens == {"p": 2}  # only the tokens after the prefix run
+    assert reqs["p"].known and reqs["p"].prefix_token_ids == []
