@@ -13,6 +13,12 @@ step's tokens are appended (the runner's path for non-last pipeline ranks, which
 sampled tokens from the scheduler). The runner never samples here (the engine does), so
 its notion of prompt vs output does not matter; positions come from `num_computed_tokens`.
 
+A request that starts from cached prefix blocks (prefix caching, docs/prefix-caching.md) is
+new to the runner at `position > 0`: as vLLM's own scheduler does for a prefix-cache hit, its
+`NewRequestData` carries the prefix tokens followed by the step's tokens, the whole block
+table (the shared cached blocks first) and `num_computed_tokens = position`, so the runner
+computes only the tokens after the prefix and attends to the prefix's KV in the shared blocks.
+
 `plan_batches` (pure) packs a step's entries into runner calls within the runner's limits;
 `scheduler_output` (vLLM types) turns one call into a `SchedulerOutput`.
 """
@@ -35,6 +41,9 @@ class RunnerRequest:
     """The runner holds the request's state (a NewRequestData was sent, not finished since)."""
     runner_outputs: int = 0
     """Tokens appended after the first step (the runner counts them as outputs)."""
+    prefix_token_ids: list[int] = field(default_factory=list)
+    """Tokens [0, position) whose KV the request took from the prefix cache, until the runner
+    has been told (its first call); then empty."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +115,8 @@ SCHEDULER_OUTPUT_FIELDS: dict[str, str] = {
     "aux_output_connector_metadata": "None: no KV connector",
     "ec_connector_metadata": "None: no encoder-cache connector",
     "ec_manager_metadata": "None: no encoder cache",
-    "kv_cache_block_copies": "None: no prefix caching, so no copy-on-write blocks",
+    "kv_cache_block_copies": "None: only full blocks are shared (prefix caching), and a full "
+                             "block is never written again, so nothing is copied on write",
     "kv_connector_block_state": "None: scheduler-local in vLLM",
     "num_spec_tokens_to_schedule": "0: no speculative decoding",
     "num_common_prefix_blocks": "[]: cascade attention is gone in 0.32/0.33 (deprecated field); "
@@ -115,13 +125,15 @@ SCHEDULER_OUTPUT_FIELDS: dict[str, str] = {
 }
 NEW_REQUEST_FIELDS: dict[str, str] = {
     "req_id": "batch",
-    "prompt_token_ids": "batch: the request's first tokens here (module doc)",
+    "prompt_token_ids": "batch: the request's first tokens here, after the cached prefix's "
+                        "tokens if it attached one (module doc)",
     "mm_features": "[]: no multimodal inputs",
     "sampling_params": "a greedy placeholder: the runner's persistent batch needs one, its "
                        "sampler never runs",
     "pooling_params": "None: generation",
     "block_ids": "batch: the request's blocks, one KV group",
-    "num_computed_tokens": "0: a request is new to the runner only at position 0",
+    "num_computed_tokens": "batch: 0, or the cached prefix's length (its position) for a "
+                           "request that attached one",
     "lora_request": "None: no LoRA",
     "prompt_embeds": "None: tokens, embedded by the engine",
     "prompt_is_token_ids": "None: every prompt position is a token",
@@ -181,15 +193,16 @@ def scheduler_output(
         num_scheduled[e.request_id] = len(e.token_ids)
         to_zero.extend(e.new_block_ids)
         if not state.known:
-            assert e.position == 0, "a request new to the runner starts at position 0"
+            assert e.position == len(state.prefix_token_ids), \
+                "a request new to the runner starts right after its cached prefix (or at 0)"
             new_reqs.append(_construct(NewRequestData, {
                 "req_id": e.request_id,
-                "prompt_token_ids": list(e.token_ids),
+                "prompt_token_ids": state.prefix_token_ids + list(e.token_ids),
                 "mm_features": [],
                 "sampling_params": placeholder_sampling,
                 "pooling_params": None,
                 "block_ids": (list(state.block_ids),),
-                "num_computed_tokens": 0,
+                "num_computed_tokens": e.position,
                 "lora_request": None,
                 "prompt_embeds": None,
                 "prompt_is_token_ids": None,
@@ -197,6 +210,7 @@ def scheduler_output(
                 "replay_start": 0,
             }, NEW_REQUEST_FIELDS))
             state.known = True
+            state.prefix_token_ids = []
         else:
             state.runner_outputs += len(e.token_ids)
             cached["req_ids"].append(e.request_id)

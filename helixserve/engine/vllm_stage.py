@@ -17,6 +17,14 @@ Who owns what:
 - Sampling: helixserve's sampler (`sampling.sample_rows`) on vLLM's logits, the same code
   as the torch engine: seeds, penalties, logprobs and prompt logprobs mean the same on
   either engine.
+- Prefix caching (docs/prefix-caching.md, on unless `prefix_caching=False`): vLLM's own
+  `BlockPool(enable_caching=True)` keeps the full blocks, with helixserve's block names
+  (`prefix.block_hashes`, 16 bytes, over the item's layer span) as vLLM's `BlockHash`. A
+  request's blocks are named as they fill (`cache_full_blocks`, prompt and generated tokens
+  alike), stay cached after `free` (ref 0, evicted least recently used by `get_new_blocks`),
+  and a first item carrying `prefix_token_ids` attaches them (`get_cached_block` + `touch`),
+  so the runner computes only the tokens after the prefix. vLLM's KV events
+  (`take_events`: BlockStored / BlockRemoved) feed the engine's `prefix.CacheEventLog`.
 
 The wire (docs/runtime.md): a hop carries ONE tensor [num_tokens, hidden_size], the
 residual stream after the hop's last layer. vLLM's layers keep it in two parts
@@ -31,12 +39,14 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from helixserve.engine.errors import InvalidWorkError, KvExhaustedError
+from helixserve import prefix
+from helixserve.engine.errors import InvalidWorkError, KvExhaustedError, PrefixMissError
 from helixserve.engine.protocol import ItemOutput, KvStats, WorkItem, check_step
 from helixserve.engine.sampling import RequestHistory, sample_rows
 from helixserve.engine.shard import (
@@ -57,13 +67,29 @@ DEFAULT_MAX_BATCH_REQUESTS = 256
 DEFAULT_MAX_MODEL_LEN = 8192
 
 
+@dataclass
+class _Named:
+    """One request's blocks as vLLM's prefix cache sees them."""
+
+    request: Any
+    """A vllm.v1.request.Request holding the tokens whose KV is written here; its block
+    hasher makes `block_hashes` helixserve's names for `span`."""
+    span: tuple[int, int]
+    """Layers [start, end) the request runs here: part of every block's name."""
+    num_cached: int
+    """Leading blocks of the request's table already named (handed to the pool)."""
+    active: bool = True
+    """False once an item ran another layer span: no block is named after that."""
+
+
 class VllmStageEngine:
     """A contiguous layer range of one model on vLLM's runner; see the module doc."""
 
     engine_name = "vllm"
 
     def __init__(self, built: Any, model_dir: Path, start_layer: int, end_layer: int,
-                 config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> None:
+                 config: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                 prefix_caching: bool = True) -> None:
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.v1.core.block_pool import BlockPool
 
@@ -89,8 +115,18 @@ class VllmStageEngine:
         self.is_last = end_layer == self.num_model_layers
         self.loaded_tensor_names = built.loaded_tensor_names
         self.block_size = built.block_size
-        self.pool = BlockPool(built.num_blocks, enable_caching=False,
-                              hash_block_size=built.block_size)
+        #: vLLM's block pool; with prefix caching its cache of named full blocks (module doc)
+        self.prefix_caching = prefix_caching
+        self.pool = BlockPool(built.num_blocks, enable_caching=prefix_caching,
+                              hash_block_size=built.block_size,
+                              enable_kv_cache_events=prefix_caching)
+        self._cache_log = prefix.CacheEventLog()
+        self._named: dict[str, _Named] = {}
+        #: name as vLLM's KV events spell it (an int unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
+        #: is 0) -> the name, for every name the pool holds
+        self._event_names: dict[Any, bytes] = {}
+        #: blocks holding a named prefix no request uses (ref 0, in the free queue)
+        self._cached_free = 0
         self.max_call_tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
         self.max_call_requests = int(self.vllm_config.scheduler_config.max_num_seqs)
         # The runner wants sampling params for its persistent batch; its sampler never runs.
@@ -132,6 +168,7 @@ class VllmStageEngine:
         max_batch_requests: int = DEFAULT_MAX_BATCH_REQUESTS,
         max_model_len: int | None = None,
         gpu_memory_fraction: float | None = None,
+        prefix_caching: bool = True,
     ) -> VllmStageEngine:
         """Build vLLM's runner for [start_layer, end_layer), reading only those weights.
         On CUDA the stage's memory follows `vllm_memory` (`gpu_memory_fraction` of the
@@ -191,33 +228,47 @@ class VllmStageEngine:
             max_model_len=max_len,
             gpu_memory_utilization=utilization,
         )
-        return cls(built, path, start_layer, end_layer, config, dev, dt)
+        return cls(built, path, start_layer, end_layer, config, dev, dt,
+                   prefix_caching=prefix_caching)
 
     # ---- bookkeeping -------------------------------------------------------------------
     def kv_stats(self) -> KvStats:
         total = self.pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
-        free = self.pool.get_num_free_blocks()
+        free = self.pool.get_num_free_blocks()  # cached unused blocks included
         return {
             "block_size": self.block_size,
             "total_blocks": total,
             "used_blocks": total - free,
             "free_blocks": free,
             "capacity_tokens": total * self.block_size,
+            "cached_blocks": self._cached_free,
         }
 
     def free(self, request_id: str) -> None:
-        """Release a request's KV blocks and state; idempotent."""
+        """Release a request's KV blocks and state; idempotent. Its named blocks stay cached
+        (evictable) unless another request still uses them."""
         blocks = self._blocks.pop(request_id, None)
         if blocks:
-            self.pool.free_blocks(blocks)
+            if self.prefix_caching:
+                self._cached_free += sum(1 for b in blocks
+                                         if b.ref_cnt == 1 and b.block_hash is not None)
+            # vLLM's order: the request's last blocks are evicted first
+            self.pool.free_blocks(reversed(blocks))
         state = self._requests.pop(request_id, None)
         if state is not None and state.known:
             self._finished.add(request_id)  # the runner drops it at its next call
         self._history.pop(request_id, None)
+        self._named.pop(request_id, None)
 
     def seq_len(self, request_id: str) -> int:
         state = self._requests.get(request_id)
         return 0 if state is None else state.num_tokens
+
+    def take_cache_events(self) -> prefix.CacheEvents:
+        """Blocks named (stored) and evicted (removed) since the last call; the first call
+        says reset (this engine's cache started empty). Empty, bar that, without caching."""
+        self._drain_pool_events()
+        return self._cache_log.take()
 
     # ---- the step ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -226,14 +277,20 @@ class VllmStageEngine:
         if not items:
             return []
         self._validate(items)
+        restarts = []
         for it in items:
             state = self._requests.get(it.request_id)
-            if state is not None and it.position < state.num_tokens:
-                if it.position != 0:
+            if state is None:
+                continue
+            if it.prefix_token_ids or it.position < state.num_tokens:
+                if it.position != 0 and not it.prefix_token_ids:
                     raise InvalidWorkError(f"request {it.request_id!r}: the vllm engine restarts a "
                                      f"request only from position 0, not {it.position}")
-                self.free(it.request_id)  # a re-prefill from the start
-        entries = self._reserve(items)
+                restarts.append(it.request_id)
+        attach = self._find_prefixes(items)  # PrefixMissError before anything changes
+        for rid in restarts:
+            self.free(rid)  # a re-prefill from the start, or from a cached prefix
+        entries = self._reserve(items, attach)
         outs = {it.request_id: ItemOutput(it.request_id) for it in items}
         by_id = {it.request_id: it for it in items}
         to_sample: list[tuple[str, torch.Tensor]] = []
@@ -244,24 +301,71 @@ class VllmStageEngine:
                 self._run_call(call, by_id, outs, to_sample)
         for e in entries:
             self._requests[e.request_id].num_tokens = e.position + len(e.token_ids)
+            if self.prefix_caching:
+                self._name_full_blocks(by_id[e.request_id])
         if to_sample:
             self._sample(to_sample, by_id, outs)
         return [outs[it.request_id] for it in items]
 
     def _validate(self, items: list[WorkItem]) -> None:
-        check_step(items, self, self.seq_len, max_item_tokens=self.max_call_tokens)
+        starts: dict[str, int] = {}
+        for it in items:
+            if it.prefix_token_ids:
+                if len(it.prefix_token_ids) != it.position or it.position % self.block_size:
+                    raise InvalidWorkError(
+                        f"request {it.request_id!r}: prefix of {len(it.prefix_token_ids)} tokens "
+                        f"at position {it.position}; a cached prefix is the tokens before the "
+                        f"position, whole blocks of {self.block_size}")
+                if (it.end_layer == self.num_model_layers and it.sampling is not None
+                        and it.sampling.prompt_logprobs is not None):
+                    raise InvalidWorkError(
+                        f"request {it.request_id!r}: prompt logprobs need every prompt row "
+                        "computed, so a request asking for them takes no cached prefix")
+                starts[it.request_id] = it.position
+        check_step(items, self, lambda rid: starts.get(rid, self.seq_len(rid)),
+                   max_item_tokens=self.max_call_tokens)
 
-    def _reserve(self, items: list[WorkItem]) -> list[BatchEntry]:
-        """Allocate every block the step needs, or raise KvExhaustedError changing nothing."""
+    def _find_prefixes(self, items: list[WorkItem]) -> dict[str, list[Any]]:
+        """The cached blocks each item's `prefix_token_ids` names (request id -> blocks in
+        order); PrefixMissError naming every missing block of the first item missing some.
+        Changes nothing."""
+        found: dict[str, list[Any]] = {}
+        for it in items:
+            if not it.prefix_token_ids:
+                continue
+            names = prefix.block_hashes(it.prefix_token_ids, self.block_size, it.start_layer,
+                                        it.end_layer)
+            blocks = [self._cached_block(n) for n in names]
+            missing = [n for n, b in zip(names, blocks, strict=True) if b is None]
+            if missing:
+                raise PrefixMissError(it.request_id, missing)
+            found[it.request_id] = blocks
+        return found
+
+    def _cached_block(self, name: bytes) -> Any:
+        """The block vLLM's prefix cache holds under `name` (one KV cache group), or None."""
+        if not self.prefix_caching:
+            return None
+        hit = self.pool.get_cached_block(name, [0])
+        return None if hit is None else hit[0]
+
+    def _reserve(self, items: list[WorkItem], attach: dict[str, list[Any]]) -> list[BatchEntry]:
+        """Attach cached prefixes and allocate every block the step needs, or raise
+        KvExhaustedError changing nothing."""
         need: dict[str, int] = {}
         for it in items:
-            have = len(self._blocks.get(it.request_id, ()))
+            have = len(attach.get(it.request_id, self._blocks.get(it.request_id, ())))
             need[it.request_id] = max(0, -(-(it.position + len(it.token_ids)) // self.block_size)
                                       - have)
-        total, free = sum(need.values()), self.pool.get_num_free_blocks()
+        # attached blocks nobody uses leave the free queue (they count as free until then)
+        revived = {b.block_id for blocks in attach.values() for b in blocks if b.ref_cnt == 0}
+        total, free = sum(need.values()) + len(revived), self.pool.get_num_free_blocks()
         if total > free:
             raise KvExhaustedError(f"KV cache full: step needs {total} blocks, {free} free",
                                    needed_blocks=total, free_blocks=free)
+        for it in items:
+            if it.request_id in attach:
+                self._attach(it, attach[it.request_id])
         entries = []
         for it in items:
             new = self.pool.get_new_blocks(need[it.request_id]) if need[it.request_id] else []
@@ -271,7 +375,101 @@ class VllmStageEngine:
             state.block_ids.extend(ids)
             entries.append(BatchEntry(it.request_id, it.position, list(it.token_ids), ids,
                                       (it.start_layer, it.end_layer)))
+        if self.prefix_caching:
+            self._drain_pool_events()  # get_new_blocks evicted what it reused
         return entries
+
+    def _attach(self, it: WorkItem, blocks: list[Any]) -> None:
+        """Start request `it` from its cached prefix: the shared blocks head its table."""
+        assert it.prefix_token_ids is not None
+        self._cached_free -= sum(1 for b in blocks if b.ref_cnt == 0)
+        self.pool.touch(blocks)
+        self._blocks[it.request_id] = list(blocks)
+        self._requests[it.request_id] = RunnerRequest(
+            block_ids=[b.block_id for b in blocks], num_tokens=it.position,
+            prefix_token_ids=list(it.prefix_token_ids))
+        span = (it.start_layer, it.end_layer)
+        self._named[it.request_id] = _Named(
+            self._pool_request(it.request_id, it.prefix_token_ids, span), span, len(blocks))
+        if it.end_layer == self.num_model_layers:  # the prefix is history for penalties
+            hist = self._history.setdefault(it.request_id, RequestHistory())
+            ShardEngine._record_tokens(hist, WorkItem(
+                it.request_id, it.start_layer, it.end_layer, 0, list(it.prefix_token_ids),
+                num_prompt_tokens=it.num_prompt_tokens))
+
+    # ---- prefix caching: names, vLLM's pool, events ------------------------------------
+    def _pool_request(self, request_id: str, token_ids: list[int],
+                      span: tuple[int, int]) -> Any:
+        """A vLLM Request for the pool's caching calls, whose block hasher gives helixserve's
+        names (prefix.py) for layers `span`: vLLM's BlockHash is bytes, and so are they."""
+        from vllm.v1.request import Request
+
+        size = self.block_size
+        root = prefix.chain_root(span[0], span[1], size)
+
+        def hasher(req: Any) -> list[bytes]:
+            have, tokens = req.block_hashes, req.all_token_ids
+            parent = have[-1] if have else root
+            fresh = []
+            for i in range(len(have), len(tokens) // size):
+                parent = prefix.next_hash(parent, tokens[i * size:(i + 1) * size])
+                fresh.append(parent)
+            return fresh
+
+        return Request(request_id=request_id, prompt_token_ids=list(token_ids),
+                       sampling_params=self._runner_sampling, pooling_params=None,
+                       block_hasher=hasher)
+
+    def _name_full_blocks(self, it: WorkItem) -> None:
+        """After item `it` ran: name (cache) the request's blocks that are full now."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        rid, span = it.request_id, (it.start_layer, it.end_layer)
+        named = self._named.get(rid)
+        if named is None:  # the request's first item here, from position 0
+            named = self._named[rid] = _Named(self._pool_request(rid, [], span), span, 0)
+        if named.span != span:
+            named.active = False  # KV of other layers: its later blocks get no name
+        if not named.active:
+            return
+        req = named.request
+        req.append_output_token_ids(list(it.token_ids))  # the hasher names new full blocks
+        full = len(req.block_hashes)
+        if full <= named.num_cached:
+            return
+        names = req.block_hashes[named.num_cached:full]
+        # vLLM would cache a second block under a name already cached (its NOTE #1); we
+        # skip such blocks, so a name is one block and a BlockRemoved event means it is gone
+        mask = [self._cached_block(n) is None for n in names]
+        for n, new in zip(names, mask, strict=True):
+            if new:
+                self._event_names[maybe_convert_block_hash(n)] = n
+        self.pool.cache_full_blocks(req, self._blocks[rid], named.num_cached, full,
+                                    self.block_size, 0, block_mask=None if all(mask) else mask)
+        named.num_cached = full
+        self._drain_pool_events()
+
+    def _drain_pool_events(self) -> None:
+        """vLLM's KV events since the last drain into the CacheEventLog. Drained after every
+        pool call that makes some, so that `_event_names` always maps what the pool holds."""
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        for ev in self.pool.take_events():
+            if isinstance(ev, BlockStored):
+                for h in ev.block_hashes:
+                    self._cache_log.stored(self._event_names[h])
+            elif isinstance(ev, BlockRemoved):  # evicted by get_new_blocks: it was unused
+                for h in ev.block_hashes:
+                    self._cache_log.removed(self._event_names.pop(h))
+                    self._cached_free -= 1
+            elif isinstance(ev, AllBlocksCleared):
+                self._event_names.clear()
+                self._cached_free = 0
+                self._cache_log.reset()
+
+    def _count_cached_free(self) -> int:
+        """`kv_stats()["cached_blocks"]` counted the slow way, over every block (tests)."""
+        return sum(1 for b in self.pool.blocks[1:] if b.ref_cnt == 0 and b.block_hash is not None)
 
     def _run_call(self, call: list[BatchEntry], by_id: dict[str, WorkItem],
                   outs: dict[str, ItemOutput], to_sample: list[tuple[str, torch.Tensor]]) -> None:
