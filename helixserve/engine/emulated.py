@@ -213,7 +213,8 @@ class EmulatedEngine:
     @classmethod
     def load(cls, model_dir: str | Path, start_layer: int, end_layer: int, spec: EmulationSpec,
              dtype: str | None = None, kv_cache_bytes: int | None = None,
-             block_size: int | None = None) -> EmulatedEngine:
+             block_size: int | None = None,
+             prefix_caching: bool = True) -> EmulatedEngine:  # TEMP contract shim
         """The engine for [start_layer, end_layer) of the model whose config.json is in
         `model_dir` (no weights are read); UserError naming the flag, file and value for a
         missing config, a GPU the profiles do not hold, a range that leaves no KV."""

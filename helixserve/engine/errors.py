@@ -35,3 +35,16 @@ class InvalidWorkError(EngineError, ValueError):
     too, as the engines raised before these classes existed."""
 
     status = "INVALID_ARGUMENT"
+
+
+class PrefixMissError(EngineError):
+    """A request's prefix (WorkItem.prefix_token_ids) is not all cached here; nothing was
+    changed. The coordinator drops `missing` from its index and runs the request again."""
+
+    status = "FAILED_PRECONDITION"
+
+    def __init__(self, message: str, request_id: str = "",
+                 missing: list[bytes] | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.missing = list(missing or [])

@@ -57,6 +57,9 @@ class WorkItem:
     num_prompt_tokens: int | None = None
     """Optional: tokens at positions >= this are generated ones (for penalties after a
     re-prefill of prompt + output). None: tokens before the first sampled one are prompt."""
+    prefix_token_ids: list[int] | None = None
+    """Set only on a request's first item at a hop when position > 0: tokens [0, position)
+    whose KV this hop must find in its prefix cache (docs/prefix-caching.md)."""
 
 
 @dataclass

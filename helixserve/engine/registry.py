@@ -84,6 +84,7 @@ def load_engine(
     block_size: int | None = None,
     emulation: EmulationSpec | None = None,
     gpu_memory_fraction: float | None = None,
+    prefix_caching: bool = True,  # TEMP contract shim: pe-engine passes it to the engines
 ) -> Engine:
     """Build engine `name` (a resolved one: torch | vllm | emulated) for layers
     [start_layer, end_layer); `emulation` (the GPU and profiles) is required for emulated,
@@ -135,6 +136,7 @@ def load_checked(
     kv_cache_bytes: int | None = None,
     block_size: int | None = None,
     gpu_memory_fraction: float | None = None,
+    prefix_caching: bool = True,  # TEMP contract shim: pe-engine passes it to the engines
 ) -> EngineChoice:
     """Load engine `requested` (torch | vllm | auto) for a worker and run its self-check
     (engine/selfcheck.py) before the worker reports healthy.
