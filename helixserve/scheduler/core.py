@@ -28,12 +28,14 @@ found. Everything here is pure and synchronous: no clocks, sockets or threads.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from helixserve.errors import UserError
+from helixserve.prefix import BlockHash, CacheEvents, block_hashes, reusable_tokens
 from helixserve.scheduler.kv import KvBook, KvPolicy
+from helixserve.scheduler.prefix import PrefixIndex
 from helixserve.scheduler.queue import AdmissionQueue
 from helixserve.scheduler.types import NodeState, RequestInfo, Route, Router
 
@@ -78,6 +80,10 @@ class SchedulerPolicy:
     max_reroutes: int | None = None
     #: longest prompt + output in tokens (None: unbounded); caps what a request is promised
     max_model_len: int | None = None
+    #: TEMP contract shim: compute Admission.cached_tokens at all
+    prefix_caching: bool = True
+    #: TEMP contract shim: the route choice weighs cached prefix (not in the shim)
+    cache_aware: bool = True
 
     def check(self) -> SchedulerPolicy:
         self.kv.check()
@@ -106,6 +112,10 @@ class CoreRequest:
     resumed: bool = False
     reroutes: int = 0
 
+    def token_ids(self) -> Sequence[int] | None:
+        """TEMP contract shim: the request's tokens (None: unknown, no caching)."""
+        return None
+
 
 @dataclass(frozen=True)
 class Admission:
@@ -115,6 +125,8 @@ class Admission:
     route: Route
     info: RequestInfo
     resumed: bool
+    #: TEMP contract shim: tokens [0, cached_tokens) every hop holds
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,6 +181,35 @@ class SchedulerCore:
         #: route nodes, {node: kv_free_tokens the router saw}, prompt, output left, resumed),
         #: ("token", id), ("finish", id), ("preempt", victim, node, requester), ("reject", id)
         self.log: list[tuple[Any, ...]] | None = None
+        self.prefix = PrefixIndex()  # TEMP contract shim
+        self._prefix_stats: dict[str, tuple[int, int]] = {}
+
+    # ---- TEMP contract shim: prefix caching ---------------------------------------------
+
+    def on_cache_events(self, node: str, events: CacheEvents) -> None:
+        self.prefix.apply(node, events)
+
+    def prefix_miss(self, node: str, names: Iterable[BlockHash]) -> None:
+        self.prefix.drop(node, names)
+
+    def prefix_stats(self) -> dict[str, tuple[int, int]]:
+        return dict(self._prefix_stats)
+
+    def _cached_tokens(self, req: CoreRequest, info: RequestInfo, route: Route) -> int:
+        tokens = req.token_ids() if self.policy.prefix_caching else None
+        if tokens is None:
+            return 0
+        bs = self.kv.policy.block_size
+        matched = []
+        for h in route.hops:
+            names = block_hashes(tokens, bs, h.start_layer, h.end_layer)
+            matched.append(self.prefix.matched_blocks(h.name, names))
+        cached = reusable_tokens(min(matched), info.prompt_tokens, bs)
+        for h, m in zip(route.hops, matched, strict=True):
+            q, hit = self._prefix_stats.get(h.name, (0, 0))
+            self._prefix_stats[h.name] = (
+                q + info.prompt_tokens, hit + reusable_tokens(m, info.prompt_tokens, bs))
+        return cached
 
     # ---- the view --------------------------------------------------------------------------
 
@@ -455,7 +496,8 @@ class SchedulerCore:
         if self.log is not None:
             self.log.append(("admit", req.request_id, route.nodes, seen, info.prompt_tokens,
                              req.max_new_tokens - req.generated, req.resumed))
-        return Admission(req.request_id, route, info, req.resumed)
+        return Admission(req.request_id, route, info, req.resumed,
+                         self._cached_tokens(req, info, route))
 
     def _drop_head(self, rid: str, reason: str) -> Rejection:
         self.queue.admitted()
