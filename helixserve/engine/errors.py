@@ -38,13 +38,14 @@ class InvalidWorkError(EngineError, ValueError):
 
 
 class PrefixMissError(EngineError):
-    """A request's prefix (WorkItem.prefix_token_ids) is not all cached here; nothing was
-    changed. The coordinator drops `missing` from its index and runs the request again."""
+    """A work item's `prefix_token_ids` name blocks this engine's prefix cache does not hold
+    (evicted since its last report, or caching is off); nothing was changed. The coordinator
+    drops the names from its index and runs the request again from token 0."""
 
     status = "FAILED_PRECONDITION"
 
-    def __init__(self, message: str, request_id: str = "",
-                 missing: list[bytes] | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, request_id: str, missing: list[bytes]) -> None:
+        super().__init__(f"prefix miss: request {request_id!r}: {len(missing)} prefix "
+                         "block(s) not cached here")
         self.request_id = request_id
-        self.missing = list(missing or [])
+        self.missing = list(missing)
