@@ -673,9 +673,10 @@ class Worker(pb_grpc.HelixWorkerServicer):
             item = job.item
             compute_s = item.compute_s + step_s
             if isinstance(out, PrefixMissError):
+                why = str(out).removeprefix(tp.PREFIX_MISS).lstrip(": ")
                 r = tp.WireResult(request_id=item.request_id, step_id=item.step_id,
                                   status_code=tp.FAILED_PRECONDITION,
-                                  error=f"{tp.PREFIX_MISS}: node {self.node}: {out}",
+                                  error=f"{tp.PREFIX_MISS}: node {self.node}: {why}",
                                   node=self.node, prefix_missing=list(out.missing))
                 self.deliver(tp.result_to_pb(r), item.coordinator_id, job.origin)
                 continue

@@ -113,7 +113,7 @@ def test_worker_reports_cache_events_before_results_and_all_it_holds_to_a_new_st
         jobs = [w._accept(_full(f"r{i}", hop=1, step=i), upstream, "i") for i in range(2)]
         outputs: list[Any] = [SimpleNamespace(token_id=7, logprob=None, top_logprobs=None,
                                               prompt_logprobs=None),
-                              PrefixMissError("2 of 2 blocks not cached", "r1", [H[4]])]
+                              PrefixMissError("r1", [H[4]])]
         w._dispatch([j for j in jobs if j is not None], outputs, 0.01,
                     CacheEvents([H[3]], [H[0]]))
         batch = await asyncio.wait_for(results.__anext__(), 5)
@@ -123,7 +123,8 @@ def test_worker_reports_cache_events_before_results_and_all_it_holds_to_a_new_st
         ok, miss = (tp.result_from_pb(r) for r in batch.results)
         assert ok.token_id == 7 and ok.ok
         assert miss.status_code == tp.FAILED_PRECONDITION and miss.prefix_miss
-        assert miss.error.startswith("prefix miss: node b:") and miss.prefix_missing == [H[4]]
+        assert miss.error == "prefix miss: node b: request 'r1': 1 prefix block(s) not cached here"
+        assert miss.prefix_missing == [H[4]]
         await results.aclose()
 
     asyncio.run(main())
