@@ -34,7 +34,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 SYSTEM = ("You are a careful assistant for a shipping company. Answer in one short sentence. "
           "Never invent tracking numbers; if a customer asks about a parcel, ask for its "
-          "number. Prices are in euros. Opening hours are nine to five, Monday to Friday. ")
+          "number. Prices are in euros. Opening hours are nine to five, Monday to Friday. "
+          "Parcels within the country arrive in two working days, abroad in five. Returns are "
+          "free for thirty days; the customer prints the label from the website. ")
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 16  # the torch engine's KV block size
