@@ -287,3 +287,43 @@ def test_prefix_cache_counters_total_and_per_live_node() -> None:
     assert not any(dict(labels).get("node") == "n2" for name, labels in s
                    if name.startswith("vllm:prefix_cache"))
     assert s[("helixserve:prefix_cache_misses_total", lm)] == 2
+
+
+# ---- flags -------------------------------------------------------------------------------
+
+
+class _Loaded(Exception):
+    """Raised by the patched engine loader with the keyword arguments it got."""
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-prefix-caching"]])
+def test_worker_flag_turns_the_engines_prefix_caching_off(tmp_path, monkeypatch, flag) -> None:
+    from helixserve.cli import main
+    from helixserve.engine import registry
+
+    def load_checked(*args: Any, **kw: Any) -> Any:
+        raise _Loaded(kw)
+
+    monkeypatch.setattr(registry, "load_checked", load_checked)
+    with pytest.raises(_Loaded) as got:
+        main(["worker", "--model", str(tmp_path), "--layers", "0:2", "--port", "0",
+              "--engine", "torch", *flag])
+    assert got.value.args[0]["prefix_caching"] is (not flag)
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-prefix-caching"], ["--no-cache-aware-routing"]])
+def test_serve_flags_reach_the_coordinator_config(tmp_path, monkeypatch, flags) -> None:
+    from helixserve.cli import main
+    from helixserve.local import stack
+
+    got: dict[str, Any] = {}
+
+    async def run_stack(*args: Any, **kw: Any) -> None:
+        got.update(kw)
+
+    monkeypatch.setattr(stack, "run_stack", run_stack)
+    assert main(["serve", "--cluster", str(tmp_path / "c.yaml"), "--placement",
+                 str(tmp_path / "p.json"), "--model", str(tmp_path), "--host", "127.0.0.1",
+                 *flags]) == 0
+    assert got["prefix_caching"] == ("--no-prefix-caching" not in flags)
+    assert got["cache_aware_routing"] == ("--no-cache-aware-routing" not in flags)
