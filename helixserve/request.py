@@ -163,3 +163,6 @@ class TokenEvent:
     #: first token only: seconds the request waited for its first route (admission queue,
     #: or the model being covered again after losing a worker)
     queue_s: float | None = None
+    #: first token only: prompt tokens taken from the prefix cache (usage's
+    #: prompt_tokens_details.cached_tokens; docs/prefix-caching.md)
+    cached_tokens: int | None = None

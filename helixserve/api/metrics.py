@@ -13,6 +13,11 @@ fraction in [0, 1] despite its name. Request phases as vLLM splits them: queue (
 first route: admission wait, or waiting for the model to be covered again), prefill (first
 route to first token), decode (first to last token). `iteration_tokens_total` is the tokens of
 every engine step of every worker (label `node`), counted by the workers themselves.
+Prefix caching as vLLM counts it, in prompt tokens: `prefix_cache_queries_total` (looked up)
+and `prefix_cache_hits_total` (taken from cache); the series without a `node` label is the
+coordinator's count once per admitted request (what one vLLM server reports), those with
+`node` the core's per hop of the route (a request queries every hop it runs on), so do not
+sum over `node` to get the total.
 
 Per-node series describe live nodes: a node that is down keeps only `node_up` 0 (and its
 restart count), so a dead worker's last queue, KV and busy values do not linger; a node that
@@ -105,6 +110,7 @@ class _StateCollector(Collector):
         yield preemptions
 
         nodes = stats.nodes
+        yield from _prefix_families(self.model_name, stats)
         used = sum(n.kv_used_blocks for n in nodes.values())
         total = sum(n.kv_total_blocks for n in nodes.values())
         kv = GaugeMetricFamily(
@@ -221,6 +227,32 @@ class _StateCollector(Collector):
             hops.add_metric([self.model_name, src, dst], count)
         yield routes
         yield hops
+
+
+def _prefix_families(model_name: str, stats: CoordinatorStats) -> Iterator[Metric]:
+    """vLLM's prefix cache counters: the total without `node`, then per live node (module
+    doc)."""
+    for name, what, total, of_node in (
+        ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+         stats.prefix_cache_queries, lambda n: n.prefix_cache_queries),
+        ("vllm:prefix_cache_hits", "Prompt tokens taken from the prefix cache.",
+         stats.prefix_cache_hits, lambda n: n.prefix_cache_hits),
+    ):
+        fam = CounterMetricFamily(
+            name, what + " Without `node`: per admitted request; with it: per hop.",
+            labels=["model_name", "node"])
+        fam.add_sample(name + "_total", {"model_name": model_name}, float(total))
+        for node, n in sorted(stats.nodes.items()):
+            if n.alive:
+                fam.add_metric([model_name, node], of_node(n))
+        yield fam
+    misses = CounterMetricFamily(
+        "helixserve:prefix_cache_misses",
+        "Requests run again because a hop no longer held the prefix they were admitted with.",
+        labels=["model_name"],
+    )
+    misses.add_metric([model_name], stats.prefix_misses)
+    yield misses
 
 
 def _recovery_families(model_name: str, stats: CoordinatorStats) -> Iterator[Metric]:

@@ -114,6 +114,8 @@ class Choice:
     last_token_s: float | None = None
     #: seconds waiting for a route before the prefill began (TokenEvent.queue_s)
     queue_s: float | None = None
+    #: prompt tokens taken from the prefix cache (TokenEvent.cached_tokens)
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -126,13 +128,18 @@ class Batch:
     #: token ids of each distinct prompt (usage counts each prompt once, as OpenAI does)
     prompts: list[list[int]]
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
+        # per distinct prompt, as prompt_tokens: the most any of its choices took from cache
+        cached: dict[int, int] = {}
+        for c in self.choices:
+            cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.cached_tokens)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
         }
 
 
@@ -449,6 +456,7 @@ class Serving:
                     if c.first_token_s is None:
                         c.first_token_s = now
                         c.queue_s = getattr(ev, "queue_s", None)
+                        c.cached_tokens = getattr(ev, "cached_tokens", None) or 0
                         self.metrics.ttft.observe(now - c.start_s)
                     elif c.last_token_s is not None:
                         self.metrics.itl.observe(now - c.last_token_s)

@@ -18,6 +18,7 @@ from helixserve.commands.args import finite_float
 from helixserve.commands.certs import add_tls_arguments, tls_from_args
 from helixserve.commands.serve import (
     add_kv_arguments,
+    add_prefix_arguments,
     add_recovery_arguments,
     add_timing_arguments,
     check_exposure,
@@ -71,6 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="KV cache budget per worker in MiB (default 128: thousands of tokens)",
     )
     add_kv_arguments(p)
+    add_prefix_arguments(p, workers=True)
     add_recovery_arguments(p)
     add_timing_arguments(p)
     add_tls_arguments(p, local_default=True)
@@ -176,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
         workdir / "logs",
         num_threads=args.worker_threads,
         extra_args=["--kv-cache-bytes", str(args.worker_kv_cache_mb * 2**20),
-                    "--engine", args.engine],
+                    "--engine", args.engine,
+                    *(["--no-prefix-caching"] if args.no_prefix_caching else [])],
         # given certificates: the coordinator's, and each worker's <node>.crt/.key beside it
         # (the layout of `certs create`); else dev ones in workdir
         credentials=None if tls is None else _given_credentials(tls, [w.node for w in to_start]),
@@ -215,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
                 timing=timing_options(args),
                 # the profile the demo planned with: the router and re-plan use it too
                 cost=CostInputs.load(files.profiles_path),
+                prefix_caching=not args.no_prefix_caching,
+                cache_aware_routing=not args.no_cache_aware_routing,
             )
         )
     except KeyboardInterrupt:

@@ -46,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scheduler", default="maxflow", help="routing policy (default maxflow)")
     p.add_argument("--served-model-name", default=None, help="model name clients use")
     add_kv_arguments(p)
+    add_prefix_arguments(p)
     add_cost_arguments(p)
     add_recovery_arguments(p)
     add_timing_arguments(p)
@@ -98,6 +99,23 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_KV_WATERMARK,
         help="on-demand: fraction of each worker's KV kept free at admission "
         f"(default {DEFAULT_KV_WATERMARK})",
+    )
+
+
+def add_prefix_arguments(p: argparse.ArgumentParser, workers: bool = False) -> None:
+    """Prefix caching flags (serve and demo; docs/prefix-caching.md)."""
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt in full: reuse no cached prefix"
+        + (" (the workers keep none either)" if workers else
+           " (workers started with --no-prefix-caching keep none either)"),
+    )
+    p.add_argument(
+        "--no-cache-aware-routing",
+        action="store_true",
+        help="route by load and flow alone, not by where a prompt's prefix is cached (a "
+        "route that happens to hold it is still reused)",
     )
 
 
@@ -251,6 +269,8 @@ def run(args: argparse.Namespace) -> int:
             timing=timing_options(args),
             tls=tls,
             cost=cost,
+            prefix_caching=not args.no_prefix_caching,
+            cache_aware_routing=not args.no_cache_aware_routing,
         )
     )
     return 0

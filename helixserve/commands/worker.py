@@ -77,6 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-block-size", type=int, default=None,
                    help="tokens per KV block (default: torch 16; vllm the platform's, 128 on CPU)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op CPU threads")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="keep no KV of finished requests' prefixes for reuse (default: cached, "
+                   "reported to the coordinator; docs/prefix-caching.md)")
     p.add_argument("--step-prompt-tokens", type=int, default=DEFAULT_STEP_PROMPT_TOKENS,
                    metavar="N", help="prompt tokens one engine step may run beside its decode "
                    f"tokens (default {DEFAULT_STEP_PROMPT_TOKENS}, as the simulator's vllm "
@@ -204,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
     # auto keeps vllm only where it passes
     choice = load_checked(args.engine, args.model, start, end, device=device, dtype=dtype,
                           kv_cache_bytes=args.kv_cache_bytes, block_size=args.kv_block_size,
-                          gpu_memory_fraction=args.gpu_memory_fraction)
+                          gpu_memory_fraction=args.gpu_memory_fraction,
+                          prefix_caching=not args.no_prefix_caching)
     engine, engine_name, device = choice.engine, choice.name, choice.device
     print(f"helixserve worker {node}: {choice.reason}", flush=True)
     if end > engine.num_model_layers:
@@ -300,7 +304,8 @@ def run_emulated(args: argparse.Namespace, node: str, start: int, end: int, tls:
 
     engine = EmulatedEngine.load(args.model, start, end, emulation, dtype=args.dtype,
                                  kv_cache_bytes=args.kv_cache_bytes,
-                                 block_size=args.kv_block_size)
+                                 block_size=args.kv_block_size,
+                                 prefix_caching=not args.no_prefix_caching)
 
     def reload(old: Any, start: int, end: int) -> tuple[Any, int]:
         return old.with_range(start, end), 0  # nothing to read: no weights

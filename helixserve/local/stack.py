@@ -283,6 +283,8 @@ async def run_stack(
     tls: Any = None,
     cost: Any = None,
     timing: Mapping[str, Any] | None = None,
+    prefix_caching: bool = True,
+    cache_aware_routing: bool = True,
 ) -> None:
     """Serve until SIGINT/SIGTERM. With `workers`, start them first, restart any that exits
     (helixserve/local/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live
@@ -293,7 +295,9 @@ async def run_stack(
     dtype of the plan; None: the analytic model and the shipped catalog. `timing`:
     CoordinatorConfig's timing fields by name (step_timeout_s, stats_interval_s,
     hang_timeout_s, admission_timeout_s; `serve --step-timeout-s` ...), the others its
-    defaults; a rehearsal scales them by its time scale."""
+    defaults; a rehearsal scales them by its time scale. `prefix_caching`,
+    `cache_aware_routing`: CoordinatorConfig's (`--no-prefix-caching`,
+    `--no-cache-aware-routing`; docs/prefix-caching.md)."""
     from helixserve.api.app import create_app
     from helixserve.planner import load_placement
     from helixserve.runtime import Coordinator, CoordinatorConfig
@@ -321,7 +325,9 @@ async def run_stack(
             if tls is None:
                 tls = workers.coordinator_tls
         config = CoordinatorConfig(scheduler=scheduler, kv_allocation=kv_allocation,
-                                   kv_watermark=kv_watermark, recovery=recovery, cost=cost)
+                                   kv_watermark=kv_watermark, recovery=recovery, cost=cost,
+                                   prefix_caching=prefix_caching,
+                                   cache_aware_routing=cache_aware_routing)
         config = dataclasses.replace(config, **(timing or {}))
         coord = await Coordinator.create(cluster, placement, model_dir, config, tls=tls)
         coord.process_stats = None if supervisor is None else supervisor.stats

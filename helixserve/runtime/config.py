@@ -90,6 +90,13 @@ class CoordinatorConfig:
     recovery: RecoveryConfig | None = None
     """Live re-planning when layers lose their last live worker (runtime/replan.py); None:
     requests fail with NoRouteError while no route covers the model."""
+    prefix_caching: bool = True
+    """Reuse the workers' cached prefixes: an admitted request's first tokens that every hop
+    of its route holds are not computed again (docs/prefix-caching.md). The workers cache
+    either way unless started with --no-prefix-caching."""
+    cache_aware_routing: bool = True
+    """The router weighs the prefix each route holds against load; False: the plain router's
+    pick (still reusing what that route happens to hold)."""
     cost: CostInputs = field(default_factory=CostInputs)
     """The cost model's inputs (runtime/costs.py: measured profiles, GPU catalog, dtype
     bytes): the router's flow and node throughputs and the re-plan use it. Give the planner's

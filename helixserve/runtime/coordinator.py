@@ -27,6 +27,12 @@ request whose step failed: it replays prompt + tokens so far once admitted again
 worker's stream breaks, every request routed through it is replayed over surviving nodes and
 its client's stream goes on without a gap or duplicate; a request fails only when no route
 covers the model (with `recovery`, after a re-plan onto the live workers failed to cover it).
+
+Prefix caching (docs/prefix-caching.md): the workers' cache events (sent on their streams
+with each step's results) feed `core.on_cache_events`; an admission says how many tokens
+every hop of the route holds already (`cached_tokens`), and the prefill starts there. A hop
+that lost them since its report answers "prefix miss": the core forgets those blocks there
+and the request runs again (not a fault: not counted against max_reroutes).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from helixserve.prefix import CacheEvents, block_hashes
 from helixserve.request import GenerationRequest, SamplingParams, TokenEvent
 from helixserve.runtime import results, security, startup, workers
 from helixserve.runtime.admission import AdmissionWait, NoRouteError
@@ -84,7 +91,8 @@ class Coordinator:
 
     def __init__(self, placement: Any, model_dir: Path, router: Any, max_queue: int,
                  max_reroutes: int, stats_interval_s: float, kv_allocation: str = "on-demand",
-                 kv_watermark: float = DEFAULT_KV_WATERMARK) -> None:
+                 kv_watermark: float = DEFAULT_KV_WATERMARK, prefix_caching: bool = True,
+                 cache_aware: bool = True) -> None:
         self.placement = placement
         self.model_dir = Path(model_dir)
         self.stats_interval_s = stats_interval_s
@@ -94,7 +102,8 @@ class Coordinator:
         #: and the victim is the request whose step failed (RUNTIME_VICTIM_RULE)
         self.core = SchedulerCore(router, SchedulerPolicy(
             kv=KvPolicy(kv_allocation, kv_watermark, victim_rule=RUNTIME_VICTIM_RULE),
-            exact_capacities=False, max_queue=max_queue, max_reroutes=max_reroutes))
+            exact_capacities=False, max_queue=max_queue, max_reroutes=max_reroutes,
+            prefix_caching=prefix_caching, cache_aware=cache_aware))
         # the id is derived from a secret only this coordinator knows (runtime/security.py)
         self.coordinator_id, self._coordinator_token = security.new_coordinator_identity()
         #: the workers' clients by node name: one dict for the coordinator's life
@@ -122,6 +131,12 @@ class Coordinator:
         self.down_reasons: dict[str, str] = {}
         #: per node: process_up, restarts, last_exit_code, from a local supervisor if any
         self.process_stats: Callable[[], dict[str, dict[str, Any]]] | None = None
+        #: prompt tokens of admitted requests looked up in the prefix caches, and those taken
+        #: from them (once per admission, as one vLLM server counts; the core counts per hop)
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        #: requests run again because a hop no longer held their cached prefix
+        self.prefix_misses = 0
 
     @property
     def preemptions(self) -> int:
@@ -145,7 +160,8 @@ class Coordinator:
         log.info("%s", cfg.cost.describe())
         router = startup.make_live_router(cfg.scheduler, cluster, placement, cost)
         self = cls(placement, model_dir, router, cfg.max_queue, cfg.max_reroutes,
-                   cfg.stats_interval_s, cfg.kv_allocation, cfg.kv_watermark)
+                   cfg.stats_interval_s, cfg.kv_allocation, cfg.kv_watermark,
+                   cfg.prefix_caching, cfg.cache_aware_routing)
         self.cost = cost
         self.model_name = placement.model or self.model_dir.name
         self.cluster, self.scheduler = cluster, cfg.scheduler
@@ -154,7 +170,8 @@ class Coordinator:
         self.nodes.update(startup.client_per_node(cluster, placement, lambda name, addr, nr: (
             NodeClient(name, addr, nr.start_layer, nr.end_layer, self.coordinator_id,
                        self.inbox.deliver, self._on_node_down,
-                       coordinator_token=self._coordinator_token, tls=tls))))
+                       coordinator_token=self._coordinator_token, tls=tls,
+                       on_cache=self.core.on_cache_events))))
         tokenizer_task = asyncio.get_running_loop().run_in_executor(
             None, startup.load_tokenizer, self.model_dir)
         for name in await workers.open_all(self.nodes, placement.num_layers,
@@ -243,9 +260,11 @@ class Coordinator:
     def stats(self) -> CoordinatorStats:
         """Snapshot for /metrics and /health: requests running/waiting, per node, per route."""
         procs = self.process_stats() if self.process_stats is not None else {}
+        prefix = self.core.prefix_stats()
         nodes = {name: node_stats(n, self.placement.range_of(name) is not None,
                                   self.down_reasons.get(name, ""),
-                                  ProcessStats(**procs[name]) if name in procs else None)
+                                  ProcessStats(**procs[name]) if name in procs else None,
+                                  prefix.get(name, (0, 0)))
                  for name, n in self.nodes.items()}
         return CoordinatorStats(
             running=len(self.active), waiting=self.core.waiting,
@@ -253,7 +272,9 @@ class Coordinator:
             preemptions=self.preemptions, kv_allocation=self.kv_allocation, nodes=nodes,
             routes={"->".join(r): c for r, c in self.hop_counts.items()},
             down_events=self.down_events, dropped_results=self.inbox.dropped,
-            recovery=None if self.recovery is None else self.recovery.snapshot())
+            recovery=None if self.recovery is None else self.recovery.snapshot(),
+            prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
+            prefix_misses=self.prefix_misses)
 
     # ---- what the workers' streams report -------------------------------------------------
 
@@ -262,6 +283,8 @@ class Coordinator:
         self.down_events += 1
         self.down_reasons[node] = reason
         self.core.node_down(node)
+        # what it holds is unknown until its next stream opens (it reports all, with reset)
+        self.core.on_cache_events(node, CacheEvents(reset=True))
         self.inbox.node_failed(node, reason)
         if self.recovery is not None and not self.covered():
             self.recovery.trigger(f"node {node} down ({reason}), layers without a live holder")
@@ -321,9 +344,11 @@ class Coordinator:
                 if r.prompt_logprobs is not None:
                     # scored once: a re-prefill after a fault need not score the prompt again
                     fl.sampling = dataclasses.replace(fl.sampling, prompt_logprobs=None)
-                events.put_nowait(TokenEvent(token_id, step.text, r.logprob, r.top_logprobs,
-                                             step.finish_reason, r.compute_s, len(fl.hops),
-                                             r.prompt_logprobs, queue_s))
+                first = len(fl.output_ids) == 1
+                events.put_nowait(TokenEvent(
+                    token_id, step.text, r.logprob, r.top_logprobs, step.finish_reason,
+                    r.compute_s, len(fl.hops), r.prompt_logprobs, queue_s,
+                    cached_tokens=min(fl.cached_tokens, fl.prompt_tokens) if first else None))
                 queue_s = None
                 if step.finish_reason is not None:
                     return
@@ -355,7 +380,10 @@ class Coordinator:
             lambda since_s: self._check_recovering(since_s, replay=bool(fl.output_ids)),
             self.admission_timeout_s)
         fl.admitted(d.route, tuple(self.nodes[h.name].address for h in d.route.hops),
-                    self.epoch)
+                    self.epoch, d.cached_tokens)
+        if self.core.policy.prefix_caching and fl.token_ids() is not None:
+            self.prefix_queries += d.info.prompt_tokens
+            self.prefix_hits += d.cached_tokens
         self.hop_counts[d.route.nodes] = self.hop_counts.get(d.route.nodes, 0) + 1
         self.active[fl.internal_id] = fl
 
@@ -390,6 +418,8 @@ class Coordinator:
                 log.info("preempting %s (%d tokens generated): %s", fl.internal_id,
                          len(fl.output_ids), got.reason)
                 await self._replay(fl)
+            elif isinstance(got, results.PrefixMiss):
+                await self._prefix_miss(fl, got)
             else:
                 raise RequestFailedError(f"request {fl.req.request_id}: {got.reason}")
 
@@ -413,6 +443,24 @@ class Coordinator:
             self.core.reroute(fl.internal_id, counted=not stale)
         except RerouteLimitError as exc:
             raise RequestFailedError(f"request {fl.req.request_id}: {reason} ({exc})") from None
+        await self._replay(fl)
+
+    async def _prefix_miss(self, fl: InFlight, miss: results.PrefixMiss) -> None:
+        """A hop evicted the request's cached prefix after it last reported it: the core
+        forgets those blocks there (the names the worker listed, else all of the prefix's on
+        that hop) and the request runs again from its admission; not a fault, so not counted
+        against max_reroutes."""
+        names = list(miss.missing)
+        hop = next((h for h in fl.hops if h.name == miss.node), None)
+        if not names and hop is not None:
+            info = self.nodes[hop.name].info
+            block_size = info.kv_block_size if info else self.core.kv.policy.block_size
+            names = block_hashes(fl.replay_tokens[:fl.cached_tokens], block_size,
+                                 hop.start_layer, hop.end_layer)
+        self.core.prefix_miss(miss.node, names)
+        self.prefix_misses += 1
+        log.info("running %s again: %s", fl.internal_id, miss.reason)
+        self.core.reroute(fl.internal_id, counted=False)
         await self._replay(fl)
 
     async def _replay(self, fl: InFlight) -> None:

@@ -5,7 +5,9 @@ A request's steps all go to the first hop of its route; each worker forwards the
 - **Prefill** (`prefill`): prompt + tokens generated so far (a replay) in chunks of at most
   `chunk_tokens`, all sent at once; workers run a request's chunks in order, so chunks
   pipeline along the route. Only the last chunk samples. These are full items: they carry the
-  route and the sampling, which every hop keeps for the request's later steps.
+  route and the sampling, which every hop keeps for the request's later steps. When the
+  admission found the first `cached_tokens` tokens cached on every hop, the chunks start
+  there and the first carries those tokens as `prefix_token_ids` (docs/prefix-caching.md).
 - **Decode** (`decode`): one step per token, sent as soon as the token arrives: a continuation
   item (request id, step id, position, token) when every worker of the route takes them
   (wire version 2), else a full item.
@@ -56,9 +58,14 @@ class Dispatch:
         # on a replay the last hop must know which tokens are generated ones (penalties)
         num_prompt = len(fl.req.prompt_token_ids) if fl.output_ids else None
         chunk = self.chunk_tokens
-        for start in range(0, len(token_ids), chunk):
+        cached = fl.cached_tokens
+        if not 0 <= cached < len(token_ids):
+            raise ValueError(f"request {fl.internal_id}: cached_tokens {cached} of "
+                             f"{len(token_ids)} (the last token is always computed)")
+        for start in range(cached, len(token_ids), chunk):
             self._send_full(fl, start, token_ids[start : start + chunk],
-                            sample=start + chunk >= len(token_ids), num_prompt_tokens=num_prompt)
+                            sample=start + chunk >= len(token_ids), num_prompt_tokens=num_prompt,
+                            prefix_token_ids=token_ids[:cached] if start == cached > 0 else None)
 
     def decode(self, fl: InFlight) -> None:
         """The step after the request's last token: that token at its position."""
@@ -73,7 +80,8 @@ class Dispatch:
                                                       token_ids)
 
     def _send_full(self, fl: InFlight, position: int, token_ids: list[int], sample: bool,
-                   num_prompt_tokens: int | None = None) -> None:
+                   num_prompt_tokens: int | None = None,
+                   prefix_token_ids: list[int] | None = None) -> None:
         item = WireItem(
             request_id=fl.internal_id,
             coordinator_id=self.coordinator_id,
@@ -87,6 +95,7 @@ class Dispatch:
             sampling=fl.sampling,
             sample=sample,
             num_prompt_tokens=num_prompt_tokens,
+            prefix_token_ids=prefix_token_ids,
         )
         fl.pending.add(item.step_id)
         self.nodes[fl.hops[0].name].send(item)

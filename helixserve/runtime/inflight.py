@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,9 @@ class InFlight(CoreRequest):
     #: every worker of the route takes continuation items (decode steps without the route
     #: and sampling, which went with the prefill); set when the prefill is sent
     continuation: bool = False
+    #: tokens [0, cached_tokens) of `replay_tokens` the current route's hops take from their
+    #: prefix caches (Admission.cached_tokens; docs/prefix-caching.md)
+    cached_tokens: int = 0
 
     @classmethod
     def of(cls, req: GenerationRequest, internal_id: str,
@@ -79,9 +83,20 @@ class InFlight(CoreRequest):
         """What a prefill on a new route runs: the prompt and the tokens generated so far."""
         return self.req.prompt_token_ids + self.output_ids
 
-    def admitted(self, route: Route, addresses: tuple[str, ...], epoch: int) -> None:
-        """The core gave it `route`; its steps go there from now on."""
+    def token_ids(self) -> Sequence[int] | None:
+        """What the core matches against cached prefixes: prompt + tokens so far; None (no
+        reuse) while the prompt is to be scored (prompt_logprobs need every prompt token's
+        logits computed)."""
+        if self.sampling.prompt_logprobs is not None:
+            return None
+        return self.replay_tokens
+
+    def admitted(self, route: Route, addresses: tuple[str, ...], epoch: int,
+                 cached_tokens: int = 0) -> None:
+        """The core gave it `route`, with its first `cached_tokens` tokens cached on every
+        hop; its steps go there from now on."""
         self.hops, self.addresses, self.epoch = route.hops, addresses, epoch
+        self.cached_tokens = cached_tokens
 
     def restart(self) -> None:
         """Its route was given up (re-route, preemption): nothing of the old one is awaited."""

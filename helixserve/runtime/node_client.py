@@ -6,7 +6,8 @@ together). A request's later decode steps go as continuation items (`send_contin
 id, step id, position, token) when the worker speaks wire version 2 (`continuation_ok`).
 Results (sampled tokens, prefill acks, per-item errors) arrive on the stream's responses and are
 handed to the coordinator's callback with this node's name: which worker sent a result is the
-stream it came on, not what the message says. When the stream breaks the node
+stream it came on, not what the message says. The worker's prefix cache events (a batch's
+`cache`) go to `on_cache` the same way, before the batch's results. When the stream breaks the node
 is reported down; `revive` reconnects once the worker answers again.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from helixserve.prefix import CacheEvents
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
@@ -52,6 +54,7 @@ class NodeClient:
         on_down: Callable[[str, str], None],
         coordinator_token: str = "",
         tls: security.TlsConfig | None = None,
+        on_cache: Callable[[str, CacheEvents], None] | None = None,
     ) -> None:
         self.name = name
         self.address = address
@@ -63,6 +66,7 @@ class NodeClient:
         self.tls = tls
         self.on_result = on_result
         self.on_down = on_down
+        self.on_cache = on_cache
         self.info: tp.WorkerInfo | None = None
         self.alive = False
         self._channel: grpc.aio.Channel | None = None
@@ -176,6 +180,8 @@ class NodeClient:
         try:
             call = self._stub.Work(self._requests())
             async for batch in call:
+                if self.on_cache is not None and batch.HasField("cache"):
+                    self._cache_report(batch.cache)
                 for r in batch.results:
                     self.on_result(self.name, tp.result_from_pb(r))
         except grpc.aio.AioRpcError as exc:
@@ -185,6 +191,17 @@ class NodeClient:
         if self.alive:
             self.alive = False
             self.on_down(self.name, reason)
+
+    def _cache_report(self, msg: pb.CacheEvents) -> None:
+        assert self.on_cache is not None
+        try:
+            events = tp.cache_events_from_pb(msg, f"node {self.name}: cache")
+        except tp.WireError as exc:
+            # believe nothing of what it holds rather than a part: no reuse until its next
+            # reset (a new stream)
+            log.warning("%s; its prefix cache is ignored", exc)
+            events = CacheEvents(reset=True)
+        self.on_cache(self.name, events)
 
     def send(self, item: tp.WireItem) -> None:
         key = (item.route, item.addresses)

@@ -15,7 +15,9 @@ a result through to its request only when the request waits for it, so a result 
 Which node a result came from is the stream's, not what the message says (docs/security.md:
 authority comes from the connection). `next_outcome` then says what the next result means for
 the request: a token, a route to give up (`Replay`), a worker out of KV (`KvFull`), or a
-failure that no re-route can fix (`Failed`).
+failure that no re-route can fix (`Failed`), or a hop that no longer holds the cached prefix
+the request's first item named (`PrefixMiss`: run it again). A prefix miss is attributed to
+the node whose stream it came on.
 """
 
 from __future__ import annotations
@@ -59,13 +61,23 @@ class KvFull:
 
 
 @dataclass(frozen=True)
+class PrefixMiss:
+    """`node` no longer holds the prefix blocks `missing` (all of the request's prefix there
+    when empty): forget them and run the request again."""
+
+    node: str
+    missing: tuple[bytes, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class Failed:
     """An error that re-routing cannot fix."""
 
     reason: str
 
 
-Outcome = Token | Replay | KvFull | Failed
+Outcome = Token | Replay | KvFull | PrefixMiss | Failed
 
 
 def unexpected(fl: InFlight, node: str, r: WireResult) -> str | None:
@@ -103,6 +115,8 @@ class ResultInbox:
         assert fl is not None
         if r.ok:
             fl.pending.discard(r.step_id)
+        elif r.prefix_miss:
+            r.node = node  # the stream's, not what the message says
         fl.results.put_nowait(r)
 
     def node_failed(self, node: str, reason: str) -> None:
@@ -136,8 +150,10 @@ async def next_outcome(fl: InFlight, timeout_s: float, on_demand: bool) -> Outco
             return Replay(r.error)
         if r.status_code == RESOURCE_EXHAUSTED and on_demand:
             return KvFull(r.node, r.error)
+        if r.prefix_miss:
+            return PrefixMiss(r.node, tuple(r.prefix_missing), r.error)
         return Failed(r.error)
 
 
-__all__ = ["Failed", "KvFull", "Outcome", "Replay", "RequestFailedError", "ResultInbox", "Token",
+__all__ = ["Failed", "KvFull", "Outcome", "PrefixMiss", "Replay", "RequestFailedError", "ResultInbox", "Token",
            "next_outcome", "unexpected"]

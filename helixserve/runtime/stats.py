@@ -53,6 +53,10 @@ class NodeStats:
     backend: str = ""
     #: from a local supervisor; None without one
     process: ProcessStats | None = None
+    #: prompt tokens of requests routed over it looked up in its prefix cache, and those
+    #: found there (the scheduling core's count at admission)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def layers(self) -> int:
@@ -82,14 +86,23 @@ class CoordinatorStats:
     #: the request's route, a token not from its last stage, a step not awaited
     #: (runtime/results.py)
     dropped_results: int = 0
+    #: prompt tokens of admitted requests looked up in the prefix caches, and those taken
+    #: from the caches of every hop of their route (once per admission)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    #: requests run again because a hop no longer held their cached prefix
+    prefix_misses: int = 0
 
 
 def node_stats(n: NodeClient, in_placement: bool, last_down_reason: str,
-               process: ProcessStats | None) -> NodeStats:
-    """One worker's line: what its client knows, and its last Info when it answered one."""
+               process: ProcessStats | None,
+               prefix_cache: tuple[int, int] = (0, 0)) -> NodeStats:
+    """One worker's line: what its client knows, and its last Info when it answered one;
+    `prefix_cache`: (queried, hit) prompt tokens (SchedulerCore.prefix_stats)."""
     node = NodeStats(start_layer=n.start_layer, end_layer=n.end_layer, alive=n.alive,
                      address=n.address, in_placement=in_placement,
-                     last_down_reason=last_down_reason, process=process)
+                     last_down_reason=last_down_reason, process=process,
+                     prefix_cache_queries=prefix_cache[0], prefix_cache_hits=prefix_cache[1])
     info = n.info
     if info is not None:
         node.queue_len, node.batch_size = info.queue_len, info.last_batch_size

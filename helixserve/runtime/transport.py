@@ -21,6 +21,7 @@ import grpc
 
 from helixserve.engine.protocol import RawHidden
 from helixserve.planner.placement import NodeRange
+from helixserve.prefix import BLOCK_HASH_BYTES, CacheEvents
 from helixserve.request import PromptLogprob, SamplingParams
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.spec.model import DTYPE_BYTES
@@ -89,6 +90,10 @@ PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
 #: the wire contract this side speaks (InfoReply.wire_version): 2 = continuation items (a decode
 #: item after a request's first carries only what changed; see WorkItem in proto/helix.proto)
 WIRE_VERSION = 2
+
+
+#: how the error text of a prefix miss starts (with status FAILED_PRECONDITION)
+PREFIX_MISS = "prefix miss"
 
 
 class WireError(ValueError):
@@ -244,6 +249,8 @@ class WireItem:
     compute_s: float = 0.0
     #: set on a re-prefill of prompt + output: tokens at positions >= this are generated ones
     num_prompt_tokens: int | None = None
+    #: a request's first item when its prefix is cached: tokens [0, position) (helix.proto)
+    prefix_token_ids: list[int] | None = None
 
     @property
     def hop(self) -> NodeRange:
@@ -269,10 +276,17 @@ class WireResult:
     compute_s: float = 0.0
     #: with the first token of a prompt_logprobs request: prompt tokens 1.. (see helix.proto)
     prompt_logprobs: list[PromptLogprob] | None = None
+    #: with a prefix miss: the names of the prefix blocks the hop does not hold
+    prefix_missing: list[bytes] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return self.status_code == OK
+
+    @property
+    def prefix_miss(self) -> bool:
+        """A hop did not hold the prefix the item named (FAILED_PRECONDITION "prefix miss")."""
+        return self.status_code == FAILED_PRECONDITION and self.error.startswith(PREFIX_MISS)
 
 
 def route_to_pb(route: Sequence[NodeRange], addresses: Sequence[str]) -> list[pb.Hop]:
@@ -334,6 +348,7 @@ def item_to_pb(item: WireItem, route_pb: list[pb.Hop] | None = None) -> pb.WorkI
         sample=item.sample,
         compute_s=item.compute_s,
         num_prompt_tokens=item.num_prompt_tokens or 0,
+        prefix_token_ids=item.prefix_token_ids or [],
     )
     if item.hidden is not None:
         set_tensor_pb(msg.hidden, item.hidden)
@@ -411,6 +426,10 @@ def _tokens_and_hidden(msg: pb.WorkItem, start_layer: int, expect: ExpectedInput
         raise WireError(f"{where}.token_ids: empty")
     if msg.position < 0:
         raise WireError(f"{where}.position: {msg.position} < 0")
+    num_prefix = len(msg.prefix_token_ids)
+    if num_prefix and num_prefix != msg.position:
+        raise WireError(f"{where}.prefix_token_ids: {num_prefix} tokens, but the item starts at "
+                        f"position {msg.position} (the prefix is the tokens before it)")
     if start_layer == 0:
         if msg.HasField("hidden"):
             raise WireError(f"{where}.hidden: set on the first hop, which embeds token_ids")
@@ -426,6 +445,9 @@ def continuation_from_pb(msg: pb.WorkItem, kept: RequestRoute, expect: ExpectedI
     """Decode a continuation item (empty route) with what the worker `kept` of its request;
     WireError names the bad field."""
     where = f"{where}[{msg.request_id}]"
+    if msg.prefix_token_ids:
+        raise WireError(f"{where}.prefix_token_ids: set on a continuation item (only a "
+                        "request's first item carries a prefix)")
     hop = kept.route[kept.hop_index]
     if not (expect.start_layer <= hop.start_layer and hop.end_layer <= expect.end_layer):
         raise StaleRouteError(
@@ -505,6 +527,7 @@ def item_from_pb(msg: pb.WorkItem, expect: ExpectedInput, where: str = "item") -
         sample=msg.sample,
         compute_s=msg.compute_s,
         num_prompt_tokens=msg.num_prompt_tokens or None,
+        prefix_token_ids=list(msg.prefix_token_ids) or None,
     )
 
 
@@ -556,6 +579,7 @@ def result_to_pb(r: WireResult) -> pb.WorkResult:
             )
             for p in r.prompt_logprobs or []
         ],
+        prefix_missing=r.prefix_missing,
     )
     return msg
 
@@ -578,11 +602,47 @@ def result_from_pb(msg: pb.WorkResult) -> WireResult:
         node=msg.node,
         compute_s=msg.compute_s,
         prompt_logprobs=prompt_logprobs,
+        prefix_missing=list(msg.prefix_missing),
     )
 
 
-def result_batch_pb(results: Sequence[pb.WorkResult]) -> pb.ResultBatch:
-    return pb.ResultBatch(results=results)
+def result_batch_pb(results: Sequence[pb.WorkResult],
+                    cache: pb.CacheEvents | None = None) -> pb.ResultBatch:
+    batch = pb.ResultBatch(results=results)
+    if cache is not None:
+        batch.cache.CopyFrom(cache)
+    return batch
+
+
+# ---- prefix cache events ----------------------------------------------------------------
+
+
+def cache_events_to_pb(node: str, ev: CacheEvents) -> pb.CacheEvents:
+    return pb.CacheEvents(node=node, stored=ev.stored, removed=ev.removed, reset=ev.reset)
+
+
+def cache_events_from_pb(msg: pb.CacheEvents, where: str = "cache") -> CacheEvents:
+    """A worker's cache report; WireError when a name is not a block name (16 bytes)."""
+    stored, removed = list(msg.stored), list(msg.removed)
+    for name, names in (("stored", stored), ("removed", removed)):
+        for i, h in enumerate(names):
+            if len(h) != BLOCK_HASH_BYTES:
+                raise WireError(f"{where}.{name}[{i}]: {len(h)} bytes, a block name has "
+                                f"{BLOCK_HASH_BYTES}")
+    return CacheEvents(stored, removed, msg.reset)
+
+
+def merge_cache_events(first: pb.CacheEvents, then: pb.CacheEvents) -> pb.CacheEvents:
+    """One report saying what `first` and then `then` said (each name in its last state)."""
+    if then.reset:
+        return then
+    state = dict.fromkeys(first.stored, True)
+    state.update(dict.fromkeys(first.removed, False))
+    state.update(dict.fromkeys(then.stored, True))
+    state.update(dict.fromkeys(then.removed, False))
+    return pb.CacheEvents(node=then.node or first.node,
+                          stored=[h for h, s in state.items() if s],
+                          removed=[h for h, s in state.items() if not s], reset=first.reset)
 
 
 def release_pb(request_ids: Sequence[str], coordinator_id: str = "",

@@ -38,6 +38,15 @@ resume, health is SERVING again and the coordinator takes the node back as it wo
 one. `HELIXSERVE_TEST_ENGINE_HANG=STEPS:SECONDS` (tests only; unset by default) makes the
 engine thread sleep SECONDS before its step STEPS+1, to prove this with real processes.
 
+Prefix caching (docs/prefix-caching.md): after every engine step (and after releases or a
+range switch) the engine thread takes the engine's cache events (`take_cache_events`), and
+the loop sends them on every coordinator stream, in the ResultBatch of that step's results or
+alone, before those results. The loop keeps the set of block names the engine holds, so a
+coordinator stream that opens (a new coordinator, a reconnect) first gets all of them with
+`reset`. A request's first item may carry `prefix_token_ids` (its cached prefix), which every
+hop forwards; an engine that no longer holds it raises PrefixMissError, answered
+FAILED_PRECONDITION "prefix miss" with the missing names.
+
 Released request ids are remembered (bounded) so that an item still in flight when its request
 was released is dropped instead of allocating KV that nobody would free.
 
@@ -73,8 +82,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from helixserve.engine.errors import EngineError, KvExhaustedError
+from helixserve.engine.errors import EngineError, KvExhaustedError, PrefixMissError
 from helixserve.engine.protocol import RawHidden
+from helixserve.prefix import BlockHash, CacheEvents
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
@@ -117,7 +127,8 @@ def _test_hang() -> tuple[int, float] | None:
 def engine_error_status(exc: BaseException) -> int:
     """The wire status of a failed engine step: each engine/errors.py class names its own
     (a full KV cache: RESOURCE_EXHAUSTED, so the coordinator preempts; an item the engine
-    refuses: INVALID_ARGUMENT); anything else is INTERNAL."""
+    refuses: INVALID_ARGUMENT; a prefix no longer cached: FAILED_PRECONDITION, so the
+    coordinator runs the request again); anything else is INTERNAL."""
     if isinstance(exc, EngineError):
         return int(getattr(tp, exc.status, tp.INTERNAL))
     return tp.INTERNAL
@@ -131,7 +142,9 @@ class _Stream:
     sender: str
     #: the caller's certificate identity (None: plaintext port)
     peer: security.PeerIdentity | None = None
-    out: asyncio.Queue[pb.WorkResult | None] = field(default_factory=asyncio.Queue)
+    #: results, and cache events for a coordinator's stream (module doc); None ends it
+    out: asyncio.Queue[pb.WorkResult | pb.CacheEvents | None] = field(
+        default_factory=asyncio.Queue)
     #: why the worker refused the stream (the handler aborts it with PERMISSION_DENIED)
     refused: str = ""
 
@@ -204,7 +217,8 @@ class _Outgoing:
     def size_bytes(self) -> int:
         """A bound on the bytes the item adds to a message (hidden states, token ids, route
         hops of at most 128 bytes, the rest), without encoding the message."""
-        return (self.hidden_bytes + ITEM_OVERHEAD_BYTES + 8 * len(self.msg.token_ids)
+        return (self.hidden_bytes + ITEM_OVERHEAD_BYTES
+                + 8 * (len(self.msg.token_ids) + len(self.msg.prefix_token_ids))
                 + 128 * len(self.msg.route))
 
     @property
@@ -389,6 +403,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.messages_out = 0
         self.items_out = 0
         self.released: OrderedDict[tuple[str, str], None] = OrderedDict()
+        #: loop thread: the prefix block names the engine holds, from its cache events (a
+        #: coordinator stream that opens gets them all first; module doc)
+        self.cache_held: set[BlockHash] = set()
         self.queue_len = 0
         self.last_batch_size = 0
         self.steps = 0
@@ -443,6 +460,10 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 return
             self.beats += 1
             pending = drained
+            cache = self._take_cache_events()  # releases and a range switch change it too
+            if cache:
+                assert self.loop is not None
+                self.loop.call_soon_threadsafe(self._send_cache, cache)
             batch, pending = self._next_batch(pending)
             self.queue_len = len(pending)
             if batch:
@@ -522,6 +543,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 sampling=j.item.sampling,
                 sample=j.item.sample,
                 num_prompt_tokens=j.item.num_prompt_tokens,
+                prefix_token_ids=j.item.prefix_token_ids,
             )
             for j in batch
         ]
@@ -534,7 +556,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         except Exception as exc:
             # KV full, or an item the wire validation let through that the engine refuses:
             # retry one by one so that only the offending requests fail.
-            if not isinstance(exc, KvExhaustedError):
+            if not isinstance(exc, KvExhaustedError | PrefixMissError):
                 log.warning("engine step of %d items failed: %s", len(items), exc)
             outputs = []
             for it in items:
@@ -544,8 +566,18 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     outputs.append(one_exc)
         step_s = time.perf_counter() - t0
         self._record_step(step_s, len(items), sum(len(it.token_ids) for it in items))
+        cache = self._take_cache_events()
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(self._dispatch, batch, outputs, step_s)
+        self.loop.call_soon_threadsafe(self._dispatch, batch, outputs, step_s, cache)
+
+    def _take_cache_events(self) -> CacheEvents | None:
+        """Engine thread: the engine's cache events since the last call (None: none, or an
+        engine without prefix caching)."""
+        take = getattr(self.engine, "take_cache_events", None)
+        if take is None:
+            return None
+        events: CacheEvents = take()
+        return events if events else None
 
     def _switch(self, m: _Switch, pending: deque[_Job]) -> None:
         """Engine thread: every request of the old range (holding KV, or queued) is told
@@ -623,10 +655,31 @@ class Worker(pb_grpc.HelixWorkerServicer):
 
     # ---- loop thread: after a step ------------------------------------------------------
 
-    def _dispatch(self, batch: list[_Job], outputs: list[Any], step_s: float) -> None:
+    def _send_cache(self, events: CacheEvents) -> None:
+        """Loop thread: the engine's cache events to every coordinator stream (module doc)."""
+        if events.reset:
+            self.cache_held.clear()
+        self.cache_held.difference_update(events.removed)
+        self.cache_held.update(events.stored)
+        msg = tp.cache_events_to_pb(self.node, events)
+        for stream in self.coordinators.values():
+            stream.out.put_nowait(msg)
+
+    def _dispatch(self, batch: list[_Job], outputs: list[Any], step_s: float,
+                  cache: CacheEvents | None = None) -> None:
+        if cache:
+            self._send_cache(cache)  # before the results: a finished request frees nothing yet
         for job, out in zip(batch, outputs, strict=True):
             item = job.item
             compute_s = item.compute_s + step_s
+            if isinstance(out, PrefixMissError):
+                why = str(out).removeprefix(tp.PREFIX_MISS).lstrip(": ")
+                r = tp.WireResult(request_id=item.request_id, step_id=item.step_id,
+                                  status_code=tp.FAILED_PRECONDITION,
+                                  error=f"{tp.PREFIX_MISS}: node {self.node}: {why}",
+                                  node=self.node, prefix_missing=list(out.missing))
+                self.deliver(tp.result_to_pb(r), item.coordinator_id, job.origin)
+                continue
             if isinstance(out, Exception):
                 code = engine_error_status(out)
                 self.report_error(item.request_id, item.step_id, item.coordinator_id, code,
@@ -681,15 +734,21 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 first = await stream.out.get()
                 if first is None:
                     break
-                results = [first]
-                while not stream.out.empty():
-                    r = stream.out.get_nowait()
-                    if r is None:
-                        stream.out.put_nowait(None)
+                results: list[pb.WorkResult] = []
+                cache: pb.CacheEvents | None = None
+                nxt: pb.WorkResult | pb.CacheEvents | None = first
+                while nxt is not None:
+                    if isinstance(nxt, pb.CacheEvents):
+                        cache = nxt if cache is None else tp.merge_cache_events(cache, nxt)
+                    else:
+                        results.append(nxt)
+                    if stream.out.empty():
                         break
-                    results.append(r)
+                    nxt = stream.out.get_nowait()
+                    if nxt is None:
+                        stream.out.put_nowait(None)
                 self.count_sent(len(results))
-                yield tp.result_batch_pb(results)
+                yield tp.result_batch_pb(results, cache)
             if stream.refused:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, stream.refused)
         finally:
@@ -726,6 +785,10 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     stream.coordinator_id = cid
                     if cid:
                         self.coordinators[cid] = stream
+                        if hasattr(self.engine, "take_cache_events"):
+                            # everything the cache holds, first (module doc)
+                            stream.out.put_nowait(tp.cache_events_to_pb(
+                                self.node, CacheEvents(list(self.cache_held), [], reset=True)))
                 jobs = [job for i, msg in enumerate(batch.items)
                         if (job := self._accept(msg, stream, f"items[{i}]")) is not None]
                 if jobs:

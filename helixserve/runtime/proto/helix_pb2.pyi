@@ -68,7 +68,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class WorkItem(_message.Message):
-    __slots__ = ("request_id", "coordinator_id", "step_id", "hop_index", "route", "position", "token_ids", "hidden", "sampling", "sample", "compute_s", "num_prompt_tokens")
+    __slots__ = ("request_id", "coordinator_id", "step_id", "hop_index", "route", "position", "token_ids", "hidden", "sampling", "sample", "compute_s", "num_prompt_tokens", "prefix_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class WorkItem(_message.Message):
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     coordinator_id: str
     step_id: int
@@ -93,7 +94,8 @@ class WorkItem(_message.Message):
     sample: bool
     compute_s: float
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., step_id: _Optional[int] = ..., hop_index: _Optional[int] = ..., route: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., compute_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., coordinator_id: _Optional[str] = ..., step_id: _Optional[int] = ..., hop_index: _Optional[int] = ..., route: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., sample: _Optional[bool] = ..., compute_s: _Optional[float] = ..., num_prompt_tokens: _Optional[int] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StreamHello(_message.Message):
     __slots__ = ("coordinator_id", "sender", "coordinator_token")
@@ -132,7 +134,7 @@ class PromptLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkResult(_message.Message):
-    __slots__ = ("request_id", "step_id", "has_token", "token_id", "logprob", "top_logprobs", "status_code", "error", "node", "compute_s", "has_logprob", "prompt_logprobs", "has_prompt_logprobs")
+    __slots__ = ("request_id", "step_id", "has_token", "token_id", "logprob", "top_logprobs", "status_code", "error", "node", "compute_s", "has_logprob", "prompt_logprobs", "has_prompt_logprobs", "prefix_missing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +148,7 @@ class WorkResult(_message.Message):
     HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_MISSING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     step_id: int
     has_token: bool
@@ -159,13 +162,28 @@ class WorkResult(_message.Message):
     has_logprob: bool
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprob]
     has_prompt_logprobs: bool
-    def __init__(self, request_id: _Optional[str] = ..., step_id: _Optional[int] = ..., has_token: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., status_code: _Optional[int] = ..., error: _Optional[str] = ..., node: _Optional[str] = ..., compute_s: _Optional[float] = ..., has_logprob: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    prefix_missing: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., step_id: _Optional[int] = ..., has_token: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., status_code: _Optional[int] = ..., error: _Optional[str] = ..., node: _Optional[str] = ..., compute_s: _Optional[float] = ..., has_logprob: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprob, _Mapping]]] = ..., has_prompt_logprobs: _Optional[bool] = ..., prefix_missing: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class CacheEvents(_message.Message):
+    __slots__ = ("node", "stored", "removed", "reset")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    reset: bool
+    def __init__(self, node: _Optional[str] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class ResultBatch(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "cache")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[WorkResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[WorkResult, _Mapping]]] = ...) -> None: ...
+    cache: CacheEvents
+    def __init__(self, results: _Optional[_Iterable[_Union[WorkResult, _Mapping]]] = ..., cache: _Optional[_Union[CacheEvents, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_ids", "coordinator_id", "coordinator_token")

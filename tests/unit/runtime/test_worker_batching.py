@@ -34,7 +34,7 @@ def _job(rid: str, tokens: int) -> _Job:
     hop = NodeRange("n", 0, 2)
     item = SimpleNamespace(request_id=rid, coordinator_id="c", hop=hop, position=0,
                            token_ids=[1] * tokens, hidden=None, sampling=None, sample=True,
-                           num_prompt_tokens=None)
+                           num_prompt_tokens=None, prefix_token_ids=None)
     return _Job(item=item, msg=None, origin=None)  # type: ignore[arg-type]
 
 
