@@ -63,7 +63,8 @@ MALLOC_ARENAS = 2
 #: the shutdown line of an emulated worker (helixserve/commands/worker.py, EmulationReport)
 _REPORT_RE = re.compile(
     r"EMULATED engine emulated (\d+) steps, ([\d.]+) s of emulated compute, (\d+) prompt \+ "
-    r"(\d+) decode tokens, ([\d.]+) s over the emulated times")
+    r"(\d+) decode tokens \((\d+) prompt tokens from the prefix cache\), ([\d.]+) s over "
+    r"the emulated times")
 
 
 #: one sample of the Prometheus text format: name, {labels}, value
@@ -362,7 +363,7 @@ class EmulatedCluster:
                 self.emulated[node] = {
                     "steps": int(m.group(1)), "emulated_s": float(m.group(2)),
                     "prompt_tokens": int(m.group(3)), "decode_tokens": int(m.group(4)),
-                    "overrun_s": float(m.group(5))}
+                    "cached_tokens": int(m.group(5)), "overrun_s": float(m.group(6))}
 
     def stopped(self) -> bool:
         return all(p.poll() is not None for p in self.procs.values())
