@@ -132,7 +132,9 @@ def parse_turns(text: str) -> tuple[int, int]:
         lo, sep, hi = text.partition("-")
         pair = (int(lo), int(hi if sep else lo))
     except ValueError:
-        raise UserError(f"--turns: bad value {text!r}; expected N or MIN-MAX, e.g. 4 or 4-8") from None
+        raise UserError(
+            f"--turns: bad value {text!r}; expected N or MIN-MAX, e.g. 4 or 4-8"
+        ) from None
     if not 1 <= pair[0] <= pair[1]:
         raise UserError(f"--turns: bad value {text!r}; need 1 <= MIN <= MAX")
     return pair

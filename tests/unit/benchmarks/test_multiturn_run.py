@@ -159,7 +159,8 @@ def test_the_script_measures_running_servers_and_judges_the_targets(tmp_path, ca
     out = tmp_path / "mt.json"
     with _Server(FakeChat().app()) as a, _Server(FakeChat().app()) as b:
         rc = multiturn.main([
-            "--url", f"aware=http://127.0.0.1:{a.port}", "--url", f"plain=http://127.0.0.1:{b.port}/v1",
+            "--url", f"aware=http://127.0.0.1:{a.port}",
+            "--url", f"plain=http://127.0.0.1:{b.port}/v1",
             "--conversations", "3", "--turns", "2-3", "--system-tokens", "30",
             "--user-tokens", "6", "--output-tokens", "4", "--json", str(out)])  # fmt: skip
     assert rc == 0
@@ -183,7 +184,8 @@ def test_the_script_measures_running_servers_and_judges_the_targets(tmp_path, ca
 
 
 def test_bad_flags_exit_2_with_one_line(capsys) -> None:
-    for argv, what in ((["--turns", "5-2"], "--turns"), (["--conversations", "0"], "--conversations"),
+    for argv, what in ((["--turns", "5-2"], "--turns"),
+                       (["--conversations", "0"], "--conversations"),
                        (["--output-tokens", "0"], "--output-tokens"),
                        (["--url", "fast=http://x"], "--url")):  # fmt: skip
         assert multiturn.main(argv) == 2
@@ -227,6 +229,8 @@ def test_targets_pass_and_fail_on_their_thresholds() -> None:
     assert t["hit_rate_aware_over_plain"]["pass"] is True
     assert t["ttft_p50_vllm_over_aware"]["ratio"] == pytest.approx(0.5)
     assert t["throughput_aware_over_vllm"]["pass"] is None  # reported, no target
+    assert t["throughput_off_over_vllm"]["ratio"] == pytest.approx(1 / 3)
+    assert t["ttft_p50_vllm_over_off"]["ratio"] == pytest.approx(500 / 3000)
     t = multiturn.compare(runs(off=_summary(2000, 11, 0.0), plain=_summary(900, 14, 0.5),
                                aware=_summary(1000, 16, 0.6)))
     assert t["ttft_p50_off_over_aware"]["pass"] is False
