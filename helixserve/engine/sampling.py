@@ -32,6 +32,9 @@ token given the tokens before it: the engine scores the prompt rows of a request
 `logit_bias` (OpenAI semantics) adds a per-token value to the logits before the penalties and
 everything after them; -100 / +100 in practice ban / force a token. Logprobs stay the model's
 own, unbiased, like the penalties.
+A request with a grammar (`structured`, engine/structured.py) has every token its grammar does
+not allow next set to -inf after the adjustments above and before greedy or the draw, so
+greedy picks the best allowed token; its logprobs stay the model's own too.
 Stop tokens and max_tokens are the coordinator's business: the sampler only samples, except
 for `min_tokens`: while fewer than `min_tokens` tokens have been generated, the ids in
 `stop_token_ids` (EOS included, unless the client asked to ignore it) are masked out, so the
@@ -49,6 +52,7 @@ import numpy as np
 import torch
 
 from helixserve.engine.host_copy import to_device, to_host
+from helixserve.engine.structured import GrammarState, constrain_
 from helixserve.request import PromptLogprob, SamplingParams
 
 NEG_INF = float("-inf")
@@ -73,10 +77,15 @@ class RequestHistory:
     pending_prompt_row: tuple[int, torch.Tensor] | None = None
     """(position, logprobs [vocab]) of a prompt chunk's last row: it scores the token at that
     position, which the next chunk brings."""
+    output_ids: list[int] = field(default_factory=list)
+    """Generated tokens fed back so far, in order (a grammar replays them)."""
+    grammar: GrammarState | None = None
+    """Structured requests: the grammar's matcher, built at the first sample here."""
 
     def add_tokens(self, token_ids: list[int], generated: bool) -> None:
         if generated:
             self.output_counts.update(token_ids)
+            self.output_ids += token_ids
             self.num_generated += len(token_ids)
         else:
             self.prompt_ids.update(token_ids)
@@ -406,6 +415,7 @@ def sample_rows(
             work = logits[o_at] if len(others) < num_rows else logits.clone()
             adjust_logits(work, o_params, o_hists)
             make_finite_(work)
+            constrain_(work, o_params, o_hists)
         else:  # nothing to adjust: the copy and the finite pass in one
             work = torch.nan_to_num(logits, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max)
         greedy = [j for j, p in enumerate(o_params) if p.is_greedy]
