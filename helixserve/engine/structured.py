@@ -183,10 +183,15 @@ def allowed_mask(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -
     if device.type == "cpu":
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
         return torch.from_numpy(bits[:, :vocab_size]).bool()
-    words = bitmask.to(device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return unpack_words(bitmask.to(device, non_blocking=True), vocab_size)
+
+
+def unpack_words(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """words: [rows, ceil(vocab / 32)] int32 -> [rows, vocab_size] bool, bit t of word w
+    being token 32 w + t (torch ops: runs where `words` is)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     bits = (words[:, :, None] >> shifts) & 1  # [rows, words, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
 
 
 def constrain_(work: torch.Tensor, params: list[SamplingParams],
