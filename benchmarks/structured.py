@@ -1,0 +1,325 @@
+"""Structured output: validity over varied JSON schemas, and what the grammar costs in decode.
+
+On the demo model (SmolLM2-135M-Instruct), one torch engine holding all 30 layers, in this
+process (the constraint runs on the last stage only: the engine alone is where its share of a
+step is largest; the runtime's per-hop costs would only dilute it).
+
+1. Validity: `--schemas` JSON schemas (default 50) drawn from a fixed seed: nested objects,
+   arrays of strings, numbers and objects (with minItems / maxItems), enums, required and
+   optional fields, `additionalProperties: false`, anyOf, nullable fields, and the string
+   formats email, date, date-time, time, uuid, ipv4, uri, plus patterns and length bounds.
+   Each is asked for greedily (`--streams` requests at a time) with the schema in the prompt,
+   up to `--max-tokens`; the output must end on EOS (not be cut by max_tokens), parse as
+   JSON, and validate (`jsonschema`, with its format checker for the formats it knows).
+2. Decode throughput at `--streams` streams: the same prompts, prefilled, then
+   `--decode-steps` decode steps of all streams at once, unconstrained vs each stream under a
+   JSON schema that does not end within the steps (an array of objects). Rounds alternate the
+   two (`--rounds`), so a shared machine's drift hits both; the median of each is reported,
+   and the cost is 1 - constrained / unconstrained tokens per second. Also the sampler alone:
+   sample_rows over fixed logits [streams, vocab], constrained vs not (ms per step).
+
+    python -m benchmarks.structured --json benchmarks/results/structured.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+EOS_FALLBACK = 2
+
+# ---- the schemas ---------------------------------------------------------------------------
+
+_ADDRESS = {"type": "object", "properties": {
+    "street": {"type": "string", "maxLength": 40},
+    "city": {"type": "string", "maxLength": 30},
+    "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+    "required": ["street", "city"]}
+_ITEM = {"type": "object", "properties": {
+    "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+    "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+    "price": {"type": "number", "minimum": 0}},
+    "required": ["sku", "qty"], "additionalProperties": False}
+
+#: name -> a property's schema; each generated schema picks a few
+FIELDS: dict[str, dict[str, Any]] = {
+    "name": {"type": "string", "minLength": 1, "maxLength": 30},
+    "title": {"type": "string", "maxLength": 60},
+    "email": {"type": "string", "format": "email"},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "score": {"type": "number", "minimum": 0, "maximum": 100},
+    "active": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 15}, "maxItems": 4},
+    "status": {"type": "string", "enum": ["active", "inactive", "pending"]},
+    "priority": {"type": "integer", "enum": [1, 2, 3]},
+    "created": {"type": "string", "format": "date"},
+    "updated_at": {"type": "string", "format": "date-time"},
+    "opens_at": {"type": "string", "format": "time"},
+    "id": {"type": "string", "format": "uuid"},
+    "ip": {"type": "string", "format": "ipv4"},
+    "website": {"type": "string", "format": "uri"},
+    "address": _ADDRESS,
+    "items": {"type": "array", "items": _ITEM, "minItems": 1, "maxItems": 3},
+    "coords": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2},
+    "nickname": {"type": ["string", "null"], "maxLength": 20},
+    "contact": {"anyOf": [{"type": "string", "format": "email"},
+                          {"type": "string", "pattern": "^\\+[0-9]{8,12}$"}]},
+    "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+    "color": {"type": "string", "enum": ["red", "green", "blue", "black"]},
+    "count": {"type": "integer"},
+    "notes": {"type": "string", "maxLength": 80},
+}
+TOPICS = ["a customer", "a product order", "a library book", "a city", "a web server",
+          "a movie", "an employee", "a weather report", "a restaurant", "a bank transfer"]
+
+
+def make_schemas(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """n varied schemas, the same for a seed: objects of 2-6 fields, some nested one level
+    further, some arrays of objects at the top."""
+    rng = random.Random(seed)
+    names = sorted(FIELDS)
+    out = []
+    for i in range(n):
+        def obj(k: int) -> dict[str, Any]:
+            picked = rng.sample(names, k)
+            required = [f for f in picked if rng.random() < 0.7] or picked[:1]
+            schema: dict[str, Any] = {"type": "object",
+                                      "properties": {f: FIELDS[f] for f in picked},
+                                      "required": required}
+            if rng.random() < 0.6:
+                schema["additionalProperties"] = False
+            return schema
+
+        shape = i % 5
+        if shape == 3:  # nested: an object holding an object and a list of them
+            inner = obj(rng.randint(2, 3))
+            schema = {"type": "object", "properties": {
+                "record": inner,
+                "related": {"type": "array", "items": obj(2), "maxItems": 2},
+                "kind": {"type": "string", "enum": ["x", "y"]}},
+                "required": ["record", "kind"], "additionalProperties": False}
+        elif shape == 4:  # a top-level array
+            schema = {"type": "array", "items": obj(rng.randint(2, 3)), "minItems": 1,
+                      "maxItems": 3}
+        else:
+            schema = obj(rng.randint(2, 6))
+        schema["title"] = TOPICS[i % len(TOPICS)]
+        out.append(schema)
+    return out
+
+
+# ---- a small batched greedy loop over one engine ---------------------------------------------
+
+
+@dataclass
+class Stream:
+    rid: str
+    prompt: list[int]
+    params: Any  # SamplingParams
+    out: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+def _step(engine: Any, streams: list[Stream]) -> None:
+    """One engine step: prefill the new streams, decode the others (all batched)."""
+    from helixserve.engine.protocol import WorkItem
+
+    n = engine.num_model_layers
+    items = []
+    for s in streams:
+        if not s.out:
+            items.append(WorkItem(s.rid, 0, n, 0, s.prompt, None, s.params))
+        else:
+            items.append(WorkItem(s.rid, 0, n, len(s.prompt) + len(s.out) - 1, [s.out[-1]],
+                                  None, s.params))
+    for s, o in zip(streams, engine.step(items), strict=True):
+        s.out.append(int(o.token_id))
+
+
+def generate(engine: Any, streams: list[Stream], max_tokens: int, eos: set[int]) -> None:
+    """Greedy until EOS or max_tokens, all streams batched; frees them after."""
+    live = list(streams)
+    while live:
+        _step(engine, live)
+        for s in live:
+            if s.out[-1] in eos or len(s.out) >= max_tokens:
+                s.done = s.out[-1] in eos
+                engine.free(s.rid)
+        live = [s for s in live if s.out[-1] not in eos and len(s.out) < max_tokens]
+
+
+def chat_ids(tok: Any, text: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+# ---- 1. validity -----------------------------------------------------------------------------
+
+
+def validity(engine: Any, tok: Any, n: int, streams: int, max_tokens: int,
+             eos: set[int]) -> dict[str, Any]:
+    import jsonschema
+
+    from helixserve.request import SamplingParams, StructuredOutput
+
+    schemas = make_schemas(n)
+    checker = jsonschema.FormatChecker()
+    results = []
+    t0 = time.perf_counter()
+    for start in range(0, n, streams):
+        batch = []
+        for i in range(start, min(n, start + streams)):
+            text = (f"Give an example of {schemas[i]['title']} as JSON following this schema:\n"
+                    f"{json.dumps(schemas[i])}")
+            params = SamplingParams(temperature=0.0, structured=StructuredOutput(
+                "json", json.dumps(schemas[i])))
+            batch.append(Stream(f"v{i}", chat_ids(tok, text), params))
+        generate(engine, batch, max_tokens, eos)
+        for i, s in enumerate(batch, start):
+            body = s.out[:-1] if s.done else s.out
+            text = tok.decode(body)
+            verdict, why = "valid", ""
+            if not s.done:
+                verdict, why = "truncated", f"no EOS within {max_tokens} tokens"
+            else:
+                try:
+                    jsonschema.validate(json.loads(text), schemas[i], format_checker=checker)
+                except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
+                    verdict, why = "invalid", str(exc).splitlines()[0]
+            results.append({"schema": i, "verdict": verdict, "why": why, "tokens": len(s.out),
+                            "output": text})
+    valid = sum(r["verdict"] == "valid" for r in results)
+    return {"schemas": n, "valid": valid, "valid_pct": 100.0 * valid / n,
+            "truncated": sum(r["verdict"] == "truncated" for r in results),
+            "invalid": sum(r["verdict"] == "invalid" for r in results),
+            "mean_tokens": statistics.mean(r["tokens"] for r in results),
+            "wall_s": time.perf_counter() - t0, "results": results}
+
+
+# ---- 2. decode throughput ----------------------------------------------------------------------
+
+#: does not end within the decode steps: a long array of small objects
+LONG_SCHEMA = {"type": "object", "properties": {"rows": {"type": "array", "minItems": 200,
+    "items": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "label": {"type": "string", "maxLength": 12},
+        "ok": {"type": "boolean"}}, "required": ["id", "label", "ok"],
+        "additionalProperties": False}}}, "required": ["rows"]}
+
+
+def decode_rate(engine: Any, tok: Any, streams: int, steps: int, constrained: bool,
+                tag: str) -> float:
+    """Output tokens per second over `steps` decode steps of `streams` streams (after their
+    prefill, which is not timed)."""
+    from helixserve.request import SamplingParams, StructuredOutput
+
+    so = StructuredOutput("json", json.dumps(LONG_SCHEMA)) if constrained else None
+    batch = [Stream(f"{tag}{i}", chat_ids(tok, f"Make table {i} as JSON rows."),
+                    SamplingParams(temperature=0.0, structured=so)) for i in range(streams)]
+    _step(engine, batch)  # prefill (and the first token)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        _step(engine, batch)
+    elapsed = time.perf_counter() - t0
+    for s in batch:
+        engine.free(s.rid)
+    return streams * steps / elapsed
+
+
+def sampler_ms(streams: int, vocab: int, constrained: bool, steps: int = 30) -> float:
+    """sample_rows alone over fixed logits [streams, vocab], greedy; ms per step. The
+    constrained rows advance a matcher through a long JSON document token by token."""
+    import torch
+
+    from helixserve.engine.sampling import RequestHistory, sample_rows
+    from helixserve.request import SamplingParams, StructuredOutput
+
+    so = StructuredOutput("json", json.dumps(LONG_SCHEMA)) if constrained else None
+    params = [SamplingParams(temperature=0.0, structured=so) for _ in range(streams)]
+    hists = [RequestHistory() for _ in range(streams)]
+    logits = torch.randn(streams, vocab, generator=torch.Generator().manual_seed(0))
+    sample_rows(logits, params, hists)  # builds the matchers (not timed)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        for h, r in zip(hists, sample_rows(logits, params, hists), strict=True):
+            h.add_tokens([r.token_id], generated=True)
+    return 1000.0 * (time.perf_counter() - t0) / steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schemas", type=int, default=50)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=320)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--skip-validity", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from helixserve.engine import ShardEngine, prepare_demo_model
+
+    torch.set_num_threads(args.threads)
+    model = prepare_demo_model()
+    tok = AutoTokenizer.from_pretrained(str(model))
+    engine = ShardEngine.load(model, 0, 30, kv_cache_bytes=512 << 20)
+    eos = set(engine.eos_token_ids) or {EOS_FALLBACK}
+    out: dict[str, Any] = {"model": str(model), "engine": "torch", "device": "cpu",
+                           "threads": args.threads, "machine": platform.node(),
+                           "load_avg_before": os.getloadavg()}
+
+    if not args.skip_validity:
+        v = validity(engine, tok, args.schemas, args.streams, args.max_tokens, eos)
+        out["validity"] = v
+        print(f"validity: {v['valid']}/{v['schemas']} valid ({v['valid_pct']:.0f}%), "
+              f"{v['truncated']} cut by max_tokens, {v['invalid']} invalid; "
+              f"{v['mean_tokens']:.0f} tokens on average, {v['wall_s']:.0f} s")
+        for r in v["results"]:
+            if r["verdict"] != "valid":
+                print(f"  schema {r['schema']}: {r['verdict']}: {r['why']}: {r['output'][:120]!r}")
+
+    rates: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
+    decode_rate(engine, tok, args.streams, 4, True, "warm")  # matchers cached, engine warm
+    for r in range(args.rounds):
+        for mode in (("unconstrained", "constrained") if r % 2 == 0
+                     else ("constrained", "unconstrained")):
+            rates[mode].append(decode_rate(engine, tok, args.streams, args.decode_steps,
+                                           mode == "constrained", f"t{r}{mode[0]}"))
+    free_ms = [sampler_ms(args.streams, engine.vocab_size, False) for _ in range(3)]
+    grammar_ms = [sampler_ms(args.streams, engine.vocab_size, True) for _ in range(3)]
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    cost = 1.0 - med["constrained"] / med["unconstrained"]
+    out["throughput"] = {"streams": args.streams, "decode_steps": args.decode_steps,
+                         "rounds": rates, "median_tokens_per_s": med, "cost_pct": 100 * cost,
+                         "sampler_ms_per_step": {"unconstrained": statistics.median(free_ms),
+                                                 "constrained": statistics.median(grammar_ms)}}
+    out["load_avg_after"] = os.getloadavg()
+    print(f"\n{'decode, ' + str(args.streams) + ' streams':<28}{'tok/s (median)':>16}"
+          f"{'rounds':>30}")
+    for k in ("unconstrained", "constrained"):
+        print(f"{k:<28}{med[k]:>16.1f}{'  '.join(f'{x:.1f}' for x in rates[k]):>30}")
+    print(f"{'cost of the grammar':<28}{100 * cost:>15.1f}%")
+    s = out["throughput"]["sampler_ms_per_step"]
+    print(f"sampler alone, {args.streams} rows: {s['unconstrained']:.2f} ms/step free, "
+          f"{s['constrained']:.2f} ms/step constrained")
+    print(f"load average before / after: {out['load_avg_before']} / {out['load_avg_after']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
