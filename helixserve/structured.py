@@ -26,8 +26,6 @@ from helixserve.request import STRUCTURED_KINDS, StructuredOutput
 MAX_SPEC_CHARS = 100_000
 #: compiled grammars kept per process
 CACHE_SIZE = 256
-#: llguidance's JSON compile options (class doc: compact JSON)
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 
 #: the field a kind's spec comes from when the caller names none (errors say it)
 _DEFAULT_FIELD = {"json": "json_schema", "json_object": "response_format", "regex": "regex",
@@ -64,11 +62,11 @@ def _compiled(kind: str, spec: str) -> str:
         if not isinstance(schema, dict):
             raise _SpecError(f"the schema must be a JSON object, got {type(schema).__name__}")
         try:
-            grammar = matcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            grammar = _json_grammar(schema)
         except (ValueError, TypeError) as exc:
             raise _SpecError(f"invalid JSON schema: {exc}") from None
     elif kind == "json_object":
-        grammar = matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        grammar = _json_grammar({"type": "object"})
     elif kind == "regex":
         if not spec:
             raise _SpecError("the regex is empty")
@@ -92,6 +90,14 @@ def _compiled(kind: str, spec: str) -> str:
         what = {"json": "invalid JSON schema", "regex": "invalid regex"}.get(kind, "invalid grammar")
         raise _SpecError(f"{what}: {error.strip()}")
     return grammar
+
+
+def _json_grammar(schema: dict[str, Any]) -> str:
+    """Compact JSON (module doc): no whitespace between tokens."""
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": False})
 
 
 def _json(spec: str, what: str) -> Any:

@@ -29,7 +29,6 @@ from helixserve.api.metrics import ServingMetrics
 from helixserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from helixserve.errors import UserError
 from helixserve.request import SamplingParams, StructuredOutput
-from helixserve.structured import grammar_of
 from helixserve.runtime import (
     GenerationRequest,
     NoRouteError,
@@ -38,6 +37,7 @@ from helixserve.runtime import (
     TokenEvent,
 )
 from helixserve.runtime.stats import CoordinatorStats
+from helixserve.structured import grammar_of
 
 
 class CoordinatorLike(Protocol):

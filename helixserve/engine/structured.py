@@ -61,7 +61,8 @@ class ModelTokenizer:
 _models: dict[int, ModelTokenizer] = {}
 
 
-def register_model(model_path: str | Path, vocab_size: int, eos_token_ids: list[int] | tuple[int, ...]) -> None:
+def register_model(model_path: str | Path, vocab_size: int,
+                   eos_token_ids: list[int] | tuple[int, ...]) -> None:
     """Called by an engine that holds a model's last layer: structured rows of logits
     [rows, vocab_size] are constrained with this model's tokenizer."""
     _models[vocab_size] = ModelTokenizer(Path(model_path), vocab_size, tuple(eos_token_ids))
@@ -92,7 +93,7 @@ def _ll_tokenizer(model: ModelTokenizer) -> Any:
     from transformers import AutoTokenizer
 
     gguf = {"gguf_file": path.name} if path.is_file() else {}
-    hf = AutoTokenizer.from_pretrained(str(folder), **gguf)
+    hf: Any = AutoTokenizer.from_pretrained(str(folder), **gguf)
     return llguidance.hf.from_tokenizer(hf, n_vocab=model.vocab_size, eos_token=eos)
 
 
