@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
+#: greedy constrained rows on the CPU: the best allowed token is looked for among this many
+#: most likely tokens first (one top-k, no pass over the row to mask it)
+GREEDY_CANDIDATES = 16
 #: pristine matchers kept per process (one per distinct grammar)
 MATCHER_CACHE_SIZE = 64
 
@@ -177,19 +180,22 @@ def _fill(matchers: list[Any], vocab_size: int) -> torch.Tensor:
     return bitmask
 
 
-def allowed_mask(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """bitmask: [rows, words] int32 (CPU) -> allowed [rows, vocab_size] bool on `device`.
-    On the CPU one numpy unpack; elsewhere the words travel (vocab / 8 bytes a row) and are
+def disallowed_mask(bitmask: torch.Tensor, vocab_size: int,
+                    device: torch.device) -> torch.Tensor:
+    """bitmask: [rows, words] int32 (CPU) -> [rows, vocab_size] bool on `device`, True
+    where the token is NOT allowed. On the CPU one numpy unpack of the inverted words (no
+    other pass over the rows); elsewhere the words travel (vocab / 8 bytes a row) and are
     unpacked there."""
     if device.type == "cpu":
-        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
-        return torch.from_numpy(bits[:, :vocab_size]).bool()
-    return unpack_words(bitmask.to(device, non_blocking=True), vocab_size)
+        inverted = np.invert(bitmask.numpy()).view(np.uint8)
+        bits = np.unpackbits(inverted, axis=1, count=vocab_size, bitorder="little")
+        return torch.from_numpy(bits.view(np.bool_))
+    return ~unpack_words(bitmask.to(device, non_blocking=True), vocab_size)
 
 
 def unpack_words(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """words: [rows, ceil(vocab / 32)] int32 -> [rows, vocab_size] bool, bit t of word w
-    being token 32 w + t (torch ops: runs where `words` is)."""
+    """words: [rows, ceil(vocab / 32)] int32 -> allowed [rows, vocab_size] bool, bit t of
+    word w being token 32 w + t (torch ops: runs where `words` is)."""
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
     bits = (words[:, :, None] >> shifts) & 1  # [rows, words, 32]
     return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
@@ -206,9 +212,47 @@ def constrain_(work: torch.Tensor, params: list[SamplingParams],
         return
     vocab = work.shape[-1]
     states = [state_of(params[i], hists[i], vocab) for i in rows]
-    allowed = allowed_mask(_fill([s.matcher for s in states], vocab), vocab, work.device)
+    banned = disallowed_mask(_fill([s.matcher for s in states], vocab), vocab, work.device)
     if len(rows) == work.shape[0]:
-        work.masked_fill_(~allowed, NEG_INF)
+        work.masked_fill_(banned, NEG_INF)
         return
     at = torch.tensor(rows, dtype=torch.long, device=work.device)
-    work[at] = work[at].masked_fill_(~allowed, NEG_INF)
+    work[at] = work[at].masked_fill_(banned, NEG_INF)
+
+
+def greedy_constrained_(logits: torch.Tensor, params: list[SamplingParams],
+                        hists: list[RequestHistory], chosen: torch.Tensor) -> set[int]:
+    """Greedy rows whose only change to the logits is a grammar, on the CPU: the best allowed
+    token of each row's GREEDY_CANDIDATES most likely, written into chosen [rows]; returns
+    the rows resolved so. A row goes the masked way (`constrain_`) when none of its
+    candidates is allowed, one is not finite, or the pick ties with the last candidate (a
+    token beyond them may tie too: argmax takes the lowest id of equal maxima, and so must
+    this). logits: [rows, vocab] float32, raw. On other devices this resolves nothing: the
+    masked way costs a few kernels there, and this would cost a host sync."""
+    from helixserve.engine.sampling import suppresses_stop
+
+    vocab = logits.shape[-1]
+    if logits.device.type != "cpu" or vocab <= GREEDY_CANDIDATES:
+        return set()
+    rows = [i for i, (p, h) in enumerate(zip(params, hists, strict=True))
+            if p.structured is not None and p.is_greedy and not p.has_penalties
+            and not p.logit_bias and not suppresses_stop(p, h)]
+    if not rows:
+        return set()
+    words = _fill([state_of(params[i], hists[i], vocab).matcher for i in rows], vocab)
+    at = torch.tensor(rows, dtype=torch.long)
+    vals_t, ids_t = torch.topk(logits[at], GREEDY_CANDIDATES, dim=-1)  # [n, k], descending
+    vals, ids = vals_t.numpy(), ids_t.numpy()
+    w = words.numpy().view(np.uint32)
+    allowed = (w[np.arange(len(rows))[:, None], ids >> 5] >> (ids & 31).astype(np.uint32)) & 1
+    picked: set[int] = set()
+    for j, row in enumerate(rows):
+        ok = np.flatnonzero(allowed[j])
+        if ok.size == 0 or not np.isfinite(vals[j]).all():
+            continue
+        best = vals[j, ok[0]]
+        if best == vals[j, -1]:
+            continue
+        chosen[row] = int(ids[j, ok[vals[j, ok] == best]].min())
+        picked.add(row)
+    return picked

@@ -96,21 +96,57 @@ def test_matcher_rebuilt_from_generated_tokens_gives_the_same_mask(demo_tokenize
         stepwise.add_tokens([t], generated=True)
     replayed = RequestHistory()
     replayed.add_tokens(text_ids, generated=True)
-    masks = [structured.allowed_mask(structured._fill(
+    masks = [structured.disallowed_mask(structured._fill(
         [structured.state_of(params, h, VOCAB).matcher], VOCAB), VOCAB, torch.device("cpu"))
         for h in (stepwise, replayed)]
     assert torch.equal(masks[0], masks[1])
-    assert 0 < int(masks[0].sum()) < VOCAB and not masks[0][0, EOS]  # inside a string
+    assert 0 < int(masks[0].sum()) < VOCAB and masks[0][0, EOS]  # inside a string
+
+
+def test_greedy_fast_way_agrees_with_the_masked_way():
+    """Greedy constrained rows on the CPU are resolved among their top candidates when one is
+    allowed (`greedy_constrained_`), else masked; a zero logit_bias forces the masked way. Both
+    pick the same tokens through a JSON document, ties included."""
+    so = StructuredOutput("json", json.dumps({"type": "object", "properties": {
+        "k": {"type": "array", "items": {"type": "integer"}, "maxItems": 5},
+        "s": {"type": "string", "maxLength": 10}}, "required": ["k", "s"]}))
+    fast = SamplingParams(temperature=0.0, structured=so)
+    masked = SamplingParams(temperature=0.0, structured=so, logit_bias=((7, 0.0),))
+    hists = [RequestHistory(), RequestHistory()]
+    gen = torch.Generator().manual_seed(3)
+    resolved = 0
+    for step in range(40):
+        logits = torch.randn(1, VOCAB, generator=gen)
+        banned = structured.disallowed_mask(structured._fill(
+            [structured.state_of(masked, hists[1], VOCAB).matcher], VOCAB), VOCAB,
+            torch.device("cpu"))[0]
+        ok = torch.nonzero(~banned)[:, 0]
+        if step % 3:  # an allowed token among the top ones (the fast way), sometimes a tie
+            logits[0, ok[step % len(ok)]] = 6.0
+            logits[0, ok[-1]] = 6.0 if step % 4 == 0 else 0.0
+        both = torch.cat([logits, logits])
+        resolved += len(structured.greedy_constrained_(
+            both, [fast, masked], hists, torch.zeros(2, dtype=torch.long)))
+        a, b = (r.token_id for r in sample_rows(both, [fast, masked], hists))
+        assert a == b, step
+        assert not banned[a]
+        if a == EOS:
+            break
+        for h in hists:
+            h.add_tokens([a], generated=True)
+    assert resolved >= 10  # the fast way did run
 
 
 def test_unpacking_on_any_device_matches_numpy():
     gen = torch.Generator().manual_seed(1)
     words = torch.randint(-(2**31), 2**31 - 1, (3, (VOCAB + 31) // 32), dtype=torch.int32,
                           generator=gen)
-    cpu = structured.allowed_mask(words, VOCAB - 7, torch.device("cpu"))
-    assert torch.equal(structured.unpack_words(words, VOCAB - 7), cpu)
-    word, bit = divmod(12345, 32)
-    assert bool(cpu[0, 12345]) == bool((int(words[0, word]) >> bit) & 1)
+    banned = structured.disallowed_mask(words, VOCAB - 7, torch.device("cpu"))
+    assert banned.shape == (3, VOCAB - 7)
+    assert torch.equal(structured.unpack_words(words, VOCAB - 7), ~banned)
+    for token in (0, 31, 32, 12345, VOCAB - 8):
+        word, bit = divmod(token, 32)
+        assert bool(banned[1, token]) != bool((int(words[1, word]) >> bit) & 1)
 
 
 def _generate(engine: ShardEngine, rid: str, prompt: list[int], params: SamplingParams,
