@@ -8,8 +8,8 @@ step is largest; the runtime's per-hop costs would only dilute it).
    arrays of strings, numbers and objects (with minItems / maxItems), enums, required and
    optional fields, `additionalProperties: false`, anyOf, nullable fields, and the string
    formats email, date, date-time, time, uuid, ipv4, uri, plus patterns and length bounds.
-   Each is asked for greedily (`--streams` requests at a time) with the schema in the prompt,
-   up to `--max-tokens`; the output must end on EOS (not be cut by max_tokens), parse as
+   Each is asked for greedily (`--streams` requests at a time), the prompt naming the topic
+   and the fields, up to `--max-tokens`; the output must end on EOS (not be cut by max_tokens), parse as
    JSON, and validate (`jsonschema`, with its format checker for the formats it knows).
 2. Decode throughput at `--streams` streams: the same prompts, prefilled, then
    `--decode-steps` decode steps of all streams at once, unconstrained vs each stream under a
@@ -24,10 +24,12 @@ step is largest; the runtime's per-hop costs would only dilute it).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -42,7 +44,7 @@ _ADDRESS = {"type": "object", "properties": {
     "street": {"type": "string", "maxLength": 40},
     "city": {"type": "string", "maxLength": 30},
     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-    "required": ["street", "city"]}
+    "required": ["street", "city"], "additionalProperties": False}
 _ITEM = {"type": "object", "properties": {
     "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
     "qty": {"type": "integer", "minimum": 1, "maximum": 99},
@@ -53,7 +55,7 @@ _ITEM = {"type": "object", "properties": {
 FIELDS: dict[str, dict[str, Any]] = {
     "name": {"type": "string", "minLength": 1, "maxLength": 30},
     "title": {"type": "string", "maxLength": 60},
-    "email": {"type": "string", "format": "email"},
+    "email": {"type": "string", "format": "email", "maxLength": 40},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "score": {"type": "number", "minimum": 0, "maximum": 100},
     "active": {"type": "boolean"},
@@ -61,20 +63,20 @@ FIELDS: dict[str, dict[str, Any]] = {
     "status": {"type": "string", "enum": ["active", "inactive", "pending"]},
     "priority": {"type": "integer", "enum": [1, 2, 3]},
     "created": {"type": "string", "format": "date"},
-    "updated_at": {"type": "string", "format": "date-time"},
-    "opens_at": {"type": "string", "format": "time"},
+    "updated_at": {"type": "string", "format": "date-time", "maxLength": 32},
+    "opens_at": {"type": "string", "format": "time", "maxLength": 20},
     "id": {"type": "string", "format": "uuid"},
     "ip": {"type": "string", "format": "ipv4"},
-    "website": {"type": "string", "format": "uri"},
+    "website": {"type": "string", "format": "uri", "maxLength": 60},
     "address": _ADDRESS,
     "items": {"type": "array", "items": _ITEM, "minItems": 1, "maxItems": 3},
     "coords": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2},
     "nickname": {"type": ["string", "null"], "maxLength": 20},
-    "contact": {"anyOf": [{"type": "string", "format": "email"},
+    "contact": {"anyOf": [{"type": "string", "format": "email", "maxLength": 40},
                           {"type": "string", "pattern": "^\\+[0-9]{8,12}$"}]},
     "rating": {"type": "integer", "minimum": 1, "maximum": 5},
     "color": {"type": "string", "enum": ["red", "green", "blue", "black"]},
-    "count": {"type": "integer"},
+    "count": {"type": "integer", "minimum": 0, "maximum": 1000000},
     "notes": {"type": "string", "maxLength": 80},
 }
 TOPICS = ["a customer", "a product order", "a library book", "a city", "a web server",
@@ -83,7 +85,10 @@ TOPICS = ["a customer", "a product order", "a library book", "a city", "a web se
 
 def make_schemas(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """n varied schemas, the same for a seed: objects of 2-6 fields, some nested one level
-    further, some arrays of objects at the top."""
+    further, some arrays of objects at the top. Written as OpenAI's strict mode wants them
+    (every object closed with additionalProperties: false) and with every free string
+    bounded: an open object or string lets a 135M model ramble on past any max_tokens (it
+    writes one more key, or one more digit of a fraction of a second, forever)."""
     rng = random.Random(seed)
     names = sorted(FIELDS)
     out = []
@@ -91,12 +96,8 @@ def make_schemas(n: int, seed: int = 0) -> list[dict[str, Any]]:
         def obj(k: int) -> dict[str, Any]:
             picked = rng.sample(names, k)
             required = [f for f in picked if rng.random() < 0.7] or picked[:1]
-            schema: dict[str, Any] = {"type": "object",
-                                      "properties": {f: FIELDS[f] for f in picked},
-                                      "required": required}
-            if rng.random() < 0.6:
-                schema["additionalProperties"] = False
-            return schema
+            return {"type": "object", "properties": {f: FIELDS[f] for f in picked},
+                    "required": required, "additionalProperties": False}
 
         shape = i % 5
         if shape == 3:  # nested: an object holding an object and a list of them
@@ -163,6 +164,39 @@ def chat_ids(tok: Any, text: str) -> list[int]:
 
 # ---- 1. validity -----------------------------------------------------------------------------
 
+_RFC3339_TIME = re.compile(r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+)?"
+                           r"([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])")
+
+
+def _fields_hint(schema: dict[str, Any]) -> str:
+    """A short prompt hint (the schema itself would make prompts of ~500 tokens, and the
+    grammar, not the prompt, is what this measures)."""
+    obj = schema.get("items", schema)
+    keys = list(obj.get("properties", {}))
+    return f" with the fields {', '.join(keys)}" if keys else ""
+
+
+def format_checker() -> Any:
+    """jsonschema's draft 2020-12 format checker, with RFC 3339 `time` and `date-time`
+    (jsonschema checks those only with the optional rfc3339-validator installed)."""
+    import jsonschema
+
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+    @checker.checks("time")
+    def _time(value: object) -> bool:
+        return not isinstance(value, str) or bool(_RFC3339_TIME.fullmatch(value))
+
+    @checker.checks("date-time", raises=ValueError)
+    def _date_time(value: object) -> bool:
+        if not isinstance(value, str):
+            return True
+        day, sep, time_ = value.partition(value[10:11] if len(value) > 10 else "T")
+        return (sep in ("T", "t", " ") and bool(_RFC3339_TIME.fullmatch(time_))
+                and bool(datetime.date.fromisoformat(day)))
+
+    return checker
+
 
 def validity(engine: Any, tok: Any, n: int, streams: int, max_tokens: int,
              eos: set[int]) -> dict[str, Any]:
@@ -171,14 +205,13 @@ def validity(engine: Any, tok: Any, n: int, streams: int, max_tokens: int,
     from helixserve.request import SamplingParams, StructuredOutput
 
     schemas = make_schemas(n)
-    checker = jsonschema.FormatChecker()
+    checker = format_checker()
     results = []
     t0 = time.perf_counter()
     for start in range(0, n, streams):
         batch = []
         for i in range(start, min(n, start + streams)):
-            text = (f"Give an example of {schemas[i]['title']} as JSON following this schema:\n"
-                    f"{json.dumps(schemas[i])}")
+            text = f"Give an example of {schemas[i]['title']} as JSON{_fields_hint(schemas[i])}."
             params = SamplingParams(temperature=0.0, structured=StructuredOutput(
                 "json", json.dumps(schemas[i])))
             batch.append(Stream(f"v{i}", chat_ids(tok, text), params))
@@ -191,13 +224,15 @@ def validity(engine: Any, tok: Any, n: int, streams: int, max_tokens: int,
                 verdict, why = "truncated", f"no EOS within {max_tokens} tokens"
             else:
                 try:
-                    jsonschema.validate(json.loads(text), schemas[i], format_checker=checker)
+                    jsonschema.Draft202012Validator(schemas[i], format_checker=checker).validate(
+                        json.loads(text))
                 except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
                     verdict, why = "invalid", str(exc).splitlines()[0]
             results.append({"schema": i, "verdict": verdict, "why": why, "tokens": len(s.out),
                             "output": text})
     valid = sum(r["verdict"] == "valid" for r in results)
     return {"schemas": n, "valid": valid, "valid_pct": 100.0 * valid / n,
+            "formats_checked": sorted(checker.checkers),
             "truncated": sum(r["verdict"] == "truncated" for r in results),
             "invalid": sum(r["verdict"] == "invalid" for r in results),
             "mean_tokens": statistics.mean(r["tokens"] for r in results),
@@ -257,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schemas", type=int, default=50)
     ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=320)
+    ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")

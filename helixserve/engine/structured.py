@@ -4,8 +4,9 @@ A request with `SamplingParams.structured` gets a `GrammarState` in its `Request
 llguidance matcher over the model's tokenizer, advanced by the request's generated tokens in
 order. Each step, before the sampler picks (greedy included), `constrain_` asks each such
 row's matcher which tokens may come next (a bitmask of [ceil(vocab / 32)] int32 words,
-computed on the CPU, all rows at once with llguidance's thread pool) and sets the others'
-logits to -inf. EOS is allowed only where the grammar accepts, and is the only token left
+computed on the CPU, on llguidance's thread pool when there are many) and sets the others'
+logits to -inf (greedy rows on the CPU mostly skip that: their best allowed token is found
+among their top candidates). EOS is allowed only where the grammar accepts, and is the only token left
 once the grammar is finished, so the request ends there.
 
 The matcher follows the tokens, not the route: it is built lazily from the request's generated
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +49,11 @@ NEG_INF = float("-inf")
 GREEDY_CANDIDATES = 16
 #: pristine matchers kept per process (one per distinct grammar)
 MATCHER_CACHE_SIZE = 64
+#: masks are computed on llguidance's thread pool from this many rows, on hosts with this
+#: many CPUs; below, one after the other on the engine thread (~10-100 us a row: a pool's
+#: spinning threads would cost the forward pass more on a small host)
+PARALLEL_FILL_ROWS = 16
+PARALLEL_FILL_CPUS = 8
 
 
 @dataclass(frozen=True)
@@ -170,8 +177,9 @@ def _fill(matchers: list[Any], vocab_size: int) -> torch.Tensor:
     global _executor
     bitmask = torch.zeros((len(matchers), (vocab_size + 31) // 32), dtype=torch.int32)
     row_bytes = bitmask.shape[1] * 4
-    if len(matchers) == 1:
-        matchers[0].unsafe_compute_mask_ptr(bitmask.data_ptr(), row_bytes)
+    if len(matchers) < PARALLEL_FILL_ROWS or (os.cpu_count() or 1) < PARALLEL_FILL_CPUS:
+        for i, m in enumerate(matchers):
+            m.unsafe_compute_mask_ptr(bitmask.data_ptr() + i * row_bytes, row_bytes)
     else:
         if _executor is None:
             _executor = llguidance.LLExecutor()
