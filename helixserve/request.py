@@ -15,6 +15,18 @@ from helixserve.errors import UserError
 
 #: most top logprobs per token (and per prompt token), as vLLM's default
 MAX_LOGPROBS = 20
+#: what a structured output can constrain to (`StructuredOutput.kind`)
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "lark")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, enforced token by token on the last stage
+    (docs/structured-output.md). Travels as text: every process compiles it the same way
+    (`helixserve.structured.grammar_of`, cached per spec)."""
+
+    kind: str  # "json" | "json_object" | "regex" | "choice" | "lark"
+    spec: str  # JSON schema text / regex / JSON list of choices / lark grammar; "" for json_object
 
 
 @dataclass
@@ -48,6 +60,9 @@ class SamplingParams:
     tokens before it and this many top alternatives; None = off (no lm_head over the prompt)."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, value) pairs added to the logits before sampling (OpenAI range -100..100)."""
+    structured: StructuredOutput | None = None
+    """Only tokens the grammar allows next are sampled (EOS only once it accepts, and
+    forced when it is finished); None = free text."""
 
     def validate(self) -> SamplingParams:
         def bad(name: str, value: object, need: str) -> UserError:
@@ -80,6 +95,9 @@ class SamplingParams:
                 raise bad("logit_bias", token_id, "need non-negative token ids")
             if not -100.0 <= value <= 100.0:
                 raise bad("logit_bias", value, "need -100 <= bias <= 100")
+        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
+            raise bad("structured.kind", self.structured.kind,
+                      f"known: {', '.join(STRUCTURED_KINDS)}")
         return self
 
     @property
@@ -88,8 +106,9 @@ class SamplingParams:
 
     @property
     def changes_logits(self) -> bool:
-        """Penalties or a logit bias: the row cannot take the batched greedy argmax."""
-        return self.has_penalties or bool(self.logit_bias)
+        """Penalties, a logit bias or a grammar: the row cannot take the batched greedy
+        argmax."""
+        return self.has_penalties or bool(self.logit_bias) or self.structured is not None
 
     @property
     def has_penalties(self) -> bool:

@@ -3,8 +3,12 @@
 Bounds live on the fields, so a bad value is rejected before any work with a 400 naming the
 parameter (the app maps pydantic's errors to the OpenAI error JSON, not FastAPI's 422).
 Unknown fields are ignored, as OpenAI's and vLLM's servers do, except the ones that would
-change what comes back if we honoured them (tools, structured output, best_of): those are
-rejected with a 400 naming the field, never silently dropped. Types are strict, as OpenAI's
+change what comes back if we honoured them (tools, best_of): those are
+rejected with a 400 naming the field, never silently dropped. Structured output
+(docs/structured-output.md) is asked for in any one of OpenAI's and vLLM's ways:
+`response_format` (json_object, json_schema), vLLM's `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar`, or its newer `structured_outputs` object; more than one
+is a 400 naming the second. Types are strict, as OpenAI's
 are: `"n": "2"` or `"max_tokens": true` is a 400, not 2 or 1. Text must be valid UTF-8 (JSON
 can spell a lone surrogate, `"\\ud800"`, which no tokenizer takes), token ids fit the
 int32 the workers' protocol carries, seeds an int64. A check across fields raises
@@ -15,6 +19,7 @@ OpenAI's; `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens` and
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -28,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from helixserve.request import MAX_LOGPROBS
+from helixserve.request import MAX_LOGPROBS, StructuredOutput
 
 #: most choices per request (n), as vLLM's default
 MAX_N = 16
@@ -40,9 +45,8 @@ MAX_PROMPTS = 128
 MAX_CHOICES = 128
 MAX_LOGIT_BIAS = 300
 MAX_DETOKENIZE_TOKENS = 65_536
-#: vLLM's structured-output extensions: not supported, so rejected rather than ignored
-GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                 "structured_outputs")
+#: most choices in guided_choice / structured_outputs.choice
+MAX_GUIDED_CHOICES = 1024
 #: most stop strings per request (OpenAI allows 4, vLLM any number; each costs a check per token)
 MAX_STOP = 16
 #: token ids and top_k travel as int32 to the workers, seeds as int64
@@ -100,6 +104,54 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """OpenAI's `response_format.json_schema`."""
+
+    #: OpenAI requires a name; it names nothing here, so it may be left out
+    name: Text = ""
+    description: Text | None = None
+    #: the schema (`schema` in JSON; pydantic's BaseModel has a `schema` method of its own)
+    json_schema: dict[str, Any] = Field(alias="schema")
+    #: OpenAI's strict mode: the output always follows the schema; here it always does
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ParamError("response_format.json_schema",
+                             'required when type is "json_schema"')
+        return self
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` (its newer name for the guided_* fields): one of them."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    #: vLLM's tag-triggered grammars: not supported, refused rather than dropped
+    structural_tag: Any = None
+
+    @field_validator("structural_tag")
+    @classmethod
+    def _no_structural_tag(cls, v: Any) -> Any:
+        if v is not None:
+            raise _reject("structural_tag", "use json, regex, choice or grammar")
+        return v
+
+
+def _json_text(value: dict[str, Any] | list[str] | str) -> str:
+    """A schema or choice list as the text a StructuredOutput carries (given text as is)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 class SamplingFields(_Body):
     """Parameters shared by /v1/completions and /v1/chat/completions."""
 
@@ -125,11 +177,14 @@ class SamplingFields(_Body):
     user: Text | None = None
     #: token id (a string key in JSON) -> value added to its logit before sampling
     logit_bias: dict[str, float] | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
+    #: structured output (module doc): at most one of these
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1,
+                                               max_length=MAX_GUIDED_CHOICES)] | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -141,13 +196,6 @@ class SamplingFields(_Body):
                 raise ValueError(f"key {key!r} is not a token id")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"bias {value} for token {key} is outside -100..100")
-        return v
-
-    @field_validator(*GUIDED_FIELDS)
-    @classmethod
-    def _no_guided_decoding(cls, v: Any) -> Any:
-        if v is not None:
-            raise _reject("structured output", "leave the guided_* fields out")
         return v
 
     @field_validator("stop")
@@ -163,6 +211,50 @@ class SamplingFields(_Body):
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "only allowed when stream is true")
         return self
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> SamplingFields:
+        self.structured_output()
+        return self
+
+    def structured_output(self) -> tuple[StructuredOutput, str] | None:
+        """The constraint asked for and the field it came from (errors name it); None = free
+        text. Raises ParamError naming the second field when more than one is given."""
+        found: list[tuple[StructuredOutput, str]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append((StructuredOutput("json_object", ""), "response_format"))
+        if rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            found.append((StructuredOutput("json", _json_text(rf.json_schema.json_schema)),
+                          "response_format.json_schema.schema"))
+        if self.guided_json is not None:
+            found.append((StructuredOutput("json", _json_text(self.guided_json)), "guided_json"))
+        if self.guided_regex is not None:
+            found.append((StructuredOutput("regex", self.guided_regex), "guided_regex"))
+        if self.guided_choice is not None:
+            found.append((StructuredOutput("choice", _json_text(self.guided_choice)),
+                          "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append((StructuredOutput("lark", self.guided_grammar), "guided_grammar"))
+        so = self.structured_outputs
+        if so is not None:
+            if so.json_ is not None:
+                found.append((StructuredOutput("json", _json_text(so.json_)),
+                              "structured_outputs.json"))
+            if so.regex is not None:
+                found.append((StructuredOutput("regex", so.regex), "structured_outputs.regex"))
+            if so.choice is not None:
+                found.append((StructuredOutput("choice", _json_text(so.choice)),
+                              "structured_outputs.choice"))
+            if so.grammar is not None:
+                found.append((StructuredOutput("lark", so.grammar), "structured_outputs.grammar"))
+            if so.json_object:
+                found.append((StructuredOutput("json_object", ""),
+                              "structured_outputs.json_object"))
+        if len(found) > 1:
+            raise ParamError(found[1][1], f"only one structured output per request; "
+                             f"{found[0][1]} is given too")
+        return found[0] if found else None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -249,17 +341,6 @@ class ChatMessage(BaseModel):
         return "".join(part["text"] for part in self.content)
 
 
-class ResponseFormat(_Body):
-    type: str
-
-    @field_validator("type")
-    @classmethod
-    def _text_format_only(cls, v: str) -> str:
-        if v != "text":
-            raise _reject(f"response_format {v!r}", 'use {"type": "text"}')
-        return v
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     #: OpenAI's newer name for max_tokens; wins when both are given
@@ -267,12 +348,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    #: tool calling and structured output are not supported: rejected unless they ask for
-    #: nothing ("none" tool choice, "text" response format), as vLLM without a tool parser
+    #: tool calling is not supported: rejected unless it asks for nothing ("none" tool
+    #: choice), as vLLM without a tool parser
     tool_choice: Any = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: ResponseFormat | None = None
 
     @field_validator("tools")
     @classmethod

@@ -28,7 +28,7 @@ from helixserve.api.errors import APIError
 from helixserve.api.metrics import ServingMetrics
 from helixserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from helixserve.errors import UserError
-from helixserve.request import SamplingParams
+from helixserve.request import SamplingParams, StructuredOutput
 from helixserve.runtime import (
     GenerationRequest,
     NoRouteError,
@@ -37,6 +37,7 @@ from helixserve.runtime import (
     TokenEvent,
 )
 from helixserve.runtime.stats import CoordinatorStats
+from helixserve.structured import grammar_of
 
 
 class CoordinatorLike(Protocol):
@@ -289,12 +290,29 @@ class Serving:
             default = fits
         return default
 
+    def structured(self, body: SamplingFields) -> StructuredOutput | None:
+        """The request's structured output, its grammar compiled and checked (an APIError
+        400 naming the field when the schema, regex or grammar is bad). Compiling a large
+        schema takes milliseconds: `completion_prompts` and `chat_prompt` call this on the
+        tokenizing thread first, and `build_batch`'s call on the event loop then finds the
+        grammar in grammar_of's cache."""
+        asked = body.structured_output()
+        if asked is None:
+            return None
+        so, param = asked
+        try:
+            grammar_of(so, field=param)
+        except UserError as exc:
+            raise APIError(400, str(exc), param=param, code="invalid_parameter") from None
+        return so
+
     def _sampling(
         self,
         body: SamplingFields,
         logprobs: int | None,
         seed: int | None,
         prompt_logprobs: int | None = None,
+        structured: StructuredOutput | None = None,
     ) -> Any:
         params = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -308,6 +326,7 @@ class Serving:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=body.bias_pairs(),
+            structured=structured,
         )
         vocab = len(self.tokenizer)
         for token_id, _ in params.logit_bias:
@@ -339,6 +358,7 @@ class Serving:
             # the vocabulary is the client's error, a 400, never a failed step
             raise APIError(400, f"stop_token_ids: token id {bad[0]} out of range [0, {vocab})",
                            param="stop_token_ids", code="invalid_parameter")
+        structured = self.structured(body)
         choices: list[Choice] = []
         for p_index, (ids, text) in enumerate(prompts):
             budget = self._max_tokens(len(ids), max_tokens, param)
@@ -355,7 +375,8 @@ class Serving:
                 req = GenerationRequest(
                     request_id=self._next_internal_id(request_id, index),
                     prompt_token_ids=list(ids),
-                    sampling=self._sampling(body, logprobs, seed, prompt_logprobs),
+                    sampling=self._sampling(body, logprobs, seed, prompt_logprobs,
+                                            structured),
                     max_tokens=budget,
                     min_tokens=body.min_tokens,
                     stop=body.stop_list(),
@@ -369,6 +390,7 @@ class Serving:
         return Batch(request_id, int(time.time()), choices, [list(ids) for ids, _ in prompts])
 
     def completion_prompts(self, body: CompletionRequest) -> list[tuple[list[int], str]]:
+        self.structured(body)  # compiled here, off the event loop (`structured`)
         raw = body.prompt
         items: list[str | list[int]]
         if isinstance(raw, str):
@@ -392,6 +414,7 @@ class Serving:
         return out
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[tuple[list[int], str]]:
+        self.structured(body)  # compiled here, off the event loop (`structured`)
         messages = body.template_messages()
         text = self.render_chat(messages, body.add_generation_prompt)
         return [(self.encode_text(text, add_special_tokens=False, param="messages"), text)]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from helixserve.engine.config import ModelArgs
+from helixserve.engine.structured import register_model
 from helixserve.errors import UserError
 
 # Per-layer tensor suffixes in HF naming; `bias` ones exist only with attention_bias.
@@ -135,6 +136,8 @@ def load_range(
         out.tensors[name] = tensor.to(device=device, dtype=dtype, copy=True)
     if end == args.num_layers and args.tie_word_embeddings:
         out.tensors["lm_head.weight"] = out.tensors["model.embed_tokens.weight"]
+    if end == args.num_layers:  # the sampler constrains structured requests with its tokenizer
+        register_model(model_path, args.vocab_size, args.eos_token_ids)
     return out
 
 

@@ -32,6 +32,9 @@ token given the tokens before it: the engine scores the prompt rows of a request
 `logit_bias` (OpenAI semantics) adds a per-token value to the logits before the penalties and
 everything after them; -100 / +100 in practice ban / force a token. Logprobs stay the model's
 own, unbiased, like the penalties.
+A request with a grammar (`structured`, engine/structured.py) has every token its grammar does
+not allow next set to -inf after the adjustments above and before greedy or the draw, so
+greedy picks the best allowed token; its logprobs stay the model's own too.
 Stop tokens and max_tokens are the coordinator's business: the sampler only samples, except
 for `min_tokens`: while fewer than `min_tokens` tokens have been generated, the ids in
 `stop_token_ids` (EOS included, unless the client asked to ignore it) are masked out, so the
@@ -49,6 +52,7 @@ import numpy as np
 import torch
 
 from helixserve.engine.host_copy import to_device, to_host
+from helixserve.engine.structured import GrammarState, constrain_, greedy_constrained_
 from helixserve.request import PromptLogprob, SamplingParams
 
 NEG_INF = float("-inf")
@@ -73,10 +77,15 @@ class RequestHistory:
     pending_prompt_row: tuple[int, torch.Tensor] | None = None
     """(position, logprobs [vocab]) of a prompt chunk's last row: it scores the token at that
     position, which the next chunk brings."""
+    output_ids: list[int] = field(default_factory=list)
+    """Generated tokens fed back so far, in order (a grammar replays them)."""
+    grammar: GrammarState | None = None
+    """Structured requests: the grammar's matcher, built at the first sample here."""
 
     def add_tokens(self, token_ids: list[int], generated: bool) -> None:
         if generated:
             self.output_counts.update(token_ids)
+            self.output_ids += token_ids
             self.num_generated += len(token_ids)
         else:
             self.prompt_ids.update(token_ids)
@@ -389,52 +398,65 @@ def sample_rows(
     ]
     chosen = torch.zeros(num_rows, dtype=torch.long, device=dev)
     if all(plain_greedy):
-        chosen = _argmax(logits).to(dev)
-    else:
-        if any(plain_greedy):
-            at = to_device([i for i, g in enumerate(plain_greedy) if g], dev)
-            chosen[at] = _argmax(logits[at]).to(dev)
-        others = [i for i, g in enumerate(plain_greedy) if not g]
-        o_params = [params[i] for i in others]
-        o_hists = [hists[i] for i in others]
-        o_at = to_device(others, dev)
-        # work: [others, vocab], the sampler's own copy, adjusted, then made finite (once:
-        # a second pass would turn the -inf a NaN became into the lowest float)
-        adjust = any(p.changes_logits or suppresses_stop(p, h)
-                     for p, h in zip(o_params, o_hists, strict=True))
-        if len(others) < num_rows or adjust:
-            work = logits[o_at] if len(others) < num_rows else logits.clone()
-            adjust_logits(work, o_params, o_hists)
-            make_finite_(work)
-        else:  # nothing to adjust: the copy and the finite pass in one
-            work = torch.nan_to_num(logits, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max)
-        greedy = [j for j, p in enumerate(o_params) if p.is_greedy]
-        if greedy:
-            g_at = to_device(greedy, dev)
-            chosen[o_at[g_at]] = _argmax(work[g_at]).to(dev)
-        sampled = [j for j, p in enumerate(o_params) if not p.is_greedy]
-        if sampled:
-            # Subtract the max first: a tiny temperature then sends the rest to -inf instead
-            # of the top to +inf (softmax is shift-invariant).
-            x = _take(work, sampled, to_device(sampled, dev))
-            x.sub_(x.amax(dim=-1, keepdim=True))
-            x.div_(_column([o_params[j].temperature for j in sampled], x))
-            seeded = [n for n, j in enumerate(sampled) if o_params[j].seed is not None]
-            unseeded = [n for n, j in enumerate(sampled) if o_params[j].seed is None]
-            if seeded:
-                rows = [others[sampled[n]] for n in seeded]
-                chosen[to_device(rows, dev)] = _draw_seeded(
-                    _take(x, seeded, to_device(seeded, dev)), [params[r] for r in rows],
-                    [hists[r] for r in rows])
-            if unseeded:
-                rows = [others[sampled[n]] for n in unseeded]
-                if generator is None:
-                    generator = torch.Generator(device=dev)
-                    generator.manual_seed(random.SystemRandom().getrandbits(62))
-                chosen[to_device(rows, dev)] = _draw_unseeded(
-                    _take(x, unseeded, to_device(unseeded, dev)), [params[r] for r in rows],
-                    generator)
+        return _results(logits, params, _argmax(logits).to(dev))
+    if any(plain_greedy):
+        at = to_device([i for i, g in enumerate(plain_greedy) if g], dev)
+        chosen[at] = _argmax(logits[at]).to(dev)
+    # greedy rows whose only change is a grammar: their best allowed token, mostly found
+    # among their top candidates without masking the whole row (engine/structured.py)
+    picked = greedy_constrained_(logits, params, hists, chosen)
+    others = [i for i, g in enumerate(plain_greedy) if not g and i not in picked]
+    if others:
+        _sample_others(logits, others, params, hists, chosen, generator)
     return _results(logits, params, chosen)
+
+
+def _sample_others(logits: torch.Tensor, others: list[int], params: list[SamplingParams],
+                   hists: list[RequestHistory], chosen: torch.Tensor,
+                   generator: torch.Generator | None) -> None:
+    """Rows `others` of logits [rows, vocab] (all but the plain greedy ones): adjusted,
+    constrained, then greedy or drawn; their tokens written into chosen [rows]."""
+    num_rows, dev = logits.shape[0], logits.device
+    o_params = [params[i] for i in others]
+    o_hists = [hists[i] for i in others]
+    o_at = to_device(others, dev)
+    # work: [others, vocab], the sampler's own copy, adjusted, then made finite (once:
+    # a second pass would turn the -inf a NaN became into the lowest float)
+    adjust = any(p.changes_logits or suppresses_stop(p, h)
+                 for p, h in zip(o_params, o_hists, strict=True))
+    if len(others) < num_rows or adjust:
+        work = logits[o_at] if len(others) < num_rows else logits.clone()
+        adjust_logits(work, o_params, o_hists)
+        make_finite_(work)
+        constrain_(work, o_params, o_hists)
+    else:  # nothing to adjust: the copy and the finite pass in one
+        work = torch.nan_to_num(logits, nan=NEG_INF, posinf=torch.finfo(logits.dtype).max)
+    greedy = [j for j, p in enumerate(o_params) if p.is_greedy]
+    if greedy:
+        g_at = to_device(greedy, dev)
+        chosen[o_at[g_at]] = _argmax(work[g_at]).to(dev)
+    sampled = [j for j, p in enumerate(o_params) if not p.is_greedy]
+    if sampled:
+        # Subtract the max first: a tiny temperature then sends the rest to -inf instead
+        # of the top to +inf (softmax is shift-invariant).
+        x = _take(work, sampled, to_device(sampled, dev))
+        x.sub_(x.amax(dim=-1, keepdim=True))
+        x.div_(_column([o_params[j].temperature for j in sampled], x))
+        seeded = [n for n, j in enumerate(sampled) if o_params[j].seed is not None]
+        unseeded = [n for n, j in enumerate(sampled) if o_params[j].seed is None]
+        if seeded:
+            rows = [others[sampled[n]] for n in seeded]
+            chosen[to_device(rows, dev)] = _draw_seeded(
+                _take(x, seeded, to_device(seeded, dev)), [params[r] for r in rows],
+                [hists[r] for r in rows])
+        if unseeded:
+            rows = [others[sampled[n]] for n in unseeded]
+            if generator is None:
+                generator = torch.Generator(device=dev)
+                generator.manual_seed(random.SystemRandom().getrandbits(62))
+            chosen[to_device(rows, dev)] = _draw_unseeded(
+                _take(x, unseeded, to_device(unseeded, dev)), [params[r] for r in rows],
+                generator)
 
 
 def _results(logits: torch.Tensor, params: list[SamplingParams],

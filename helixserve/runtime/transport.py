@@ -22,7 +22,7 @@ import grpc
 from helixserve.engine.protocol import RawHidden
 from helixserve.planner.placement import NodeRange
 from helixserve.prefix import BLOCK_HASH_BYTES, CacheEvents
-from helixserve.request import PromptLogprob, SamplingParams
+from helixserve.request import PromptLogprob, SamplingParams, StructuredOutput
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.spec.model import DTYPE_BYTES
 from helixserve.spec.scheduling import DEFAULT_PREFILL_CHUNK_TOKENS
@@ -314,6 +314,8 @@ def sampling_to_pb(s: SamplingParams | None) -> pb.SamplingParams | None:
         stop_token_ids=list(s.stop_token_ids),
         prompt_logprobs=-1 if s.prompt_logprobs is None else s.prompt_logprobs,
         logit_bias=dict(s.logit_bias),
+        structured_kind=s.structured.kind if s.structured is not None else "",
+        structured_spec=s.structured.spec if s.structured is not None else "",
     )
 
 
@@ -332,6 +334,8 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         prompt_logprobs=None if msg.prompt_logprobs < 0 else msg.prompt_logprobs,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        structured=(StructuredOutput(msg.structured_kind, msg.structured_spec)
+                    if msg.structured_kind else None),
     )
 
 
