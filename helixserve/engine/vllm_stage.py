@@ -113,6 +113,9 @@ class VllmStageEngine:
         self._generator.manual_seed(random.SystemRandom().getrandbits(62))
         self.is_first = start_layer == 0
         self.is_last = end_layer == self.num_model_layers
+        if self.is_last:  # structured output: the sampler constrains with this model's tokenizer
+            from helixserve.engine.structured import register_model
+            register_model(model_dir, self.vocab_size, self.eos_token_ids)
         self.loaded_tensor_names = built.loaded_tensor_names
         self.block_size = built.block_size
         #: vLLM's block pool; with prefix caching its cache of named full blocks (module doc)
