@@ -10,11 +10,20 @@ torch, so the API and the coordinator run where torch is not installed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from helixserve.errors import UserError
 
 #: most top logprobs per token (and per prompt token), as vLLM's default
 MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the sampled tokens must follow (TEMP contract shim; so-grammar's version wins)."""
+
+    kind: Literal["json", "json_object", "regex", "choice", "lark"]
+    spec: str
 
 
 @dataclass
@@ -48,6 +57,8 @@ class SamplingParams:
     tokens before it and this many top alternatives; None = off (no lm_head over the prompt)."""
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, value) pairs added to the logits before sampling (OpenAI range -100..100)."""
+    structured: StructuredOutput | None = None
+    """A grammar the output must follow; None = free generation."""
 
     def validate(self) -> SamplingParams:
         def bad(name: str, value: object, need: str) -> UserError:
