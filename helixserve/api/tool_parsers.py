@@ -30,6 +30,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+#: values of `--tool-call-parser`: auto = by the chat template (`parser_for_template`)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3", "mistral")
 #: keys of a call's arguments object, as the families name it
 ARG_KEYS = ("arguments", "parameters")
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from helixserve.api.errors import APIError
 from helixserve.api.tool_parsers import (
+    TOOL_CALL_PARSERS,
     CallDelta,
     CallsOrContentStream,
     ParsedOutput,
@@ -50,9 +51,6 @@ from helixserve.request import StructuredOutput
 if TYPE_CHECKING:
     from helixserve.api.protocol import ChatCompletionRequest, ChatMessage
     from helixserve.api.serving import Batch
-
-#: values of `--tool-call-parser`: auto = from the chat template
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3", "mistral")
 
 _MENTIONS_TOOLS = re.compile(r"\btools\b")
 
