@@ -296,7 +296,14 @@ class _CallEmitter:
         text = self.scanner.text
         for k, call in enumerate(self.scanner.calls):
             if k == len(self._sent):
+                # announced once its name is read and its arguments begin as an object (or a
+                # string holding one), or it ended without them: not before, so that a call
+                # whose arguments are a list or a number stays content
                 if call.name is None:
+                    break
+                if call.args_start >= 0 and text[call.args_start] not in '{"':
+                    break
+                if call.args_start < 0 and not call.closed:
                     break
                 self._sent.append(0)
                 out.append(CallDelta(self.first_index + k, new_call_id(), call.name))
