@@ -95,6 +95,8 @@ class ToolPlan:
     parallel: bool
     #: the grammar of a required or named call; None for auto
     structured: StructuredOutput | None
+    #: the field a bad grammar is the fault of (its parameters schema), for the 400
+    structured_param: str | None = None
 
     def parse(self, text: str) -> ParsedOutput:
         if self.mode == "named":
@@ -146,13 +148,15 @@ def plan_tools(body: ChatCompletionRequest, template: str | None,
     parallel = body.parallel_tool_calls is not False
     named = body.named_tool()
     if named is not None:
-        tool = next(t for t in body.tools if t.function.name == named)
-        schema = _arguments_schema(tool.function.parameters)
+        i = next(i for i, t in enumerate(body.tools) if t.function.name == named)
+        schema = _arguments_schema(body.tools[i].function.parameters)
         return ToolPlan("named", tools, family, named, parallel,
-                        StructuredOutput("json", json.dumps(schema)))
+                        StructuredOutput("json", json.dumps(schema)),
+                        f"tools.{i}.function.parameters")
     if body.tool_choice == "required":
         return ToolPlan("required", tools, family, None, parallel,
-                        StructuredOutput("json", json.dumps(calls_schema(body, parallel))))
+                        StructuredOutput("json", json.dumps(calls_schema(body, parallel))),
+                        "tools")
     return ToolPlan("auto", tools, family, None, parallel, None)
 
 

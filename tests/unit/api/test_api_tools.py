@@ -180,6 +180,8 @@ def test_named_choice_sets_the_arguments_grammar_and_answers_the_call(client, sc
                                           tool_choice=named)
     structured = scripted.requests[-1].sampling.structured
     assert structured.kind == "json"
+    plan = plan_tools(chat_body(tools=[TIME, WEATHER], tool_choice=named), None)
+    assert plan.structured_param == "tools.1.function.parameters"
     assert json.loads(structured.spec) == WEATHER["function"]["parameters"]
     call = resp.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"
