@@ -34,18 +34,14 @@ from typing import TYPE_CHECKING, Any, Literal
 from helixserve.api.errors import APIError
 from helixserve.api.tool_parsers import (
     TOOL_CALL_PARSERS,
-    CallDelta,
     CallsOrContentStream,
-    ParsedOutput,
-    StreamStep,
-    ToolCall,
     ToolStream,
     calls_from_values,
     get_parser,
     json_values,
-    new_call_id,
     parser_for_template,
 )
+from helixserve.api.tool_stream import CallDelta, ParsedOutput, StreamStep, ToolCall, new_call_id
 from helixserve.request import StructuredOutput
 
 if TYPE_CHECKING:
