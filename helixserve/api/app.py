@@ -37,6 +37,8 @@ from helixserve.api.protocol import (
     TokenizeRequest,
 )
 from helixserve.api.serving import Batch, Choice, CoordinatorLike, Serving, map_error
+from helixserve.api.tools import ToolPlan
+from helixserve.api.tools import enforce as enforce_tool_choice
 from helixserve.runtime import TokenEvent
 from helixserve.runtime.stats import CoordinatorStats
 
@@ -207,11 +209,14 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
-    """The API over a running coordinator. `api_key` None = no auth."""
+    """The API over a running coordinator. `api_key` None = no auth. `tool_call_parser`:
+    how tool calls are read from the output (helixserve/api/tools.py; auto = by template)."""
     name = served_model_name or coordinator.model_name
     metrics = ServingMetrics(name, coordinator.stats)
     serving = Serving(coordinator, name, metrics)
+    serving.tool_call_parser = tool_call_parser
     app = FastAPI(title="helixserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.serving = serving
     app.state.metrics = metrics
@@ -357,24 +362,28 @@ def create_app(
         batch = serving.build_batch(
             rid, body, prompts, body.effective_max_tokens(), body.num_logprobs(), "messages"
         )
+        tools = serving.tool_plan(body)
+        enforce_tool_choice(tools, batch)
         if body.stream:
             return await start_stream(
-                request, batch, lambda first, ev: chat_sse(batch, body, first, ev)
+                request, batch, lambda first, ev: chat_sse(batch, body, first, ev, tools)
             )
         if not await run_to_end(request, batch):
             return Response(status_code=_CLIENT_CLOSED)
-        choices = [
-            {
+        choices = []
+        for c in batch.choices:
+            message, finish = ({"role": "assistant", "content": c.text}, c.finish_reason)
+            if tools is not None:
+                message, finish = tools.message(c.text, c.finish_reason)
+            choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": serving.chat_logprobs(c, 0, len(c.token_ids))
                 if body.logprobs
                 else None,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish,
                 "stop_reason": None,
-            }
-            for c in batch.choices
-        ]
+            })
         return JSONResponse(
             {
                 "id": rid,
@@ -392,9 +401,11 @@ def create_app(
         body: ChatCompletionRequest,
         first: tuple[Choice, TokenEvent] | None,
         events: Events,
+        tools: ToolPlan | None = None,
     ) -> AsyncGenerator[str, None]:
         include_usage = body.include_usage()
         sent_tokens = {c.index: 0 for c in batch.choices}
+        tool_streams = {c.index: tools.stream() for c in batch.choices} if tools else {}
 
         def envelope(choice: dict[str, Any]) -> dict[str, Any]:
             out: dict[str, Any] = {
@@ -409,19 +420,22 @@ def create_app(
             return out
 
         def chunk(c: Choice, ev: TokenEvent) -> dict[str, Any] | None:
-            if not ev.text and ev.finish_reason is None:
+            delta: dict[str, Any] = {"content": ev.text} if ev.text else {}
+            finish = ev.finish_reason
+            if tools is not None:  # content and tool_calls deltas (helixserve/api/tools.py)
+                delta, finish = tool_streams[c.index].delta(ev.text, ev.finish_reason)
+            if not delta and finish is None:
                 return None  # nothing to show yet (e.g. half a UTF-8 character)
             logprobs = None
             if body.logprobs:
                 logprobs = serving.chat_logprobs(c, sent_tokens[c.index], len(c.token_ids))
             sent_tokens[c.index] = len(c.token_ids)
-            delta = {"content": ev.text} if ev.text else {}
             return envelope(
                 {
                     "index": c.index,
                     "delta": delta,
                     "logprobs": logprobs,
-                    "finish_reason": ev.finish_reason,
+                    "finish_reason": finish,
                 }
             )
 

@@ -3,12 +3,12 @@
 Bounds live on the fields, so a bad value is rejected before any work with a 400 naming the
 parameter (the app maps pydantic's errors to the OpenAI error JSON, not FastAPI's 422).
 Unknown fields are ignored, as OpenAI's and vLLM's servers do, except the ones that would
-change what comes back if we honoured them (tools, best_of): those are
+change what comes back if we honoured them (legacy functions, best_of): those are
 rejected with a 400 naming the field, never silently dropped. Structured output
 (docs/structured-output.md) is asked for in any one of OpenAI's and vLLM's ways:
 `response_format` (json_object, json_schema), vLLM's `guided_json` / `guided_regex` /
 `guided_choice` / `guided_grammar`, or its newer `structured_outputs` object; more than one
-is a 400 naming the second. Types are strict, as OpenAI's
+is a 400 naming the second. Tool calls: docs/tool-calls.md. Types are strict, as OpenAI's
 are: `"n": "2"` or `"max_tokens": true` is a 400, not 2 or 1. Text must be valid UTF-8 (JSON
 can spell a lone surrogate, `"\\ud800"`, which no tokenizer takes), token ids fit the
 int32 the workers' protocol carries, seeds an int64. A check across fields raises
@@ -28,7 +28,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -47,6 +46,9 @@ MAX_LOGIT_BIAS = 300
 MAX_DETOKENIZE_TOKENS = 65_536
 #: most choices in guided_choice / structured_outputs.choice
 MAX_GUIDED_CHOICES = 1024
+#: most tools per request (OpenAI's limit); the values tool_choice takes as a string
+MAX_TOOLS = 128
+TOOL_CHOICES = ("none", "auto", "required")
 #: most stop strings per request (OpenAI allows 4, vLLM any number; each costs a check per token)
 MAX_STOP = 16
 #: token ids and top_k travel as int32 to the workers, seeds as int64
@@ -317,12 +319,69 @@ class CompletionRequest(SamplingFields):
         return self
 
 
+# ---- tool calling (the logic is helixserve/api/tools.py) ---------------------------------
+
+#: a function name as OpenAI allows it
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(_Body):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: Text | None = None
+    #: JSON Schema of the arguments: an object schema; absent or {} = no arguments
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = (v or {}).get("type", "object")
+        if kind != "object":
+            raise ValueError(f'must be a JSON Schema of type "object", got type {kind!r}')
+        props = (v or {}).get("properties", {})
+        if not isinstance(props, dict):
+            raise ValueError("properties must be an object mapping names to schemas")
+        return v
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(_Body):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    #: the arguments as a JSON object in text, as the model wrote them
+    arguments: Text
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        try:
+            value = json.loads(v)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"must be a JSON object, got {type(value).__name__}")
+        return v
+
+
+class AssistantToolCall(_Body):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool"]
     #: a string, or OpenAI content parts (only `text` parts are supported)
     content: Text | Annotated[list[dict[str, Any]], Field(min_length=1)] | None = None
     name: Text | None = None
+    #: calls an assistant message made (history)
+    tool_calls: list[AssistantToolCall] | None = None
+    #: which call a `tool` message answers
+    tool_call_id: Text | None = None
 
     @field_validator("content")
     @classmethod
@@ -348,24 +407,73 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    #: tool calling is not supported: rejected unless it asks for nothing ("none" tool
-    #: choice), as vLLM without a tool parser
-    tool_choice: Any = None
-    tools: list[Any] | None = None
+    #: the functions the model may call (helixserve/api/tools.py)
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    #: "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}};
+    #: unset = "auto" with tools, "none" without
+    tool_choice: str | dict[str, Any] | None = None
+    #: whether the model may make several calls in one answer (default true)
+    parallel_tool_calls: bool | None = None
+    #: the legacy function calling is not supported: rejected, never ignored
     functions: list[Any] | None = None
 
     @field_validator("tools")
     @classmethod
-    def _no_tool_calls(cls, v: list[Any] | None, info: ValidationInfo) -> list[Any] | None:
-        if v and info.data.get("tool_choice") != "none":
-            raise _reject("tool calling", 'leave tools out or set tool_choice to "none"')
+    def _unique_tool_names(cls, v: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        seen: set[str] = set()
+        for tool in v or []:
+            if tool.function.name in seen:
+                raise ValueError(f"function name {tool.function.name!r} is given twice")
+            seen.add(tool.function.name)
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_form(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(v, str) and v not in TOOL_CHOICES:
+            raise ValueError(f"unknown value {v!r}; known: {', '.join(TOOL_CHOICES)}, or "
+                             '{"type": "function", "function": {"name": ...}}')
+        if isinstance(v, dict):
+            function = v.get("function")
+            if (v.get("type") != "function" or not isinstance(function, dict)
+                    or not isinstance(function.get("name"), str)):
+                raise ValueError('a named choice is {"type": "function", "function": '
+                                 f'{{"name": ...}}}}, got {json.dumps(v)[:120]}')
         return v
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ParamError("tool_choice", "only allowed when tools are given")
+        named = self.named_tool()
+        names = [t.function.name for t in self.tools or []]
+        if named is not None and named not in names:
+            raise ParamError("tool_choice", f"names function {named!r}, which is not among "
+                             f"the tools: {', '.join(names)}")
         return self
+
+    @model_validator(mode="after")
+    def _tool_messages_answer_calls(self) -> ChatCompletionRequest:
+        called: set[str] = set()
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                raise ParamError(f"messages.{i}.tool_calls",
+                                 f"only assistant messages carry tool calls, not {m.role!r}")
+            called.update(c.id for c in m.tool_calls or [])
+            if m.role == "tool" and not m.tool_call_id:
+                raise ParamError(f"messages.{i}.tool_call_id", "required in a message with "
+                                 "role 'tool' (the id of the call it answers)")
+            if m.role == "tool" and m.tool_call_id not in called:
+                raise ParamError(f"messages.{i}.tool_call_id",
+                                 f"{m.tool_call_id!r} answers no tool call of an earlier "
+                                 "assistant message")
+        return self
+
+    def named_tool(self) -> str | None:
+        """The function `tool_choice` names, if it names one."""
+        if isinstance(self.tool_choice, dict):
+            return str(self.tool_choice["function"]["name"])
+        return None
 
     @field_validator("functions")
     @classmethod

@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 from helixserve.api.errors import APIError
 from helixserve.api.metrics import ServingMetrics
 from helixserve.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from helixserve.api.tools import ToolPlan, chat_template_inputs, plan_tools, template_text
 from helixserve.errors import UserError
 from helixserve.request import SamplingParams, StructuredOutput
 from helixserve.runtime import (
@@ -168,6 +169,8 @@ class Serving:
         #: set when the server starts shutting down: running requests end at their next token
         self.draining = False
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        #: the family tool calls are parsed as (`--tool-call-parser`; auto = by chat template)
+        self.tool_call_parser = "auto"
 
     async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
         """`fn(*args)` on the tokenizing thread (class doc); its APIError reaches the caller."""
@@ -228,13 +231,17 @@ class Serving:
             )
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template", param="messages")
+        # tools only to a template that renders them (helixserve/api/tools.py)
+        extra = {} if tools is None else {"tools": tools}
         try:
             return str(
                 self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                    messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                    **extra
                 )
             )
         except Exception as exc:  # jinja errors from the template (e.g. role order)
@@ -415,9 +422,13 @@ class Serving:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[tuple[list[int], str]]:
         self.structured(body)  # compiled here, off the event loop (`structured`)
-        messages = body.template_messages()
-        text = self.render_chat(messages, body.add_generation_prompt)
+        messages, tools = chat_template_inputs(body, template_text(self.tokenizer))
+        text = self.render_chat(messages, body.add_generation_prompt, tools)
         return [(self.encode_text(text, add_special_tokens=False, param="messages"), text)]
+
+    def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan | None:
+        """How the request's tools are offered, enforced and parsed (None: not offered)."""
+        return plan_tools(body, template_text(self.tokenizer), self.tool_call_parser)
 
     # ---- running --------------------------------------------------------------------------
 

@@ -46,9 +46,10 @@ def check_error(resp: httpx.Response, status: int, param: str | None = None) -> 
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {str(10**9): 1}}, "logit_bias"),  # out of the vocabulary
         # asked-for behaviour we do not have is refused, never silently dropped
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
-         "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+         "tools.0.function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         # structured output is served (docs/structured-output.md); bad specs are still 400s
         ({"response_format": {"type": "xml"}}, "response_format.type"),
