@@ -422,13 +422,23 @@ class Serving:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[tuple[list[int], str]]:
         self.structured(body)  # compiled here, off the event loop (`structured`)
+        self.tool_plan(body)  # its grammar compiled here, off the event loop
         messages, tools = chat_template_inputs(body, template_text(self.tokenizer))
         text = self.render_chat(messages, body.add_generation_prompt, tools)
         return [(self.encode_text(text, add_special_tokens=False, param="messages"), text)]
 
     def tool_plan(self, body: ChatCompletionRequest) -> ToolPlan | None:
-        """How the request's tools are offered, enforced and parsed (None: not offered)."""
-        return plan_tools(body, template_text(self.tokenizer), self.tool_call_parser)
+        """How the request's tools are offered, enforced and parsed (None: not offered). A
+        required or named choice's grammar is compiled here (cached by grammar_of), so a
+        parameters schema the grammar cannot take is a 400 naming it, before any work."""
+        plan = plan_tools(body, template_text(self.tokenizer), self.tool_call_parser)
+        if plan is not None and plan.structured is not None:
+            try:
+                grammar_of(plan.structured, field=plan.structured_param)
+            except UserError as exc:
+                raise APIError(400, str(exc), param=plan.structured_param,
+                               code="invalid_parameter") from None
+        return plan
 
     # ---- running --------------------------------------------------------------------------
 

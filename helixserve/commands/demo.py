@@ -27,6 +27,7 @@ from helixserve.commands.serve import (
     recovery_config,
     timing_options,
 )
+from helixserve.commands.tool_args import add_tool_arguments, tool_options
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -75,6 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_prefix_arguments(p, workers=True)
     add_recovery_arguments(p)
     add_timing_arguments(p)
+    add_tool_arguments(p)
     add_tls_arguments(p, local_default=True)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
@@ -216,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
                 kv_watermark=args.kv_watermark,
                 recovery=recovery_config(args),
                 timing=timing_options(args),
+                **tool_options(args),
                 # the profile the demo planned with: the router and re-plan use it too
                 cost=CostInputs.load(files.profiles_path),
                 prefix_caching=not args.no_prefix_caching,

@@ -17,6 +17,7 @@ from typing import Any
 
 from helixserve.commands.args import finite_float
 from helixserve.commands.certs import add_tls_arguments, tls_from_args
+from helixserve.commands.tool_args import add_tool_arguments, tool_options
 from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, KV_ALLOCATIONS
 
 
@@ -50,6 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_cost_arguments(p)
     add_recovery_arguments(p)
     add_timing_arguments(p)
+    add_tool_arguments(p)
     add_tls_arguments(p)
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.set_defaults(func=run)
@@ -267,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
             kv_watermark=args.kv_watermark,
             recovery=recovery_config(args),
             timing=timing_options(args),
+            **tool_options(args),
             tls=tls,
             cost=cost,
             prefix_caching=not args.no_prefix_caching,

@@ -285,6 +285,7 @@ async def run_stack(
     timing: Mapping[str, Any] | None = None,
     prefix_caching: bool = True,
     cache_aware_routing: bool = True,
+    tool_call_parser: str = "auto",
 ) -> None:
     """Serve until SIGINT/SIGTERM. With `workers`, start them first, restart any that exits
     (helixserve/local/supervisor.py) and stop them last. `recovery` (a RecoveryConfig): re-plan live
@@ -297,7 +298,8 @@ async def run_stack(
     hang_timeout_s, admission_timeout_s; `serve --step-timeout-s` ...), the others its
     defaults; a rehearsal scales them by its time scale. `prefix_caching`,
     `cache_aware_routing`: CoordinatorConfig's (`--no-prefix-caching`,
-    `--no-cache-aware-routing`; docs/prefix-caching.md)."""
+    `--no-cache-aware-routing`; docs/prefix-caching.md). `tool_call_parser`: the API's
+    (`--tool-call-parser`; docs/tool-calls.md)."""
     from helixserve.api.app import create_app
     from helixserve.planner import load_placement
     from helixserve.runtime import Coordinator, CoordinatorConfig
@@ -332,7 +334,8 @@ async def run_stack(
         coord = await Coordinator.create(cluster, placement, model_dir, config, tls=tls)
         coord.process_stats = None if supervisor is None else supervisor.stats
         try:
-            app = create_app(coord, served_model_name, api_key)
+            app = create_app(coord, served_model_name, api_key,
+                             tool_call_parser=tool_call_parser)
             await serve_app(
                 app,
                 host,

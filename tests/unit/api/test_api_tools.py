@@ -261,6 +261,10 @@ def check_400(server: ServerThread, patch: dict[str, Any], param: str) -> str:
              "function": {"name": "get_weather", "arguments": "{nope"}}]}]},
          "messages.1.tool_calls.0.function.arguments", "not valid JSON"),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+        ({"tools": [TIME, {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "nonsense"}}}}}],
+          "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tools.1.function.parameters", "nonsense"),
     ],
 )
 def test_bad_tool_input_is_400_naming_the_field(server, patch, param, says):
