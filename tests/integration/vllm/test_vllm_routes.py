@@ -1,7 +1,8 @@
 """Routes through `helixserve worker --engine vllm` processes: greedy outputs token-equal to one
 plain vLLM process; a mixed torch/vllm route token-equal to the torch-only route (the wire's
 residual-stream conversion); a vllm worker running part of its range (partial inference);
-Info reporting the engine; Release returning every KV block after a cancel.
+Info reporting the engine; Release returning every KV block after a cancel; a JSON schema
+held by the grammar on a vllm last stage.
 """
 
 from __future__ import annotations
@@ -165,3 +166,40 @@ def test_release_after_cancel_returns_every_block(workers, demo_model, prompts):
     total, during, after = asyncio.run(main())
     assert all(during[n] < total[n] for n in total), (during, total)
     assert after == total
+
+
+def test_structured_output_on_a_vllm_last_stage(workers, demo_model, prompts):
+    """A JSON schema held by the grammar on a vllm last stage (helixserve's sampler with the
+    tokenizer the stage registered): the answer parses and validates, and the unconstrained
+    answer to the same prompt does not (the grammar did the work)."""
+    import json
+
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from helixserve.request import StructuredOutput
+
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"type": "string", "enum": ["France", "Italy", "Spain"]},
+        "capital": {"type": "boolean"}},
+        "required": ["city", "country", "capital"], "additionalProperties": False}
+    structured = SamplingParams(temperature=0.0,
+                                structured=StructuredOutput("json", json.dumps(schema)))
+    route = [workers[n] for n in ("v0", "v1", "v2")]
+
+    async def main() -> list[int]:
+        coord = await Coordinator.create(make_cluster(route), chain_placement(route),
+                                         demo_model, CoordinatorConfig())
+        try:
+            req = GenerationRequest("json-0", prompts[0], structured, max_tokens=64)
+            return [ev.token_id async for ev in coord.generate(req)]
+        finally:
+            await coord.close()
+
+    tok = AutoTokenizer.from_pretrained(str(demo_model))
+    text = tok.decode(asyncio.run(main()), skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), schema)
+    free, _ = serve(route, demo_model, prompts[:1])
+    with pytest.raises(ValueError):
+        json.loads(tok.decode(free[0], skip_special_tokens=True))
