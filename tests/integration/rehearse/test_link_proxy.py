@@ -82,6 +82,9 @@ async def _ping_s(host: str, port: int, rounds: int) -> float:
     return elapsed
 
 
+ROUNDS = 3
+
+
 def test_proxy_rate_limits_and_delays_each_link_as_configured(tmp_path: Path) -> None:
     async def main() -> None:
         server, target = await _sink_and_ack("127.0.0.1")
@@ -104,10 +107,13 @@ def test_proxy_rate_limits_and_delays_each_link_as_configured(tmp_path: Path) ->
         await proxy.start()
         try:
             size = 300_000
-            slow = await _bulk_s("127.0.0.1", ports["slow"], size)
-            fast = await _bulk_s("127.0.0.1", ports["fast"], size)
-            near = await _ping_s("127.0.0.1", ports["near"], 8)
-            far = await _ping_s(MACHINE_HOST, far_port, 8)
+            # the best of ROUNDS: a busy host only adds time, the shaping sets the floor
+            slow = fast = near = far = float("inf")
+            for _ in range(ROUNDS):
+                slow = min(slow, await _bulk_s("127.0.0.1", ports["slow"], size))
+                fast = min(fast, await _bulk_s("127.0.0.1", ports["fast"], size))
+                near = min(near, await _ping_s("127.0.0.1", ports["near"], 8))
+                far = min(far, await _ping_s(MACHINE_HOST, far_port, 8))
         finally:
             await proxy.close()
             server.close()
@@ -116,8 +122,8 @@ def test_proxy_rate_limits_and_delays_each_link_as_configured(tmp_path: Path) ->
         assert far >= 8 * 2 * 0.020 * 0.95  # nor its latency, both ways per round
         assert 1.4 < slow / fast < 2.8, (slow, fast)  # twice the bandwidth, half the time
         assert 2.0 < far / near < 5.0, (far, near)  # 4x the latency
-        assert proxy.links[("coordinator", "slow")].bytes_sent == size
-        assert proxy.links[("far", "coordinator")].bytes_sent == 8
+        assert proxy.links[("coordinator", "slow")].bytes_sent == size * ROUNDS
+        assert proxy.links[("far", "coordinator")].bytes_sent == 8 * ROUNDS
 
     asyncio.run(main())
 
