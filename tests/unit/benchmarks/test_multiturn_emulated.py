@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from benchmarks import multiturn
-from tests.unit.benchmarks.test_multiturn_run import FakeChat, _Server
+from tests.unit.api.api_testlib import ServerThread
+from tests.unit.benchmarks.test_multiturn_run import FakeChat
 
 ROOT = Path(__file__).resolve().parents[3]
 CLUSTER = ROOT / "tests/data/rehearse/six-nodes.yaml"
@@ -57,7 +58,7 @@ class _StandIn:
                  worker_args: list[str], serve_args: list[str]) -> None:
         self.inputs, self.time_scale = inputs, time_scale
         self.worker_args, self.serve_args = worker_args, serve_args
-        self.server = _Server(FakeChat().app())
+        self.server = ServerThread(FakeChat().app())
         self.api_url = f"http://127.0.0.1:{self.server.port}"
         self.emulated: dict[str, dict[str, float]] = {}
         self.made.append(self)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from benchmarks import multiturn
 from helixserve.bench.conversations import ConversationConfig, make_conversations
 from helixserve.bench.multiturn import ChatConfig, MultiTurnSummary, run_conversations
-from helixserve.local.launch import free_port
+from tests.unit.api.api_testlib import ServerThread
 
 
 class FakeChat:
@@ -131,33 +129,11 @@ def test_a_failed_turn_ends_its_conversation_and_is_reported() -> None:
     assert len([r for r in results if r.conversation == 0]) == convs[0].num_turns
 
 
-class _Server:
-    def __init__(self, app: Any) -> None:
-        import uvicorn
-
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 def test_the_script_measures_running_servers_and_judges_the_targets(tmp_path, capsys) -> None:
     """Two fake servers named aware and plain: the same perfect cache, so the hit-rate target
     (aware >= 1.5x plain) fails, and off's rows are missing, so its targets are n/a."""
     out = tmp_path / "mt.json"
-    with _Server(FakeChat().app()) as a, _Server(FakeChat().app()) as b:
+    with ServerThread(FakeChat().app()) as a, ServerThread(FakeChat().app()) as b:
         rc = multiturn.main([
             "--url", f"aware=http://127.0.0.1:{a.port}",
             "--url", f"plain=http://127.0.0.1:{b.port}/v1",
