@@ -25,7 +25,11 @@ from helixserve.runtime.coordinator import Coordinator
 from helixserve.runtime.stats import CoordinatorStats, NodeStats
 from helixserve.runtime.worker import Worker, _Stream
 from tests.unit.runtime.test_coordinator_decode import FakeNode, _coordinator
-from tests.unit.runtime.test_worker_messages import CID, TOKEN, FakeEngine, _full
+from tests.unit.runtime.test_worker_messages import (
+    FakeEngine,
+    _full,
+    open_coordinator_stream,
+)
 
 H = [bytes([i]) * 16 for i in range(6)]  # block names: 16 bytes each
 
@@ -83,28 +87,12 @@ def _caching_worker() -> Worker:
     return Worker(CachingEngine(), node="b", model="m", backend="torch", device="cpu")
 
 
-async def _open_coordinator_stream(w: Worker) -> tuple[Any, _Stream]:
-    hello_sent = asyncio.Event()
-
-    async def incoming() -> Any:
-        yield tp.work_batch_pb([], coordinator_id=CID, sender="coordinator",
-                               coordinator_token=TOKEN)
-        hello_sent.set()
-        await asyncio.Event().wait()
-
-    results = w.Work(incoming(), context=None)  # type: ignore[arg-type]
-    first = asyncio.ensure_future(results.__anext__())
-    await hello_sent.wait()
-    await asyncio.sleep(0)
-    return (results, first), w.coordinators[CID]
-
-
 def test_worker_reports_cache_events_before_results_and_all_it_holds_to_a_new_stream() -> None:
     async def main() -> None:
         w = _caching_worker()
         w.loop = asyncio.get_running_loop()
         w._send_cache(CacheEvents([H[0], H[1], H[2]], [], reset=True))
-        (results, first), stream = await _open_coordinator_stream(w)
+        (results, first), stream = await open_coordinator_stream(w)
         hello = await asyncio.wait_for(first, 5)
         # a new coordinator stream: everything held, with reset, before anything else
         assert hello.cache.reset and set(hello.cache.stored) == {H[0], H[1], H[2]}

@@ -124,23 +124,29 @@ def test_one_message_per_step_to_the_next_hop() -> None:
     asyncio.run(main())
 
 
+async def open_coordinator_stream(w: Any) -> tuple[Any, _Stream]:
+    """A coordinator's Work stream to `w` (hello, then idle): ((the result iterator, its first
+    message's future), the worker's side of the stream)."""
+    hello_sent = asyncio.Event()
+
+    async def incoming() -> Any:
+        yield tp.work_batch_pb([], coordinator_id=CID, sender="coordinator",
+                               coordinator_token=TOKEN)
+        hello_sent.set()
+        await asyncio.Event().wait()
+
+    results = w.Work(incoming(), context=None)
+    first = asyncio.ensure_future(results.__anext__())
+    await hello_sent.wait()
+    await asyncio.sleep(0)
+    return (results, first), w.coordinators[CID]
+
+
 def test_one_result_message_per_step_to_the_coordinator() -> None:
     async def main() -> None:
         w = _worker(2, 4)
         w.loop = asyncio.get_running_loop()
-        hello_sent = asyncio.Event()
-
-        async def incoming() -> Any:  # the coordinator's side of the stream: hello, then idle
-            yield tp.work_batch_pb([], coordinator_id=CID, sender="coordinator",
-                                   coordinator_token=TOKEN)
-            hello_sent.set()
-            await asyncio.Event().wait()
-
-        results = w.Work(incoming(), context=None)  # type: ignore[arg-type]
-        first = asyncio.ensure_future(results.__anext__())
-        await hello_sent.wait()
-        await asyncio.sleep(0)
-        stream = w.coordinators[CID]
+        (results, first), stream = await open_coordinator_stream(w)
         upstream = _Stream(coordinator_id="", sender="a")
         jobs = [w._accept(_full(f"r{i}", hop=1, step=i), upstream, "i") for i in range(16)]
         w._dispatch([j for j in jobs if j is not None],
