@@ -222,37 +222,28 @@ class SamplingFields(_Body):
     def structured_output(self) -> tuple[StructuredOutput, str] | None:
         """The constraint asked for and the field it came from (errors name it); None = free
         text. Raises ParamError naming the second field when more than one is given."""
-        found: list[tuple[StructuredOutput, str]] = []
-        rf = self.response_format
-        if rf is not None and rf.type == "json_object":
-            found.append((StructuredOutput("json_object", ""), "response_format"))
-        if rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
-            found.append((StructuredOutput("json", _json_text(rf.json_schema.json_schema)),
-                          "response_format.json_schema.schema"))
-        if self.guided_json is not None:
-            found.append((StructuredOutput("json", _json_text(self.guided_json)), "guided_json"))
-        if self.guided_regex is not None:
-            found.append((StructuredOutput("regex", self.guided_regex), "guided_regex"))
-        if self.guided_choice is not None:
-            found.append((StructuredOutput("choice", _json_text(self.guided_choice)),
-                          "guided_choice"))
-        if self.guided_grammar is not None:
-            found.append((StructuredOutput("lark", self.guided_grammar), "guided_grammar"))
-        so = self.structured_outputs
+        rf, so = self.response_format, self.structured_outputs
+        schema = rf.json_schema if rf is not None and rf.type == "json_schema" else None
+        # (kind, whether asked, the spec, the field), in the order a conflict names them
+        ways: list[tuple[str, bool, Any, str]] = [
+            ("json_object", rf is not None and rf.type == "json_object", "", "response_format"),
+            ("json", schema is not None, None if schema is None else schema.json_schema,
+             "response_format.json_schema.schema"),
+            ("json", self.guided_json is not None, self.guided_json, "guided_json"),
+            ("regex", self.guided_regex is not None, self.guided_regex, "guided_regex"),
+            ("choice", self.guided_choice is not None, self.guided_choice, "guided_choice"),
+            ("lark", self.guided_grammar is not None, self.guided_grammar, "guided_grammar"),
+        ]
         if so is not None:
-            if so.json_ is not None:
-                found.append((StructuredOutput("json", _json_text(so.json_)),
-                              "structured_outputs.json"))
-            if so.regex is not None:
-                found.append((StructuredOutput("regex", so.regex), "structured_outputs.regex"))
-            if so.choice is not None:
-                found.append((StructuredOutput("choice", _json_text(so.choice)),
-                              "structured_outputs.choice"))
-            if so.grammar is not None:
-                found.append((StructuredOutput("lark", so.grammar), "structured_outputs.grammar"))
-            if so.json_object:
-                found.append((StructuredOutput("json_object", ""),
-                              "structured_outputs.json_object"))
+            ways += [
+                ("json", so.json_ is not None, so.json_, "structured_outputs.json"),
+                ("regex", so.regex is not None, so.regex, "structured_outputs.regex"),
+                ("choice", so.choice is not None, so.choice, "structured_outputs.choice"),
+                ("lark", so.grammar is not None, so.grammar, "structured_outputs.grammar"),
+                ("json_object", bool(so.json_object), "", "structured_outputs.json_object"),
+            ]
+        found = [(StructuredOutput(kind, _json_text(spec) if kind in ("json", "choice") else spec),
+                  name) for kind, asked, spec, name in ways if asked]
         if len(found) > 1:
             raise ParamError(found[1][1], f"only one structured output per request; "
                              f"{found[0][1]} is given too")
