@@ -38,7 +38,7 @@ from typing import Any
 from helixserve.errors import UserError
 from helixserve.prefix import BlockHash, CacheEvents
 from helixserve.scheduler.kv import KvBook, KvPolicy
-from helixserve.scheduler.prefix import PrefixRouting
+from helixserve.scheduler.prefix import PrefixRouting, RouteWeights
 from helixserve.scheduler.queue import AdmissionQueue
 from helixserve.scheduler.types import NodeState, RequestInfo, Route, Router
 
@@ -96,6 +96,11 @@ class SchedulerPolicy:
     #: route's busiest hop: a route with k more requests there must save k times this many
     #: tokens more to be chosen (with the default weights)
     prefix_load_weight_tokens: float = 64.0
+    #: cache-aware cost of each token of work (prompt + output) a route would carry beyond
+    #: its flow share (maxflow's IWRR credits; routers without flow shares: no term): a
+    #: route saving S prompt tokens stays chosen until it is S / this many tokens of work
+    #: over its share, then the flow sends requests elsewhere (scheduler/prefix.py)
+    prefix_flow_weight: float = 0.25
     #: distinct recent routes kept as cache-aware candidates besides the router's pick
     prefix_recent_routes: int = 32
     #: tokens per named block (helixserve/prefix.py); None: the engines' KV block size
@@ -111,7 +116,7 @@ class SchedulerPolicy:
         if self.max_prefilling == 0:
             raise UserError("scheduler: max_prefilling: must be >= 1 or None, got 0")
         for name in ("prefix_prefill_weight", "prefix_load_weight_tokens",
-                     "prefix_recent_routes"):
+                     "prefix_flow_weight", "prefix_recent_routes"):
             if getattr(self, name) < 0:
                 raise UserError(f"scheduler: {name}: must be >= 0, got {getattr(self, name)}")
         if self.prefix_block_size is not None and self.prefix_block_size < 1:
@@ -539,7 +544,8 @@ class SchedulerCore:
         check_fit = self.kv.policy.expected_output_tokens is not None
         return self.prefix.route(
             request_id, tokens, info, pick, self.router, self.view, self.prefix_block_size,
-            p.prefix_prefill_weight, p.prefix_load_weight_tokens,
+            RouteWeights(p.prefix_prefill_weight, p.prefix_load_weight_tokens,
+                         p.prefix_flow_weight),
             (lambda r: self.kv.fits(info, r.nodes)) if check_fit else None)
 
     def _drop_head(self, rid: str, reason: str) -> Rejection:

@@ -19,7 +19,9 @@ credits stay bounded). If the chosen hop cannot complete a route (every continua
 masked), the next-best candidate is tried; credits change only along the route finally
 taken, so failed attempts leave no trace. When the caller admits the request on another route
 than the one returned (the core's cache-aware choice, scheduler/prefix.py), `take` undoes the
-returned route's credit update and credits the route taken instead.
+returned route's credit update and credits the route taken instead, and `flow_excess` says
+how much work a candidate route's edges have carried beyond their flow shares (the choice's
+flow term).
 
 Regions (placements with `route_within_regions`, which the serving selection sets when it
 simulates better; `node_region` here). A node whose flow continues inside its own region
@@ -221,6 +223,26 @@ class MaxFlowRouter(GraphRouter):
                 self._seen[prev].append(h.name)  # taken: it shares the work, whatever the mask
             prev, layer = h.name, h.end_layer
         self._commit(route, req, state)
+
+    def flow_excess(self, route: Route) -> float:
+        """Work (tokens) that the flow edge of `route` furthest over its flow share has
+        already carried beyond that share: max over the route's flow hops of `-credit`, 0
+        when none is over (IWRR keeps each credit bounded around 0; a caller that overrode
+        the router's picks drives the edges it favoured negative). Read before the last
+        `_commit`, the pick of the request being decided, so every candidate is measured
+        against the same state; nothing changes. The cache-aware choice weighs it
+        (scheduler/prefix.py), so cache stickiness cannot pile work on one route while the
+        flow wants it elsewhere."""
+        before = dict(self._undo)
+        worst = 0.0
+        prev = COORDINATOR
+        for h in route.hops:
+            if h.name in self.weights.get(prev, {}):
+                key = (prev, h.name)
+                credit = before[key] if key in before else self.credit.get(key)
+                worst = max(worst, -(credit or 0.0))
+            prev = h.name
+        return worst
 
     def _projected(self, vertex: str, cands: Sequence[str], req: RequestInfo) -> dict[str, float]:
         if not cands:

@@ -27,25 +27,44 @@ and takes the lowest, the core scores each candidate route by
 
     cost(route) = prefix_prefill_weight * (prompt_tokens - cached(route))
                 + prefix_load_weight_tokens * max over hops h (queue_len(h) + active_requests(h))
+                + prefix_flow_weight * flow_excess(route)
 
-and admits the request on the cheapest. The candidates are the router's own pick and the
+and admits the request on the cheapest. `flow_excess` is the router's (maxflow:
+`MaxFlowRouter.flow_excess`): the work, in tokens of prompt + output, that the route's flow
+edge furthest over its max-flow share has already carried beyond that share (minus its IWRR
+credit, before the request's pick; 0 for an edge at or under its share, and for routers
+without flow shares). The candidates are the router's own pick and the
 routes recently taken (`RecentRoutes`, the `prefix_recent_routes` distinct routes admitted
 last) that the current router accepts (a re-plan drops stale ones), whose nodes are all up
 and whose KV can hold the request on every hop (the router's own mask: `kv_free_tokens >=
 promise_tokens`). A conversation's previous turn left its history cached on the route it
-took, which is therefore a candidate: turns stick to one route while it is up and its load
-does not outweigh the prefix it saves. The router's pick wins ties and is kept unless
-another candidate reuses at least one more whole block than it does, so load alone never
-overrides the router (its flow shares and balance stay its own). With `cache_aware` False
-the pick is taken as is, and `cached` is still computed for it.
+took, which is therefore a candidate: turns stick to one route while it is up, its load
+does not outweigh the prefix it saves, and the flow lets it. The router's pick wins ties
+and is kept unless another candidate reuses at least one more whole block than it does, so
+neither load nor flow alone ever overrides the router (its flow shares and balance stay its
+own), and traffic with no cached prefix routes exactly as without the rule. With
+`cache_aware` False the pick is taken as is, and `cached` is still computed for it.
 
-The weights (SchedulerPolicy: 1.0 per token to compute, 64 tokens per request): a route
-with one more request queued or running on its busiest hop must save four more blocks of 16
-tokens. Under light load this keeps conversations (and their shared system prompt) on the
-routes already warm, and a cold route gets a request only once the warm ones carry
-`saved tokens / prefix_load_weight_tokens` more requests; under load it spreads them. On
-the simulator's two-route multi-turn test (maxflow, docs/simulator.md) the hit rate is
-0.872 with no load term, 0.854 at 64 and 0.826 at 256, against 0.722 for plain routes.
+The weights (SchedulerPolicy: 1.0 per token to compute, 64 tokens per request, 0.25
+per token of work over the share): a route with one more request queued or running on its
+busiest hop must save four more blocks of 16 tokens. Under light load this keeps
+conversations (and their shared system prompt) on the routes already warm, and a cold route
+gets a request only once the warm ones carry `saved tokens / prefix_load_weight_tokens`
+more requests; under load it spreads them. The load term alone lets sequential traffic (one
+request at a time, no load difference) stay on the one warm route forever, the others
+idle: the flow term bounds that. A route saving S tokens is taken over the router's pick
+only while its edges are less than `S / prefix_flow_weight` tokens of work over their
+shares; beyond, the router's pick runs (and caches the prefix there too), and the work
+down each edge converges to the flow's shares. Balanced traffic keeps every edge within
+about one request of its share, so a conversation whose history outweighs half a request's
+work keeps its route.
+
+Measured (docs/prefix-caching.md "Routing"): on the simulator's multi-turn tests
+(tests/unit/simulator/test_prefix_cache.py, maxflow) the flow term leaves the two one-node
+routes' hit rate at 0.854 (plain routes 0.722) and on four two-stage routes lowers it from
+0.872 to 0.813 while TTFT p50 drops from 0.042 s to 0.025 s (sticky conversations no longer
+queue on the routes they warmed first). It trades prefix hits for balance; of 0.25, 0.5
+and 1.0, 0.25 lost the fewest hits there and on helix-single-24.
 
 Router state. Asking the router for its pick advances its policy (maxflow's IWRR credits;
 the random and swarm coins). When another candidate is taken, `GraphRouter.take` tells the
@@ -60,6 +79,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from helixserve.prefix import (
     BlockHash,
@@ -181,6 +201,18 @@ class RecentRoutes:
         return len(self._routes)
 
 
+@dataclass(frozen=True)
+class RouteWeights:
+    """The cache-aware rule's weights (SchedulerPolicy's `prefix_*_weight*` fields)."""
+
+    #: cost of each prompt token a route would compute (not in its cache)
+    prefill: float = 1.0
+    #: cost, in prompt tokens, of each request queued or running on the busiest hop
+    load_tokens: float = 64.0
+    #: cost of each token of work the route would carry beyond its flow share
+    flow: float = 0.25
+
+
 def _prefill(tokens: Sequence[int], info: RequestInfo) -> Sequence[int]:
     """The tokens its prefill runs (a caller's list may run ahead of the core's count)."""
     return tokens[:info.prompt_tokens] if len(tokens) > info.prompt_tokens else tokens
@@ -252,7 +284,7 @@ class PrefixRouting:
 
     def route(self, request_id: str, tokens: Sequence[int], info: RequestInfo, pick: Route,
               router: Router, view: Mapping[str, NodeState], block_size: int,
-              prefill_weight: float, load_weight_tokens: float,
+              weights: RouteWeights,
               fits: Callable[[Route], bool] | None = None) -> tuple[Route, int]:
         """The cache-aware choice (module doc) and its cached tokens. `pick`: the router's
         route for `info`; `fits`: the KV ledger's extra check, when it makes one. The router
@@ -267,8 +299,15 @@ class PrefixRouting:
                     return False
             return router.accepts(route) and (fits is None or fits(route))
 
+        # the flow term: routers with flow shares say how far over its share a route would
+        # be (MaxFlowRouter.flow_excess); a Router without them adds nothing
+        flow_excess = getattr(router, "flow_excess", None)
+        excess: Callable[[Route], float] | None = None
+        if flow_excess is not None and weights.flow > 0:
+            def excess(route: Route) -> float:
+                return float(flow_excess(route))
         route, cached = self.choose(request_id, tokens, pick, usable, view, block_size,
-                                    prefill_weight, load_weight_tokens)
+                                    weights, excess)
         if route != pick:
             # the router advanced its policy for `pick`; routers with state (maxflow's
             # credits) take that back (GraphRouter.take; a Router without it keeps it)
@@ -280,21 +319,23 @@ class PrefixRouting:
 
     def choose(self, request_id: str, tokens: Sequence[int], pick: Route,
                usable: Callable[[Route], bool], state: Mapping[str, NodeState],
-               block_size: int, prefill_weight: float,
-               load_weight_tokens: float) -> tuple[Route, int]:
+               block_size: int, weights: RouteWeights,
+               excess: Callable[[Route], float] | None = None) -> tuple[Route, int]:
         """The cheapest candidate by the module's rule and its cached tokens: `pick` (the
-        router's), or a recent route `usable` accepts that reuses a block more than it."""
+        router's), or a recent route `usable` accepts that reuses a block more than it.
+        `excess`: work beyond its flow share a route would carry (the flow term; None: 0)."""
         prompt = len(tokens)
 
         def cost(route: Route, cached: int) -> float:
-            return prefill_weight * (prompt - cached) + \
-                load_weight_tokens * route_load(route, state)
+            c = weights.prefill * (prompt - cached) + \
+                weights.load_tokens * route_load(route, state)
+            return c if excess is None else c + weights.flow * excess(route)
 
         memo: dict[tuple[str, int, int], int] = {}
         best = pick
         best_cached = reusable_tokens(self.matched(request_id, tokens, pick, block_size, memo),
                                       prompt, block_size)
-        best_cost = cost(pick, best_cached)
+        best_cost: float | None = None  # the pick's, computed once another route qualifies
         floor = best_cached + block_size
         for route in self.recent:
             if route == pick or not usable(route):
@@ -303,6 +344,8 @@ class PrefixRouting:
                 self.matched(request_id, tokens, route, block_size, memo), prompt, block_size)
             if cached < floor:
                 continue
+            if best_cost is None:
+                best_cost = cost(pick, best_cached)
             c = cost(route, cached)
             if c < best_cost:
                 best, best_cached, best_cost = route, cached, c

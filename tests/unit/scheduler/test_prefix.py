@@ -13,13 +13,14 @@ import pytest
 
 import helixserve.prefix as prefix_mod
 from helixserve.errors import UserError
-from helixserve.planner.placement import NodeRange
+from helixserve.planner.placement import Flow, NodeRange, Placement
 from helixserve.prefix import CacheEvents, block_hashes, reusable_tokens
 from helixserve.scheduler import make_router
 from helixserve.scheduler.core import Admission, CoreRequest, SchedulerCore, SchedulerPolicy
 from helixserve.scheduler.kv import KvPolicy
 from helixserve.scheduler.prefix import PrefixIndex, RecentRoutes, RequestNames
 from helixserve.scheduler.types import NodeState, RequestInfo, Route
+from helixserve.spec.cluster import COORDINATOR as C
 from tests.unit.scheduler.test_core import placement
 
 BS = 4  # tokens per block in these tests
@@ -213,6 +214,7 @@ def test_the_log_records_cached_tokens_last() -> None:
 
 def test_policy_fields_are_checked() -> None:
     for bad in ({"prefix_load_weight_tokens": -1.0}, {"prefix_prefill_weight": -0.5},
+                {"prefix_flow_weight": -0.1},
                 {"prefix_recent_routes": -1}, {"prefix_block_size": 0}):
         with pytest.raises(UserError, match=next(iter(bad))):
             SchedulerPolicy(**bad).check()  # type: ignore[arg-type]
@@ -255,7 +257,9 @@ def pick_of(c: SchedulerCore, r: CoreRequest) -> Route:
 
 
 def test_cache_aware_takes_the_route_holding_the_history() -> None:
-    c, history = two_routes()
+    # no flow term: it saves 16 tokens a turn, less than the flow term would charge y by the
+    # third override (tests of the flow term below)
+    c, history = two_routes(prefix_flow_weight=0.0)
     picks = set()
     for _ in range(3):  # whatever the router picks, the turn goes to y
         r = req("turn", history + [7] * 8)
@@ -387,3 +391,111 @@ def test_cache_aware_routing_with_iwrr_keeps_routing_both_routes() -> None:
         for k in range(6):
             c.finish(f"c{k}-t{turn}")
     assert set(routes.values()) == {"x", "y"}
+
+
+# ---- the flow term -----------------------------------------------------------------------
+
+def weighted_routes(x: float, y: float, **fields: object) -> SchedulerCore:
+    """Two one-node routes whose max-flow shares are x : y."""
+    flows = [Flow(C, "x", x), Flow("x", C, x), Flow(C, "y", y), Flow("y", C, y)]
+    p = Placement(model="m", cluster="c", num_layers=8, planner="hand",
+                  nodes=[NodeRange("x", 0, 8), NodeRange("y", 0, 8)], flows=flows)
+    kv = fields.pop("kv", KvPolicy("reserve"))
+    c = SchedulerCore(make_router("maxflow", p),
+                      SchedulerPolicy(kv=kv, **fields),  # type: ignore[arg-type]
+                      dict.fromkeys(TWO, 1000))
+    c.set_block_size(BS)
+    return c
+
+
+def one_at_a_time(c: SchedulerCore, n: int) -> dict[str, int]:
+    """`n` new conversations, one after another (each ends before the next arrives: no
+    load term), all starting with SYSTEM; each leaves its blocks cached where it ran."""
+    sent = {"x": 0, "y": 0}
+    for i in range(n):
+        tokens = SYSTEM + [1000 + i] * 8
+        node = admit(c, req(f"c{i}", tokens)).route.nodes[0]
+        sent[node] += 1
+        holds(c, node, tokens, 0, 8)
+        c.finish(f"c{i}")
+    return sent
+
+
+def test_the_flow_term_spreads_a_shared_prompt_over_routes_by_their_flow() -> None:
+    # the first conversation warms x; without the flow term x saves the system prompt (24
+    # tokens) against a cold y at every later pick of y, so y never gets one while idle
+    assert one_at_a_time(weighted_routes(2.0, 1.0, prefix_flow_weight=0.0), 30) == \
+        {"x": 30, "y": 0}
+    # with it, x is taken over y only while its edge is less than 24 / 0.25 = 96 tokens of
+    # work (36 a request) beyond its share; y then gets one, holds the prompt too, and the
+    # routes share the conversations as the flow does, 2 : 1
+    sent = one_at_a_time(weighted_routes(2.0, 1.0), 30)
+    assert sent["y"] >= 9 and abs(sent["x"] - 2 * sent["y"]) <= 3, sent
+    sent = one_at_a_time(weighted_routes(1.0, 3.0), 40)
+    assert sent["x"] >= 8 and abs(3 * sent["x"] - sent["y"]) <= 4, sent
+
+
+def test_a_conversation_sticks_to_its_route_while_the_flow_allows() -> None:
+    """A long conversation on y and one-off requests as long (nothing cached) in turn, two
+    routes of equal flow: the turns override half of the router's picks, the one-offs go
+    where the flow wants them (x, owed the work y took), and y never goes far enough over
+    its share to move the turns."""
+    c = weighted_routes(1.0, 1.0)
+    admit(c, req("warm-x", [1] * 8))
+    admit(c, req("warm-y", [2] * 8))  # both routes recent
+    c.finish("warm-x")
+    c.finish("warm-y")
+    history = SYSTEM + list(range(160))
+    holds(c, "y", history, 0, 8, reset=True)
+    overridden = 0
+    others = {"x": 0, "y": 0}
+    for turn in range(12):
+        r = req(f"turn{turn}", history + [7] * 8)
+        overridden += pick_of(c, r).nodes != ("y",)
+        d = admit(c, r)
+        assert d.route.nodes == ("y",) and d.cached_tokens == len(history), turn
+        history = history + [7] * 8 + [turn] * 8
+        holds(c, "y", history, 0, 8)
+        c.finish(r.request_id)
+        d = admit(c, req(f"other{turn}", [3000 + turn] * len(r.tokens)))
+        others[d.route.nodes[0]] += 1
+        c.finish(f"other{turn}")
+    assert overridden >= 3  # the flow wanted some turns on x
+    assert others["x"] >= 10
+
+
+def test_without_prefix_traffic_the_flow_term_changes_nothing() -> None:
+    """Requests whose tokens are unknown, or that nothing cached matches: the same
+    decisions, whatever the flow weight."""
+    logs = []
+    for weight in (0.0, 0.5, 100.0):
+        c = weighted_routes(2.0, 1.0, prefix_flow_weight=weight, kv=KvPolicy("on-demand"))
+        c.log = []
+        for i in range(40):
+            r: CoreRequest = CoreRequest(f"u{i}", 20 + i % 7, 5) if i % 2 else \
+                req(f"u{i}", [5000 + i] * (20 + i % 7), output=5)
+            c.arrive(r)
+            c.schedule()
+            if i % 3 == 0:
+                c.on_token(f"u{i}")
+            if i % 4 == 3:
+                c.finish(f"u{i - 2}")
+        logs.append(c.log)
+    assert logs[0] == logs[1] == logs[2]
+    assert {e[2] for e in logs[0] if e[0] == "admit"} == {("x",), ("y",)}
+
+
+def test_flow_excess_is_the_work_beyond_the_share_before_the_pick() -> None:
+    r = make_router("maxflow", placement(TWO))
+    state = {n: NodeState(n, kv_free_tokens=1000) for n in TWO}
+    x, y = Route((NodeRange("x", 0, 8),)), Route((NodeRange("y", 0, 8),))
+    info = RequestInfo("a", 20, 10)  # 30 tokens of work
+    pick = r.route(info, state)
+    assert pick == x and r.flow_excess(x) == r.flow_excess(y) == 0.0
+    r.take(x, y, info, state)  # y pays 30 for a 15 share
+    pick = r.route(RequestInfo("b", 20, 10), state)
+    assert pick == x  # the router owes x
+    assert r.flow_excess(y) == pytest.approx(15.0) and r.flow_excess(x) == 0.0
+    r.take(x, y, RequestInfo("b", 20, 10), state)
+    r.route(RequestInfo("c", 20, 10), state)
+    assert r.flow_excess(y) == pytest.approx(30.0)
