@@ -45,7 +45,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from helixserve.prefix import CacheEvents, block_hashes
+from helixserve.prefix import CacheEvents
 from helixserve.request import GenerationRequest, SamplingParams, TokenEvent
 from helixserve.runtime import results, security, startup, workers
 from helixserve.runtime.admission import AdmissionWait, NoRouteError
@@ -447,20 +447,12 @@ class Coordinator:
 
     async def _prefix_miss(self, fl: InFlight, miss: results.PrefixMiss) -> None:
         """A hop evicted the request's cached prefix after it last reported it: the core
-        forgets those blocks there (the names the worker listed, else all of the prefix's on
-        that hop) and the request runs again from its admission; not a fault, so not counted
-        against max_reroutes."""
-        names = list(miss.missing)
-        hop = next((h for h in fl.hops if h.name == miss.node), None)
-        if not names and hop is not None:
-            info = self.nodes[hop.name].info
-            block_size = info.kv_block_size if info else self.core.kv.policy.block_size
-            names = block_hashes(fl.replay_tokens[:fl.cached_tokens], block_size,
-                                 hop.start_layer, hop.end_layer)
-        self.core.prefix_miss(miss.node, names)
+        forgets those blocks there (the names the worker listed, else the prefix's on that
+        hop, which it named at admission) and queues the request again, uncounted (not a
+        fault); it runs again from its admission."""
+        self.core.prefix_miss(fl.internal_id, miss.node, miss.missing)
         self.prefix_misses += 1
         log.info("running %s again: %s", fl.internal_id, miss.reason)
-        self.core.reroute(fl.internal_id, counted=False)
         await self._replay(fl)
 
     async def _replay(self, fl: InFlight) -> None:

@@ -202,6 +202,8 @@ class SchedulerCore:
         self.prefilling = 0
         self.preemptions = 0
         self._routes: dict[str, Route] = {}
+        #: tokens each running request's admission took from cache (when any)
+        self._cached: dict[str, int] = {}
         self._wake = False
         #: (version of the capacities and liveness it was computed for, the value)
         self._largest: tuple[int, int] = (-1, 0)
@@ -254,10 +256,25 @@ class SchedulerCore:
         """A worker's report of what its prefix cache stored and removed (with its results)."""
         self.prefix.index.apply(node, events)
 
-    def prefix_miss(self, node: str, names: Iterable[BlockHash]) -> None:
-        """`node` refused a prefix (evicted since its last report): forget those names there.
-        The caller runs the request again, as after any failed item."""
-        self.prefix.index.drop(node, names)
+    def prefix_miss(self, request_id: str, node: str, names: Iterable[BlockHash] = ()) -> None:
+        """`node` refused the request's cached prefix (evicted since its last report): forget
+        `names` there, or, when the worker listed none, the names of the blocks the
+        admission took from cache for the layers the request's hop runs there (kept from
+        the admission's decision: nothing is hashed again). Then queue the request again,
+        not counted against `max_reroutes` (not a fault); the caller replays it."""
+        dropped = list(names)
+        route = self._routes.get(request_id)
+        cached = self._cached.get(request_id, 0)
+        req = self.requests[request_id]
+        tokens = req.token_ids()
+        if not dropped and route is not None and cached and tokens is not None:
+            bs = self.prefix_block_size
+            for h in route.hops:
+                if h.name == node:
+                    dropped = self.prefix.names_of(request_id, tokens, cached // bs, bs,
+                                                   h.start_layer, h.end_layer)
+        self.prefix.index.drop(node, dropped)
+        self.reroute(request_id, counted=False)
 
     def prefix_stats(self) -> dict[str, tuple[int, int]]:
         """Per node: (prompt tokens looked up, tokens taken from cache), over admissions."""
@@ -410,6 +427,7 @@ class SchedulerCore:
         if self.kv.release(request_id, now_s) is None:
             self.queue.remove(request_id)
         self._routes.pop(request_id, None)
+        self._cached.pop(request_id, None)
         self.prefix.forget_request(request_id)
         self._wake = True
 
@@ -527,6 +545,8 @@ class SchedulerCore:
             self.prefix.count(route, info.prompt_tokens, cached)
         self.kv.admit(info, [(h.name, h.end_layer - h.start_layer) for h in route.hops], now_s)
         self._routes[req.request_id] = route
+        if cached:
+            self._cached[req.request_id] = cached
         req.prefilling = True
         self.prefilling += 1
         if self.log is not None:
@@ -571,6 +591,7 @@ class SchedulerCore:
             self.prefilling -= 1
         self.kv.release(request_id, now_s)
         self._routes.pop(request_id, None)
+        self._cached.pop(request_id, None)
         req.resumed = True
         self.queue.requeue_preempted(request_id)
         if count:

@@ -351,6 +351,15 @@ class PrefixRouting:
                 best, best_cached, best_cost = route, cached, c
         return best, best_cached
 
+    def names_of(self, request_id: str, tokens: Sequence[int], blocks: int, block_size: int,
+                 start_layer: int, end_layer: int) -> list[BlockHash]:
+        """The request's names of its first `blocks` blocks on layers `[start_layer,
+        end_layer)`: those its admission matched (kept), hashed only if never walked."""
+        names = self.names.get(request_id)
+        if names is None:
+            names = self.names[request_id] = RequestNames()
+        return list(names.names(tokens, blocks, block_size, start_layer, end_layer))
+
     def forget_request(self, request_id: str) -> None:
         self.names.pop(request_id, None)
 

@@ -190,16 +190,47 @@ def test_a_resumed_request_reuses_its_own_prompt_and_output() -> None:
     assert d.cached_tokens == 9 * BS  # prompt and generated blocks alike
 
 
-def test_prefix_miss_drops_the_names_and_node_down_forgets() -> None:
-    c = make_core({"a": (0, 8)})
+def test_prefix_miss_drops_the_listed_names_and_requeues_uncounted() -> None:
+    c = make_core({"a": (0, 8)}, max_reroutes=0)
     prompt = SYSTEM + [9] * 8
     holds(c, "a", prompt, 0, 8, reset=True)
     names = block_hashes(prompt, BS, 0, 8)
-    c.prefix_miss("a", names[3:])
-    assert admit(c, req("r1", prompt)).cached_tokens == 3 * BS
+    assert admit(c, req("r1", prompt)).cached_tokens == 7 * BS
+    c.prefix_miss("r1", "a", names[3:])
+    assert c.running == 0 and c.waiting == 1  # queued again, KV freed
+    (d,) = c.schedule()  # max_reroutes=0: a counted re-route would have raised
+    assert isinstance(d, Admission) and d.request_id == "r1" and d.cached_tokens == 3 * BS
+    assert c.requests["r1"].reroutes == 0
+    c.finish("r1")
     c.node_down("a")
     c.node_up("a")
     assert admit(c, req("r2", prompt)).cached_tokens == 0
+
+
+def test_prefix_miss_without_names_drops_the_admissions_blocks_on_that_hop_only() -> None:
+    c = make_core({"a": (0, 4), "b": (4, 8)})
+    prompt = SYSTEM + [9] * 8
+    holds(c, "a", prompt, 0, 4, reset=True)
+    holds(c, "b", prompt, 4, 8, reset=True)
+    holds(c, "b", SYSTEM + [8] * 8, 4, 8)  # another prompt's blocks: kept
+    assert admit(c, req("r1", SYSTEM + [9] * 4 + [1] * 5)).cached_tokens == 7 * BS
+    c.prefix_miss("r1", "b")
+    # b forgot the 7 blocks the admission took (not its 8th, nor the other prompt's); a
+    # kept all of its blocks
+    assert c.prefix.index.blocks("b") == 8 - 7 + 2
+    assert c.prefix.index.matched_blocks("a", block_hashes(prompt, BS, 0, 4)) == 8
+    (d,) = c.schedule()
+    assert isinstance(d, Admission) and d.cached_tokens == 0 and d.resumed
+    c.finish("r1")
+    assert admit(c, req("r2", SYSTEM + [8] * 9)).cached_tokens == 0  # block 0 is gone on b
+
+
+def test_prefix_miss_of_a_request_that_took_nothing_from_cache_only_requeues() -> None:
+    c = make_core({"a": (0, 8)})
+    holds(c, "a", SYSTEM + [9] * 8, 0, 8, reset=True)
+    admit(c, req("r1", [5] * 12))  # nothing cached
+    c.prefix_miss("r1", "a")
+    assert c.prefix.index.blocks("a") == 8 and c.waiting == 1 and c.running == 0
 
 
 def test_the_log_records_cached_tokens_last() -> None:
