@@ -144,12 +144,13 @@ def test_even_pipeline_matches_single_process(workers, demo_model, prompts, refe
 def test_uneven_placement_routes_with_partial_inference(workers, demo_model, prompts, reference):
     async def main() -> tuple[list[tuple[list[int], str]], dict[str, Any]]:
         # Small prefill chunks: every prompt is split, and the chunks pipeline along the route.
-        # The plain router's picks: every route ends on n2, so cache-aware routing (same load
-        # on every route's busiest hop) would send all six, which share the chat template's
-        # system prompt, to n0->n1->n2, where the test before cached it.
+        # Cache-aware routes (the default): the six share the chat template's system prompt
+        # (24 tokens, one block), which the test before cached on n0->n1->n2, and every route
+        # ends on n2, so load never tells them apart; the flow term does (a route is taken
+        # for its cache only while less than saved / prefix_flow_weight tokens of work over
+        # its flow share: docs/prefix-caching.md "Routing"), so they still spread.
         coord = await Coordinator.create(make_cluster(list(workers.values())), uneven_placement(),
-                                         demo_model, CoordinatorConfig(prefill_chunk_tokens=16,
-                                                                       cache_aware_routing=False))
+                                         demo_model, CoordinatorConfig(prefill_chunk_tokens=16))
         try:
             results = await run_all(coord, prompts)
             return results, coord.stats()
