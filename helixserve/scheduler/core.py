@@ -20,6 +20,10 @@ What it owns:
   and the cache-aware choice among routes: an admission says how many leading tokens every
   hop takes from cache (`Admission.cached_tokens`).
 
+Its policy is a `SchedulerPolicy` (scheduler/policy.py); what it is told of a request and
+what it answers (`CoreRequest`, `Admission`, `Rejection`, `Grown`, `Preempted`) and the
+errors it raises are in scheduler/decisions.py. All are importable from here too.
+
 Admission points. The queue is offered to the router only at an admission point: a request
 arriving at an empty queue, a request finishing, nothing running, a node coming back, a
 request's first token while the prefill cap is reached, or `wake()` (the coordinator's
@@ -32,157 +36,29 @@ found. Everything here is pure and synchronous: no clocks, sockets or threads.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from helixserve.errors import UserError
 from helixserve.prefix import BlockHash, CacheEvents
-from helixserve.scheduler.kv import KvBook, KvPolicy
+from helixserve.scheduler.decisions import (
+    GROWN,
+    Admission,
+    CoreRequest,
+    Grown,
+    NeverFitsError,
+    Preempted,
+    QueueFullError,
+    Rejection,
+    RerouteLimitError,
+)
+from helixserve.scheduler.kv import KvBook
+from helixserve.scheduler.policy import SchedulerPolicy
 from helixserve.scheduler.prefix import PrefixRouting, RouteWeights
 from helixserve.scheduler.queue import AdmissionQueue
 from helixserve.scheduler.types import NodeState, RequestInfo, Route, Router
 
-
-class NeverFitsError(UserError):
-    """The request needs more KV than the roomiest route could give it on an idle cluster."""
-
-
-class QueueFullError(RuntimeError):
-    """The bounded waiting queue is full (the API answers 503/429)."""
-
-
-class RerouteLimitError(RuntimeError):
-    """A request failed on more routes than `SchedulerPolicy.max_reroutes` allows."""
-
-
-@dataclass(frozen=True)
-class SchedulerPolicy:
-    """Every scheduling choice, in one place. `check()` raises UserError naming the field."""
-
-    #: how requests take KV, who is preempted (the victim rule), block slack
-    kv: KvPolicy = field(default_factory=KvPolicy)
-    #: True: the ledger's capacities are exact and decide when a node is full, the core
-    #: preempts by the victim rule as tokens arrive (the simulator). False: they are worker
-    #: reports that may change under running requests; a worker says when it is full
-    #: (`kv_full`) and the ledger only counts (the coordinator)
-    exact_capacities: bool = True
-    #: requests that may wait for admission; a new one beyond it is refused (None: no bound)
-    max_queue: int | None = None
-    #: admit no request while this many admitted ones still prefill (None: no cap)
-    max_prefilling: int | None = None
-    #: at arrival, refuse a request whose prompt + output could not fit on the roomiest
-    #: route even on an idle cluster (it would block the queue forever)
-    refuse_never_fits: bool = True
-    #: when the head finds no route while nothing is running, reject it instead of waiting
-    #: (the simulator: capacities never change; the coordinator waits for worker reports)
-    reject_unroutable_when_idle: bool = False
-    #: a preempted request waits for the next admission point instead of being offered at
-    #: once (vLLM: it goes back to the waiting queue, scheduled at the next step)
-    preempted_wait: bool = True
-    #: re-routes after faults a request may take before it fails (None: no limit)
-    max_reroutes: int | None = None
-    #: longest prompt + output in tokens (None: unbounded); caps what a request is promised
-    max_model_len: int | None = None
-    #: compute, for a request whose tokens are known (`CoreRequest.token_ids`), the leading
-    #: tokens every hop of its route holds in its prefix cache (`Admission.cached_tokens`);
-    #: False: no prefix caching, every admission computes its whole prompt
-    prefix_caching: bool = True
-    #: choose among candidate routes by the prefix each would reuse, weighed against load
-    #: (scheduler/prefix.py); False: the router's pick, reusing what it happens to hold
-    cache_aware: bool = True
-    #: cache-aware cost of each prompt token a route would compute (not in its cache)
-    prefix_prefill_weight: float = 1.0
-    #: cache-aware cost, in prompt tokens, of each request queued or running on the
-    #: route's busiest hop: a route with k more requests there must save k times this many
-    #: tokens more to be chosen (with the default weights)
-    prefix_load_weight_tokens: float = 64.0
-    #: cache-aware cost of each token of work (prompt + output) a route would carry beyond
-    #: its flow share (maxflow's IWRR credits; routers without flow shares: no term): a
-    #: route saving S prompt tokens stays chosen until it is S / this many tokens of work
-    #: over its share, then the flow sends requests elsewhere (scheduler/prefix.py)
-    prefix_flow_weight: float = 0.25
-    #: distinct recent routes kept as cache-aware candidates besides the router's pick
-    prefix_recent_routes: int = 32
-    #: tokens per named block (helixserve/prefix.py); None: the engines' KV block size
-    #: (`set_block_size`). The simulator, which counts KV in single slots, sets its own
-    prefix_block_size: int | None = None
-
-    def check(self) -> SchedulerPolicy:
-        self.kv.check()
-        for name in ("max_queue", "max_prefilling", "max_reroutes"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise UserError(f"scheduler: {name}: must be >= 0 or None, got {value}")
-        if self.max_prefilling == 0:
-            raise UserError("scheduler: max_prefilling: must be >= 1 or None, got 0")
-        for name in ("prefix_prefill_weight", "prefix_load_weight_tokens",
-                     "prefix_flow_weight", "prefix_recent_routes"):
-            if getattr(self, name) < 0:
-                raise UserError(f"scheduler: {name}: must be >= 0, got {getattr(self, name)}")
-        if self.prefix_block_size is not None and self.prefix_block_size < 1:
-            raise UserError(f"scheduler: prefix_block_size: must be >= 1 or None, got "
-                            f"{self.prefix_block_size}")
-        return self
-
-
-@dataclass
-class CoreRequest:
-    """What the core knows of a request: its sizes and where it is in its life."""
-
-    request_id: str
-    prompt_tokens: int
-    #: most tokens it may generate (max_tokens, or the trace's output length)
-    max_new_tokens: int
-    #: tokens generated so far (a replay prefills prompt + these)
-    generated: int = 0
-    #: admitted and without its first token yet
-    prefilling: bool = False
-    #: re-admitted after a preemption or a fault
-    resumed: bool = False
-    reroutes: int = 0
-
-    def token_ids(self) -> Sequence[int] | None:
-        """The tokens a prefill of it runs now (prompt + tokens generated so far), for prefix
-        caching; None: contents unknown, nothing is taken from cache for it. The runtime's
-        InFlight and the simulator's requests override it."""
-        return None
-
-
-@dataclass(frozen=True)
-class Admission:
-    """Run the request on `route`: prefill `info.prompt_tokens` (prompt + tokens so far)."""
-
-    request_id: str
-    route: Route
-    info: RequestInfo
-    resumed: bool
-    #: tokens [0, cached_tokens) every hop of `route` holds in its prefix cache (whole
-    #: blocks, never the last prompt token): the first item starts at this position
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """The request left the queue without a route: `reason` says why."""
-
-    request_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Grown:
-    """The request's next step has its KV slot on every node of its route."""
-
-
-@dataclass(frozen=True)
-class Preempted:
-    """These requests were preempted (KV freed, requeued ahead of new ones) so the token's
-    request can grow; when it is among them it was preempted itself. Replay each."""
-
-    victims: tuple[str, ...]
-
-
-GROWN = Grown()
+__all__ = ["GROWN", "Admission", "CoreRequest", "Grown", "NeverFitsError", "Preempted",
+           "QueueFullError", "Rejection", "RerouteLimitError", "SchedulerCore",
+           "SchedulerPolicy"]
 
 
 class SchedulerCore:
