@@ -56,8 +56,8 @@ idle: the flow term bounds that. A route saving S tokens is taken over the route
 only while its edges are less than `S / prefix_flow_weight` tokens of work over their
 shares; beyond, the router's pick runs (and caches the prefix there too), and the work
 down each edge converges to the flow's shares. Balanced traffic keeps every edge within
-about one request of its share, so a conversation whose history outweighs half a request's
-work keeps its route.
+about one request of its share, so a conversation whose cached history saves more than
+`prefix_flow_weight` times a request's work (a quarter, by default) keeps its route.
 
 Measured (docs/prefix-caching.md "Routing"): on the simulator's multi-turn tests
 (tests/unit/simulator/test_prefix_cache.py, maxflow) the flow term leaves the two one-node
@@ -203,14 +203,15 @@ class RecentRoutes:
 
 @dataclass(frozen=True)
 class RouteWeights:
-    """The cache-aware rule's weights (SchedulerPolicy's `prefix_*_weight*` fields)."""
+    """The cache-aware rule's weights (SchedulerPolicy's `prefix_*_weight*` fields, whose
+    docs give the defaults)."""
 
     #: cost of each prompt token a route would compute (not in its cache)
-    prefill: float = 1.0
+    prefill: float
     #: cost, in prompt tokens, of each request queued or running on the busiest hop
-    load_tokens: float = 64.0
-    #: cost of each token of work the route would carry beyond its flow share
-    flow: float = 0.25
+    load_tokens: float
+    #: cost of each token of work the route's edges carried beyond their flow shares
+    flow: float
 
 
 def _prefill(tokens: Sequence[int], info: RequestInfo) -> Sequence[int]:
