@@ -267,15 +267,19 @@ class LinkLedger:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.settimeout(LEDGER_SEND_TIMEOUT_S)
         self.lost_bytes = 0
+        self.lost_declarations = 0
 
     def declare(self, src: str, address: str, num_bytes: int) -> None:
         try:
             self.sock.sendto(ledger_message(src, address, num_bytes), self.address)
         except OSError as exc:
             self.lost_bytes += num_bytes
-            log.warning("link ledger %r: %d unsent bytes on %s -> %s not declared (%s); "
-                        "%d lost so far", self.address[1:], num_bytes, src, address, exc,
-                        self.lost_bytes)
+            self.lost_declarations += 1
+            if self.lost_declarations & (self.lost_declarations - 1) == 0:  # 1, 2, 4, ...
+                log.warning("link ledger %r: %d unsent bytes on %s -> %s not declared (%s); "
+                            "%d declarations, %d bytes lost so far", self.address[1:],
+                            num_bytes, src, address, exc, self.lost_declarations,
+                            self.lost_bytes)
 
 
 #: this process's ledger: None until the first declaration looks it up, False when there is

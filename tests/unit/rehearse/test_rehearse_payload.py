@@ -99,3 +99,15 @@ def test_the_proxy_names_a_declarations_link_by_the_address_of_its_route(tmp_pat
     stats = proxy.stats()["n1->n0"]
     assert (stats["bytes"], stats["wire_bytes"], stats["declared_bytes"]) == (5000, 0, 5000)
     assert ProxyConfig.from_json(config.to_json()).ledger == "x"
+
+
+def test_a_declaration_nobody_takes_is_counted_lost_not_dropped_silently(caplog):
+    ledger = tp.LinkLedger(f"helixserve-test-nobody-{uuid.uuid4().hex}")
+    try:
+        with caplog.at_level("WARNING"):
+            for _ in range(3):
+                ledger.declare("t0", "127.0.0.1:4100", 1000)
+    finally:
+        ledger.sock.close()
+    assert (ledger.lost_declarations, ledger.lost_bytes) == (3, 3000)
+    assert len([r for r in caplog.records if "not declared" in r.message]) == 2  # 1st, 2nd
