@@ -111,3 +111,27 @@ def test_a_declaration_nobody_takes_is_counted_lost_not_dropped_silently(caplog)
         ledger.sock.close()
     assert (ledger.lost_declarations, ledger.lost_bytes) == (3, 3000)
     assert len([r for r in caplog.records if "not declared" in r.message]) == 2  # 1st, 2nd
+
+
+def test_rehearse_refuses_a_bad_payload_in_one_line(capsys, tmp_path):
+    from helixserve.cli import main
+
+    code = main(["rehearse", "--cluster", "c.yaml", "--model", "m", "--profiles", "p.csv",
+                 "--placement", "p.json", "--trace", "t.csv",
+                 "--emulated-payload-bytes-per-token", "lots"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "--emulated-payload-bytes-per-token: bad value 'lots'" in err[0]
+
+
+def test_the_report_says_how_many_bytes_were_declared_rather_than_sent():
+    from helixserve.rehearse.rehearsal import _link_deltas
+
+    before = {"a->b": {"src": "a", "dst": "b", "bytes": 100, "wire_bytes": 40,
+                       "declared_bytes": 60, "connections": 1, "chunks": 3}}
+    after = {"a->b": {"src": "a", "dst": "b", "bytes": 1100, "wire_bytes": 140,
+                      "declared_bytes": 960, "connections": 2, "chunks": 9}}
+    delta = _link_deltas(before, after)["a->b"]
+    assert (delta["bytes"], delta["wire_bytes"], delta["declared_bytes"],
+            delta["connections"]) == (1000, 100, 900, 1)
+    assert "chunks" not in delta
