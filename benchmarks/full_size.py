@@ -205,6 +205,8 @@ def rehearse(cluster: str, placement: Path, setting: str, args: argparse.Namespa
         cmd += ["--concurrency", str(args.concurrency)]
     cmd += ["--duration", f"{args.duration:g}", "--warmup", f"{args.warmup:g}",
             "--time-scale", f"{args.time_scale:g}"]
+    if args.emulated_payload_bytes_per_token is not None:
+        cmd += ["--emulated-payload-bytes-per-token", args.emulated_payload_bytes_per_token]
     if args.workdir:
         cmd += ["--workdir", str(args.workdir / out.stem)]
     cmd += ["--json", str(out)]
@@ -280,6 +282,8 @@ def summary(row: dict[str, Any]) -> dict[str, Any]:
         "ttft_p50_measured": m["ttft_p50_s"], "ttft_p50_simulated": s["ttft_p50_s"],
         "tpot_p50_measured": m["tpot_p50_s"], "tpot_p50_simulated": s["tpot_p50_s"],
         "runtime_cpu_ms_per_token": rep["runtime_cpu_ms_per_token"],
+        "cpu_s": rep["cpu_s"],
+        "payload_bytes_per_token": rep.get("payload_bytes_per_token"),
         "start_s": rep["start_s"],
         "runtime_rss_gib_at_start": mem["at_start"].get("runtime"),
         "runtime_rss_gib_peak": mem["peak_runtime"].get("runtime"),
@@ -362,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="online requests/s (the Azure conversation trace rescaled; default 1)")
     ap.add_argument("--concurrency", type=int, default=None,
                     help="offline streams (default: rehearse's, what the KV holds, at most 256)")
+    ap.add_argument("--emulated-payload-bytes-per-token", default=None, metavar="N|real",
+                    help="rehearse's activation payload a token (default: rehearse's, 64; the "
+                    "rest is charged by the link proxy); real: the real bytes cross")
     ap.add_argument("--work-limit", type=float, default=40.0,
                     help="helixserve plan --work-limit for our planners (default 40)")
     ap.add_argument("--workdir", type=Path, default=None, metavar="DIR",

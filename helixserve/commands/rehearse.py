@@ -55,6 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", type=Path, default=None, metavar="DIR",
                    help="keep logs, certificates and the cluster copy here (default: a "
                    "temporary directory, removed unless the run fails)")
+    p.add_argument("--emulated-payload-bytes-per-token", default=None, metavar="N|real",
+                   help="bytes a token the workers' activation messages carry (default 64); "
+                   "the rest of the real size is declared to the link proxy, which charges it "
+                   "on the link as if sent; real (or 0): the real bytes cross")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report here")
     p.set_defaults(func=run)
 
@@ -65,17 +69,21 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from helixserve.commands.args import Output, check_output, write_outputs
+    from helixserve.commands.worker import payload_bytes_per_token
+    from helixserve.rehearse.cluster import DEFAULT_PAYLOAD_BYTES_PER_TOKEN
     from helixserve.rehearse.rehearsal import RehearsalOptions, run_rehearsal
     from helixserve.rehearse.report import format_report
 
     if args.json is not None:
         check_output("--json", args.json, make_parents=True)
+    payload = (DEFAULT_PAYLOAD_BYTES_PER_TOKEN if args.emulated_payload_bytes_per_token is None
+               else payload_bytes_per_token(args.emulated_payload_bytes_per_token))
     opts = RehearsalOptions(
         cluster=args.cluster, model=args.model, profiles=args.profiles,
         placement=args.placement, trace=args.trace, rate_per_s=args.rate,
         offline=args.offline, duration_s=args.duration, warmup_s=args.warmup,
         time_scale=args.time_scale, concurrency=args.concurrency, base_port=args.base_port,
-        workdir=args.workdir)
+        workdir=args.workdir, payload_bytes_per_token=payload)
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # unwinds through the cluster's stop, as Ctrl-C does

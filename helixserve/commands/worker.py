@@ -67,6 +67,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      "4.5, the simulator's vllm engine model)")
     emu.add_argument("--time-scale", type=finite_float, default=1.0, metavar="K",
                      help="every emulated time x K (default 1)")
+    emu.add_argument("--emulated-payload-bytes-per-token", default="real", metavar="N|real",
+                     help="bytes a token the activation messages carry (default real: hidden "
+                     "size x dtype bytes; 0 = real); a smaller N sends N and declares the rest "
+                     "to the link ledger named by $HELIXSERVE_LINK_LEDGER, whose link "
+                     "emulation charges it (helixserve rehearse does; docs/rehearse.md)")
     p.add_argument("--device", default=None,
                    help="torch device, e.g. cpu, cuda:0 (default: cuda for vllm on a GPU, else cpu)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="weights and activations dtype")
@@ -240,7 +245,8 @@ def emulation_from_args(args: argparse.Namespace, engine_name: str) -> Any:
     flag when one is missing or bad); None for the other engines, which take none of them."""
     flags = {"--gpu": args.gpu is not None, "--profiles": args.profiles is not None,
              "--gpus": args.gpus is not None, "--gpu-reserve-gb": args.gpu_reserve_gb is not None,
-             "--num-gpus": args.num_gpus is not None, "--time-scale": args.time_scale != 1.0}
+             "--num-gpus": args.num_gpus is not None, "--time-scale": args.time_scale != 1.0,
+             "--emulated-payload-bytes-per-token": args.emulated_payload_bytes_per_token != "real"}
     if engine_name != "emulated":
         given = [f for f, on in flags.items() if on]
         if given:
@@ -273,6 +279,7 @@ def emulation_from_args(args: argparse.Namespace, engine_name: str) -> Any:
                         "--profiles; --time-scale K stretches them)")
     if args.device is not None:
         raise UserError("--device: not with --engine emulated (it emulates --gpu)")
+    payload = payload_bytes_per_token(args.emulated_payload_bytes_per_token)
     from helixserve.engine.emulated import DEFAULT_RESERVED_GB_PER_GPU, EmulationSpec
 
     catalog = None
@@ -292,7 +299,22 @@ def emulation_from_args(args: argparse.Namespace, engine_name: str) -> Any:
                else args.gpu_reserve_gb)
     return EmulationSpec.load(gpu, args.profiles, num_gpus=num_gpus, catalog=catalog,
                               reserved_gb_per_gpu=reserve, time_scale=args.time_scale,
-                              model_name=model_name, memory_gb=memory_gb)
+                              model_name=model_name, memory_gb=memory_gb,
+                              payload_bytes_per_token=payload)
+
+
+def payload_bytes_per_token(value: str) -> int | None:
+    """--emulated-payload-bytes-per-token: None for `real` or 0, else N >= 1 (UserError)."""
+    if value.strip().lower() == "real":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise UserError(f"--emulated-payload-bytes-per-token: bad value {value!r}; need an "
+                        "integer >= 0 or 'real'")
+    return n or None
 
 
 def run_emulated(args: argparse.Namespace, node: str, start: int, end: int, tls: Any,

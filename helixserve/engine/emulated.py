@@ -20,11 +20,28 @@ coordinator, API) is the real one. The engine does what the real engines do exce
   A prefix taken from the cache is not computed, so it takes no time: a step is timed by
   the tokens its items bring, which is what a cache hit saves on a real GPU.
 - **Activations** of the model's real size, [num_tokens, hidden_size] x dtype bytes (16 KiB
-  a token for LLaMA-2-70B in fp16), as RawHidden: zeros from the first stage, passed on by
-  the others. The real byte count crosses every hop, so whatever carries it (gRPC, TLS, an
-  emulated link) pays what a real cluster's would; a smaller payload with a "real size" note
-  would need every link model to trust the note. On loopback the copy costs microseconds a
-  token a hop (docs/emulated.md).
+  a token for LLaMA-2-70B in bf16), as RawHidden: zeros from the first stage, passed on by
+  the others. What crosses a hop is either those bytes (`payload_bytes_per_token` None, the
+  default of `helixserve worker`), or a smaller payload of `payload_bytes_per_token` bytes a
+  token (the default of `helixserve rehearse`: 64) with the real shape and dtype, the rest
+  being charged by link emulation instead of sent:
+  - why: the bytes are most of a rehearsal's control-plane CPU (gRPC's threads, TLS, parse,
+    serialize and copies of 16 KiB a token a hop: ~2 ms of CPU an output token on
+    single-24), and they are emulation's cost, not the runtime's: a real cluster moves them
+    with NICs and GPUs' DMA, not with this host's two cores;
+  - how (runtime/transport.py, rehearse/links.py): the output's `ZeroHidden` knows both sizes
+    (`nbytes` the real one, which the worker batches by, as it would real activations;
+    `unsent_nbytes` what the payload leaves out). Just before a worker writes a batch to its
+    next hop, it declares the batch's unsent bytes for the directed link (itself -> that
+    hop's address) to the rehearsal's link proxy over a local datagram socket
+    (`transport.declare_unsent`); the proxy adds them to that link's FIFO ahead of the
+    next bytes it reads on it (the message they belong to), so the message takes the real
+    size's serialization time, and counts them in the link's bytes (wire and declared apart);
+  - on arrival an emulated worker accepts a payload of whole bytes a token smaller than a
+    row (`transport.hidden_from_pb`: it computes nothing on the values); a torch or vllm
+    worker accepts only the real size;
+  - the coordinator's items carry token ids, not activations, and results carry tokens: only
+    worker -> worker hops declare.
 - **Tokens.** The last stage emits deterministic ids, like greedy decoding of a real model: a
   function of the prompt and the position (a hash of the prompt's tokens and the position,
   within the vocabulary), so the same prompt gives the same output on any route and after a
@@ -95,6 +112,10 @@ class EmulationSpec:
     """The model's name in the profiles; None: the model directory's name."""
     memory_gb: float | None = None
     """The machine's memory budget (a cluster file's `memory_gb`); None: the catalog's."""
+    payload_bytes_per_token: int | None = None
+    """Bytes a token an activation message carries (module doc); None, or at least the real
+    row (hidden_size x dtype bytes): the real bytes. Smaller: the rest is declared to the
+    link emulation, which charges it, instead of sent."""
 
     @classmethod
     def load(cls, gpu: str, profiles_path: str | Path, **options: object) -> EmulationSpec:
@@ -128,24 +149,36 @@ class EmulationReport:
 
 
 class ZeroHidden(RawHidden):
-    """Emulated activations: `nbytes` of zeros, made only when `data` is read (when the worker
-    writes the message to the next hop). Until then a queued item costs this host no memory
-    for its hidden states, however long the backlog behind a slow hop; what crosses the wire
-    is the real size."""
+    """Emulated activations of `nbytes` (the real size of `shape` x dtype): zeros, made only
+    when `data` is read (when the worker writes the message to the next hop). Until then a
+    queued item costs this host no memory for its hidden states, however long the backlog
+    behind a slow hop. `data` is `payload_nbytes` of them (all `nbytes` unless a smaller
+    payload was asked for); the `unsent_nbytes` left out are declared to the link emulation
+    when the message is written (module doc)."""
 
     nbytes: int
+    payload_nbytes: int
 
-    def __init__(self, dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
+    def __init__(self, dtype: str, shape: tuple[int, ...], nbytes: int,
+                 payload_nbytes: int | None = None) -> None:
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "nbytes", nbytes)
+        object.__setattr__(self, "payload_nbytes",
+                           nbytes if payload_nbytes is None else min(payload_nbytes, nbytes))
 
     @property  # type: ignore[override]
     def data(self) -> bytes:
-        return bytes(self.nbytes)
+        return bytes(self.payload_nbytes)
+
+    @property
+    def unsent_nbytes(self) -> int:
+        """Bytes of the real size that `data` leaves out (runtime/transport.py declares them)."""
+        return self.nbytes - self.payload_nbytes
 
     def __repr__(self) -> str:
-        return f"ZeroHidden({self.dtype!r}, {self.shape}, {self.nbytes} bytes)"
+        sent = "" if self.payload_nbytes == self.nbytes else f", {self.payload_nbytes} sent"
+        return f"ZeroHidden({self.dtype!r}, {self.shape}, {self.nbytes} bytes{sent})"
 
 
 @dataclass
@@ -211,6 +244,13 @@ class EmulatedEngine:
         self.cost = CostModel(model, spec.profiles, spec.catalog or load_gpu_catalog(),
                               reserved_gb_per_gpu=spec.reserved_gb_per_gpu)
         self._row_bytes = model.hidden_size * DTYPE_BYTES[dtype]
+        payload = spec.payload_bytes_per_token
+        if payload is not None and payload < 1:
+            raise UserError(f"--emulated-payload-bytes-per-token: bad value {payload}; need >= 1 "
+                            "(or real)")
+        #: bytes a token of an activation message; the real row when None or larger
+        self.payload_bytes_per_token: int | None = (
+            payload if payload is not None and payload < self._row_bytes else None)
         self._special = set(self.eos_token_ids)
         if args.bos_token_id is not None:
             self._special.add(int(args.bos_token_id))
@@ -313,7 +353,10 @@ class EmulatedEngine:
                 + (f" x time scale {self.spec.time_scale:g}" if self.spec.time_scale != 1 else "")
                 + f"; KV {self.kv.num_blocks} blocks of {self.block_size} tokens (memory model, "
                 f"{self.spec.reserved_gb_per_gpu:g} GB kept per GPU); activations "
-                f"{self._row_bytes} bytes a token ({self.dtype})")
+                f"{self._row_bytes} bytes a token ({self.dtype})"
+                + ("" if self.payload_bytes_per_token is None else
+                   f", sent as {self.payload_bytes_per_token} bytes a token, the rest declared "
+                   "to the link emulation (charged, not sent)"))
 
     # ---- time --------------------------------------------------------------------------
     def step_time_s(self, items: list[WorkItem]) -> float:
@@ -351,8 +394,14 @@ class EmulatedEngine:
         """What the worker keeps of a received item's hidden states while it waits for its
         step: their dtype, shape and size, not their bytes. The emulated engine's outputs are
         zeros of the real size whatever came in, so a backlog of queued prefill chunks (8 MiB
-        each for LLaMA-2-70B) costs this host no memory; the bytes still crossed the hop."""
-        return ZeroHidden(hidden.dtype, tuple(hidden.shape), len(hidden.data))
+        each for LLaMA-2-70B) costs this host no memory; the bytes still crossed the hop (or
+        a smaller payload did, the rest charged by the link emulation: module doc)."""
+        shape = tuple(hidden.shape)
+        real = self._row_bytes_of(hidden.dtype) * (shape[0] if shape else 0)
+        return ZeroHidden(hidden.dtype, shape, real, len(hidden.data))
+
+    def _row_bytes_of(self, dtype: str) -> int:
+        return self.hidden_size * DTYPE_BYTES[dtype]
 
     # ---- the step ----------------------------------------------------------------------
     def step(self, items: list[WorkItem]) -> list[ItemOutput]:
@@ -411,8 +460,9 @@ class EmulatedEngine:
             # first stage): the emulated activations carry no values, only their size
             h = it.hidden
             dtype = h.dtype if isinstance(h, RawHidden) else self.dtype
-            out.hidden = ZeroHidden(dtype, (n, self.hidden_size),
-                                    n * self.hidden_size * DTYPE_BYTES[dtype])
+            payload = self.payload_bytes_per_token
+            out.hidden = ZeroHidden(dtype, (n, self.hidden_size), n * self._row_bytes_of(dtype),
+                                    None if payload is None else n * payload)
             return out
         state = self._record_prompt(it)
         if it.sample:

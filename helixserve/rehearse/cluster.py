@@ -17,6 +17,11 @@ it, as on a real cluster. Mutual TLS with dev credentials made for the run (as `
 demo` and local stacks do). Every child runs in its own session (process group) and dies with
 the rehearsal (helixserve/rehearse/child.py); `stop` signals each group, so nothing a child
 started outlives it either.
+
+Activations travel as a payload of `payload_bytes_per_token` (default 64) bytes a token, the
+rest declared by the workers to the proxy's link ledger, an abstract unix socket named for
+this rehearsal (HELIXSERVE_LINK_LEDGER in the workers' environment), and charged there
+(links.py, engine/emulated.py); None: the real bytes cross.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -51,6 +57,7 @@ from helixserve.rehearse.links import (
     read_unattributed,
 )
 from helixserve.runtime.config import CoordinatorConfig
+from helixserve.runtime.transport import LINK_LEDGER_ENV
 from helixserve.spec.cluster import COORDINATOR
 
 HOST = "127.0.0.1"
@@ -61,6 +68,9 @@ STOP_GRACE_S = 10.0
 WORKER_DRAIN_S = 2.0
 #: glibc malloc arenas per child process (MALLOC_ARENA_MAX; see child_env)
 MALLOC_ARENAS = 2
+#: bytes a token the emulated workers' activation messages carry (module doc); the rest
+#: (16 KiB - 64 a token for LLaMA-2-70B) is declared to the link proxy and charged there
+DEFAULT_PAYLOAD_BYTES_PER_TOKEN = 64
 #: the shutdown line of an emulated worker (helixserve/commands/worker.py, EmulationReport)
 _REPORT_RE = re.compile(
     r"EMULATED engine emulated (\d+) steps, ([\d.]+) s of emulated compute, (\d+) prompt \+ "
@@ -122,7 +132,8 @@ def child_env() -> dict[str, str]:
 class EmulatedCluster:
     def __init__(self, inputs: RehearsalInputs, workdir: Path, *, time_scale: float = 1.0,
                  base_port: int = 0, max_seconds: float = 3600.0,
-                 worker_args: Sequence[str] = (), serve_args: Sequence[str] = ()) -> None:
+                 worker_args: Sequence[str] = (), serve_args: Sequence[str] = (),
+                 payload_bytes_per_token: int | None = DEFAULT_PAYLOAD_BYTES_PER_TOKEN) -> None:
         self.inputs = inputs
         self.workdir = workdir
         self.time_scale = time_scale
@@ -131,6 +142,11 @@ class EmulatedCluster:
         #: benchmark's `--no-prefix-caching`, `--no-cache-aware-routing`)
         self.worker_args = list(worker_args)
         self.serve_args = list(serve_args)
+        #: activation payload a token (module doc); None: the real bytes
+        self.payload_bytes_per_token = payload_bytes_per_token
+        #: the link ledger's name, unique to this rehearsal (None without a smaller payload)
+        self.ledger = (None if payload_bytes_per_token is None
+                       else f"helixserve-links-{os.getpid()}-{secrets.token_hex(6)}")
         self.nodes = [r.name for r in inputs.placement.nodes]
         self.ports = Ports.reserve(self.nodes, base_port)
         self.logs = workdir / "logs"
@@ -197,11 +213,11 @@ class EmulatedCluster:
         self.inputs.placement.save(self.placement_path)
 
     def _spawn(self, name: str, args: list[str], stdout: Any = None,
-               stdin: Any = None) -> subprocess.Popen[bytes]:
+               stdin: Any = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = (self.logs / f"{name}.log").open("wb")
         proc = subprocess.Popen([sys.executable, "-m", "helixserve.rehearse.child", *args],
-                                stdin=stdin, stdout=stdout or log, stderr=log, env=child_env(),
-                                start_new_session=True)
+                                stdin=stdin, stdout=stdout or log, stderr=log,
+                                env={**child_env(), **(env or {})}, start_new_session=True)
         log.close()
         self.procs[name] = proc
         return proc
@@ -212,9 +228,13 @@ class EmulatedCluster:
         self.write_files()
         creds = create_dev_credentials(self.workdir / "tls", self.nodes)
         common = ["--model", str(self.inputs.model_dir), "--placement", str(self.placement_path)]
+        # the workers, forked from it, inherit its environment: the link ledger's name
         server = self._spawn("forkserver", [FORKSERVER, "worker"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE)
+                             stdout=subprocess.PIPE,
+                             env={LINK_LEDGER_ENV: self.ledger} if self.ledger else None)
         self.forkserver = ForkServer(server)
+        payload = ([] if self.payload_bytes_per_token is None else
+                   ["--emulated-payload-bytes-per-token", str(self.payload_bytes_per_token)])
         for node in self.nodes:
             self.procs[f"worker-{node}"] = self.forkserver.spawn([
                 "worker", "--engine", "emulated", *common, "--node", node,
@@ -223,7 +243,7 @@ class EmulatedCluster:
                 "--time-scale", repr(self.time_scale), "--host", HOST,
                 "--port", str(self.ports.private[node]),
                 "--drain-timeout-s", str(WORKER_DRAIN_S), *creds.nodes[node].flags(),
-                *self.worker_args],
+                *payload, *self.worker_args],
                 self.logs / f"worker-{node}.log")
         names = [COORDINATOR, *self.nodes]
         worker_pids = {self.procs[f"worker-{n}"].pid: n for n in self.nodes}
@@ -231,7 +251,7 @@ class EmulatedCluster:
             routes=[ProxyRoute(n, self.ports.public[n], self.ports.private[n]) for n in self.nodes],
             links=link_table(self.inputs.cluster, names, self.time_scale), pids=worker_pids,
             stats_path=str(self.stats_path), host=HOST, other_source=COORDINATOR,
-            max_seconds=self.max_seconds)
+            max_seconds=self.max_seconds, ledger=self.ledger)
         config_path = self.workdir / "links.json"
         config_path.write_text(config.to_json())
         proxy = self._spawn("links", ["links", str(config_path)], stdout=subprocess.PIPE)

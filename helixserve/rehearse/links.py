@@ -28,6 +28,22 @@ without limits and counted apart (the stats file's "unattributed", `read_unattri
 never credited to the coordinator. Only a socket found and held by none of the workers is
 the other source's (the coordinator's).
 
+Declared bytes (the link ledger). An emulated worker may send its activations as a smaller
+payload (engine/emulated.py): the proxy sees only TLS ciphertext, so the sender declares the
+bytes it left out, just before it writes the batch they belong to, as one datagram on an
+abstract unix socket (`ProxyConfig.ledger`; runtime/transport.py `declare_unsent`): "node
+src, the next hop's address, K bytes". The proxy names the destination by the address (the
+route listening there) and adds K to that link's pending debt; the next chunk it reads on
+the link (the batch's own bytes: the datagram is queued before the worker writes the batch,
+and one loop pass handles the datagram before the pump it wakes) leaves only after K + its
+own bytes have been serialized. So a message takes the real size's serialization time and
+its latency once, as the real bytes would; the debt never runs ahead of its message on an
+idle link. If the proxy lags so far behind that the previous batch's last bytes are still
+unread, they carry the debt instead: that batch is later by it, the next one on time, the
+link's total the same. Stats: `bytes` are charged (on the wire + declared), `wire_bytes` and
+`declared_bytes` apart. A unix datagram socket does not drop; a declaration naming no route
+is counted in the stats file's "undeclared" section, never on a link.
+
 A pair the cluster file gives no link (`ClusterSpec.link` is None: bandwidth 0) should carry
 nothing, since no route uses it; if it does, its bytes are forwarded without limits and
 counted under that pair with `"unlinked": true`, so the report shows it.
@@ -45,6 +61,7 @@ import functools
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -100,17 +117,30 @@ class Link:
     def __init__(self, shape: LinkShape) -> None:
         self.shape = shape
         self.free_at_s = 0.0  # when the link has finished sending what it was given
+        #: bytes that crossed the proxy (on the wire)
         self.bytes_sent = 0
+        #: bytes declared by a sender (module doc), charged ahead of the next chunk
+        self.bytes_declared = 0
+        self.pending_bytes = 0
         self.chunks = 0
 
+    def declare(self, num_bytes: int) -> None:
+        """`num_bytes` the sender left out of the message it is about to write: the next
+        chunk on the link serializes them before its own bytes."""
+        self.bytes_declared += num_bytes
+        self.pending_bytes += num_bytes
+
     def schedule(self, num_bytes: int, now_s: float) -> float:
-        """Arrival time of `num_bytes` handed to the link at `now_s`."""
+        """Arrival time of `num_bytes` handed to the link at `now_s` (after any declared
+        bytes pending)."""
         self.bytes_sent += num_bytes
         self.chunks += 1
+        charged = num_bytes + self.pending_bytes
+        self.pending_bytes = 0
         if not self.shape.limited:
             return now_s
         start = max(now_s, self.free_at_s)
-        self.free_at_s = start + num_bytes * 8 / (self.shape.bandwidth_gbps * 1e9)
+        self.free_at_s = start + charged * 8 / (self.shape.bandwidth_gbps * 1e9)
         return self.free_at_s + self.shape.latency_ms / 1000.0
 
 
@@ -138,6 +168,9 @@ class ProxyConfig:
     other_source: str = COORDINATOR
     #: the proxy stops by itself after this long, whatever happens to its parent
     max_seconds: float = 3600.0
+    #: the link ledger's name (an abstract unix datagram socket, "\0" + this) where senders
+    #: declare the bytes they left out (module doc); None: no ledger
+    ledger: str | None = None
 
     def to_json(self) -> str:
         return json.dumps({
@@ -145,7 +178,7 @@ class ProxyConfig:
             "links": [{"src": s, "dst": d, **asdict(shape)} for (s, d), shape in self.links.items()],
             "pids": {str(k): v for k, v in self.pids.items()},
             "stats_path": self.stats_path, "host": self.host, "other_source": self.other_source,
-            "max_seconds": self.max_seconds,
+            "max_seconds": self.max_seconds, "ledger": self.ledger,
         }, indent=1)
 
     @classmethod
@@ -159,6 +192,7 @@ class ProxyConfig:
             stats_path=raw["stats_path"], host=raw.get("host", "127.0.0.1"),
             other_source=raw.get("other_source", COORDINATOR),
             max_seconds=float(raw.get("max_seconds", 3600.0)),
+            ledger=raw.get("ledger"),
         )
 
 
@@ -240,6 +274,11 @@ class LinkProxy:
         self._tasks: set[asyncio.Task[Any]] = set()
         #: times the counters were written (a reader waits for it to change after SIGUSR1)
         self.writes = 0
+        #: "host:port" a route listens on -> its machine (declarations name the address)
+        self.node_at = {f"{self.host_of(r)}:{r.listen_port}": r.node for r in config.routes}
+        #: declarations whose address or message was not understood: reason -> bytes
+        self.undeclared: dict[str, int] = {}
+        self._ledger: asyncio.DatagramTransport | None = None
 
     def link(self, src: str, dst: str) -> Link:
         key = (src, dst)
@@ -256,8 +295,33 @@ class LinkProxy:
                 functools.partial(self._accept, route=route),
                 self.host_of(route), route.listen_port, reuse_address=True)
             self.servers.append(server)
+        if self.config.ledger:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.bind("\0" + self.config.ledger)
+            sock.setblocking(False)
+            transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+                functools.partial(_LedgerProtocol, self), sock=sock)
+            self._ledger = transport
+
+    def declared(self, message: bytes) -> None:
+        """A sender's declaration (runtime/transport.py `ledger_message`): bytes it left out
+        of what it is about to write on the link src -> the route at an address."""
+        try:
+            src, address, count = message.decode().split("\n")
+            num_bytes = int(count)
+        except ValueError:
+            self.undeclared["malformed"] = self.undeclared.get("malformed", 0) + 1
+            return
+        dst = self.node_at.get(address)
+        if dst is None or num_bytes < 0:
+            why = f"{src} -> {address}"
+            self.undeclared[why] = self.undeclared.get(why, 0) + max(num_bytes, 0)
+            return
+        self.link(src, dst).declare(num_bytes)
 
     async def close(self) -> None:
+        if self._ledger is not None:
+            self._ledger.close()
         for server in self.servers:
             server.close()
         for task in list(self._tasks):
@@ -356,7 +420,9 @@ class LinkProxy:
             if UNATTRIBUTED in (src, dst):
                 continue
             out[f"{src}->{dst}"] = {
-                "src": src, "dst": dst, "bytes": link.bytes_sent, "chunks": link.chunks,
+                "src": src, "dst": dst, "bytes": link.bytes_sent + link.bytes_declared,
+                "wire_bytes": link.bytes_sent, "declared_bytes": link.bytes_declared,
+                "chunks": link.chunks,
                 "connections": self.connections.get((src, dst), 0),
                 "bandwidth_gbps": link.shape.bandwidth_gbps, "latency_ms": link.shape.latency_ms,
                 **({"unlinked": True} if (src, dst) not in self.config.links else {}),
@@ -383,8 +449,20 @@ class LinkProxy:
         path = Path(self.config.stats_path)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"writes": self.writes, "links": self.stats(),
-                                   "unattributed": self.unattributed()}))
+                                   "unattributed": self.unattributed(),
+                                   "undeclared": self.undeclared}))
         os.replace(tmp, path)  # a reader never sees half a file
+
+
+class _LedgerProtocol(asyncio.DatagramProtocol):
+    """The proxy's end of the link ledger: each datagram is one declaration. Called from the
+    event loop's I/O pass, before the pumps whose reads that pass completed run (module doc)."""
+
+    def __init__(self, proxy: LinkProxy) -> None:
+        self.proxy = proxy
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.proxy.declared(data)
 
 
 def read_stats(path: str | Path) -> tuple[int, dict[str, dict[str, Any]]]:

@@ -24,7 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from helixserve.errors import UserError
-from helixserve.rehearse.cluster import EmulatedCluster, check_workdir
+from helixserve.rehearse.cluster import (
+    DEFAULT_PAYLOAD_BYTES_PER_TOKEN,
+    EmulatedCluster,
+    check_workdir,
+)
 from helixserve.rehearse.inputs import RehearsalInputs, load_inputs
 from helixserve.rehearse.run import (
     drive,
@@ -61,6 +65,9 @@ class RehearsalOptions:
     base_port: int = 0
     #: logs, certificates, the cluster copy; None: a temporary directory, removed after
     workdir: Path | None = None
+    #: bytes a token the activation messages carry, the rest declared to the link proxy and
+    #: charged there (cluster.py); None: the real bytes cross
+    payload_bytes_per_token: int | None = DEFAULT_PAYLOAD_BYTES_PER_TOKEN
 
     def check(self) -> RehearsalOptions:
         if not 0 < self.duration_s <= 86400:
@@ -74,6 +81,9 @@ class RehearsalOptions:
             raise UserError(f"--rate: bad value {self.rate_per_s:g}; need > 0 requests/s")
         if self.concurrency is not None and not 1 <= self.concurrency <= 4096:
             raise UserError(f"--concurrency: bad value {self.concurrency}; need 1..4096")
+        if self.payload_bytes_per_token is not None and self.payload_bytes_per_token < 1:
+            raise UserError(f"--emulated-payload-bytes-per-token: bad value "
+                            f"{self.payload_bytes_per_token}; need >= 1, or real")
         if self.concurrency is not None and not self.offline:
             raise UserError("--concurrency: only with --offline (online, the trace's arrivals "
                             "decide what is in flight)")
@@ -93,7 +103,8 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
     try:  # the ports are taken here: one in use is a UserError, before anything starts
         cluster = EmulatedCluster(inputs, workdir, time_scale=opts.time_scale,
                                   base_port=opts.base_port,
-                                  max_seconds=opts.duration_s * opts.time_scale + 1800.0)
+                                  max_seconds=opts.duration_s * opts.time_scale + 1800.0,
+                                  payload_bytes_per_token=opts.payload_bytes_per_token)
     except BaseException:
         if temporary:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -157,8 +168,8 @@ def _link_deltas(before: dict[str, dict[str, Any]],
     out = {}
     for key, now in after.items():
         was = before.get(key, {})
-        out[key] = {**now, "bytes": now["bytes"] - was.get("bytes", 0),
-                    "connections": now["connections"] - was.get("connections", 0)}
+        out[key] = {**now, **{k: now.get(k, 0) - was.get(k, 0) for k in
+                              ("bytes", "wire_bytes", "declared_bytes", "connections")}}
         out[key].pop("chunks", None)
     return out
 
@@ -214,7 +225,11 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
             "src": src, "dst": dst,
             "bandwidth_gbps": inputs.cluster.effective_bandwidth_gbps(src, dst) if link else None,
             "latency_ms": link.latency_ms if link else None,
-            "bytes_measured": m.get("bytes", 0), "connections": m.get("connections", 0),
+            # charged: on the wire + declared by the senders (a smaller payload's rest)
+            "bytes_measured": m.get("bytes", 0),
+            "bytes_wire": m.get("wire_bytes", m.get("bytes", 0)),
+            "bytes_declared": m.get("declared_bytes", 0),
+            "connections": m.get("connections", 0),
             "bytes_simulated": sim_links.get(key, {}).get("bytes", 0),
             **({"unlinked": True} if m.get("unlinked") else {}),
         }
@@ -236,6 +251,8 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
         "duration_s": opts.duration_s,
         "warmup_s": opts.warmup_s,
         "time_scale": k,
+        # activations' bytes a token on the wire (None: the real size; the rest declared)
+        "payload_bytes_per_token": opts.payload_bytes_per_token,
         "measured": measured,
         "simulated": sim["metrics"],
         "simulator_engine": sim["engine_config"],

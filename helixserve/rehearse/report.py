@@ -85,6 +85,12 @@ def format_report(r: dict[str, Any]) -> str:
                      + ("  (no link in the cluster file)" if x.get("unlinked") else ""))
     if len(links) > TABLE_LINKS:
         lines.append(f"... {len(links) - TABLE_LINKS} more links in the JSON")
+    payload = r.get("payload_bytes_per_token")
+    declared = sum(x.get("bytes_declared", 0) for x in r["links"].values())
+    if payload is not None:
+        lines.append(f"activations sent as {payload} bytes a token: {_bytes(declared)} of the "
+                     "bytes measured were declared by the workers and charged on their links, "
+                     "not sent")
     lost = r.get("unattributed_links") or {}
     if lost:
         total = sum(x.get("bytes_in", 0) + x.get("bytes_out", 0) for x in lost.values())

@@ -6,14 +6,23 @@ byte length against what the receiver expects and raises `WireError` naming the 
 Hidden states in another float dtype than the receiver's are cast (mixed-GPU clusters).
 A worker whose expected dtype is a wire name rather than a torch dtype (the emulated engine,
 which runs without torch) gets and sends `RawHidden`: the same checked bytes, no tensor.
+
+Emulated activations may travel as a smaller payload (engine/emulated.py, module doc): the
+tensor keeps its real dtype and shape, `data` holds fewer whole bytes a token, and only an
+emulated receiver accepts it. The bytes left out are charged by the rehearsal's link proxy
+(rehearse/links.py), which sees only TLS ciphertext: `declare_unsent` tells it, over a local
+datagram socket named by HELIXSERVE_LINK_LEDGER, "link <this node> -> <next hop's address>:
+K more bytes", just before the worker writes the batch they belong to.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
-from collections.abc import Sequence
+import socket
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +40,8 @@ if TYPE_CHECKING:
     # Only the tensor functions need torch, and they import it when called: the coordinator
     # (which moves no tensors) imports this module on a machine without torch.
     import torch
+
+log = logging.getLogger(__name__)
 
 #: gRPC message size limit on every channel and server. Raised deliberately from gRPC's 4 MiB
 #: default: a prefill chunk carries hidden: [chunk_tokens, hidden_size]; at 512 tokens of a
@@ -175,9 +186,12 @@ def tensor_from_pb(
 
 
 def _checked_shape(msg: pb.Tensor, where: str, shape: Sequence[int | None],
-                   dtype: torch.dtype | str | None, data: bytes | None = None) -> list[int]:
+                   dtype: torch.dtype | str | None, data: bytes | None = None,
+                   payload: bool = False) -> list[int]:
     """The message's shape, after checking its dtype, rank, fixed dims and byte length.
-    `data`: `msg.data` when the caller has read it already (each read copies the bytes)."""
+    `data`: `msg.data` when the caller has read it already (each read copies the bytes).
+    `payload`: also accept an emulated payload (module doc): fewer whole bytes for each of
+    shape[0] tokens than a row has, at least one."""
     if msg.dtype not in _ITEMSIZE or (dtype is not None and msg.dtype != dtype_name(dtype)):
         want = dtype_name(dtype) if dtype is not None else " | ".join(_ITEMSIZE)
         raise WireError(f"{where}.dtype: got {msg.dtype!r}, expected {want}")
@@ -192,6 +206,9 @@ def _checked_shape(msg: pb.Tensor, where: str, shape: Sequence[int | None],
     itemsize = _ITEMSIZE[msg.dtype]
     want_bytes = math.prod(got_shape) * itemsize
     got_bytes = len(msg.data if data is None else data)
+    if payload and got_bytes < want_bytes and got_bytes >= got_shape[0] \
+            and got_bytes % got_shape[0] == 0:
+        return got_shape  # an emulated payload: the rest is charged by the link emulation
     if got_bytes != want_bytes:
         raise WireError(
             f"{where}.data: {got_bytes} bytes, expected {want_bytes} "
@@ -211,7 +228,8 @@ def hidden_from_pb(msg: pb.Tensor, where: str, num_tokens: int,
     """
     if isinstance(expect.dtype, str):
         data = msg.data  # one read: each copies the bytes
-        shape = _checked_shape(msg, where, (num_tokens, expect.hidden_size), None, data)
+        shape = _checked_shape(msg, where, (num_tokens, expect.hidden_size), None, data,
+                               payload=True)
         return RawHidden(msg.dtype, tuple(shape), data)
     import torch
 
@@ -223,6 +241,69 @@ def hidden_from_pb(msg: pb.Tensor, where: str, num_tokens: int,
                 f"{where}: values overflow {dtype_name(expect.dtype)} (sent as {msg.dtype})"
             )
     return hidden
+
+
+# ---- emulated payloads: the bytes left out, declared to the link emulation ---------------
+
+#: the environment variable naming the rehearsal's link ledger: an abstract unix datagram
+#: socket ("\0" + the name) where its link proxy takes declarations (rehearse/links.py)
+LINK_LEDGER_ENV = "HELIXSERVE_LINK_LEDGER"
+#: seconds a declaration may wait for room in the proxy's queue before it is counted lost
+LEDGER_SEND_TIMEOUT_S = 1.0
+
+
+def ledger_message(src: str, address: str, num_bytes: int) -> bytes:
+    """One declaration: `num_bytes` more on the link from node `src` to `address`."""
+    return f"{src}\n{address}\n{num_bytes}".encode()
+
+
+class LinkLedger:
+    """The sending side of a link ledger: one datagram per declaration. A unix datagram
+    socket does not drop: a full queue makes the send wait, up to LEDGER_SEND_TIMEOUT_S,
+    after which the bytes are counted in `lost_bytes` and logged (never silently)."""
+
+    def __init__(self, name: str) -> None:
+        self.address = "\0" + name
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.settimeout(LEDGER_SEND_TIMEOUT_S)
+        self.lost_bytes = 0
+        self.lost_declarations = 0
+
+    def declare(self, src: str, address: str, num_bytes: int) -> None:
+        try:
+            self.sock.sendto(ledger_message(src, address, num_bytes), self.address)
+        except OSError as exc:
+            self.lost_bytes += num_bytes
+            self.lost_declarations += 1
+            if self.lost_declarations & (self.lost_declarations - 1) == 0:  # 1, 2, 4, ...
+                log.warning("link ledger %r: %d unsent bytes on %s -> %s not declared (%s); "
+                            "%d declarations, %d bytes lost so far", self.address[1:],
+                            num_bytes, src, address, exc, self.lost_declarations,
+                            self.lost_bytes)
+
+
+#: this process's ledger: None until the first declaration looks it up, False when there is
+#: none (then a smaller payload is charged nowhere, which is logged once)
+_ledger: LinkLedger | bool | None = None
+
+
+def declare_unsent(src: str, address: str, hiddens: Iterable[Any]) -> None:
+    """Declare the bytes that `hiddens` (the activations of one batch for `address`, the next
+    hop) left out of their payload (`unsent_nbytes`, engine/emulated.py's ZeroHidden) on the
+    link src -> address, just before the batch is written (module doc). Real activations
+    leave nothing out: nothing is sent."""
+    global _ledger
+    num_bytes = sum(getattr(h, "unsent_nbytes", 0) for h in hiddens)
+    if not num_bytes:
+        return
+    if _ledger is None:
+        name = os.environ.get(LINK_LEDGER_ENV)
+        _ledger = LinkLedger(name) if name else False
+        if not name:
+            log.warning("activations are sent as a smaller payload but %s names no link "
+                        "ledger: the bytes left out are charged by no link", LINK_LEDGER_ENV)
+    if isinstance(_ledger, LinkLedger):
+        _ledger.declare(src, address, num_bytes)
 
 
 # ---- work items -------------------------------------------------------------------------

@@ -319,6 +319,8 @@ class _Peer:
                 size += item.size_bytes()
             self.sent.extend((o.request_id, o.step_id, o.coordinator_id) for o in items)
             self.worker.count_sent(len(items))
+            # an emulated payload's bytes left out, charged by the link emulation (transport)
+            tp.declare_unsent(self.worker.node, self.address, [o.hidden for o in items])
             yield batch
             del batch  # not kept while the stream waits for the next item
             hello = False

@@ -16,6 +16,7 @@ from helixserve.engine.emulated import EmulatedEngine, EmulationSpec, ZeroHidden
 from helixserve.engine.emulated_tokenizer import EmulatedTokenizer, has_tokenizer
 from helixserve.engine.errors import InvalidWorkError, KvExhaustedError
 from helixserve.engine.protocol import Engine, RawHidden, WorkItem
+from helixserve.errors import UserError
 from helixserve.request import SamplingParams
 from helixserve.spec import NodeSpec, load_gpu_catalog, load_model, load_profiles
 
@@ -173,6 +174,34 @@ def test_queued_input_keeps_only_its_size_and_the_output_keeps_the_real_one(prof
     assert len(out.hidden.data) == 3 * ROW_BYTES  # the real size leaves for the next hop
 
 
+def payload_engine(profiles, start: int, end: int, payload: int | None) -> EmulatedEngine:
+    spec = EmulationSpec("L4", profiles, time_scale=FAST, payload_bytes_per_token=payload)
+    return EmulatedEngine.load(MODEL, start, end, spec)
+
+
+def test_a_smaller_payload_keeps_the_real_size_and_says_what_it_left_out(profiles):
+    first, middle = payload_engine(profiles, 0, 10, 64), payload_engine(profiles, 10, 20, 64)
+    (out,) = first.step([WorkItem("a", 0, 10, 0, list(range(5)), None, None)])
+    h = out.hidden
+    assert isinstance(h, ZeroHidden) and h.shape == (5, 8192) and h.dtype == "float16"
+    assert h.nbytes == 5 * ROW_BYTES  # what the worker batches by, as real activations
+    assert h.data == bytes(5 * 64) and h.unsent_nbytes == 5 * (ROW_BYTES - 64)
+    # the next stage takes the payload as it came (transport checked it), keeps its real size
+    came = RawHidden("float16", (5, 8192), h.data)
+    kept = middle.compact_input(came)
+    assert kept.nbytes == 5 * ROW_BYTES and kept.payload_nbytes == 5 * 64
+    (nxt,) = middle.step([WorkItem("a", 10, 20, 0, list(range(5)), kept, None)])
+    assert len(nxt.hidden.data) == 5 * 64 and nxt.hidden.unsent_nbytes == 5 * (ROW_BYTES - 64)
+    assert "sent as 64 bytes a token" in middle.describe()
+    # the real size: nothing left out; a payload at least a row is the real size too
+    for payload in (None, ROW_BYTES, 10 * ROW_BYTES):
+        (real,) = payload_engine(profiles, 0, 10, payload).step(
+            [WorkItem("b", 0, 10, 0, [1, 2], None, None)])
+        assert len(real.hidden.data) == 2 * ROW_BYTES and real.hidden.unsent_nbytes == 0
+    with pytest.raises(UserError, match="--emulated-payload-bytes-per-token: bad value 0"):
+        payload_engine(profiles, 0, 10, 0)
+
+
 def run_tokens(e: EmulatedEngine, rid: str, prompt: list[int], n: int,
                params: SamplingParams = GREEDY, chunk: int = 512) -> list[int]:
     out = None
@@ -314,8 +343,18 @@ def test_a_placed_worker_emulates_the_machine_its_cluster_file_names(tmp_path):
     args = argparse.Namespace(
         gpu=None, num_gpus=None, profiles=PROFILES, gpus=None, gpu_reserve_gb=None,
         time_scale=1.0, slowdown=1.0, device=None, placement=placement, node="n5",
-        cluster=SHARED / "clusters" / "helix-single-24.yaml")
+        cluster=SHARED / "clusters" / "helix-single-24.yaml",
+        emulated_payload_bytes_per_token="real")
     spec = emulation_from_args(args, "emulated")
     assert (spec.gpu, spec.num_gpus, spec.model_name) == ("L4", 1, "llama-2-70b")
+    assert spec.payload_bytes_per_token is None
+    args.emulated_payload_bytes_per_token = "64"
+    assert emulation_from_args(args, "emulated").payload_bytes_per_token == 64
+    args.emulated_payload_bytes_per_token = "0"  # 0 is the real size too
+    assert emulation_from_args(args, "emulated").payload_bytes_per_token is None
+    args.emulated_payload_bytes_per_token = "-3"
+    with pytest.raises(UserError, match="--emulated-payload-bytes-per-token: bad value '-3'"):
+        emulation_from_args(args, "emulated")
+    args.emulated_payload_bytes_per_token = "real"
     args.gpu = "T4"  # a flag given wins
     assert emulation_from_args(args, "emulated").gpu == "T4"
