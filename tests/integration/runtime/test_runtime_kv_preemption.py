@@ -24,7 +24,7 @@ from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 GREEDY = SamplingParams(temperature=0.0)
 #: the small_kv_workers fixture's workers: b's KV (~160 tokens) is the tight one

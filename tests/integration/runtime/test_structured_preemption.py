@@ -21,7 +21,7 @@ from runtime_procs import SMALL_KV_WORKERS, WorkerProc, make_cluster, make_place
 from helixserve.request import SamplingParams, StructuredOutput
 from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 #: the small_kv_workers fixture's workers: b's KV (~160 tokens) is the tight one
 WORKERS = SMALL_KV_WORKERS
