@@ -57,7 +57,7 @@ def small_kv_pool(demo_model: Path, tmp_path_factory: pytest.TempPathFactory,
 @pytest.fixture
 def small_kv_workers(small_kv_pool: SharedWorkers) -> list[WorkerProc]:
     """a [0,10) b [10,20) c [20,30), b's KV the tightest (SMALL_KV_WORKERS), every KV empty;
-    shared by the tests that run one after another (a fresh set costs ~10 s)."""
+    shared by the tests that run one after another (a fresh set takes 5-6 s to start)."""
     return small_kv_pool.get()
 
 
