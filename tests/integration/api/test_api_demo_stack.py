@@ -379,10 +379,12 @@ def test_bench_azure_conv_against_the_stack(demo, tmp_path):
     assert result["output_throughput_tokens_per_s"] > 0
 
 
-def test_z_killing_the_only_holder_of_layers_replans_and_serves_again(demo):
-    """Near last (it kills a worker): a node whose layers no other node holds is killed (-9).
-    A request sent right after waits for the re-plan (or the supervisor's restart) and is
-    served; /health is 200 again, and /metrics and /health tell what happened."""
+def test_z_killing_the_only_holder_of_layers_replans_and_serves_again(demo_to_break):
+    """A node whose layers no other node holds is killed (-9) (so on a stack that no `demo`
+    test gets after, conftest.py). A request sent right after waits for the re-plan (or the
+    supervisor's restart) and is served; /health is 200 again, and /metrics and /health tell
+    what happened."""
+    demo = demo_to_break
     placement = json.loads((demo.workdir / "placement.json").read_text())
     nodes = placement["nodes"]
     victim = next(
@@ -423,8 +425,9 @@ def test_z_killing_the_only_holder_of_layers_replans_and_serves_again(demo):
     assert "helixserve:replans_total" in metrics and "helixserve:node_down_events_total" in metrics
 
 
-def test_zz_sigterm_stops_every_process(demo):
-    """Last: SIGTERM the demo; it exits and leaves no worker behind."""
+def test_zz_sigterm_stops_every_process(demo_to_break):
+    """SIGTERM the demo; it exits and leaves no worker behind."""
+    demo = demo_to_break
     assert len(processes_mentioning(str(demo.workdir))) >= 3  # demo + the live workers
     assert demo.stop() == 0
     deadline = time.monotonic() + 10

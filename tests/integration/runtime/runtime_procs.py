@@ -231,3 +231,61 @@ class CuttableProxy:
     def close(self) -> None:
         self.listener.close()
         self.cut(0, close_after_s=0.0)
+
+
+#: three workers in a line whose middle one's KV holds about one long request (name, start
+#: layer, end layer, KV bytes): ~208 tokens for 10 layers of the demo model (fp32 on CPU), and
+#: ~160 on the middle worker, so that it is the one that runs out (the preemption tests)
+SMALL_KV_WORKERS = [("a", 0, 10, 3_200_000), ("b", 10, 20, 2_500_000), ("c", 20, 30, 3_200_000)]
+
+
+def kv_used_blocks(workers: list[WorkerProc]) -> dict[str, int]:
+    """Each worker's KV blocks held by requests (its Info)."""
+    import grpc
+
+    from helixserve.runtime.proto import helix_pb2 as pb
+    from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
+
+    used = {}
+    for w in workers:
+        with grpc.insecure_channel(w.address) as ch:
+            info = pb_grpc.HelixWorkerStub(ch).Info(pb.InfoRequest(), timeout=10)
+            used[w.name] = info.kv_used_blocks
+    return used
+
+
+class SharedWorkers:
+    """One set of workers for the consecutive tests that ask for it (started by the first,
+    stopped after the last: conftest.py), handed to each test with every worker's KV empty,
+    as fresh workers' is: a test cannot see what the one before it left running."""
+
+    def __init__(self, model: Path, tmp: Path, specs: list[tuple[str, int, int, int]]) -> None:
+        self.model, self.tmp, self.specs = model, tmp, specs
+        self.procs: list[WorkerProc] | None = None
+        self.starts = 0
+
+    def get(self) -> list[WorkerProc]:
+        if self.procs is not None and any(w.proc.poll() is not None for w in self.procs):
+            self.close()  # a worker died: the next test gets a whole set again
+        if self.procs is None:
+            self.starts += 1
+            procs = [start_worker(self.model, name, a, b, self.tmp,
+                                  extra=["--kv-cache-bytes", str(kv)],
+                                  log_name=f"{name}-{self.starts}")
+                     for name, a, b, kv in self.specs]
+            try:
+                wait_ready(procs)
+            except BaseException:
+                stop_workers(procs)
+                raise
+            self.procs = procs
+        deadline = time.monotonic() + 10
+        while any((used := kv_used_blocks(self.procs)).values()):
+            assert time.monotonic() < deadline, f"KV still held after the last test: {used}"
+            time.sleep(0.1)
+        return self.procs
+
+    def close(self) -> None:
+        if self.procs is not None:
+            procs, self.procs = self.procs, None
+            stop_workers(procs)

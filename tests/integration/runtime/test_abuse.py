@@ -294,6 +294,7 @@ async def _info_async(address: str, tls: Any) -> Any:
         return await pb_grpc.HelixWorkerStub(ch).Info(pb.InfoRequest(), timeout=10)
 
 
+@pytest.mark.slow
 def test_abuse_is_refused_and_nothing_is_lost(tls_stack, demo_model, tmp_path):
     creds, cluster, placement, procs = tls_stack
     other_ca = security.create_dev_credentials(tmp_path / "other-ca", ["n0"])

@@ -62,6 +62,7 @@ def _reference(model: Path) -> list[int]:
     return tokens
 
 
+@pytest.mark.slow
 def test_a_hung_engine_is_detected_and_routed_around(demo_model, tmp_path):
     reference = _reference(demo_model)
     hung = start_worker(demo_model, "a", 0, NUM_LAYERS, tmp_path,

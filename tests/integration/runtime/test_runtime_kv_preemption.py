@@ -12,19 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from runtime_procs import (
-    WorkerProc,
-    make_cluster,
-    make_placement,
-    start_worker,
-    stop_workers,
-    wait_ready,
-)
+from runtime_procs import SMALL_KV_WORKERS, WorkerProc, make_cluster, make_placement
 
 from helixserve.request import SamplingParams
 from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest
@@ -32,25 +24,12 @@ from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 GREEDY = SamplingParams(temperature=0.0)
-#: KV bytes per worker: ~208 tokens for 10 layers of the demo model (fp32 on CPU), and ~160
-#: on the middle worker, so that it is the one that runs out
-WORKERS = [("a", 0, 10, 3_200_000), ("b", 10, 20, 2_500_000), ("c", 20, 30, 3_200_000)]
+#: the small_kv_workers fixture's workers: b's KV (~160 tokens) is the tight one
+WORKERS = SMALL_KV_WORKERS
 PROMPTS = [f"Story {i}: once upon a time in a land far away" for i in range(4)]
-
-
-@pytest.fixture(scope="module")
-def small_workers(demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
-    tmp = tmp_path_factory.mktemp("small-kv")
-    procs = [start_worker(demo_model, name, a, b, tmp, extra=["--kv-cache-bytes", str(kv)])
-             for name, a, b, kv in WORKERS]
-    try:
-        wait_ready(procs)
-        yield procs
-    finally:
-        stop_workers(procs)
 
 
 async def _kv_used(workers: list[WorkerProc]) -> dict[str, int]:
@@ -112,12 +91,12 @@ async def _wait_kv_empty(workers: list[WorkerProc]) -> dict[str, int]:
     return used
 
 
-def test_on_demand_admits_all_preempts_mid_route_and_keeps_the_tokens(small_workers, demo_model):
-    reserved, most_r, pre_r, caps = asyncio.run(_serve(small_workers, demo_model, "reserve"))
+def test_on_demand_admits_all_preempts_mid_route_and_keeps_the_tokens(small_kv_workers, demo_model):
+    reserved, most_r, pre_r, caps = asyncio.run(_serve(small_kv_workers, demo_model, "reserve"))
     assert 120 <= caps["b"] < caps["a"] <= 260, caps  # the premise: b is the tight one
     assert most_r == 1 and pre_r == 0
-    on_demand, most_o, pre_o, _ = asyncio.run(_serve(small_workers, demo_model, "on-demand"))
+    on_demand, most_o, pre_o, _ = asyncio.run(_serve(small_kv_workers, demo_model, "on-demand"))
     assert most_o == len(PROMPTS)
     assert pre_o >= 1
     assert on_demand == reserved
-    assert asyncio.run(_wait_kv_empty(small_workers)) == dict.fromkeys("abc", 0)
+    assert asyncio.run(_wait_kv_empty(small_kv_workers)) == dict.fromkeys("abc", 0)

@@ -12,27 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
 import pytest
-from runtime_procs import (
-    WorkerProc,
-    make_cluster,
-    make_placement,
-    start_worker,
-    stop_workers,
-    wait_ready,
-)
+from runtime_procs import SMALL_KV_WORKERS, WorkerProc, make_cluster, make_placement
 
 from helixserve.request import SamplingParams, StructuredOutput
 from helixserve.runtime import Coordinator, CoordinatorConfig, GenerationRequest
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-#: as test_runtime_kv_preemption.py: the middle worker's KV (~160 tokens) is the tight one
-WORKERS = [("a", 0, 10, 3_200_000), ("b", 10, 20, 2_500_000), ("c", 20, 30, 3_200_000)]
+#: the small_kv_workers fixture's workers: b's KV (~160 tokens) is the tight one
+WORKERS = SMALL_KV_WORKERS
 PROMPTS = [f"List words about topic {i}:" for i in range(4)]
 #: long enough output (~60+ tokens) that four requests need ~2x the middle worker's KV
 SCHEMA = {
@@ -44,19 +36,6 @@ SCHEMA = {
 }
 PARAMS = SamplingParams(temperature=0.0,
                         structured=StructuredOutput("json", json.dumps(SCHEMA)))
-
-
-@pytest.fixture(scope="module")
-def small_workers(demo_model: Path,
-                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProc]]:
-    tmp = tmp_path_factory.mktemp("so-small-kv")
-    procs = [start_worker(demo_model, name, a, b, tmp, extra=["--kv-cache-bytes", str(kv)])
-             for name, a, b, kv in WORKERS]
-    try:
-        wait_ready(procs)
-        yield procs
-    finally:
-        stop_workers(procs)
 
 
 async def _serve(workers: list[WorkerProc], model: Path, mode: str
@@ -89,12 +68,12 @@ async def _serve(workers: list[WorkerProc], model: Path, mode: str
         await coord.close()
 
 
-def test_structured_outputs_valid_and_unchanged_after_preemption(small_workers, demo_model):
-    alone, pre_alone, texts_alone = asyncio.run(_serve(small_workers, demo_model, "reserve"))
+def test_structured_outputs_valid_and_unchanged_after_preemption(small_kv_workers, demo_model):
+    alone, pre_alone, texts_alone = asyncio.run(_serve(small_kv_workers, demo_model, "reserve"))
     assert pre_alone == 0
     for text in texts_alone:
         jsonschema.validate(json.loads(text), SCHEMA)
-    crowded, preemptions, texts = asyncio.run(_serve(small_workers, demo_model, "on-demand"))
+    crowded, preemptions, texts = asyncio.run(_serve(small_kv_workers, demo_model, "on-demand"))
     assert preemptions >= 1  # the premise: some request was re-prefilled mid-output
     for text in texts:
         jsonschema.validate(json.loads(text), SCHEMA)
