@@ -3,6 +3,7 @@ links, KV and prefill, longer on slow links, and deterministic."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -113,3 +114,19 @@ def test_fixed_window_without_a_rule(a100s, llama70b, measured_cost):  # noqa: F
     windowed = simulate_windowed(a100s, llama70b, measured_cost, p, requests(), config())
     assert value > 0
     assert events < windowed.events
+
+
+def test_cli_default_window_same_placement_whatever_jobs(tmp_path, capsys):
+    from helixserve.cli import main
+
+    outs = []
+    for jobs in ("1", "2"):
+        out = tmp_path / f"p{jobs}.json"
+        assert main(["plan", "--example", "--work-limit", "2", "--jobs", jobs, "--quiet",
+                     "--out", str(out)]) == 0
+        placed = json.loads(out.read_text())
+        placed.pop("solve_time_s")
+        outs.append(placed)
+    text = capsys.readouterr().out
+    assert "served (simulated, vllm engine, offline, in its own window" in text
+    assert outs[0] == outs[1]
