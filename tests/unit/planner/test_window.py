@@ -91,9 +91,8 @@ def test_windowed_score_is_deterministic_and_follows_the_links(a100s, llama70b, 
     reqs = requests()
     fast = two_stage(a100s, measured_cost, llama70b)
     one = simulate_windowed(a100s, llama70b, measured_cost, fast, reqs, config())
-    two = simulate_windowed(a100s, llama70b, measured_cost, fast, reqs, config())
-    assert one == two
     assert one.tokens_per_s > 0
+    # the scorer's entry point runs the same rule again: the same score, the same events
     assert simulate_scored(a100s, llama70b, measured_cost, fast, reqs, config()) == (
         one.tokens_per_s, one.events)
     slow_cluster = with_link(a100s, 1.0, 10.0)
