@@ -15,9 +15,12 @@ from helixserve.commands.costs import add_cost_args
 EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "example"
 #: what milp maximises (--objective)
 OBJECTIVES = ("served", "flow")
-#: defaults of --time-limit and --serve-duration per objective
+#: defaults of --time-limit and --serve-duration per objective (None: each placement in its
+#: own window, planner/window.py; with --serve-mode replay, 300 s past the last arrival)
 DEFAULT_TIME_LIMIT_S = {"served": 300.0, "flow": 60.0}
-DEFAULT_SERVE_DURATION_S = {"served": 300.0, "flow": 1200.0}
+DEFAULT_SERVE_DURATION_S: dict[str, float | None] = {"served": None, "flow": 1200.0}
+#: --serve-duration's horizon after the last arrival in replay mode when not given
+REPLAY_HORIZON_S = 300.0
 #: with the served objective: the max-flow portfolio's share of the budget; the
 #: simulations (planner/served.py) get the rest
 FLOW_SHARE = 0.2
@@ -158,9 +161,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "plan's: pass --gpu-reserve-gb 4.5 to plan and select with vLLM's")
     p.add_argument("--serve-duration", type=finite_float, default=None, metavar="SECONDS",
                    help="simulated seconds per candidate, the first quarter (at most 300 s) "
-                   "not counted (default 300 with the served objective, 1200 for "
+                   "not counted (default with the served objective: each placement's own "
+                   "window, its cold start estimated from its links, KV and prefill, then "
+                   "whole request lifetimes, docs/planner.md 'The scoring window'; 1200 for "
                    "--objective flow --serve-trace); with --serve-mode replay, the horizon "
-                   "after the trace's last arrival")
+                   "after the trace's last arrival (default 300)")
     p.add_argument("--serve-mode", default="saturate", choices=("saturate", "replay"),
                    help="how --serve-trace scores a candidate: saturate (default) keeps the "
                    "queue full (the cluster's capacity under the trace's mix); replay serves "
@@ -187,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--time-limit: bad value {args.time_limit!r}; must be > 0")
     if args.work_limit is not None and args.work_limit <= 0:
         raise UserError(f"--work-limit: bad value {args.work_limit!r}; must be > 0")
-    if args.serve_duration <= 0:
+    if args.serve_duration is None and (objective == "flow" or args.serve_mode == "replay"):
+        args.serve_duration = REPLAY_HORIZON_S
+    if args.serve_duration is not None and args.serve_duration <= 0:
         raise UserError(f"--serve-duration: bad value {args.serve_duration!r}; must be > 0")
     if not 0.0 <= args.max_loss <= 1.0:
         raise UserError(f"--max-loss: bad value {args.max_loss}; must be a fraction in [0, 1]")
@@ -441,14 +448,16 @@ class ServedPlan:
 
 
 def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
-                engine: str = "vllm", duration_s: float = 300.0, mode: str = "saturate",
+                engine: str = "vllm", duration_s: float | None = None,
+                mode: str = "saturate",
                 time_limit_s: float = 300.0, work_limit: float | None = None, seed: int = 0,
                 jobs: int | None = None, partial: bool = True, progress: Any = None,
                 started: float | None = None) -> ServedPlan:
     """The served objective (planner/served.py): the max-flow portfolio in FLOW_SHARE of the
     budget (`time_limit_s` seconds from `started`, or `work_limit` units), then its answers
-    and their neighbours scored by simulating `requests` on `engine` for `duration_s` (the
-    first quarter, at most 300 s, not counted) in the rest."""
+    and their neighbours scored by simulating `requests` on `engine` in the rest: each in its
+    own window (planner/window.py) when `duration_s` is None, else for `duration_s` (the
+    first quarter, at most 300 s, not counted; in replay mode, past the last arrival)."""
     from contextlib import nullcontext
 
     from helixserve.planner import clock
@@ -457,6 +466,7 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
     from helixserve.planner.portfolio import Candidate
     from helixserve.planner.registry import plan, to_placement
     from helixserve.planner.served import MIN_GAIN, served_search
+    from helixserve.planner.window import ScoringWindow
     from helixserve.simulator.presets import engine_config
     from helixserve.simulator.selection import SelectionConfig, regional_pipelines
 
@@ -470,9 +480,11 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
                 work_limit=FLOW_SHARE * work_limit if work_limit is not None else None,
                 candidates=candidates)
     net = FlowNetwork(cluster, model, cost)
+    windowed = duration_s is None and mode == "saturate"
+    fixed_s = REPLAY_HORIZON_S if duration_s is None else duration_s
     config = SelectionConfig.from_engine(
-        engine_config(engine), duration_s=duration_s, warmup_s=min(300.0, duration_s / 4),
-        seed=seed, mode=mode).check()
+        engine_config(engine), duration_s=fixed_s, warmup_s=min(300.0, fixed_s / 4),
+        seed=seed, mode=mode, window=ScoringWindow() if windowed else None).check()
     scorer = SimScorer(net, requests, config, check_jobs(jobs), partial)
 
     def ranges_of(p: Any) -> dict[int, tuple[int, int]]:
@@ -504,8 +516,9 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
             starts.append(("regional pipelines", ranges_of(regional)))
         starts += [(f"max flow: {c.source}", c.ranges) for c in others if c.source not in first]
         starts = starts[:MAX_STARTS]
-        say(f"served objective: {len(starts)} starts, simulated {config.duration_s:.0f} s "
-            f"each ({engine} engine)")
+        say(f"served objective: {len(starts)} starts, simulated "
+            f"{'each in its own window' if windowed else f'{config.duration_s:.0f} s each'} "
+            f"({engine} engine)")
         outcome = served_search(net, starts, scorer, end, seed, progress=say)
         best = outcome.best
         served = best.served_tokens_per_s
@@ -538,6 +551,8 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
     config, outcome = out.config, out.outcome
     window = (f"the trace replayed, {config.duration_s:.0f} s past its last arrival"
               if config.mode == "replay" else
+              "offline, in its own window: its cold start and first wave not counted, then "
+              "whole request lifetimes" if config.window is not None else
               f"{config.duration_s:.0f} s offline, the first {config.warmup_s:.0f} s not "
               f"counted")
     line = (f"served (simulated, {args.serve_engine} engine, {window}): "

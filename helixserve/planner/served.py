@@ -15,6 +15,16 @@ saturated, with the serving engine's model: continuous batching of what is reall
 flight, KV on every hop of a route, prompts chunked along it), and the search below looks
 for the placement that scores best.
 
+Window. Each placement is simulated in its own window (planner/window.py): a run starts
+with a cold start (a KV's worth of prompts crossing the links and prefilling) and then
+oscillates with a period of about a request's lifetime, so a fixed window scores different
+phases of different placements (300 s scored helix-geo-24's max-flow placement in its
+cold start, 4.9 decode tokens/s against 135 at steady state, and the search picked a
+placement that serves a third of it). The window skips the cold start (estimated from the
+placement's links, latencies, KV and prefill times) and the first wave, then counts whole
+request lifetimes measured in the run; it is derived from the inputs and the seeded
+simulation only, so the work clock keeps the answer machine-independent.
+
 Search (`served_search`), on the planner clock (clock.py: seconds, or counted work with
 `--work-limit`, the scorer charging its own work):
   1. starts, in the caller's order of priority (the command's: the max flow's answer,

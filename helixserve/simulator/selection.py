@@ -51,6 +51,7 @@ from helixserve.errors import UserError
 from helixserve.planner.flow import evaluate
 from helixserve.planner.parallel import check_jobs, map_in_workers
 from helixserve.planner.placement import NodeRange, Placement
+from helixserve.planner.window import ScoringWindow, fill_time_s, mean_lengths
 from helixserve.scheduler import make_router
 from helixserve.scheduler.options import router_options
 from helixserve.simulator.metrics import summarize
@@ -90,6 +91,9 @@ class SelectionConfig:
     #: "saturate" or "replay" (SELECTION_MODES); in replay `duration_s` is the horizon
     #: after the last arrival and `warmup_s` is not used
     mode: str = "saturate"
+    #: saturate only: size each placement's run by the rule of planner/window.py (its fill
+    #: time, then whole request lifetimes) instead of `duration_s` / `warmup_s`
+    window: ScoringWindow | None = None
 
     @classmethod
     def from_engine(cls, engine: Mapping[str, Any], **fields: Any) -> SelectionConfig:
@@ -372,13 +376,28 @@ def simulate_scored(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
                     placement: Placement, requests: Sequence[Any],
                     config: SelectionConfig) -> tuple[float, int]:
     """(decode tokens/s, events simulated) of `placement` as `simulate_candidate` scores it,
-    its flows as they are (the served objective's scorer charges its clock by the events)."""
+    its flows as they are (the served objective's scorer charges its clock by the events);
+    in the placement's own window (`simulate_windowed`) when `config.window` is set."""
+    if config.window is not None and config.mode != "replay":
+        w = simulate_windowed(cluster, model, cost, placement, requests, config)
+        return w.tokens_per_s, w.events
     replay = config.mode == "replay"
     last_arrival_s = max((q.arrival_s for q in requests), default=0.0)
+    result = _run(cluster, model, cost, placement, requests, config,
+                  last_arrival_s + config.duration_s if replay else config.duration_s,
+                  0.0 if replay else config.warmup_s)
+    value = (replay_tokens_per_s(result, requests) if replay
+             else summarize(result)["decode_throughput_tokens_per_s"])
+    return float(value), int(result.events)
+
+
+def _run(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, placement: Placement,
+         requests: Sequence[Any], config: SelectionConfig, duration_s: float,
+         warmup_s: float, buckets: int = 100) -> Any:
     cfg = SimConfig(
-        duration_s=last_arrival_s + config.duration_s if replay else config.duration_s,
-        offline=not replay,
-        warmup_s=0.0 if replay else config.warmup_s,
+        duration_s=duration_s,
+        offline=config.mode != "replay",
+        warmup_s=warmup_s,
         scheduler=config.scheduler,
         seed=config.seed,
         kv_allocation=config.kv_allocation,
@@ -386,11 +405,70 @@ def simulate_scored(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         max_prompt_tokens=config.max_prompt_tokens,
         max_prefilling=config.max_prefilling,
+        timeline_buckets=buckets,
     )
-    result = Simulation(cluster, model, cost, placement, list(requests), cfg).run()
-    value = (replay_tokens_per_s(result, requests) if replay
-             else summarize(result)["decode_throughput_tokens_per_s"])
-    return float(value), int(result.events)
+    return Simulation(cluster, model, cost, placement, list(requests), cfg).run()
+
+
+@dataclass(frozen=True)
+class WindowedScore:
+    """A placement scored in its own window (planner/window.py's rule)."""
+
+    tokens_per_s: float
+    #: events of every run (the pilot's included)
+    events: int
+    #: the cold start estimated from the cluster (step 1)
+    fill_s: float
+    #: mean end-to-end request time of the scoring run
+    lifetime_s: float
+    #: simulated seconds of the scoring run, and where its counted span starts
+    duration_s: float
+    counted_from_s: float
+    #: simulated seconds of every run together
+    simulated_s: float
+
+
+def simulate_windowed(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
+                      placement: Placement, requests: Sequence[Any],
+                      config: SelectionConfig) -> WindowedScore:
+    """Decode tokens/s of `placement` offline, in the window planner/window.py's rule gives
+    it (`config.window`): a pilot run, and one longer run when the pilot was shorter than
+    the fill, the first wave and `periods` request lifetimes."""
+    window = config.window or ScoringWindow()
+    prompt, output = mean_lengths(requests)
+    fill = fill_time_s(cluster, model, cost, placement, prompt, output)
+    duration = window.pilot_s(fill)
+    events = 0
+    simulated = 0.0
+    while True:
+        # 1 s buckets: the counted span is cut from the timeline after the run
+        result = _run(cluster, model, cost, placement, requests, config, duration, 0.0,
+                      buckets=max(100, int(duration)))
+        events += int(result.events)
+        simulated += duration
+        lifetime = request_lifetime_s(result, duration)
+        needed = window.needed_s(fill, lifetime)
+        if needed <= duration or simulated > duration:  # long enough, or already re-run
+            break
+        duration = needed
+    start = window.counted_from_s(duration, fill, lifetime)
+    first = min(len(result.token_timeline), int(round(start / result.bucket_s)))
+    counted_s = duration - first * result.bucket_s
+    tokens = sum(result.token_timeline[first:])
+    value = tokens / counted_s if counted_s > 0 else 0.0
+    return WindowedScore(float(value), events, fill, lifetime, duration,
+                         first * result.bucket_s, simulated)
+
+
+def request_lifetime_s(result: Any, duration_s: float) -> float:
+    """A request's lifetime in a run: the larger of the finished requests' mean end-to-end
+    time and Little's law's (requests in flight at the end over requests finished per
+    second), since a short run finishes the short requests first; `duration_s` when none
+    finished."""
+    done = [r.finish_s - r.arrival_s for r in result.finished]
+    if not done:
+        return duration_s
+    return max(sum(done) / len(done), result.in_flight * duration_s / len(done))
 
 
 def replay_tokens_per_s(result: Any, requests: Sequence[Any]) -> float:
