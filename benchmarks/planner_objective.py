@@ -72,7 +72,7 @@ def run_cluster(name: str, args: argparse.Namespace, requests: list[Any]) -> dic
     out: dict[str, Any] = {
         "cluster": name, "work_limit": args.work_limit, "plan_wall_s": round(plan_s, 1),
         "plan_process_cpu_s": round(time.process_time() - cpu, 1),
-        "serve_duration_s": args.serve_duration,
+        "serve_duration_s": "auto" if args.serve_duration is None else args.serve_duration,
         "served_evaluations": planned.outcome.evaluations,
         "chosen_from": planned.outcome.best.source,
         "route_within_regions": planned.placement.route_within_regions,
@@ -117,8 +117,9 @@ def main() -> None:
     ap.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=list(CLUSTERS))
     ap.add_argument("--work-limit", type=float, default=100.0,
                     help="plan --work-limit of the served objective (default 100)")
-    ap.add_argument("--serve-duration", type=float, default=300.0,
-                    help="the served objective's simulated seconds per placement")
+    ap.add_argument("--serve-duration", type=float, default=None,
+                    help="the served objective's simulated seconds per placement (default: "
+                         "each placement's own window, docs/planner.md, 'The scoring window')")
     ap.add_argument("--engines", nargs="+", default=["vllm", "helix-prototype"])
     ap.add_argument("--duration", type=float, default=300.0)
     ap.add_argument("--warmup", type=float, default=60.0)
