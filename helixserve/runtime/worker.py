@@ -52,6 +52,24 @@ FAILED_PRECONDITION "prefix miss" with the missing names.
 Released request ids are remembered (bounded) so that an item still in flight when its request
 was released is dropped instead of allocating KV that nobody would free.
 
+Flooding (docs/security.md): nothing a caller sends is kept without a bound, and a refusal
+never drops what was admitted before it.
+- The engine queue holds items of at most `queue_limit_tokens()` tokens (QUEUE_KV_FACTOR x the
+  KV capacity, at least QUEUE_MIN_TOKENS); an item past it is answered RESOURCE_EXHAUSTED
+  "engine queue full" at once. A message may carry at most that many items (else the stream
+  is refused).
+- A next hop's backlog (`_Peer.queue`) is bounded the same way; an output past it is answered
+  UNAVAILABLE (its coordinator replays the request), as for an unreachable next hop.
+- A stream's results wait in its `out` queue: past OUT_PAUSE the worker stops reading that
+  stream's items (its sender is held back by gRPC flow control), and a caller that lets
+  OUT_PAUSE + the queue bound pile up is not reading at all: its stream is ended (what it
+  held here is freed, as when a coordinator leaves).
+- At most MAX_STREAMS incoming streams, MAX_COORDINATOR_STREAMS of them coordinators'.
+- Released ids and kept routes are `security.OwnedMemory`s: one coordinator identity filling
+  them (say, Release of random ids under identities minted for it) pushes out its own entries
+  and those of coordinators without a stream here first, never more than its share of a
+  connected coordinator's.
+
 Trust (runtime/security.py): with TLS the server has only a mutual-TLS port, and what a caller
 may do follows from the role in its certificate, never from what its messages claim:
 `LoadRange`, `Release` and a coordinator stream (and so first-hop items) only from a
@@ -475,6 +493,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.streams_ended_unread = 0
         #: queue_limit_tokens(), refreshed at start and with every incoming message
         self._queue_limit = QUEUE_MIN_TOKENS
+        self._kv_tokens = 0
         #: loop thread: the prefix block names the engine holds, from its cache events (a
         #: coordinator stream that opens gets them all first; module doc)
         self.cache_held: set[BlockHash] = set()
@@ -533,7 +552,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
         """The bound on tokens queued for the engine, and for each next hop (module doc,
         Flooding): QUEUE_KV_FACTOR x the engine's KV capacity, at least QUEUE_MIN_TOKENS."""
         kv = self._kv_frozen or self.engine.kv_stats()
-        return max(QUEUE_MIN_TOKENS, QUEUE_KV_FACTOR * int(kv["capacity_tokens"]))
+        self._kv_tokens = int(kv["capacity_tokens"])
+        return max(QUEUE_MIN_TOKENS, QUEUE_KV_FACTOR * self._kv_tokens)
 
     @property
     def queued_tokens(self) -> int:
@@ -1027,12 +1047,11 @@ class Worker(pb_grpc.HelixWorkerServicer):
             # what is queued stays queued: the refused item's coordinator fails or (with
             # on-demand KV) preempts its request; a coordinator never sends this much itself
             self.refused_full += 1
-            kv = limit // QUEUE_KV_FACTOR
             self.report_error(item.request_id, item.step_id, item.coordinator_id,
                               tp.RESOURCE_EXHAUSTED,
                               f"node {self.node}: engine queue full: {queued} tokens queued, "
                               f"limit {limit} (max({QUEUE_MIN_TOKENS}, {QUEUE_KV_FACTOR} x KV "
-                              f"capacity {kv})); item refused, nothing queued dropped", stream)
+                              f"capacity {self._kv_tokens})); item refused, nothing queued dropped", stream)
             return None
         self.admitted_tokens += tokens
         if full and (item.coordinator_id, item.request_id) not in self.released:
