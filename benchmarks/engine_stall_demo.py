@@ -24,8 +24,8 @@ thread stops):
     sole holder that is every request;
   * requests: started, completed, errored (an HTTP error or an error event: a clear error),
     lost (unfinished when the run stopped: none expected), and completed outputs that differ
-    from the same prompt's output before the freeze (greedy: none expected; a gap or a
-    duplicate would show here).
+    from the same prompt's output completed before the freeze (or, without one, the text most
+    of its completions gave; greedy: none expected; a gap or a duplicate would show here).
 
     python -m benchmarks.engine_stall_demo --case both --json benchmarks/results/engine_stall_demo.json
 """
