@@ -208,6 +208,8 @@ class _Stream:
     room: asyncio.Event = field(default_factory=asyncio.Event)
     #: the handler's task, cancelled when the caller leaves `out` past its bound
     task: asyncio.Task[Any] | None = None
+    #: ended for not reading (`Worker._end_unread`): nothing more is queued for it
+    ended: bool = False
 
     def __post_init__(self) -> None:
         self.room.set()
@@ -841,7 +843,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         (at most the queue bound) and cache events; a caller that lets OUT_PAUSE + the queue
         bound pile up does not read at all: its stream is ended, and with it what it held
         here (module doc, Flooding)."""
-        if stream.task is not None and stream.task.done():
+        if stream.ended:
             return
         waiting = stream.out.qsize()
         if waiting >= OUT_PAUSE:
@@ -857,6 +859,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                "stream ended")
         log.warning("%s (%s)", why, stream.peer.describe() if stream.peer else stream.sender)
         self.streams_ended_unread += 1
+        stream.ended = True
         stream.refused, stream.refused_code = why, grpc.StatusCode.RESOURCE_EXHAUSTED
         while not stream.out.empty():  # its memory goes now, not when the caller leaves
             stream.out.get_nowait()
