@@ -26,6 +26,9 @@ over another's results or requests. Anyone can mint such a pair: with TLS it onl
 results, authority comes from the certificate; without TLS (`--insecure`, loopback only) the
 token pair is all there is, which is why plaintext is development-only.
 
+`OwnedMemory` is what a worker remembers per request (released ids, kept routes): bounded,
+and filled by one coordinator without pushing out what another coordinator needs.
+
 `create_dev_credentials` makes a CA, one certificate per worker node and one for the
 coordinator, for local stacks and tests; `helixserve certs create` calls it. Imports
 neither torch nor grpc at module level.
@@ -41,10 +44,11 @@ import hmac
 import ipaddress
 import os
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from helixserve.errors import UserError
 
@@ -58,6 +62,9 @@ DEV_CERT_DAYS = 365
 IDENTITY_SCHEME = "helixserve"
 ROLE_COORDINATOR = "coordinator"
 ROLE_WORKER = "worker"
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 
 def coordinator_uri() -> str:
@@ -470,6 +477,84 @@ def create_dev_credentials(out_dir: str | os.PathLike[str], nodes: Sequence[str]
     return DevCredentials(out, ca_path, coordinator, node_cfgs)
 
 
+class OwnedMemory(Generic[K, V]):
+    """At most `limit` entries, each owned by a coordinator id, for what a worker remembers
+    per request (docs/security.md, "Flooding a worker").
+
+    A flat map answers lookups by key; per-owner order decides what goes when it is full:
+    the oldest entry of the owner used longest ago that is not connected (`connected(owner)`:
+    it has no open stream here, e.g. an identity minted only to call Release), else, when
+    every owner is connected, the oldest entry of the connected owner holding the most. So a
+    caller that fills the memory pushes out its own entries first: with at most C connected
+    owners, each keeps at least its latest `limit / C` entries however much another puts.
+    Entries are put and removed by one thread; lookups from another are single dict reads.
+    """
+
+    def __init__(self, limit: int, connected: Callable[[str], bool]) -> None:
+        if limit < 1:
+            raise ValueError(f"OwnedMemory limit {limit}: need >= 1")
+        self.limit = limit
+        self._connected = connected
+        self._items: dict[K, tuple[str, V]] = {}
+        #: owner -> its keys, oldest first; owners in the order they last put
+        self._owners: OrderedDict[str, OrderedDict[K, None]] = OrderedDict()
+        #: entries pushed out because the memory was full, since start
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def get(self, key: K) -> V | None:
+        got = self._items.get(key)
+        return None if got is None else got[1]
+
+    def owner_of(self, key: K) -> str | None:
+        got = self._items.get(key)
+        return None if got is None else got[0]
+
+    def owned(self, owner: str) -> int:
+        keys = self._owners.get(owner)
+        return 0 if keys is None else len(keys)
+
+    def put(self, key: K, owner: str, value: V) -> None:
+        self.pop(key)
+        self._items[key] = (owner, value)
+        keys = self._owners.get(owner)
+        if keys is None:
+            keys = self._owners[owner] = OrderedDict()
+        else:
+            self._owners.move_to_end(owner)
+        keys[key] = None
+        while len(self._items) > self.limit:
+            self._evict()
+
+    def pop(self, key: K) -> V | None:
+        got = self._items.pop(key, None)
+        if got is None:
+            return None
+        owner, value = got
+        keys = self._owners[owner]
+        del keys[key]
+        if not keys:
+            del self._owners[owner]
+        return value
+
+    def keys_of(self, owner: str) -> list[K]:
+        return list(self._owners.get(owner, ()))
+
+    def _evict(self) -> None:
+        victim = next((o for o in self._owners if not self._connected(o)), None)
+        if victim is None:  # every owner is connected: the one holding the most gives
+            victim = max(self._owners, key=lambda o: len(self._owners[o]))
+        keys = self._owners[victim]
+        key = next(iter(keys))
+        self.pop(key)
+        self.evicted += 1
+
+
 def dev_credentials_dir(root: Path) -> Path:
     """Where a local stack keeps its generated credentials: `<root>/tls`."""
     return root / "tls"
@@ -477,6 +562,7 @@ def dev_credentials_dir(root: Path) -> Path:
 
 __all__ = [
     "DevCredentials",
+    "OwnedMemory",
     "PeerIdentity",
     "PeerPolicy",
     "TlsConfig",

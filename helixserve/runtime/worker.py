@@ -36,7 +36,9 @@ exactly what the coordinator counts as a missed answer of a hung worker (two in 
 down, its requests replayed elsewhere, a re-plan if layers lost their last holder). When beats
 resume, health is SERVING again and the coordinator takes the node back as it would a restarted
 one. `HELIXSERVE_TEST_ENGINE_HANG=STEPS:SECONDS` (tests only; unset by default) makes the
-engine thread sleep SECONDS before its step STEPS+1, to prove this with real processes.
+engine thread sleep SECONDS before its step STEPS+1, to prove this with real processes;
+`@PATH:SECONDS` before its first step after the file PATH appears (`{node}` in PATH: the
+worker's node; benchmarks/engine_stall_demo.py freezes one demo worker so).
 
 Prefix caching (docs/prefix-caching.md): after every engine step (and after releases or a
 range switch) the engine thread takes the engine's cache events (`take_cache_events`), and
@@ -49,6 +51,24 @@ FAILED_PRECONDITION "prefix miss" with the missing names.
 
 Released request ids are remembered (bounded) so that an item still in flight when its request
 was released is dropped instead of allocating KV that nobody would free.
+
+Flooding (docs/security.md): nothing a caller sends is kept without a bound, and a refusal
+never drops what was admitted before it.
+- The engine queue holds items of at most `queue_limit_tokens()` tokens (QUEUE_KV_FACTOR x the
+  KV capacity, at least QUEUE_MIN_TOKENS); an item past it is answered RESOURCE_EXHAUSTED
+  "engine queue full" at once. A message may carry at most that many items (else the stream
+  is refused).
+- A next hop's backlog (`_Peer.queue`) is bounded the same way; an output past it is answered
+  UNAVAILABLE (its coordinator replays the request), as for an unreachable next hop.
+- A stream's results wait in its `out` queue: past OUT_PAUSE the worker stops reading that
+  stream's items (its sender is held back by gRPC flow control), and a caller that lets
+  OUT_PAUSE + the queue bound pile up is not reading at all: its stream is ended (what it
+  held here is freed, as when a coordinator leaves).
+- At most MAX_STREAMS incoming streams, MAX_COORDINATOR_STREAMS of them coordinators'.
+- Released ids and kept routes are `security.OwnedMemory`s: one coordinator identity filling
+  them (say, Release of random ids under identities minted for it) pushes out its own entries
+  and those of coordinators without a stream here first, never more than its share of a
+  connected coordinator's.
 
 Trust (runtime/security.py): with TLS the server has only a mutual-TLS port, and what a caller
 may do follows from the role in its certificate, never from what its messages claim:
@@ -73,7 +93,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -95,13 +115,27 @@ from helixserve.spec.scheduling import DEFAULT_STEP_PROMPT_TOKENS
 log = logging.getLogger("helixserve.worker")
 
 SERVICE_NAME = "helixserve.v1.HelixWorker"
-#: Remember this many released request ids (see module doc).
+#: Remember this many released request ids, all coordinators together (module doc, Flooding).
 RELEASED_MEMORY = 100_000
 #: Window of the busy-fraction estimate reported by Info.
 BUSY_WINDOW_S = 5.0
-#: Requests' kept routes at most (see Worker.kept); past it the oldest goes, and its next
-#: continuation item is answered UNAVAILABLE (its coordinator replays it)
+#: Requests' kept routes at most (see Worker.kept); past it one goes (module doc, Flooding),
+#: and its next continuation item is answered UNAVAILABLE (its coordinator replays it)
 KEPT_MEMORY = 100_000
+#: Tokens of the items queued for the engine at most, as a multiple of its KV capacity: a
+#: coordinator sends a worker only items of requests it reserved KV for there (their prompt
+#: chunks, one decode token each), so its traffic stays under 1x; 2x leaves room for a second
+#: coordinator and for replays. Past it an item is refused (module doc, Flooding).
+QUEUE_KV_FACTOR = 2
+#: ... and at least this many (a small KV cache still queues a few full prefill steps)
+QUEUE_MIN_TOKENS = 16_384
+#: Results waiting on one stream (its caller reads them too slowly) before the worker stops
+#: reading that stream's items; past this plus the queue bound the stream is ended.
+OUT_PAUSE = 4_096
+#: Incoming Work streams at once: a coordinator's, and one from each previous hop.
+MAX_STREAMS = 256
+#: ... of which coordinator streams (one per coordinator; a restarted one briefly has two).
+MAX_COORDINATOR_STREAMS = 8
 #: Items remembered per next-hop stream, to report when the stream breaks (see _Peer).
 SENT_MEMORY = 10_000
 #: Default bound on an engine that makes no progress while work waits (module doc).
@@ -110,18 +144,40 @@ ENGINE_STALL_S = 20.0
 HANG_ENV = "HELIXSERVE_TEST_ENGINE_HANG"
 
 
-def _test_hang() -> tuple[int, float] | None:
-    """(steps before the hang, its seconds) from HANG_ENV, or None (the default)."""
+@dataclass(frozen=True)
+class _Hang:
+    """A test-only engine hang (HANG_ENV): before step `steps` + 1, or, with `trigger`,
+    before the first step after that file appears."""
+
+    steps: int
+    seconds: float
+    trigger: str = ""
+
+    def due(self, steps_done: int) -> bool:
+        import os
+
+        if self.trigger:
+            return os.path.exists(self.trigger)
+        return steps_done == self.steps
+
+
+def _test_hang(node: str) -> _Hang | None:
+    """HANG_ENV's hang for worker `node`, or None (the default). `STEPS:SECONDS` hangs before
+    step STEPS+1; `@PATH:SECONDS` before the first step after PATH exists, where `{node}` in
+    PATH is this worker's node (a local stack gives every worker the same environment, and
+    a benchmark freezes one of them by creating its file)."""
     import os
 
     raw = os.environ.get(HANG_ENV, "")
     if not raw:
         return None
-    steps, _, seconds = raw.partition(":")
+    when, _, seconds = raw.rpartition(":")
     try:
-        return int(steps), float(seconds)
+        if when.startswith("@") and len(when) > 1:
+            return _Hang(0, float(seconds), when[1:].replace("{node}", node))
+        return _Hang(int(when), float(seconds))
     except ValueError:
-        raise ValueError(f"{HANG_ENV}={raw!r}: expected STEPS:SECONDS") from None
+        raise ValueError(f"{HANG_ENV}={raw!r}: expected STEPS:SECONDS or @PATH:SECONDS") from None
 
 
 def engine_error_status(exc: BaseException) -> int:
@@ -145,8 +201,18 @@ class _Stream:
     #: results, and cache events for a coordinator's stream (module doc); None ends it
     out: asyncio.Queue[pb.WorkResult | pb.CacheEvents | None] = field(
         default_factory=asyncio.Queue)
-    #: why the worker refused the stream (the handler aborts it with PERMISSION_DENIED)
+    #: why the worker refused the stream (the handler aborts it with `refused_code`)
     refused: str = ""
+    refused_code: grpc.StatusCode = grpc.StatusCode.PERMISSION_DENIED
+    #: set while `out` has room (under OUT_PAUSE): the stream's items are read meanwhile
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+    #: the handler's task, cancelled when the caller leaves `out` past its bound
+    task: asyncio.Task[Any] | None = None
+    #: ended for not reading (`Worker._end_unread`): nothing more is queued for it
+    ended: bool = False
+
+    def __post_init__(self) -> None:
+        self.room.set()
 
 
 @dataclass
@@ -222,6 +288,10 @@ class _Outgoing:
                 + 128 * len(self.msg.route))
 
     @property
+    def tokens(self) -> int:
+        return len(self.msg.token_ids)
+
+    @property
     def request_id(self) -> str:
         return self.msg.request_id
 
@@ -256,6 +326,8 @@ class _Peer:
         self.address = address
         #: items for the next hop with their coordinator's id (a continuation item names none)
         self.queue: asyncio.Queue[_Outgoing] = asyncio.Queue()
+        #: tokens of the items in `queue` (bounded like the engine's queue: `Worker.forward`)
+        self.queued_tokens = 0
         #: (request id, step id, coordinator id) of items written to the current stream
         self.sent: deque[tuple[str, int, str]] = deque(maxlen=SENT_MEMORY)
         # The current stream's wait for its next item. A broken stream's request iterator
@@ -266,7 +338,7 @@ class _Peer:
 
     async def _run(self) -> None:
         while True:
-            first = await self.queue.get()
+            first = await self._get()
             self.sent.clear()
             channel = security.aio_channel(self.address, self.worker.tls, tp.CHANNEL_OPTIONS)
             try:
@@ -288,6 +360,11 @@ class _Peer:
                                              tp.UNAVAILABLE,
                                              f"stream to next hop {self.address} ended")
                 await channel.close()
+
+    async def _get(self) -> _Outgoing:
+        out = await self.queue.get()
+        self.queued_tokens -= out.tokens  # at once: no cancellation between the two
+        return out
 
     def _stop_getter(self) -> _Outgoing | None:
         """End the current stream's wait; the item it took and never wrote, if any."""
@@ -314,6 +391,7 @@ class _Peer:
             size = first.size_bytes()
             while size < BATCH_BYTES and not self.queue.empty():
                 item = self.queue.get_nowait()
+                self.queued_tokens -= item.tokens
                 items.append(item)
                 item.write_into(batch.items.add())
                 size += item.size_bytes()
@@ -324,7 +402,7 @@ class _Peer:
             yield batch
             del batch  # not kept while the stream waits for the next item
             hello = False
-            getter = self._getter = asyncio.ensure_future(self.queue.get())
+            getter = self._getter = asyncio.ensure_future(self._get())
             items = [await getter]
             first = items[0]
             if self._getter is getter:
@@ -348,6 +426,7 @@ class _Peer:
     def _fail_queued(self, message: str) -> None:
         while not self.queue.empty():
             out = self.queue.get_nowait()
+            self.queued_tokens -= out.tokens
             self.worker.report_error(out.request_id, out.step_id, out.coordinator_id,
                                      tp.UNAVAILABLE, message)
 
@@ -400,11 +479,25 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.active: dict[str, str] = {}  # request id -> coordinator id, holding KV here
         #: loop thread: route, coordinator and sampling of each request from its first item,
         #: for its continuation items (module doc); dropped when the request is released
-        self.kept: dict[str, tp.RequestRoute] = {}
+        self.kept: security.OwnedMemory[str, tp.RequestRoute] = security.OwnedMemory(
+            KEPT_MEMORY, self.connected)
         #: Work and result messages sent, and the items and results they carried
         self.messages_out = 0
         self.items_out = 0
-        self.released: OrderedDict[tuple[str, str], None] = OrderedDict()
+        #: engine thread: (coordinator id, request id) of released requests (module doc)
+        self.released: security.OwnedMemory[tuple[str, str], None] = security.OwnedMemory(
+            RELEASED_MEMORY, self.connected)
+        #: tokens of the items admitted to the engine's queue (loop thread) and taken off it
+        #: (run, dropped or moved; engine thread): the difference is what is queued, each
+        #: counter written by one thread only
+        self.admitted_tokens = 0
+        self.taken_tokens = 0
+        #: items, streams and forwards refused by the bounds (module doc, Flooding), since start
+        self.refused_full = 0
+        self.streams_ended_unread = 0
+        #: queue_limit_tokens(), refreshed at start and with every incoming message
+        self._queue_limit = QUEUE_MIN_TOKENS
+        self._kv_tokens = 0
         #: loop thread: the prefix block names the engine holds, from its cache events (a
         #: coordinator stream that opens gets them all first; module doc)
         self.cache_held: set[BlockHash] = set()
@@ -422,16 +515,19 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.stepping = False
         #: seconds the engine has been stalled (module doc); 0.0 while it makes progress
         self.stalled_s = 0.0
-        self._hang = _test_hang()
+        self._hang = _test_hang(node)
         if self._hang is not None:
-            log.warning("%s set: the engine thread will hang %.0f s before step %d (tests only)",
-                        HANG_ENV, self._hang[1], self._hang[0] + 1)
+            log.warning("%s set: the engine thread will hang %.0f s before %s (tests only)",
+                        HANG_ENV, self._hang.seconds,
+                        f"its first step after {self._hang.trigger} exists" if self._hang.trigger
+                        else f"step {self._hang.steps + 1}")
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self._queue_limit = self.queue_limit_tokens()
         self._thread.start()
 
     async def stop(self) -> None:
@@ -452,6 +548,21 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.inbox.put(_Release([(cid, rid) for rid, cid in ids], fut))
         return len(ids)
 
+    def connected(self, coordinator_id: str) -> bool:
+        """The coordinator has a stream open here (read from either thread)."""
+        return coordinator_id in self.coordinators
+
+    def queue_limit_tokens(self) -> int:
+        """The bound on tokens queued for the engine, and for each next hop (module doc,
+        Flooding): QUEUE_KV_FACTOR x the engine's KV capacity, at least QUEUE_MIN_TOKENS."""
+        kv = self._kv_frozen or self.engine.kv_stats()
+        self._kv_tokens = int(kv["capacity_tokens"])
+        return max(QUEUE_MIN_TOKENS, QUEUE_KV_FACTOR * self._kv_tokens)
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.admitted_tokens - self.taken_tokens
+
     # ---- engine thread -----------------------------------------------------------------
 
     def _engine_loop(self) -> None:
@@ -470,8 +581,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
             self.queue_len = len(pending)
             if batch:
                 self.stepping = True
-                if self._hang is not None and self.steps == self._hang[0]:
-                    hang_s, self._hang = self._hang[1], None
+                if self._hang is not None and self._hang.due(self.steps):
+                    hang_s, self._hang = self._hang.seconds, None
                     log.warning("%s: engine thread hangs for %.0f s now (unix time %.3f)",
                                 HANG_ENV, hang_s, time.time())
                     time.sleep(hang_s)
@@ -528,7 +639,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
         chosen = {id(j) for j in plan.decode}
         chosen.update(id(j) for j, _ in plan.prompts)
         batch = [j for j in heads if id(j) in chosen]
-        return batch, deque(j for j in live if id(j) not in chosen)
+        rest = deque(j for j in live if id(j) not in chosen)
+        self.taken_tokens += sum(map(_job_tokens, pending)) - sum(map(_job_tokens, rest))
+        return batch, rest
 
     def _run_step(self, batch: list[_Job]) -> None:
         """Engine thread: one engine step over `batch`; its outputs go to the event loop."""
@@ -594,8 +707,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
                    f"{new.end_layer}); replay the request")
         moved = dict(self.active)
         moved.update((j.item.request_id, j.item.coordinator_id) for j in pending)
+        self.taken_tokens += sum(map(_job_tokens, pending))
         for rid, cid in moved.items():
-            self.released[(cid, rid)] = None
+            self.released.put((cid, rid), cid, None)
         self.active.clear()
         self.engine.release_memory()
         new.allocate_kv(self.kv_cache_bytes)
@@ -614,9 +728,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
     def _free(self, requests: list[tuple[str, str]]) -> int:
         freed = 0
         for cid, rid in requests:
-            self.released[(cid, rid)] = None
-            if len(self.released) > RELEASED_MEMORY:
-                self.released.popitem(last=False)
+            self.released.put((cid, rid), cid, None)
             owner = self.active.get(rid)
             if owner is None or owner != cid:
                 if self.loop is not None:
@@ -633,7 +745,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         """Loop thread: a released request's kept route goes (only its own coordinator's)."""
         kept = self.kept.get(request_id)
         if kept is not None and kept.coordinator_id == coordinator_id:
-            del self.kept[request_id]
+            self.kept.pop(request_id)
 
     def count_sent(self, items: int) -> None:
         self.messages_out += 1
@@ -664,8 +776,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.cache_held.difference_update(events.removed)
         self.cache_held.update(events.stored)
         msg = tp.cache_events_to_pb(self.node, events)
-        for stream in self.coordinators.values():
-            stream.out.put_nowait(msg)
+        for stream in list(self.coordinators.values()):
+            self._put(stream, msg)
 
     def _dispatch(self, batch: list[_Job], outputs: list[Any], step_s: float,
                   cache: CacheEvents | None = None) -> None:
@@ -705,6 +817,18 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 peer = self.peers.get(nxt)
                 if peer is None or peer.task.done():
                     peer = self.peers[nxt] = _Peer(self, nxt)
+                limit = self._queue_limit
+                if peer.queued_tokens + len(item.token_ids) > limit:
+                    # a next hop that does not keep up (or is stopped): its backlog stays
+                    # bounded; the request is replayed, as for an unreachable next hop
+                    self.refused_full += 1
+                    self.report_error(item.request_id, item.step_id, item.coordinator_id,
+                                      tp.UNAVAILABLE,
+                                      f"node {self.node}: next hop {nxt} backed up: "
+                                      f"{peer.queued_tokens} tokens waiting to be sent, limit "
+                                      f"{limit}; replay the request", job.origin)
+                    continue
+                peer.queued_tokens += len(item.token_ids)
                 peer.queue.put_nowait(_Outgoing.of(job.msg, out.hidden, compute_s,
                                                    item.coordinator_id))
 
@@ -713,7 +837,36 @@ class Worker(pb_grpc.HelixWorkerServicer):
         if stream is None:
             log.warning("no stream for result of %s: %s", result.request_id, result.error)
             return
-        stream.out.put_nowait(result)
+        self._put(stream, result)
+
+    def _put(self, stream: _Stream, msg: pb.WorkResult | pb.CacheEvents) -> None:
+        """Queue `msg` for `stream`'s caller. Past OUT_PAUSE waiting the stream's items are
+        no longer read (`_read_stream`), so what still comes is its admitted items' results
+        (at most the queue bound) and cache events; a caller that lets OUT_PAUSE + the queue
+        bound pile up does not read at all: its stream is ended, and with it what it held
+        here (module doc, Flooding)."""
+        if stream.ended:
+            return
+        waiting = stream.out.qsize()
+        if waiting >= OUT_PAUSE:
+            stream.room.clear()
+            limit = OUT_PAUSE + self._queue_limit
+            if waiting >= limit:
+                self._end_unread(stream, waiting, limit)
+                return
+        stream.out.put_nowait(msg)
+
+    def _end_unread(self, stream: _Stream, waiting: int, limit: int) -> None:
+        why = (f"node {self.node}: {waiting} results not read by the caller, limit {limit}; "
+               "stream ended")
+        log.warning("%s (%s)", why, stream.peer.describe() if stream.peer else stream.sender)
+        self.streams_ended_unread += 1
+        stream.ended = True
+        stream.refused, stream.refused_code = why, grpc.StatusCode.RESOURCE_EXHAUSTED
+        while not stream.out.empty():  # its memory goes now, not when the caller leaves
+            stream.out.get_nowait()
+        if stream.task is not None:
+            stream.task.cancel()
 
     def report_error(self, request_id: str, step_id: int, coordinator_id: str, code: int,
                      message: str, origin: _Stream | None = None) -> None:
@@ -727,8 +880,14 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self, request_iterator: AsyncIterator[pb.WorkBatch], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ResultBatch]:
         peer = self._peer(context)
+        if len(self.streams) >= MAX_STREAMS:
+            self.refused_full += 1
+            log.warning("refused a stream: %d open, limit %d", len(self.streams), MAX_STREAMS)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"node {self.node}: {len(self.streams)} Work streams open, "
+                                f"limit {MAX_STREAMS}; stream refused")
         stream = _Stream(coordinator_id="", sender=peer.node if peer is not None else "",
-                         peer=peer)
+                         peer=peer, task=asyncio.current_task())
         self.streams.add(stream)
         reader = asyncio.create_task(self._read_stream(request_iterator, stream))
         try:
@@ -751,8 +910,10 @@ class Worker(pb_grpc.HelixWorkerServicer):
                         stream.out.put_nowait(None)
                 self.count_sent(len(results))
                 yield tp.result_batch_pb(results, cache)
+                if stream.out.qsize() < OUT_PAUSE:
+                    stream.room.set()
             if stream.refused:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, stream.refused)
+                await context.abort(stream.refused_code, stream.refused)
         finally:
             reader.cancel()
             self.streams.discard(stream)
@@ -762,9 +923,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 # broke): nobody will release its requests here, so free them now.
                 orphans = [(cid, rid) for rid, cid in list(self.active.items())
                            if cid == stream.coordinator_id]
-                for rid in [r for r, k in self.kept.items()
-                            if k.coordinator_id == stream.coordinator_id]:
-                    del self.kept[rid]
+                for rid in self.kept.keys_of(stream.coordinator_id):
+                    self.kept.pop(rid)
                 if orphans:
                     log.warning("coordinator %s left; freeing %d requests",
                                 stream.coordinator_id, len(orphans))
@@ -774,10 +934,26 @@ class Worker(pb_grpc.HelixWorkerServicer):
                            stream: _Stream) -> None:
         try:
             async for batch in request_iterator:
+                # a caller that does not read its results gets no more of its items read
+                await stream.room.wait()
+                self._queue_limit = limit = self.queue_limit_tokens()
+                if len(batch.items) > limit:
+                    self.refused_full += 1
+                    stream.refused_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                    stream.refused = (f"node {self.node}: {len(batch.items)} items in one "
+                                      f"message, limit {limit}; stream refused")
+                    log.warning("refused a stream: %s", stream.refused)
+                    return
                 hello = tp.hello_of(batch)
                 if hello is not None:
                     cid, claimed = hello
                     refusal = self._hello_refusal(cid, tp.hello_token(batch), stream)
+                    if (not refusal and cid and cid not in self.coordinators
+                            and len(self.coordinators) >= MAX_COORDINATOR_STREAMS):
+                        self.refused_full += 1
+                        stream.refused_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                        refusal = (f"{len(self.coordinators)} coordinator streams open, limit "
+                                   f"{MAX_COORDINATOR_STREAMS}")
                     if refusal:
                         log.warning("refused a stream: %s", refusal)
                         stream.refused = f"node {self.node}: {refusal}; stream refused"
@@ -789,10 +965,10 @@ class Worker(pb_grpc.HelixWorkerServicer):
                         self.coordinators[cid] = stream
                         if hasattr(self.engine, "take_cache_events"):
                             # everything the cache holds, first (module doc)
-                            stream.out.put_nowait(tp.cache_events_to_pb(
+                            self._put(stream, tp.cache_events_to_pb(
                                 self.node, CacheEvents(list(self.cache_held), [], reset=True)))
                 jobs = [job for i, msg in enumerate(batch.items)
-                        if (job := self._accept(msg, stream, f"items[{i}]")) is not None]
+                        if (job := self._accept(msg, stream, f"items[{i}]", limit)) is not None]
                 if jobs:
                     self.inbox.put(jobs)
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
@@ -833,7 +1009,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
                                 f"node {self.node}: {what} needs a coordinator certificate; the "
                                 f"caller has {peer.describe()}; nothing changed")
 
-    def _accept(self, msg: pb.WorkItem, stream: _Stream, where: str) -> _Job | None:
+    def _accept(self, msg: pb.WorkItem, stream: _Stream, where: str,
+                limit: int | None = None) -> _Job | None:
         full = bool(msg.route)
         kept = None if full else self.kept.get(msg.request_id)
         try:
@@ -861,17 +1038,29 @@ class Worker(pb_grpc.HelixWorkerServicer):
             r = tp.WireResult(request_id=item.request_id, step_id=item.step_id,
                               status_code=tp.PERMISSION_DENIED, error=f"node {self.node}: {refusal}",
                               node=self.node)
-            stream.out.put_nowait(tp.result_to_pb(r))
+            self._put(stream, tp.result_to_pb(r))
             return None
         if self.draining and item.request_id not in self.active:
             self.report_error(item.request_id, item.step_id, item.coordinator_id, tp.UNAVAILABLE,
                               f"node {self.node}: draining for shutdown, not accepting new requests",
                               stream)
             return None
+        tokens = len(item.token_ids)
+        queued = self.queued_tokens
+        limit = self._queue_limit if limit is None else limit
+        if queued + tokens > limit:
+            # what is queued stays queued: the refused item's coordinator fails or (with
+            # on-demand KV) preempts its request; a coordinator never sends this much itself
+            self.refused_full += 1
+            self.report_error(item.request_id, item.step_id, item.coordinator_id,
+                              tp.RESOURCE_EXHAUSTED,
+                              f"node {self.node}: engine queue full: {queued} tokens queued, "
+                              f"limit {limit} (max({QUEUE_MIN_TOKENS}, {QUEUE_KV_FACTOR} x KV "
+                              f"capacity {self._kv_tokens})); item refused, nothing queued dropped", stream)
+            return None
+        self.admitted_tokens += tokens
         if full and (item.coordinator_id, item.request_id) not in self.released:
-            self.kept[item.request_id] = tp.RequestRoute.of(item)
-            if len(self.kept) > KEPT_MEMORY:
-                del self.kept[next(iter(self.kept))]
+            self.kept.put(item.request_id, item.coordinator_id, tp.RequestRoute.of(item))
         return _Job(item, self._own_input(msg, item), stream)
 
     def _own_input(self, msg: pb.WorkItem, item: tp.WireItem) -> pb.WorkItem:

@@ -29,6 +29,9 @@ class FakeEngine:
     start_layer, end_layer, num_model_layers, hidden_size, dtype = 0, 2, 4, 8, torch.float32
     eos_token_ids: tuple[int, ...] = ()
 
+    def kv_stats(self) -> dict[str, int]:
+        return {"block_size": 16, "total_blocks": 64, "used_blocks": 0, "capacity_tokens": 1024}
+
 
 def _worker(start: int = 0, end: int = 2) -> Worker:
     engine = FakeEngine()
@@ -95,7 +98,7 @@ def test_one_message_per_step_to_the_next_hop() -> None:
                   for i in range(16)]
         peer = _Peer.__new__(_Peer)  # the stream to the next hop, not connected
         peer.worker, peer.address, peer.queue = w, "h:2", asyncio.Queue()
-        peer.sent, peer._getter = deque(), None
+        peer.sent, peer._getter, peer.queued_tokens = deque(), None, 0
         peer.task = asyncio.get_running_loop().create_future()  # running
         w.peers["h:2"] = peer
         sent: list[pb.WorkBatch] = []
@@ -173,7 +176,7 @@ def test_a_backlog_for_the_next_hop_is_split_under_the_message_limit(
         w = _worker()
         peer = _Peer.__new__(_Peer)  # the stream to the next hop, not connected
         peer.worker, peer.address, peer.queue = w, "h:2", asyncio.Queue()
-        peer.sent, peer._getter = deque(), None
+        peer.sent, peer._getter, peer.queued_tokens = deque(), None, 0
         item = _full("r0", hop=1)
         for i in range(10):
             msg = _full(f"r{i}", hop=1)
