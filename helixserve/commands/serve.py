@@ -181,6 +181,14 @@ def add_recovery_arguments(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="longest a request waits for a re-plan or a restarted worker (default 60)",
     )
+    p.add_argument(
+        "--replan-time-limit-s",
+        type=finite_float,
+        default=5.0,
+        help="search time of a live re-plan, full and incremental together (default 5; "
+        "lower it where the cluster is small and the host busy: the re-plan's planning is "
+        "part of the outage)",
+    )
 
 
 def add_timing_arguments(p: argparse.ArgumentParser) -> None:
@@ -216,9 +224,14 @@ def recovery_config(args: argparse.Namespace) -> Any:
     cost model is the coordinator's (`cost_inputs`)."""
     if args.no_replan:
         return None
+    from helixserve.errors import UserError
     from helixserve.runtime.config import RecoveryConfig
 
-    return RecoveryConfig(wait_s=args.recovery_wait_s)
+    if not args.replan_time_limit_s > 0:
+        raise UserError(f"--replan-time-limit-s: bad value {args.replan_time_limit_s:g}; "
+                        "need > 0")
+    return RecoveryConfig(wait_s=args.recovery_wait_s,
+                          plan_time_limit_s=args.replan_time_limit_s)
 
 
 def check_kv_arguments(args: argparse.Namespace) -> None:

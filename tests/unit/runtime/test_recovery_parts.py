@@ -164,3 +164,17 @@ def test_a_worker_rejoining_that_covers_the_model_ends_uncoverable():
 
 async def _no_info() -> None:
     return None
+
+
+def test_replan_time_limit_flag_reaches_the_recovery_config_and_a_bad_value_is_named():
+    from helixserve.cli import build_parser
+    from helixserve.commands.serve import recovery_config
+
+    for command in ("serve", "demo"):
+        base = [command] if command == "demo" else [command, "--cluster", "c.yaml", "--model",
+                                                    "m", "--placement", "p.json"]
+        args = build_parser().parse_args(base + ["--replan-time-limit-s", "1.5"])
+        assert recovery_config(args).plan_time_limit_s == 1.5
+        assert recovery_config(build_parser().parse_args(base)).plan_time_limit_s == 5.0
+        with pytest.raises(UserError, match="--replan-time-limit-s: bad value 0"):
+            recovery_config(build_parser().parse_args(base + ["--replan-time-limit-s", "0"]))
