@@ -50,6 +50,8 @@ from typing import Any
 
 import httpx
 
+from benchmarks.serving_vllm import wait_ready
+
 PROMPTS = [
     "Tell me a short story about a lighthouse keeper.",
     "Explain why the sky is blue.",
@@ -289,16 +291,7 @@ def run_case(case: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
            "--workdir", str(workdir)]
     demo = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if demo.poll() is not None:
-                raise RuntimeError(f"demo exited: {(workdir / f'demo-{case}.log').read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("demo not healthy after 600 s")
-            time.sleep(0.5)
+        wait_ready(demo, args.port, workdir / f"demo-{case}.log", 600, path="/health")
         placement = json.loads((workdir / "placement.json").read_text())
         victim, layers = pick_victim(placement, case)
         from helixserve.spec import load_cluster

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from benchmarks.serving_vllm import wait_ready
 
 PROMPTS = [
     "Tell me a short story about a lighthouse keeper.",
@@ -206,16 +207,7 @@ def main() -> int:
          "--workdir", str(workdir)],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if demo.poll() is not None:
-                raise RuntimeError(f"demo exited: {(workdir / 'demo.log').read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("demo not healthy after 300 s")
-            time.sleep(0.5)
+        wait_ready(demo, args.port, workdir / "demo.log", 300, path="/health")
         placement_path = workdir / "placement.json"
         placement = json.loads(placement_path.read_text())
         victim, layers = _sole_holder(placement)

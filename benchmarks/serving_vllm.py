@@ -57,7 +57,10 @@ def start_setup(setup: str, model_dir: Path, port: int, workdir: Path) -> subpro
                             start_new_session=True)
 
 
-def wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float) -> None:
+def wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float,
+               path: str = "/v1/models") -> None:
+    """Until GET `path` on 127.0.0.1:`port` answers 200; the server's log tail if it exits
+    or is not ready within `timeout_s`."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -65,7 +68,7 @@ def wait_ready(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: f
         if proc.poll() is not None:
             raise RuntimeError(f"{log} exited {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2.0).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
