@@ -88,6 +88,9 @@ class SimConfig:
     #: the core weighs the prefix each candidate route holds against its load
     #: (scheduler/prefix.py); False: the router's pick, reusing what it happens to hold
     cache_aware: bool = True
+    #: the cache-aware cost per token of work a route carried beyond its max-flow share
+    #: (SchedulerPolicy.prefix_flow_weight, whose default this is; 0: no flow term)
+    prefix_flow_weight: float = SchedulerPolicy.prefix_flow_weight
     #: tokens per named block of the simulated prefix caches (the engines' KV block size;
     #: the KV ledger still counts single slots)
     prefix_block_size: int = 16
@@ -128,4 +131,5 @@ class SimConfig:
         return SchedulerPolicy(kv=kv, exact_capacities=True, max_prefilling=self.max_prefilling,
                                reject_unroutable_when_idle=True,
                                prefix_caching=self.prefix_caching, cache_aware=self.cache_aware,
+                               prefix_flow_weight=self.prefix_flow_weight,
                                prefix_block_size=self.prefix_block_size).check()
