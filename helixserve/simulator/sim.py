@@ -20,22 +20,22 @@ rejected and counted.
 - Offline mode keeps the admission queue non-empty (the next trace request, cycled, arrives
   whenever the queue drains): the cluster stays saturated and the run measures its maximum
   throughput. With `offline_feed="kv-feeder"` or `"closed"` requests enter as the Helix
-  artifact's offline feeders and its prototype's host send them (`SimConfig.feed_*`).
+  artifact's offline feeders and its prototype's host send them (`SimConfig.feed_*`;
+  `offline.py`).
+- Built by `build.py`: a node per placement range, and the router the config names.
 """
 
 from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
 from helixserve.planner.placement import Placement
-from helixserve.scheduler import make_router
-from helixserve.scheduler.batch import StepBudget
 from helixserve.scheduler.core import (
     Admission,
     CoreRequest,
@@ -43,12 +43,13 @@ from helixserve.scheduler.core import (
     Preempted,
     SchedulerCore,
 )
-from helixserve.scheduler.options import router_options
 from helixserve.simulator import prefix
+from helixserve.simulator.build import config_router, placement_nodes
 from helixserve.simulator.config import SimConfig
 from helixserve.simulator.network import Network, SimLink
 from helixserve.simulator.nodes import Batch, Chunk, NodeSteps, SimNode, SimRequest, chunks
-from helixserve.simulator.workload import TraceRequest, offline_stream
+from helixserve.simulator.offline import OfflineFeed
+from helixserve.simulator.workload import TraceRequest
 from helixserve.spec import TOKEN_ID_BYTES, ClusterSpec, ModelSpec
 from helixserve.spec.cluster import COORDINATOR
 
@@ -113,36 +114,8 @@ class Simulation:
         self.progress = progress
         self.buckets = max(1, config.timeline_buckets)
         self.bucket_s = config.duration_s / self.buckets
-        self.nodes: dict[str, SimNode] = {}
-        for r in placement.nodes:
-            self.nodes[r.name] = SimNode(
-                cluster.node(r.name), r.start_layer, r.end_layer, cost, self.buckets
-            )
-        for n in self.nodes.values():
-            if config.max_prompt_tokens is not None:
-                n.max_prompt = min(n.max_prompt, config.max_prompt_tokens)
-            n.budget = StepBudget(n.max_decode, n.max_prompt, config.chunked_prefill)
-            n.may_partial = any(n.start < i.end < n.end for i in self.nodes.values())
-        self.feeder = config.offline and config.offline_feed != "saturate"
-        self.kv_feeder = config.offline and config.offline_feed == "kv-feeder"
-        #: the distinct sets of nodes that hold a layer, with their KV summed (the feeder's
-        #: per-layer usage, as Helix's KVExpectation.bottleneck_usage computes it)
-        groups = {
-            tuple(n for n in self.nodes.values() if n.start <= layer < n.end)
-            for layer in range(placement.num_layers)
-        }
-        self.layer_groups = [(g, sum(n.kv_cap for n in g)) for g in groups if g]
-        self.feed_dropped = 0
-        names = [COORDINATOR, *self.nodes]
-        # the spread is the maxflow policy's knob; the other policies route without a flow
-        knobs = {"spread": config.router_spread} if config.scheduler == "maxflow" else {}
-        router = make_router(
-            config.scheduler,
-            placement,
-            seed=config.seed,
-            **knobs,
-            **router_options(cluster, model, placement, cost),
-        )
+        self.nodes = placement_nodes(cluster, placement, cost, config, self.buckets)
+        router = config_router(config, cluster, model, placement, cost)
         #: every scheduling decision (admission, route, KV, preemption): the core the live
         #: coordinator drives too (SimConfig.scheduler_policy)
         self.core = SchedulerCore(router, config.scheduler_policy(),
@@ -159,13 +132,13 @@ class Simulation:
             for n in self.nodes.values():
                 n.cache = prefix.NodeCache()
         self.on_demand = self.kv.policy.on_demand
-        self.net = Network(cluster, names)
+        self.net = Network(cluster, [COORDINATOR, *self.nodes])
         self.steps = NodeSteps(cost, config, self.buckets, self.bucket_s,
                                model.activation_bytes_per_token, self.on_demand)
         self.requests = sorted(requests, key=lambda q: q.arrival_s)
-        self.stream: Iterator[tuple[int, int]] | None = (
-            offline_stream(self.requests) if config.offline else None
-        )
+        #: an offline run's source of requests and its feeder (offline.py); None: online
+        self.offline = (OfflineFeed(config, self.requests, self.nodes.values(),
+                                    placement.num_layers) if config.offline else None)
         self.heap: list[tuple[float, int, int, object, object]] = []
         self.seq = 0
         self.now = 0.0
@@ -188,10 +161,10 @@ class Simulation:
     def run(self) -> SimResult:
         wall0 = time.perf_counter()
         end = self.cfg.duration_s
-        if self.feeder:
-            for i in range(self.cfg.feed_initial_requests):
-                self._push((i + 1) * self.cfg.feed_interval_s, _FEED, None, None)
-        elif self.cfg.offline:
+        if self.offline is not None and not self.offline.saturate:
+            for t in self.offline.initial_times_s():
+                self._push(t, _FEED, None, None)
+        elif self.offline is not None:
             self._admit()
         elif self.requests:
             self._push(self.requests[0].arrival_s, _ARRIVE, None, None)
@@ -243,7 +216,8 @@ class Simulation:
             max_flow_tokens_per_s=self.placement.throughput_tokens_per_s,
             extra={"kv_allocation": self.cfg.kv_allocation, "preemptions": self.core.preemptions,
                    "prefix_stats": self.core.prefix_stats(),
-                   **({"feed_dropped": self.feed_dropped} if self.feeder else {})},
+                   **({"feed_dropped": self.offline.dropped}
+                      if self.offline is not None and not self.offline.saturate else {})},
         )
 
     # ---- admission -------------------------------------------------------------------------
@@ -292,9 +266,10 @@ class Simulation:
                     self._launch(r, d)
                 else:
                     self.rejected += 1
-            if self.stream is None or self.feeder or core.queue or core.prefill_capped:
+            off = self.offline
+            if off is None or not off.saturate or core.queue or core.prefill_capped:
                 return
-            prompt, output = next(self.stream)
+            prompt, output = off.next_lengths()
             self.arrived += 1
             self._queue(SimRequest(f"req-{self.arrived}", self.now, prompt, output))
 
@@ -311,17 +286,7 @@ class Simulation:
         pieces: list[Any] = [r] if size is None or r.fill <= size else chunks(r, size)
         self._send(COORDINATOR, r.nodes[0], r.prompt * TOKEN_ID_BYTES, pieces)
 
-    # ---- the offline feeders (SimConfig.offline_feed) ---------------------------------------
-
-    def _bottleneck_kv_usage(self) -> float:
-        """KV promised over KV held, on the layer where that is highest. A node's promises are
-        spread evenly over its layers (a request entering mid-range counts the layers it runs),
-        as Helix's `KVExpectation.bottleneck_usage` does."""
-        return max(
-            sum(n.kv.promised_token_layers / (n.end - n.start) for n in g) / total
-            if total else 1.0
-            for g, total in self.layer_groups
-        )
+    # ---- the offline feeders (SimConfig.offline_feed, offline.py) ---------------------------
 
     def _feed(self, initial: bool) -> None:
         """One more request from the trace (cycled). An initial one (and any while requests
@@ -329,8 +294,8 @@ class Simulation:
         a request's end is dropped when no route takes it at once, as Helix's host drops it."""
         if self.now > self.cfg.duration_s:
             return
-        assert self.stream is not None
-        prompt, output = next(self.stream)
+        assert self.offline is not None
+        prompt, output = self.offline.next_lengths()
         r = SimRequest(f"req-{self.arrived + 1}", self.now, prompt, output)
         if initial or self.core.queue:
             self.arrived += 1
@@ -339,7 +304,7 @@ class Simulation:
             return
         d = self.core.admit_now(CoreRequest(r.rid, r.prompt, r.output), self.now)
         if d is None:
-            self.feed_dropped += 1
+            self.offline.dropped += 1
         else:
             self.arrived += 1
             self._launch(r, d)
@@ -461,13 +426,8 @@ class Simulation:
                     continue
             self._send(COORDINATOR, first, TOKEN_ID_BYTES * len(group), group)
         self._admit()  # at an admission point only (a finish, a first token under the cap...)
-        if self.kv_feeder:
-            for _ in range(feeds):
-                if self._bottleneck_kv_usage() <= self.cfg.feed_kv_fraction:
-                    self._feed(initial=False)
-        elif self.feeder:  # closed: one new request for each one finished
-            for _ in range(finished):
-                self._feed(initial=True)
+        if self.offline is not None:
+            self.offline.after_tokens(feeds, finished, self._feed)
 
     # ---- network ---------------------------------------------------------------------------
 

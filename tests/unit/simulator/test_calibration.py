@@ -10,6 +10,7 @@ import pytest
 
 from helixserve.errors import UserError
 from helixserve.simulator.metrics import summarize
+from helixserve.simulator.offline import bottleneck_kv_usage, layer_groups
 from helixserve.simulator.presets import ENGINES, engine_config, engine_gpu_reserve_gb
 from helixserve.simulator.sim import SimConfig, Simulation
 from tests.unit.simulator.conftest import Machine, fixed_requests, make_setup, with_flows
@@ -135,7 +136,7 @@ def test_kv_feeder_sends_its_initial_requests_apart_then_feeds_while_kv_allows()
     most = math.floor(0.5 * cap / (prompt + expected)) + 1
     assert 0 < sim.in_flight <= most
     assert out["requests_finished"] > 3  # it kept feeding as requests finished
-    assert sim._bottleneck_kv_usage() <= 0.5 + (prompt + expected) / cap
+    assert bottleneck_kv_usage(sim.offline.layer_groups) <= 0.5 + (prompt + expected) / cap
     assert out["feed_dropped"] == 0
 
 
@@ -176,7 +177,7 @@ def test_partial_hops_count_their_own_layers_in_the_feeder_usage() -> None:
     assert (a.kv_promised_layers, b.kv_promised_layers) == (300, 300)
     # layer 1 is held by a and b: a's 150 a layer plus b's 300 / 3 layers, over both KVs
     usage_layer1 = (150 + 100) / (a.kv_cap + b.kv_cap)
-    assert sim._bottleneck_kv_usage() == pytest.approx(
+    assert bottleneck_kv_usage(layer_groups(sim.nodes.values(), 4)) == pytest.approx(
         max(150 / a.kv_cap, usage_layer1, 100 / b.kv_cap))
 
 
