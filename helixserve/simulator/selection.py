@@ -42,7 +42,7 @@ How a candidate is scored (`SelectionConfig.mode`):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -56,12 +56,8 @@ from helixserve.scheduler import make_router
 from helixserve.scheduler.options import router_options
 from helixserve.simulator.metrics import summarize
 from helixserve.simulator.sim import SimConfig, Simulation
-from helixserve.spec import ClusterSpec, ModelSpec, group_machines
-
-#: the loaded decode round trip over its batch-1 floor, ~ 1 + depth / ROUND_TRIP_DEPTH: a
-#: rough fit to docs/simulator.md's diagnosis (2.3-2.9 for 10-14 stages, 5 for a 22-stage
-#: chain, whose requests merge into waves); it only ranks tilings before they are simulated
-ROUND_TRIP_DEPTH = 8.0
+from helixserve.simulator.tilings import stacked_tilings
+from helixserve.spec import ClusterSpec, ModelSpec
 
 #: how a candidate is scored (SelectionConfig.mode; the module docstring)
 SELECTION_MODES = ("saturate", "replay")
@@ -137,145 +133,6 @@ def stage_summary(p: Placement) -> str:
     return " | ".join(f"[{s},{e}) x{len(v)}" for (s, e), v in sorted(by_range.items()))
 
 
-def _types(cluster: ClusterSpec, cost: CostModel) -> list[tuple[str, list[str]]]:
-    """Machines grouped by (gpu, num_gpus, memory), fastest batch-1 decode layer first."""
-    nodes = cluster.nodes
-    groups = {key: [nodes[i].name for i in members] for key, members in group_machines(
-        nodes, lambda i: (nodes[i].gpu, nodes[i].num_gpus, cost.memory_bytes(nodes[i]))).items()}
-
-    def speed(key: tuple[str, int, float]) -> tuple[float, str]:
-        return (cost.layer_time_ms(key[0], key[1], 0, 1), key[0])
-
-    return [(f"{k[0]}x{k[1]}", groups[k]) for k in sorted(groups, key=speed)]
-
-
-#: stacked tilings estimated at most (the best `SelectionConfig.tilings` of them simulated):
-#: helix-single-24 and helix-geo-24 have 667 each, all of them estimated; helix-mix-42
-#: (7 machine types) has ~910 million, of which the enumeration estimates the first this
-#: many in its order (below)
-MAX_TILINGS = 5000
-
-#: steps of the enumeration at most (a step: one (replicas, layers) choice tried for one type)
-MAX_TILING_STEPS = 200_000
-
-
-@dataclass
-class TilingCount:
-    """What `stacked_tilings` enumerated: `steps` choices tried, `candidates` tilings
-    estimated, and whether a cap (MAX_TILINGS, MAX_TILING_STEPS) stopped it."""
-
-    steps: int = 0
-    candidates: int = 0
-    capped: bool = False
-
-
-def stacked_tilings(
-    cluster: ClusterSpec,
-    model: ModelSpec,
-    cost: CostModel,
-    prompt_per_output: float = 3.3,
-    max_tilings: int = MAX_TILINGS,
-    max_steps: int = MAX_TILING_STEPS,
-    count: TilingCount | None = None,
-) -> list[tuple[float, Placement]]:
-    """The stacked tilings (see the module doc) with their analytic estimates, best first.
-
-    The choices are a product over GPU types of (replicas per stage, layers); only those
-    whose layers cover the model (the last type trimming at most one layer a stage) are
-    tilings. The enumeration walks the types depth first, cutting a branch as soon as the
-    layers chosen so far plus what the remaining types can add cannot cover the model
-    exactly, and tries each type's choices nearest its share of the model first (its
-    machines' layer capacity over the cluster's). It stops after `max_tilings` tilings or
-    `max_steps` choices tried, whichever comes first (`count` says which); on a cluster
-    with fewer tilings than that (helix-single-24, helix-geo-24) every one is estimated,
-    and equal estimates keep the product's order, so the list is the full enumeration's."""
-    count = count if count is not None else TilingCount()
-    types = _types(cluster, cost)
-    L = model.num_layers
-    options: list[list[tuple[int, int]]] = []  # per type: (replicas per stage, layers)
-    capacity: list[int] = []
-    for _, names in types:
-        n = len(names)
-        kmax = min(cost.max_layers(cluster.node(x)) for x in names)
-        if kmax < 1:
-            return []
-        options.append([(r, k) for r in range(1, n + 1) if n % r == 0 for k in range(1, kmax + 1)])
-        capacity.append(n * kmax)
-    last = len(types) - 1
-
-    def layers(t: int, r: int, k: int) -> tuple[int, int]:
-        """Fewest and most layers type t adds with (r, k): the last type trims one layer off
-        each stage of 2 or more."""
-        stages = len(types[t][1]) // r
-        return (stages * (k - 1) if t == last and k >= 2 else stages * k), stages * k
-
-    # what types t.. can add at least and at most, to cut branches that cannot cover L
-    low = [0] * (len(types) + 1)
-    high = [0] * (len(types) + 1)
-    for t in range(last, -1, -1):
-        low[t] = low[t + 1] + min(layers(t, r, k)[0] for r, k in options[t])
-        high[t] = high[t + 1] + max(layers(t, r, k)[1] for r, k in options[t])
-    # each type's choices nearest its share of the model first, the product's order on ties
-    def nearest_share(t: int) -> list[int]:
-        share = L * capacity[t] / sum(capacity)
-
-        def distance(i: int) -> tuple[float, int]:
-            return abs(layers(t, *options[t][i])[1] - share), i
-
-        return sorted(range(len(options[t])), key=distance)
-
-    order = [nearest_share(t) for t in range(len(types))]
-
-    def walk(t: int, total: int, picked: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-        if t == len(types):
-            yield picked
-            return
-        for i in order[t]:
-            if count.steps >= max_steps:
-                count.capped = True
-                return
-            count.steps += 1
-            lo, hi = layers(t, *options[t][i])
-            if total + lo + low[t + 1] <= L <= total + hi + high[t + 1]:
-                yield from walk(t + 1, total + hi, picked + (i,))
-
-    found: dict[tuple[tuple[str, int, int], ...], tuple[float, tuple[int, ...], Placement]] = {}
-    for picked in walk(0, 0, ()):
-        if count.candidates >= max_tilings:
-            count.capped = True
-            break
-        choice = [options[t][i] for t, i in enumerate(picked)]
-        stages: list[tuple[int, int]] = []  # (type index, layers)
-        for t, (r, k) in enumerate(choice):
-            stages += [(t, k)] * (len(types[t][1]) // r)
-        excess = sum(k for _, k in stages) - L
-        trimmable = [i for i, (t, k) in enumerate(stages) if t == last and k >= 2]
-        if excess < 0 or excess > len(trimmable):
-            continue
-        count.candidates += 1
-        for i in trimmable[len(trimmable) - excess :]:
-            stages[i] = (stages[i][0], stages[i][1] - 1)
-        nodes: list[NodeRange] = []
-        layer = 0
-        used = [0] * len(types)
-        for t, k in stages:
-            r = choice[t][0]
-            for name in types[t][1][used[t] : used[t] + r]:
-                nodes.append(NodeRange(name, layer, layer + k))
-            used[t] += r
-            layer += k
-        # trimming can repeat a shape: keep it once, at its first place in the product
-        shape = tuple(sorted((n.name, n.start_layer, n.end_layer) for n in nodes))
-        if shape in found:
-            if picked < found[shape][1]:
-                found[shape] = (found[shape][0], picked, found[shape][2])
-            continue
-        p = Placement(model.name, cluster.name, L, "stacked-tiling", nodes)
-        found[shape] = (_estimate(cluster, cost, p, prompt_per_output), picked, p)
-    ranked = sorted((v for v in found.values() if v[0] > 0), key=lambda v: (-v[0], v[1]))
-    return [(est, p) for est, _, p in ranked]
-
-
 def regional_pipelines(cluster: ClusterSpec, model: ModelSpec, cost: CostModel) -> Placement | None:
     """One pipeline inside each region that can hold the model on its own; None on a
     single-region cluster or when no region can.
@@ -319,42 +176,6 @@ def regional_pipelines(cluster: ClusterSpec, model: ModelSpec, cost: CostModel) 
     if not nodes:
         return None
     return Placement(model.name, cluster.name, L, "regional-pipelines", nodes)
-
-
-def _estimate(
-    cluster: ClusterSpec, cost: CostModel, p: Placement, prompt_per_output: float
-) -> float:
-    """Decode tokens/s ~ min(KV concurrency / loaded round trip, busiest stage's compute).
-
-    Relative units only (KV in token slots, footprint left out): it ranks tilings of one
-    cluster before they are simulated."""
-    by_range: dict[tuple[int, int], list[str]] = {}
-    for n in p.nodes:
-        by_range.setdefault((n.start_layer, n.end_layer), []).append(n.name)
-    kv = []
-    floor_s = 0.0
-    compute = []
-    depth = len(by_range)
-    for (s, e), names in by_range.items():
-        k = e - s
-        specs = [cluster.node(x) for x in names]
-        kv.append(sum(cost.kv_capacity_tokens(x, k) for x in specs))
-        floor_s += min(cost.batch_time_s(x, k, 0, 1) for x in specs)
-        compute.append((k, specs))
-    if min(kv) <= 0:
-        return 0.0
-    requests = min(kv) / 1000.0  # ~1,000 KV tokens a request on the Azure conversation trace
-    x_kv = requests / ((1.0 + depth / ROUND_TRIP_DEPTH) * floor_s)
-    b = max(1, int(requests / depth))
-    x_cmp = min(
-        sum(
-            1.0 / (cost.batch_time_s(x, k, 0, b) / b
-                   + prompt_per_output * cost.batch_time_s(x, k, 512, 0) / 512)
-            for x in specs
-        )
-        for k, specs in compute
-    )  # fmt: skip
-    return min(x_kv, x_cmp)
 
 
 def simulate_candidate(

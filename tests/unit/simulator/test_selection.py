@@ -10,8 +10,8 @@ from helixserve.simulator.selection import (
     SelectionConfig,
     select_placement,
     simulate_candidate,
-    stacked_tilings,
 )
+from helixserve.simulator.tilings import stacked_tilings
 from tests.unit.simulator.conftest import Machine, fixed_requests, make_setup
 
 # Two fast machines and four slow ones, every machine fits all 4 layers of the tiny model.
@@ -172,7 +172,7 @@ def test_stacked_tilings_of_a_42_machine_cluster_stop_at_the_caps(shared_data) -
     from pathlib import Path
 
     from helixserve.costmodel import CostModel
-    from helixserve.simulator.selection import MAX_TILING_STEPS, MAX_TILINGS, TilingCount
+    from helixserve.simulator.tilings import MAX_TILING_STEPS, MAX_TILINGS, TilingCount
     from helixserve.spec import load_cluster, load_model, load_profiles
 
     model = load_model(shared_data / "models" / "llama-2-70b")
@@ -203,7 +203,7 @@ def test_stacked_tilings_under_the_caps_are_the_full_enumeration(shared_data) ->
     """helix-single-24 has 667 tilings, under the caps: every one is estimated, and with the
     caps lifted the list is the same."""
     from helixserve.costmodel import CostModel
-    from helixserve.simulator.selection import TilingCount
+    from helixserve.simulator.tilings import TilingCount
     from helixserve.spec import load_cluster, load_model, load_profiles
 
     model = load_model(shared_data / "models" / "llama-2-70b")
