@@ -16,8 +16,10 @@ what it returns, with these parts:
 - `dispatch.py`: the steps sent to a route's first hop, the KV releases on every hop;
 - `results.py`: each result checked at arrival (one not awaited is dropped and counted), and
   what it means for its request: a token, a route to replay, a preemption, a failure;
-- `workers.py`, `startup.py`, `stats.py`, `replan.py`: the workers' reports, polling and
-  revival; start-up checks; the stats snapshot; live re-planning.
+- `replays.py`: what a failed step's request goes through before it is replayed (re-routed,
+  preempted, or run again after a prefix miss);
+- `workers.py`, `startup.py`, `counters.py`, `replan.py`: the workers' reports, polling and
+  revival; start-up checks; the counters and the stats snapshot; live re-planning.
 
 One request: admit -> prefill -> one decode step per token, sent by its driver task as soon as
 the token arrives (whether or not the caller has read it) -> finish (stop token, stop string,
@@ -47,24 +49,20 @@ from typing import TYPE_CHECKING, Any
 
 from helixserve.prefix import CacheEvents
 from helixserve.request import GenerationRequest, SamplingParams, TokenEvent
-from helixserve.runtime import results, security, startup, workers
+from helixserve.runtime import replays, results, security, startup, workers
 from helixserve.runtime.admission import AdmissionWait, NoRouteError
 from helixserve.runtime.config import CoordinatorConfig
 from helixserve.runtime.costs import runtime_cost_model
+from helixserve.runtime.counters import CoordinatorCounts
 from helixserve.runtime.dispatch import Dispatch
 from helixserve.runtime.inflight import InFlight
 from helixserve.runtime.node_client import NodeClient
 from helixserve.runtime.output import OutputProcessor
 from helixserve.runtime.replan import Recovery
 from helixserve.runtime.results import RequestFailedError, ResultInbox
-from helixserve.runtime.stats import CoordinatorStats, ProcessStats, node_stats
+from helixserve.runtime.stats import CoordinatorStats
 from helixserve.runtime.workers import WorkerWatch
-from helixserve.scheduler.core import (
-    QueueFullError,
-    RerouteLimitError,
-    SchedulerCore,
-    SchedulerPolicy,
-)
+from helixserve.scheduler.core import QueueFullError, SchedulerCore, SchedulerPolicy
 from helixserve.scheduler.kv import KvPolicy
 from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK, RUNTIME_VICTIM_RULE
 
@@ -115,9 +113,8 @@ class Coordinator:
         self.inbox = ResultInbox(self.active)
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.hop_counts: dict[tuple[str, ...], int] = {}
-        self.tokens_generated = 0
-        self.reroutes = 0  # requests moved to a new route after a failure, since start
+        #: tokens, re-routes, nodes down, routes taken, prefix look-ups, since start
+        self.counts = CoordinatorCounts()
         self.kv_allocation = kv_allocation
         #: bumped when a re-plan starts and when it ends: a re-route of a request routed
         #: before then is not counted against max_reroutes
@@ -127,16 +124,8 @@ class Coordinator:
         self.cost: CostModel | None = None
         self.cluster: Any = None
         self.scheduler = "maxflow"
-        self.down_events = 0  # nodes declared down (stream broke, hung, drained)
-        self.down_reasons: dict[str, str] = {}
         #: per node: process_up, restarts, last_exit_code, from a local supervisor if any
         self.process_stats: Callable[[], dict[str, dict[str, Any]]] | None = None
-        #: prompt tokens of admitted requests looked up in the prefix caches, and those taken
-        #: from them (once per admission, as one vLLM server counts; the core counts per hop)
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        #: requests run again because a hop no longer held their cached prefix
-        self.prefix_misses = 0
 
     @property
     def preemptions(self) -> int:
@@ -259,29 +248,19 @@ class Coordinator:
 
     def stats(self) -> CoordinatorStats:
         """Snapshot for /metrics and /health: requests running/waiting, per node, per route."""
-        procs = self.process_stats() if self.process_stats is not None else {}
-        prefix = self.core.prefix_stats()
-        nodes = {name: node_stats(n, self.placement.range_of(name) is not None,
-                                  self.down_reasons.get(name, ""),
-                                  ProcessStats(**procs[name]) if name in procs else None,
-                                  prefix.get(name, (0, 0)))
-                 for name, n in self.nodes.items()}
-        return CoordinatorStats(
-            running=len(self.active), waiting=self.core.waiting,
-            tokens_generated=self.tokens_generated, reroutes=self.reroutes,
-            preemptions=self.preemptions, kv_allocation=self.kv_allocation, nodes=nodes,
-            routes={"->".join(r): c for r, c in self.hop_counts.items()},
-            down_events=self.down_events, dropped_results=self.inbox.dropped,
-            recovery=None if self.recovery is None else self.recovery.snapshot(),
-            prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
-            prefix_misses=self.prefix_misses)
+        return self.counts.snapshot(
+            self.nodes, self.placement,
+            self.process_stats() if self.process_stats is not None else {},
+            self.core.prefix_stats(), running=len(self.active), waiting=self.core.waiting,
+            preemptions=self.preemptions, kv_allocation=self.kv_allocation,
+            dropped_results=self.inbox.dropped,
+            recovery=None if self.recovery is None else self.recovery.snapshot())
 
     # ---- what the workers' streams report -------------------------------------------------
 
     def _on_node_down(self, node: str, reason: str) -> None:
         log.warning("node %s down: %s", node, reason)
-        self.down_events += 1
-        self.down_reasons[node] = reason
+        self.counts.node_down(node, reason)
         self.core.node_down(node)
         # what it holds is unknown until its next stream opens (it reports all, with reset)
         self.core.on_cache_events(node, CacheEvents(reset=True))
@@ -358,7 +337,7 @@ class Coordinator:
     def _on_token(self, fl: InFlight, token_id: int) -> None:
         fl.output_ids.append(token_id)
         self.core.on_token(fl.internal_id)  # on-demand: its next step takes one more slot
-        self.tokens_generated += 1
+        self.counts.tokens_generated += 1
 
     def _new_internal_id(self, req: GenerationRequest) -> str:
         # Unique across coordinators and restarts: workers remember released ids and drop
@@ -381,10 +360,9 @@ class Coordinator:
             self.admission_timeout_s)
         fl.admitted(d.route, tuple(self.nodes[h.name].address for h in d.route.hops),
                     self.epoch, d.cached_tokens)
-        if self.core.policy.prefix_caching and fl.token_ids() is not None:
-            self.prefix_queries += d.info.prompt_tokens
-            self.prefix_hits += d.cached_tokens
-        self.hop_counts[d.route.nodes] = self.hop_counts.get(d.route.nodes, 0) + 1
+        self.counts.admitted(d.route.nodes,
+                             self.core.policy.prefix_caching and fl.token_ids() is not None,
+                             d.info.prompt_tokens, d.cached_tokens)
         self.active[fl.internal_id] = fl
 
     def _check_recovering(self, uncovered_since: float, replay: bool) -> None:
@@ -401,59 +379,22 @@ class Coordinator:
 
     async def _next_token(self, fl: InFlight) -> WireResult:
         """The request's next sampled token (results.py says what each result means): a
-        failed route is replayed, a worker out of KV preempts it."""
+        failed step's request is re-routed, preempted or run again (replays.py), and
+        replayed; any other failure ends it."""
         on_demand = self.kv_allocation == "on-demand"
         while True:
             got = await results.next_outcome(fl, self.step_timeout_s, on_demand)
             if isinstance(got, results.Token):
                 return got.result
             if isinstance(got, results.Replay):
-                await self._reroute(fl, got.reason)
+                await replays.reroute(self, fl, got.reason)
             elif isinstance(got, results.KvFull):
-                # preempted by the core's victim rule (RUNTIME_VICTIM_RULE: the request whose
-                # step failed): recomputed once admitted again, ahead of new requests (vLLM's
-                # preemption by recompute); not a fault, so not counted against max_reroutes
-                victim = self.core.kv_full(got.node, fl.internal_id)
-                assert victim == fl.internal_id, (victim, fl.internal_id)
-                log.info("preempting %s (%d tokens generated): %s", fl.internal_id,
-                         len(fl.output_ids), got.reason)
-                await self._replay(fl)
+                replays.preempt(self, fl, got)
             elif isinstance(got, results.PrefixMiss):
-                await self._prefix_miss(fl, got)
+                replays.prefix_missed(self, fl, got)
             else:
                 raise RequestFailedError(f"request {fl.req.request_id}: {got.reason}")
-
-    async def _reroute(self, fl: InFlight, reason: str) -> None:
-        # routed before a re-plan, or while one switches workers' ranges: not this request's
-        # bad luck, so not counted against max_reroutes
-        stale = fl.epoch < self.epoch or (self.recovery is not None
-                                          and self.recovery.state == "loading")
-        if not stale and not self.core.may_reroute(fl.internal_id):
-            raise RequestFailedError(f"request {fl.req.request_id}: {reason} (gave up after "
-                                     f"{fl.reroutes} re-routes)")
-        log.warning("re-routing %s: %s", fl.internal_id, reason)
-        # Which hop failed? A worker reports an unreachable next hop before this coordinator's
-        # own stream to it breaks: ask every hop, so the new route avoids the dead one. The
-        # deadline is the one a live worker's Info gets (hang_timeout_s, scaled by rehearsals):
-        # a busy host's worker must not go down on one slow answer.
-        await asyncio.gather(*(self.nodes[h.name].check_alive(self.hang_timeout_s)
-                               for h in fl.hops))
-        self.reroutes += 1
-        try:
-            self.core.reroute(fl.internal_id, counted=not stale)
-        except RerouteLimitError as exc:
-            raise RequestFailedError(f"request {fl.req.request_id}: {reason} ({exc})") from None
-        await self._replay(fl)
-
-    async def _prefix_miss(self, fl: InFlight, miss: results.PrefixMiss) -> None:
-        """A hop evicted the request's cached prefix after it last reported it: the core
-        forgets those blocks there (the names the worker listed, else the prefix's on that
-        hop, which it named at admission) and queues the request again, uncounted (not a
-        fault); it runs again from its admission."""
-        self.core.prefix_miss(fl.internal_id, miss.node, miss.missing)
-        self.prefix_misses += 1
-        log.info("running %s again: %s", fl.internal_id, miss.reason)
-        await self._replay(fl)
+            await self._replay(fl)
 
     async def _replay(self, fl: InFlight) -> None:
         """The core has freed the request's KV and queued it again: free the workers' KV, wait

@@ -108,7 +108,7 @@ def test_a_hung_engine_is_detected_and_routed_around(demo_model, tmp_path):
         try:
             results = await asyncio.gather(*(one(i) for i in range(STREAMS)))
             seen["done"] = time.time()
-            messages.append(f"coordinator: {coord.down_reasons.get('a', '')}")
+            messages.append(f"coordinator: {coord.counts.down_reasons.get('a', '')}")
             return results
         finally:
             watcher.cancel()

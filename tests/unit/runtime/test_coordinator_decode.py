@@ -99,11 +99,11 @@ def test_decode_is_not_paced_by_a_slow_reader() -> None:
         coord = _coordinator()
         stream = coord.generate(_request(20))
         first = await stream.__anext__()
-        assert first.token_id == 5 and coord.tokens_generated >= 1
+        assert first.token_id == 5 and coord.counts.tokens_generated >= 1
         await _settle()  # the reader holds on to its first token
         # every token was generated and the request finished (KV released on both hops)
         # while the reader had read one
-        assert coord.tokens_generated == 20 and not coord.active
+        assert coord.counts.tokens_generated == 20 and not coord.active
         assert all(n.released for n in coord.nodes.values())  # type: ignore[attr-defined]
         rest = [ev async for ev in stream]
         assert len(rest) == 19 and rest[-1].finish_reason == "length"
@@ -242,7 +242,7 @@ def test_a_reroute_health_checks_each_hop_with_the_hang_timeout() -> None:
                 return True
             node.check_alive = check_alive  # type: ignore[method-assign]
         events = [ev async for ev in coord.generate(_request(3))]
-        assert len(events) == 3 and coord.reroutes == 1
+        assert len(events) == 3 and coord.counts.reroutes == 1
         assert sorted(deadlines) == [("a", 37.5), ("b", 37.5)]
         await coord.close()
 

@@ -1,0 +1,72 @@
+"""What the coordinator counts from its start (`CoordinatorCounts`), and the stats snapshot it
+makes of them with its live state (`CoordinatorStats`, stats.py), which `/metrics` and
+`/health` read. Torch-free and grpc-free, like the coordinator."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from helixserve.runtime.stats import CoordinatorStats, ProcessStats, node_stats
+
+if TYPE_CHECKING:
+    from helixserve.planner.placement import Placement
+    from helixserve.runtime.node_client import NodeClient
+
+
+@dataclass
+class CoordinatorCounts:
+    """The coordinator's counters, since it started."""
+
+    #: tokens sampled, over every request
+    tokens_generated: int = 0
+    #: requests moved to a new route after a failure
+    reroutes: int = 0
+    #: nodes declared down (stream broke, hung, drained)
+    down_events: int = 0
+    #: the last reason each node was declared down for
+    down_reasons: dict[str, str] = field(default_factory=dict)
+    #: admissions per route (its nodes, in order)
+    routes: dict[tuple[str, ...], int] = field(default_factory=dict)
+    #: prompt tokens of admitted requests looked up in the prefix caches, and those taken
+    #: from them (once per admission, as one vLLM server counts; the core counts per hop)
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    #: requests run again because a hop no longer held their cached prefix
+    prefix_misses: int = 0
+
+    def admitted(self, route: tuple[str, ...], looked_up: bool, prompt_tokens: int,
+                 cached_tokens: int) -> None:
+        """A request was admitted on `route`; `looked_up`: its prompt was looked up in the
+        prefix caches, and `cached_tokens` of it found on every hop."""
+        self.routes[route] = self.routes.get(route, 0) + 1
+        if looked_up:
+            self.prefix_queries += prompt_tokens
+            self.prefix_hits += cached_tokens
+
+    def node_down(self, node: str, reason: str) -> None:
+        self.down_events += 1
+        self.down_reasons[node] = reason
+
+    def snapshot(self, nodes: Mapping[str, NodeClient], placement: Placement,
+                 processes: Mapping[str, Mapping[str, Any]],
+                 prefix: Mapping[str, tuple[int, int]], *, running: int, waiting: int,
+                 preemptions: int, kv_allocation: str, dropped_results: int,
+                 recovery: dict[str, Any] | None) -> CoordinatorStats:
+        """These counts with the live state: per node its client's view, whether the placement
+        has a range on it, its supervisor's `processes` entry and the core's `prefix`
+        (queried, hit) tokens; requests running and waiting, and the rest as given."""
+        per_node = {name: node_stats(n, placement.range_of(name) is not None,
+                                     self.down_reasons.get(name, ""),
+                                     ProcessStats(**processes[name]) if name in processes
+                                     else None,
+                                     prefix.get(name, (0, 0)))
+                    for name, n in nodes.items()}
+        return CoordinatorStats(
+            running=running, waiting=waiting, tokens_generated=self.tokens_generated,
+            reroutes=self.reroutes, preemptions=preemptions, kv_allocation=kv_allocation,
+            nodes=per_node, routes={"->".join(r): c for r, c in self.routes.items()},
+            down_events=self.down_events, dropped_results=dropped_results, recovery=recovery,
+            prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
+            prefix_misses=self.prefix_misses)
