@@ -33,6 +33,16 @@ MAX_FUNCTION_LINES = 80
 FUNCTION_LIMIT_DIRS = ("scheduler", "runtime", "simulator")
 #: files whose functions are being split on another branch: remove a file's entry once merged
 SPLIT_ELSEWHERE = {"runtime/worker.py": "split by s19-rt"}
+#: circles of deferred imports still in the package, each with the way out: remove an entry
+#: once its circle is gone (its case below then passes, and a new circle fails at once)
+KNOWN_CIRCLES = {
+    ("helixserve.engine.sampling", "helixserve.engine.structured"):
+        "structured.py imports sampling.suppresses_stop in a function: move it (and "
+        "RequestHistory) where both can import it",
+    ("helixserve.rehearse.child", "helixserve.rehearse.forkserver"):
+        "child.main runs forkserver.main and forkserver runs child.run_command: move "
+        "run_command to a module of its own",
+}
 
 LOAD, DEFERRED, TYPING = "load", "deferred", "typing"
 
@@ -228,9 +238,26 @@ def test_no_function_over_the_limit(rel: str) -> None:
 
 
 def test_no_import_circle() -> None:
+    """No circle of load-time or deferred imports, but the known ones (next test)."""
     graph = import_graph(RUNTIME_KINDS)
+    found = [c for c in circles(graph) if tuple(c) not in KNOWN_CIRCLES]
+    assert not found, "\n".join(describe_circle(graph, c) for c in found)
+
+
+def test_no_import_circle_at_load() -> None:
+    """Not even a known circle closes at load time (it would fail to import, by order)."""
+    graph = import_graph({LOAD})
     found = circles(graph)
     assert not found, "\n".join(describe_circle(graph, c) for c in found)
+
+
+@pytest.mark.parametrize("circle", [
+    pytest.param(c, marks=pytest.mark.xfail(strict=False, reason=why), id="<->".join(c))
+    for c, why in KNOWN_CIRCLES.items()
+])
+def test_known_circle_is_gone(circle: tuple[str, ...]) -> None:
+    graph = import_graph(RUNTIME_KINDS)
+    assert list(circle) not in circles(graph), describe_circle(graph, list(circle))
 
 
 def test_the_checks_see_what_they_check(tmp_path: Path) -> None:
