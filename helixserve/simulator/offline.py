@@ -49,9 +49,7 @@ class OfflineFeed:
         return next(self.stream)
 
     def initial_times_s(self) -> list[float]:
-        """When the feeder sends its initial requests (none when saturating)."""
-        if self.saturate:
-            return []
+        """When the feeder sends its initial requests."""
         return [(i + 1) * self.cfg.feed_interval_s for i in range(self.cfg.feed_initial_requests)]
 
     def after_tokens(self, triggers: int, finished: int, feed: Callable[[bool], None]) -> None:

@@ -161,13 +161,14 @@ class Simulation:
     def run(self) -> SimResult:
         wall0 = time.perf_counter()
         end = self.cfg.duration_s
-        if self.offline is not None and not self.offline.saturate:
+        if self.offline is None:
+            if self.requests:
+                self._push(self.requests[0].arrival_s, _ARRIVE, None, None)
+        elif self.offline.saturate:
+            self._admit()
+        else:
             for t in self.offline.initial_times_s():
                 self._push(t, _FEED, None, None)
-        elif self.offline is not None:
-            self._admit()
-        elif self.requests:
-            self._push(self.requests[0].arrival_s, _ARRIVE, None, None)
         heap, pop = self.heap, heapq.heappop
         events = 0
         next_report = 0
