@@ -240,12 +240,14 @@ def test_no_function_over_the_limit(rel: str) -> None:
 def test_no_import_circle() -> None:
     """No circle of load-time or deferred imports, but the known ones (next test)."""
     graph = import_graph(RUNTIME_KINDS)
+    assert "helixserve.scheduler.core" in graph["helixserve.runtime.coordinator"]  # it reads
     found = [c for c in circles(graph) if tuple(c) not in KNOWN_CIRCLES]
     assert not found, "\n".join(describe_circle(graph, c) for c in found)
 
 
 def test_no_import_circle_at_load() -> None:
-    """Not even a known circle closes at load time (it would fail to import, by order)."""
+    """No circle closes at load time, known ones included (whether such a circle imports
+    or fails depends on which of its modules is imported first)."""
     graph = import_graph({LOAD})
     found = circles(graph)
     assert not found, "\n".join(describe_circle(graph, c) for c in found)
@@ -266,7 +268,7 @@ def test_the_checks_see_what_they_check(tmp_path: Path) -> None:
     src.write_text("class A:\n    def f(self):\n" + "        x = 1\n" * 80 + "def g():\n    pass\n")
     assert long_functions(src, 80) == [("A.f", 81)]
     g = {"a": {"b": []}, "b": {"c": []}, "c": {"a": []}, "d": {"a": []}}
-    assert circles(g) == [["a", "b", "c"]]  # type: ignore[arg-type]
+    assert circles(g) == [["a", "b", "c"]]
     mod = tmp_path / "helixserve" / "x.py"
     mod.parent.mkdir()
     mod.write_text(
