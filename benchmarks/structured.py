@@ -283,7 +283,8 @@ def sampler_ms(streams: int, vocab: int, constrained: bool, steps: int = 30) -> 
     constrained rows advance a matcher through a long JSON document token by token."""
     import torch
 
-    from helixserve.engine.sampling import RequestHistory, sample_rows
+    from helixserve.engine.history import RequestHistory
+    from helixserve.engine.sampling import sample_rows
     from helixserve.request import SamplingParams, StructuredOutput
 
     so = StructuredOutput("json", json.dumps(LONG_SCHEMA)) if constrained else None

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from helixserve.engine.config import ModelArgs
+from helixserve.engine.history import RequestHistory
 from helixserve.engine.host_copy import from_host, to_host
 from helixserve.engine.kv_blocks import Prefix
 from helixserve.engine.kv_cache import KVCacheLayout, PagedKVCache
@@ -55,7 +56,6 @@ from helixserve.engine.protocol import (
     kv_stats_of,
 )
 from helixserve.engine.sampling import (
-    RequestHistory,
     SamplingParams,
     sample_rows,
     score_tokens,

@@ -30,16 +30,14 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from helixserve.engine.history import RequestHistory, suppresses_stop
 from helixserve.request import SamplingParams, StructuredOutput
 from helixserve.structured import grammar_of
-
-if TYPE_CHECKING:
-    from helixserve.engine.sampling import RequestHistory
 
 log = logging.getLogger(__name__)
 
@@ -237,8 +235,6 @@ def greedy_constrained_(logits: torch.Tensor, params: list[SamplingParams],
     token beyond them may tie too: argmax takes the lowest id of equal maxima, and so must
     this). logits: [rows, vocab] float32, raw. On other devices this resolves nothing: the
     masked way costs a few kernels there, and this would cost a host sync."""
-    from helixserve.engine.sampling import suppresses_stop
-
     vocab = logits.shape[-1]
     if logits.device.type != "cpu" or vocab <= GREEDY_CANDIDATES:
         return set()

@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import torch
 
+from helixserve.engine.history import RequestHistory
 from helixserve.engine.protocol import WorkItem
-from helixserve.engine.sampling import RequestHistory, score_tokens
+from helixserve.engine.sampling import score_tokens
 from helixserve.engine.shard import PROMPT_LOGPROBS_ROWS, ShardEngine
 
 

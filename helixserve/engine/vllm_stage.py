@@ -47,8 +47,9 @@ import torch
 
 from helixserve import prefix
 from helixserve.engine.errors import InvalidWorkError, KvExhaustedError, PrefixMissError
+from helixserve.engine.history import RequestHistory
 from helixserve.engine.protocol import ItemOutput, KvStats, WorkItem, check_step
-from helixserve.engine.sampling import RequestHistory, sample_rows
+from helixserve.engine.sampling import sample_rows
 from helixserve.engine.shard import (
     ShardEngine,
     default_kv_budget_bytes,

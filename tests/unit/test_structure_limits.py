@@ -36,9 +36,6 @@ SPLIT_ELSEWHERE = {"runtime/worker.py": "split by s19-rt"}
 #: circles of deferred imports still in the package, each with the way out: remove an entry
 #: once its circle is gone (its case below then passes, and a new circle fails at once)
 KNOWN_CIRCLES = {
-    ("helixserve.engine.sampling", "helixserve.engine.structured"):
-        "structured.py imports sampling.suppresses_stop in a function: move it (and "
-        "RequestHistory) where both can import it",
     ("helixserve.rehearse.child", "helixserve.rehearse.forkserver"):
         "child.main runs forkserver.main and forkserver runs child.run_command: move "
         "run_command to a module of its own",

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from helixserve.engine.sampling import RequestHistory, SampleResult
+from helixserve.engine.history import RequestHistory
+from helixserve.engine.sampling import SampleResult
 from helixserve.request import SamplingParams
 
 

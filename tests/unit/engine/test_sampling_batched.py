@@ -14,7 +14,8 @@ import torch
 from sampling_reference import filter_support, reference_sample_rows
 
 from helixserve.engine import sampling
-from helixserve.engine.sampling import RequestHistory, sample_rows
+from helixserve.engine.history import RequestHistory
+from helixserve.engine.sampling import sample_rows
 from helixserve.request import SamplingParams
 
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from helixserve.engine import structured
+from helixserve.engine.history import RequestHistory
 from helixserve.engine.protocol import WorkItem
-from helixserve.engine.sampling import RequestHistory, sample_rows
+from helixserve.engine.sampling import sample_rows
 from helixserve.engine.shard import ShardEngine
 from helixserve.request import SamplingParams, StructuredOutput
 
