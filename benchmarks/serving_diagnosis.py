@@ -66,6 +66,26 @@ def min_round_trip_s(net: FlowNetwork, cost: CostModel, placement: Placement) ->
     return total_ms / 1000.0
 
 
+def kv_ceiling_tokens_per_s(cluster: Any, cost: CostModel, model: Any, in_flight: float,
+                            prompt_per_output: float) -> float:
+    """C: decode tokens/s if every machine ran a decode batch of in_flight / machines all the
+    time (a request in flight sits in at most one node's batch at a time), with the trace's
+    prompt tokens per output token prefilled alongside in 512-token chunks (their time shared
+    pro rata over the iterations) and the layers shared out ideally (each machine's
+    layer-steps/s summed, over the model's layers)."""
+    b = in_flight / len(cluster.nodes)
+    if b <= 0:
+        return 0.0
+    chunk = 512
+    layer_tokens_per_s = 0.0
+    for n in cluster.nodes:
+        step_ms = (cost.layer_time_ms(n.gpu, n.num_gpus, 0, max(1, round(b)))
+                   + prompt_per_output * b / chunk
+                   * cost.layer_time_ms(n.gpu, n.num_gpus, chunk, 0))
+        layer_tokens_per_s += b * 1000.0 / step_ms
+    return float(layer_tokens_per_s / model.num_layers)
+
+
 #: the engine-model options measured one at a time (docs/simulator.md, "Engine-model
 #: options, measured"): name -> SimConfig fields; chunk rows pipeline their chunks too, as
 #: the `vllm` preset does with its 512
@@ -85,6 +105,8 @@ def engine_option_rows() -> dict[str, dict[str, Any]]:
         rows[f"on-demand+chunked-512+max-prefilling-{m}"] = {
             **rows["on-demand+chunked-512"], "max_prefilling": m}
     assert rows["on-demand+chunked-512+max-prefilling-64"] == dict(vllm)
+    # the preset with each chunk's prompt moved on whole once it has run on a node
+    rows["vllm-chunks-not-pipelined"] = {**vllm, "prefill_chunk_tokens": None}
     return rows
 
 
@@ -103,6 +125,7 @@ def run_engine_options(cluster: Any, model: Any, cost: CostModel, trace: Any,
         if args.options and option not in args.options:
             continue
         cells: dict[str, float] = {}
+        ttft: dict[str, float] = {}
         for name, router in OPTION_PAIRS:
             if name not in placements or (name == "kv-balanced-hand"
                                           and option.endswith(SHORT_ROWS)):
@@ -110,9 +133,11 @@ def run_engine_options(cluster: Any, model: Any, cost: CostModel, trace: Any,
             cfg = SimConfig(duration_s=args.duration, offline=True, warmup_s=args.warmup,
                             scheduler=router, **fields)
             result = Simulation(cluster, model, cost, placements[name], trace, cfg).run()
-            cells[f"{name}+{router}"] = summarize(result)["decode_throughput_tokens_per_s"]
+            summary = summarize(result)
+            cells[f"{name}+{router}"] = summary["decode_throughput_tokens_per_s"]
+            ttft[f"{name}+{router}"] = summary["ttft_s"]["p50"]
         rows.append({"option": option, "engine_config": fields,
-                     "decode_throughput_tokens_per_s": cells})
+                     "decode_throughput_tokens_per_s": cells, "ttft_p50_s": ttft})
         print(f"{option:<42} " + " ".join(f"{k}={v:.1f}" for k, v in cells.items()))
         sys.stdout.flush()
     return rows
@@ -203,7 +228,7 @@ def main() -> int:
     out: dict[str, Any] = {
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
                    f"python {platform.python_version()}",
-        "command": " ".join(["python", *sys.argv]),
+        "command": " ".join(["python -m benchmarks.serving_diagnosis", *sys.argv[1:]]),
         "cluster": cluster.name, "model": model.name, "duration_s": args.duration,
         "warmup_s": args.warmup, "engine": args.engine, "engine_config": engine,
         "gpu_reserve_gb": cost.reserved_bytes_per_gpu / 1e9,
@@ -227,6 +252,8 @@ def diagnose(cluster: Any, model: Any, cost: CostModel, net: FlowNetwork, trace:
              args: argparse.Namespace, mean_kv: float, biased_kv: float
              ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    prompt_per_output = (sum(r.prompt_tokens for r in trace)
+                         / sum(r.output_tokens for r in trace))
     head = (f"{'placement':<18} {'max flow':>8} {'KV reqs':>7} {'decode X':>8} {'in flight':>9} "
             f"{'depth':>5} {'R0 s':>5} {'R s':>5} {'R/R0':>5} {'util':>5} {'batch':>5}")
     print(head)
@@ -263,11 +290,14 @@ def diagnose(cluster: Any, model: Any, cost: CostModel, net: FlowNetwork, trace:
                 sres["decode_throughput_tokens_per_s"])
             row["solver_flow_mean_node_utilization"] = statistics.fmean(
                 n["utilization"] for n in sres["nodes"])
+        row["kv_ceiling_tokens_per_s"] = kv_ceiling_tokens_per_s(
+            cluster, cost, model, result.in_flight, prompt_per_output)
         rows.append(row)
         print(f"{name:<18} {row['max_flow_tokens_per_s']:>8.0f} "
               f"{row['kv_concurrency_requests']:>7.0f} {x:>8.1f} {result.in_flight:>9d} "
               f"{depth:>5.1f} {r0:>5.2f} {round_trip:>5.2f} {round_trip / r0:>5.2f} "
               f"{row['mean_node_utilization']:>5.0%} {row['mean_decode_batch']:>5.1f}"
+              f"  C {row['kv_ceiling_tokens_per_s']:.0f}"
               + (f"  solver flow {row['solver_flow_decode_throughput_tokens_per_s']:.1f}"
                  if args.spread_check else ""))
         sys.stdout.flush()
