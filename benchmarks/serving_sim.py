@@ -25,7 +25,10 @@ the cluster's best stacked tilings and, with two or more regions, its regional p
 (picked by a 1200 s offline simulation with the same engine model; the reported numbers
 come from the runs here).
 
-    python -m benchmarks.serving_sim --json benchmarks/results/serving_sim.json
+    python -m benchmarks.serving_sim --placements-from benchmarks/results/serving_sim_vllm_memory.json \
+        --json benchmarks/results/serving_sim_vllm_memory.json
+
+(docs/benchmarks.md, "Simulator": today's numbers and placements.)
 """
 
 from __future__ import annotations
