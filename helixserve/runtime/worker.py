@@ -467,6 +467,18 @@ class Worker(pb_grpc.HelixWorkerServicer):
             hidden_size=engine.hidden_size,
             dtype=engine.dtype,
         )
+        self._init_messaging()
+        self._init_counters()
+        self._hang = _test_hang(node)
+        if self._hang is not None:
+            log.warning("%s set: the engine thread will hang %.0f s before %s (tests only)",
+                        HANG_ENV, self._hang.seconds,
+                        f"its first step after {self._hang.trigger} exists" if self._hang.trigger
+                        else f"step {self._hang.steps + 1}")
+        self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+
+    def _init_messaging(self) -> None:
+        """The queues, streams and memories between the loop and the engine thread."""
         self.loop: asyncio.AbstractEventLoop | None = None
         # Work arrives as one list per incoming message, so that the engine thread never wakes
         # up to run a fragment of a batch that arrived together.
@@ -481,12 +493,18 @@ class Worker(pb_grpc.HelixWorkerServicer):
         #: for its continuation items (module doc); dropped when the request is released
         self.kept: security.OwnedMemory[str, tp.RequestRoute] = security.OwnedMemory(
             KEPT_MEMORY, self.connected)
-        #: Work and result messages sent, and the items and results they carried
-        self.messages_out = 0
-        self.items_out = 0
         #: engine thread: (coordinator id, request id) of released requests (module doc)
         self.released: security.OwnedMemory[tuple[str, str], None] = security.OwnedMemory(
             RELEASED_MEMORY, self.connected)
+        #: loop thread: the prefix block names the engine holds, from its cache events (a
+        #: coordinator stream that opens gets them all first; module doc)
+        self.cache_held: set[BlockHash] = set()
+
+    def _init_counters(self) -> None:
+        """Counters of the bounds, the steps and the messages (Info reports them)."""
+        #: Work and result messages sent, and the items and results they carried
+        self.messages_out = 0
+        self.items_out = 0
         #: tokens of the items admitted to the engine's queue (loop thread) and taken off it
         #: (run, dropped or moved; engine thread): the difference is what is queued, each
         #: counter written by one thread only
@@ -498,9 +516,6 @@ class Worker(pb_grpc.HelixWorkerServicer):
         #: queue_limit_tokens(), refreshed at start and with every incoming message
         self._queue_limit = QUEUE_MIN_TOKENS
         self._kv_tokens = 0
-        #: loop thread: the prefix block names the engine holds, from its cache events (a
-        #: coordinator stream that opens gets them all first; module doc)
-        self.cache_held: set[BlockHash] = set()
         self.queue_len = 0
         self.last_batch_size = 0
         self.steps = 0
@@ -515,13 +530,6 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.stepping = False
         #: seconds the engine has been stalled (module doc); 0.0 while it makes progress
         self.stalled_s = 0.0
-        self._hang = _test_hang(node)
-        if self._hang is not None:
-            log.warning("%s set: the engine thread will hang %.0f s before %s (tests only)",
-                        HANG_ENV, self._hang.seconds,
-                        f"its first step after {self._hang.trigger} exists" if self._hang.trigger
-                        else f"step {self._hang.steps + 1}")
-        self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
