@@ -237,43 +237,9 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
     """The JSON report (docs/rehearse.md)."""
     summary = sim["summary"]
     k = opts.time_scale
-    sim_nodes = {n["name"]: n for n in summary["nodes"]}
     window_s = opts.duration_s - opts.warmup_s
-    nodes = {}
-    for r in inputs.placement.nodes:
-        spec = inputs.cluster.node(r.name)
-        emu = emulated.get(r.name)
-        nodes[r.name] = {
-            "gpu": spec.gpu, "num_gpus": spec.num_gpus, "region": spec.region,
-            "start_layer": r.start_layer, "end_layer": r.end_layer,
-            # the worker's emulated compute (wall seconds, x time scale) over the run's wall
-            # time; includes the steps in flight when the run was cut
-            "busy_measured": emu["emulated_s"] / (opts.duration_s * k) if emu else None,
-            "busy_simulated": sim_nodes[r.name]["utilization"],
-            # the coordinator's view at the cut: the worker's busy share over its last 5 s
-            "busy_fraction_last_5s": coordinator["busy_fraction"].get(r.name),
-            "steps": emu["steps"] if emu else None,
-            "overrun_s": emu["overrun_s"] if emu else None,
-            "cpu_s": cpu.get(f"worker-{r.name}"),
-        }
-    sim_links = {f"{x['src']}->{x['dst']}": x for x in summary["links"]}
-    link_rows: dict[str, dict[str, Any]] = {}
-    for key in sorted(set(links) | {k2 for k2, x in sim_links.items() if x["bytes"]}):
-        src, dst = key.split("->")
-        link = inputs.cluster.link(src, dst)
-        m = links.get(key, {})
-        link_rows[key] = {
-            "src": src, "dst": dst,
-            "bandwidth_gbps": inputs.cluster.effective_bandwidth_gbps(src, dst) if link else None,
-            "latency_ms": link.latency_ms if link else None,
-            # charged: on the wire + declared by the senders (a smaller payload's rest)
-            "bytes_measured": m.get("bytes", 0),
-            "bytes_wire": m.get("wire_bytes", m.get("bytes", 0)),
-            "bytes_declared": m.get("declared_bytes", 0),
-            "connections": m.get("connections", 0),
-            "bytes_simulated": sim_links.get(key, {}).get("bytes", 0),
-            **({"unlinked": True} if m.get("unlinked") else {}),
-        }
+    nodes = _node_rows(opts, inputs, summary, emulated, coordinator, cpu)
+    link_rows = _link_rows(inputs, summary, links)
     coordinator_s = cpu.get("coordinator", 0.0)
     workers_s = sum(v for name, v in cpu.items() if name.startswith("worker-"))
     runtime_ms = _runtime_ms_per_token(cpu, measured["output_tokens"])
@@ -331,3 +297,53 @@ def _shell_join(argv: list[str]) -> str:
     with contextlib.suppress(Exception):
         return shlex.join(argv)
     return " ".join(argv)
+
+
+def _node_rows(opts: RehearsalOptions, inputs: RehearsalInputs, summary: dict[str, Any],
+               emulated: dict[str, dict[str, float]], coordinator: dict[str, Any],
+               cpu: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """The report's `nodes`: each placed node, measured beside simulated."""
+    k = opts.time_scale
+    sim_nodes = {n["name"]: n for n in summary["nodes"]}
+    nodes = {}
+    for r in inputs.placement.nodes:
+        spec = inputs.cluster.node(r.name)
+        emu = emulated.get(r.name)
+        nodes[r.name] = {
+            "gpu": spec.gpu, "num_gpus": spec.num_gpus, "region": spec.region,
+            "start_layer": r.start_layer, "end_layer": r.end_layer,
+            # the worker's emulated compute (wall seconds, x time scale) over the run's wall
+            # time; includes the steps in flight when the run was cut
+            "busy_measured": emu["emulated_s"] / (opts.duration_s * k) if emu else None,
+            "busy_simulated": sim_nodes[r.name]["utilization"],
+            # the coordinator's view at the cut: the worker's busy share over its last 5 s
+            "busy_fraction_last_5s": coordinator["busy_fraction"].get(r.name),
+            "steps": emu["steps"] if emu else None,
+            "overrun_s": emu["overrun_s"] if emu else None,
+            "cpu_s": cpu.get(f"worker-{r.name}"),
+        }
+    return nodes
+
+
+def _link_rows(inputs: RehearsalInputs, summary: dict[str, Any],
+               links: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The report's `links`: each directed link the proxy or the simulator carried bytes on."""
+    sim_links = {f"{x['src']}->{x['dst']}": x for x in summary["links"]}
+    link_rows: dict[str, dict[str, Any]] = {}
+    for key in sorted(set(links) | {k2 for k2, x in sim_links.items() if x["bytes"]}):
+        src, dst = key.split("->")
+        link = inputs.cluster.link(src, dst)
+        m = links.get(key, {})
+        link_rows[key] = {
+            "src": src, "dst": dst,
+            "bandwidth_gbps": inputs.cluster.effective_bandwidth_gbps(src, dst) if link else None,
+            "latency_ms": link.latency_ms if link else None,
+            # charged: on the wire + declared by the senders (a smaller payload's rest)
+            "bytes_measured": m.get("bytes", 0),
+            "bytes_wire": m.get("wire_bytes", m.get("bytes", 0)),
+            "bytes_declared": m.get("declared_bytes", 0),
+            "connections": m.get("connections", 0),
+            "bytes_simulated": sim_links.get(key, {}).get("bytes", 0),
+            **({"unlinked": True} if m.get("unlinked") else {}),
+        }
+    return link_rows
