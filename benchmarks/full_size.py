@@ -282,6 +282,8 @@ def summary(row: dict[str, Any]) -> dict[str, Any]:
         "ttft_p50_measured": m["ttft_p50_s"], "ttft_p50_simulated": s["ttft_p50_s"],
         "tpot_p50_measured": m["tpot_p50_s"], "tpot_p50_simulated": s["tpot_p50_s"],
         "runtime_cpu_ms_per_token": rep["runtime_cpu_ms_per_token"],
+        # the same over the window alone (after the warm-up; absent in older reports)
+        "runtime_cpu_ms_per_token_window": rep.get("runtime_cpu_ms_per_token_window"),
         "cpu_s": rep["cpu_s"],
         "payload_bytes_per_token": rep.get("payload_bytes_per_token"),
         "start_s": rep["start_s"],
@@ -306,7 +308,7 @@ def print_table(cluster: str, rows: list[dict[str, Any]], time_scale: float) -> 
           "(numbers in cluster time)")
     head = (f"{'placement':<9} {'setting':<8} {'flow':>6} {'decode m':>9} {'decode s':>9} "
             f"{'m/s':>5} {'TTFT50 m':>9} {'TTFT50 s':>9} {'TPOT50 m':>9} {'TPOT50 s':>9} "
-            f"{'cpu ms/tok':>10} {'start s':>7} {'PSS GiB':>11} {'RSS GiB':>11} {'overrun s':>9}")
+            f"{'cpu ms/tok':>10} {'win':>5} {'start s':>7} {'PSS GiB':>11} {'RSS GiB':>11} {'overrun s':>9}")
     print(head)
     for r in rows:
         s = r["summary"]
@@ -320,7 +322,8 @@ def print_table(cluster: str, rows: list[dict[str, Any]], time_scale: float) -> 
               f"{fmt(s['decode_ratio'], '5.2f')} {fmt(s['ttft_p50_measured'], '9.2f')} "
               f"{fmt(s['ttft_p50_simulated'], '9.2f')} {fmt(s['tpot_p50_measured'], '9.3f')} "
               f"{fmt(s['tpot_p50_simulated'], '9.3f')} "
-              f"{fmt(s['runtime_cpu_ms_per_token'], '10.2f')} {fmt(s['start_s'], '7.1f')} "
+              f"{fmt(s['runtime_cpu_ms_per_token'], '10.2f')} "
+              f"{fmt(s.get('runtime_cpu_ms_per_token_window'), '5.2f')} {fmt(s['start_s'], '7.1f')} "
               f"{pss:>11} {rss:>11} {fmt(s['overrun_s'], '9.1f')}")
 
 

@@ -17,6 +17,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -126,9 +127,13 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
             links_before, cpu_before = cluster.link_stats(), cluster.cpu()
             lost_before = cluster.unattributed()
             client_before = _own_cpu_s()
-            run = asyncio.run(drive(cluster.api_url, cluster.model_name, inputs.requests,
-                                    offline=opts.offline, duration_s=opts.duration_s,
-                                    time_scale=opts.time_scale, concurrency=concurrency))
+            at_warmup = _CpuSample(cluster.cpu, opts.warmup_s * opts.time_scale)
+            try:
+                run = asyncio.run(drive(cluster.api_url, cluster.model_name, inputs.requests,
+                                        offline=opts.offline, duration_s=opts.duration_s,
+                                        time_scale=opts.time_scale, concurrency=concurrency))
+            finally:
+                at_warmup.cancel()
             cpu_after, links_after = cluster.cpu(), cluster.link_stats()
             unattributed = _count_deltas(lost_before, cluster.unattributed())
             client_s = _own_cpu_s() - client_before
@@ -149,13 +154,48 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
     if temporary:
         shutil.rmtree(workdir, ignore_errors=True)
     cpu = {name: cpu_after[name] - cpu_before[name] for name in cpu_after if name in cpu_before}
+    window_cpu = None if at_warmup.value is None else {
+        name: cpu_after[name] - at_warmup.value[name] for name in cpu_after
+        if name in at_warmup.value}
     return build_report(
-        opts, inputs, measured=measured, sim=sim, cpu=cpu, client_cpu_s=client_s,
+        opts, inputs, measured=measured, sim=sim, cpu=cpu, window_cpu=window_cpu,
+        client_cpu_s=client_s,
         links=_link_deltas(links_before, links_after), unattributed=unattributed,
         emulated=cluster.emulated,
         pids=pids, concurrency=concurrency, start_s=start_s, wall_s=run.wall_s,
         errors=errors_of(run), load=(load_before, load_after), coordinator=coordinator,
         workdir=None if temporary else workdir)
+
+
+class _CpuSample:
+    """The processes' CPU seconds (`read()`) `delay_s` from now, read on a timer thread: the
+    run's window starts there (warm-up x time scale), so the CPU of the window alone is
+    `cpu_after - value`. `value` stays None when the run ended first or `delay_s` is 0."""
+
+    def __init__(self, read: Callable[[], dict[str, float]], delay_s: float) -> None:
+        self.value: dict[str, float] | None = None
+        self._read = read
+        self._timer = threading.Timer(delay_s, self._take) if delay_s > 0 else None
+        if self._timer is not None:
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _take(self) -> None:
+        self.value = self._read()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer.join()
+
+
+def _runtime_ms_per_token(cpu: dict[str, float] | None, tokens: float) -> float | None:
+    """Coordinator + workers' CPU milliseconds per output token (None: nothing to divide)."""
+    if cpu is None or not tokens:
+        return None
+    runtime_s = cpu.get("coordinator", 0.0) + sum(
+        v for name, v in cpu.items() if name.startswith("worker-"))
+    return runtime_s * 1000.0 / tokens
 
 
 def _own_cpu_s() -> float:
@@ -188,6 +228,7 @@ def _count_deltas(before: dict[str, dict[str, int]],
 
 def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: dict[str, Any],
                  sim: dict[str, Any], cpu: dict[str, float], client_cpu_s: float,
+                 window_cpu: dict[str, float] | None = None,
                  links: dict[str, dict[str, Any]], emulated: dict[str, dict[str, float]],
                  unattributed: dict[str, dict[str, int]] | None = None,
                  pids: dict[str, int], concurrency: int, start_s: float, wall_s: float,
@@ -196,47 +237,14 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
     """The JSON report (docs/rehearse.md)."""
     summary = sim["summary"]
     k = opts.time_scale
-    sim_nodes = {n["name"]: n for n in summary["nodes"]}
     window_s = opts.duration_s - opts.warmup_s
-    nodes = {}
-    for r in inputs.placement.nodes:
-        spec = inputs.cluster.node(r.name)
-        emu = emulated.get(r.name)
-        nodes[r.name] = {
-            "gpu": spec.gpu, "num_gpus": spec.num_gpus, "region": spec.region,
-            "start_layer": r.start_layer, "end_layer": r.end_layer,
-            # the worker's emulated compute (wall seconds, x time scale) over the run's wall
-            # time; includes the steps in flight when the run was cut
-            "busy_measured": emu["emulated_s"] / (opts.duration_s * k) if emu else None,
-            "busy_simulated": sim_nodes[r.name]["utilization"],
-            # the coordinator's view at the cut: the worker's busy share over its last 5 s
-            "busy_fraction_last_5s": coordinator["busy_fraction"].get(r.name),
-            "steps": emu["steps"] if emu else None,
-            "overrun_s": emu["overrun_s"] if emu else None,
-            "cpu_s": cpu.get(f"worker-{r.name}"),
-        }
-    sim_links = {f"{x['src']}->{x['dst']}": x for x in summary["links"]}
-    link_rows: dict[str, dict[str, Any]] = {}
-    for key in sorted(set(links) | {k2 for k2, x in sim_links.items() if x["bytes"]}):
-        src, dst = key.split("->")
-        link = inputs.cluster.link(src, dst)
-        m = links.get(key, {})
-        link_rows[key] = {
-            "src": src, "dst": dst,
-            "bandwidth_gbps": inputs.cluster.effective_bandwidth_gbps(src, dst) if link else None,
-            "latency_ms": link.latency_ms if link else None,
-            # charged: on the wire + declared by the senders (a smaller payload's rest)
-            "bytes_measured": m.get("bytes", 0),
-            "bytes_wire": m.get("wire_bytes", m.get("bytes", 0)),
-            "bytes_declared": m.get("declared_bytes", 0),
-            "connections": m.get("connections", 0),
-            "bytes_simulated": sim_links.get(key, {}).get("bytes", 0),
-            **({"unlinked": True} if m.get("unlinked") else {}),
-        }
+    nodes = _node_rows(opts, inputs, summary, emulated, coordinator, cpu)
+    link_rows = _link_rows(inputs, summary, links)
     coordinator_s = cpu.get("coordinator", 0.0)
     workers_s = sum(v for name, v in cpu.items() if name.startswith("worker-"))
-    tokens = measured["output_tokens"]
-    runtime_ms = (coordinator_s + workers_s) * 1000.0 / tokens if tokens else None
+    runtime_ms = _runtime_ms_per_token(cpu, measured["output_tokens"])
+    # the window alone (after the warm-up: the steady state, not the cold start's prefill)
+    window_ms = _runtime_ms_per_token(window_cpu, measured["decode_tokens_per_s"] * window_s)
     return {
         "format": FORMAT,
         "emulated": True,
@@ -257,6 +265,11 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
         "simulated": sim["metrics"],
         "simulator_engine": sim["engine_config"],
         "runtime_cpu_ms_per_token": runtime_ms,
+        "runtime_cpu_ms_per_token_window": window_ms,
+        **({"cpu_s_window": {
+            "coordinator": window_cpu.get("coordinator", 0.0),
+            "workers": sum(v for n, v in window_cpu.items() if n.startswith("worker-")),
+            "links": window_cpu.get("links", 0.0)}} if window_cpu else {}),
         "preemptions": {"measured": coordinator["preemptions"],
                         "simulated": summary["preemptions"]},
         "reroutes": coordinator["reroutes"],
@@ -284,3 +297,53 @@ def _shell_join(argv: list[str]) -> str:
     with contextlib.suppress(Exception):
         return shlex.join(argv)
     return " ".join(argv)
+
+
+def _node_rows(opts: RehearsalOptions, inputs: RehearsalInputs, summary: dict[str, Any],
+               emulated: dict[str, dict[str, float]], coordinator: dict[str, Any],
+               cpu: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """The report's `nodes`: each placed node, measured beside simulated."""
+    k = opts.time_scale
+    sim_nodes = {n["name"]: n for n in summary["nodes"]}
+    nodes = {}
+    for r in inputs.placement.nodes:
+        spec = inputs.cluster.node(r.name)
+        emu = emulated.get(r.name)
+        nodes[r.name] = {
+            "gpu": spec.gpu, "num_gpus": spec.num_gpus, "region": spec.region,
+            "start_layer": r.start_layer, "end_layer": r.end_layer,
+            # the worker's emulated compute (wall seconds, x time scale) over the run's wall
+            # time; includes the steps in flight when the run was cut
+            "busy_measured": emu["emulated_s"] / (opts.duration_s * k) if emu else None,
+            "busy_simulated": sim_nodes[r.name]["utilization"],
+            # the coordinator's view at the cut: the worker's busy share over its last 5 s
+            "busy_fraction_last_5s": coordinator["busy_fraction"].get(r.name),
+            "steps": emu["steps"] if emu else None,
+            "overrun_s": emu["overrun_s"] if emu else None,
+            "cpu_s": cpu.get(f"worker-{r.name}"),
+        }
+    return nodes
+
+
+def _link_rows(inputs: RehearsalInputs, summary: dict[str, Any],
+               links: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The report's `links`: each directed link the proxy or the simulator carried bytes on."""
+    sim_links = {f"{x['src']}->{x['dst']}": x for x in summary["links"]}
+    link_rows: dict[str, dict[str, Any]] = {}
+    for key in sorted(set(links) | {k2 for k2, x in sim_links.items() if x["bytes"]}):
+        src, dst = key.split("->")
+        link = inputs.cluster.link(src, dst)
+        m = links.get(key, {})
+        link_rows[key] = {
+            "src": src, "dst": dst,
+            "bandwidth_gbps": inputs.cluster.effective_bandwidth_gbps(src, dst) if link else None,
+            "latency_ms": link.latency_ms if link else None,
+            # charged: on the wire + declared by the senders (a smaller payload's rest)
+            "bytes_measured": m.get("bytes", 0),
+            "bytes_wire": m.get("wire_bytes", m.get("bytes", 0)),
+            "bytes_declared": m.get("declared_bytes", 0),
+            "connections": m.get("connections", 0),
+            "bytes_simulated": sim_links.get(key, {}).get("bytes", 0),
+            **({"unlinked": True} if m.get("unlinked") else {}),
+        }
+    return link_rows

@@ -102,7 +102,8 @@ def format_report(r: dict[str, Any]) -> str:
         "",
         f"runtime CPU: coordinator + API {c['coordinator']:.1f} s, workers {c['workers']:.1f} s "
         f"for {m['output_tokens']} output tokens: "
-        + ("-" if per_k is None else f"{per_k:.2f} s per 1,000 tokens ({per_k:.2f} ms a token)"),
+        + ("-" if per_k is None else f"{per_k:.2f} s per 1,000 tokens ({per_k:.2f} ms a token)")
+        + _window_cpu(r),
         f"emulation's own CPU (not the runtime's): link proxy {c['links']:.1f} s, load client "
         f"{c['client']:.1f} s; {r['machine']['cpus']} CPUs, load "
         f"{r['machine']['loadavg_1m_before']} -> {r['machine']['loadavg_1m_after']}",
@@ -110,3 +111,13 @@ def format_report(r: dict[str, Any]) -> str:
     for err in r["errors"]:
         lines.append(f"error: {err}")
     return "\n".join(lines)
+
+
+def _window_cpu(r: dict[str, Any]) -> str:
+    """The same over the window only (after the warm-up), when it was measured."""
+    per_k = r.get("runtime_cpu_ms_per_token_window")
+    w = r.get("cpu_s_window")
+    if per_k is None or not w:
+        return ""
+    return (f"; in the window alone (after the warm-up) {w['coordinator']:.1f} + "
+            f"{w['workers']:.1f} s: {per_k:.2f} ms a token")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import socket
 from collections.abc import Iterable, Sequence
@@ -196,15 +195,23 @@ def _checked_shape(msg: pb.Tensor, where: str, shape: Sequence[int | None],
         want = dtype_name(dtype) if dtype is not None else " | ".join(_ITEMSIZE)
         raise WireError(f"{where}.dtype: got {msg.dtype!r}, expected {want}")
     got_shape = list(msg.shape)
-    if len(got_shape) != len(shape) or any(
-        w is not None and g != w for g, w in zip(got_shape, shape, strict=False)
-    ):
+    # one plain loop: this runs for every item on every hop
+    fits = len(got_shape) == len(shape)
+    positive = True
+    count = 1
+    for g, w in zip(got_shape, shape, strict=False):
+        if w is not None and g != w:
+            fits = False
+        if g <= 0:
+            positive = False
+        count *= g
+    if not fits:
         pretty = ["*" if w is None else w for w in shape]
         raise WireError(f"{where}.shape: got {got_shape}, expected {pretty}")
-    if any(g <= 0 for g in got_shape):
+    if not positive:
         raise WireError(f"{where}.shape: dims must be positive, got {got_shape}")
     itemsize = _ITEMSIZE[msg.dtype]
-    want_bytes = math.prod(got_shape) * itemsize
+    want_bytes = count * itemsize
     got_bytes = len(msg.data if data is None else data)
     if payload and got_bytes < want_bytes and got_bytes >= got_shape[0] \
             and got_bytes % got_shape[0] == 0:
@@ -452,13 +459,30 @@ def forward_item_pb(msg: pb.WorkItem, hidden: torch.Tensor | RawHidden,
     return out
 
 
-def forward_item_into(dst: pb.WorkItem, msg: pb.WorkItem, hidden: torch.Tensor | RawHidden,
-                      compute_s: float) -> None:
+class Continuation:
+    """What a worker keeps of a received continuation item to forward it (the fields
+    `forward_item_into` writes of one): a protobuf copy of each item cost more, and a
+    continuation item is most of a decode-heavy hop's traffic."""
+
+    __slots__ = ("request_id", "step_id", "position", "token_ids", "sample")
+    route: tuple[()] = ()
+    prefix_token_ids: tuple[()] = ()
+
+    def __init__(self, item: WireItem) -> None:
+        self.request_id = item.request_id
+        self.step_id = item.step_id
+        self.position = item.position
+        self.token_ids = item.token_ids
+        self.sample = item.sample
+
+
+def forward_item_into(dst: pb.WorkItem, msg: pb.WorkItem | Continuation,
+                      hidden: torch.Tensor | RawHidden | None, compute_s: float) -> None:
     """`forward_item_pb` written into `dst` (an item of an outgoing batch, or a new message):
     the hidden states' bytes are copied once, into `dst` itself. `msg` should come without
     hidden states (the worker clears the previous hop's): a full item's are copied, then
     replaced."""
-    if msg.route:
+    if isinstance(msg, pb.WorkItem) and msg.route:
         # a full item: everything but the hidden states, then the next hop's index
         dst.CopyFrom(msg)
         dst.hop_index = msg.hop_index + 1
@@ -471,7 +495,8 @@ def forward_item_into(dst: pb.WorkItem, msg: pb.WorkItem, hidden: torch.Tensor |
         dst.token_ids.extend(msg.token_ids)
         dst.sample = msg.sample
     dst.compute_s = compute_s
-    set_tensor_pb(dst.hidden, hidden)
+    if hidden is not None:
+        set_tensor_pb(dst.hidden, hidden)
 
 
 def continuation_to_pb(request_id: str, step_id: int, position: int,

@@ -218,7 +218,8 @@ class _Stream:
 @dataclass
 class _Job:
     item: tp.WireItem
-    msg: pb.WorkItem
+    #: what the item is forwarded from (`Worker._own_input`)
+    msg: pb.WorkItem | tp.Continuation
     origin: _Stream
 
 
@@ -260,9 +261,10 @@ class _Outgoing:
     when it is written, so a backlog behind a slow hop holds no activations; a tensor becomes
     its bytes at once (a GPU tensor must not wait in a queue), written into the batch later."""
 
-    msg: pb.WorkItem
+    msg: pb.WorkItem | tp.Continuation
     """The message to send; with `hidden`, the item as it came here (without its hidden
-    states), turned into the next hop's by `write_into`."""
+    states; a continuation item's fields only), turned into the next hop's by
+    `write_into`."""
     coordinator_id: str
     hidden: RawHidden | None = None
     compute_s: float = 0.0
@@ -271,7 +273,8 @@ class _Outgoing:
     hidden_bytes: int = 0
 
     @staticmethod
-    def of(msg: pb.WorkItem, hidden: Any, compute_s: float, coordinator_id: str) -> _Outgoing:
+    def of(msg: pb.WorkItem | tp.Continuation, hidden: Any, compute_s: float,
+           coordinator_id: str) -> _Outgoing:
         if isinstance(hidden, RawHidden):
             size = getattr(hidden, "nbytes", None)
             return _Outgoing(msg, coordinator_id, hidden, compute_s,
@@ -304,7 +307,7 @@ class _Outgoing:
         hidden states' bytes are copied once, into the batch itself (through a pb.Tensor and
         a standalone item they would be copied three times, and each 512-token prefill chunk
         of LLaMA-2-70B is 8 MiB)."""
-        if self.hidden is None:
+        if self.hidden is None and isinstance(self.msg, pb.WorkItem):
             dst.CopyFrom(self.msg)
         else:
             tp.forward_item_into(dst, self.msg, self.hidden, self.compute_s)
@@ -402,11 +405,17 @@ class _Peer:
             yield batch
             del batch  # not kept while the stream waits for the next item
             hello = False
-            getter = self._getter = asyncio.ensure_future(self._get())
-            items = [await getter]
-            first = items[0]
-            if self._getter is getter:
-                self._getter = None
+            if not self.queue.empty():
+                # what queued while the last batch was written: taken at once, without a
+                # task and a loop turn of its own (the wait below is for an idle stream)
+                first = self.queue.get_nowait()
+                self.queued_tokens -= first.tokens
+            else:
+                getter = self._getter = asyncio.ensure_future(self._get())
+                first = await getter
+                if self._getter is getter:
+                    self._getter = None
+            items = [first]
 
     async def _read(self, call: Any) -> None:
         # Downstream normally reports to the coordinator directly; anything arriving here is a
@@ -467,6 +476,18 @@ class Worker(pb_grpc.HelixWorkerServicer):
             hidden_size=engine.hidden_size,
             dtype=engine.dtype,
         )
+        self._init_messaging()
+        self._init_counters()
+        self._hang = _test_hang(node)
+        if self._hang is not None:
+            log.warning("%s set: the engine thread will hang %.0f s before %s (tests only)",
+                        HANG_ENV, self._hang.seconds,
+                        f"its first step after {self._hang.trigger} exists" if self._hang.trigger
+                        else f"step {self._hang.steps + 1}")
+        self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+
+    def _init_messaging(self) -> None:
+        """The queues, streams and memories between the loop and the engine thread."""
         self.loop: asyncio.AbstractEventLoop | None = None
         # Work arrives as one list per incoming message, so that the engine thread never wakes
         # up to run a fragment of a batch that arrived together.
@@ -481,12 +502,18 @@ class Worker(pb_grpc.HelixWorkerServicer):
         #: for its continuation items (module doc); dropped when the request is released
         self.kept: security.OwnedMemory[str, tp.RequestRoute] = security.OwnedMemory(
             KEPT_MEMORY, self.connected)
-        #: Work and result messages sent, and the items and results they carried
-        self.messages_out = 0
-        self.items_out = 0
         #: engine thread: (coordinator id, request id) of released requests (module doc)
         self.released: security.OwnedMemory[tuple[str, str], None] = security.OwnedMemory(
             RELEASED_MEMORY, self.connected)
+        #: loop thread: the prefix block names the engine holds, from its cache events (a
+        #: coordinator stream that opens gets them all first; module doc)
+        self.cache_held: set[BlockHash] = set()
+
+    def _init_counters(self) -> None:
+        """Counters of the bounds, the steps and the messages (Info reports them)."""
+        #: Work and result messages sent, and the items and results they carried
+        self.messages_out = 0
+        self.items_out = 0
         #: tokens of the items admitted to the engine's queue (loop thread) and taken off it
         #: (run, dropped or moved; engine thread): the difference is what is queued, each
         #: counter written by one thread only
@@ -498,9 +525,6 @@ class Worker(pb_grpc.HelixWorkerServicer):
         #: queue_limit_tokens(), refreshed at start and with every incoming message
         self._queue_limit = QUEUE_MIN_TOKENS
         self._kv_tokens = 0
-        #: loop thread: the prefix block names the engine holds, from its cache events (a
-        #: coordinator stream that opens gets them all first; module doc)
-        self.cache_held: set[BlockHash] = set()
         self.queue_len = 0
         self.last_batch_size = 0
         self.steps = 0
@@ -515,13 +539,6 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.stepping = False
         #: seconds the engine has been stalled (module doc); 0.0 while it makes progress
         self.stalled_s = 0.0
-        self._hang = _test_hang(node)
-        if self._hang is not None:
-            log.warning("%s set: the engine thread will hang %.0f s before %s (tests only)",
-                        HANG_ENV, self._hang.seconds,
-                        f"its first step after {self._hang.trigger} exists" if self._hang.trigger
-                        else f"step {self._hang.steps + 1}")
-        self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -1063,16 +1080,20 @@ class Worker(pb_grpc.HelixWorkerServicer):
             self.kept.put(item.request_id, item.coordinator_id, tp.RequestRoute.of(item))
         return _Job(item, self._own_input(msg, item), stream)
 
-    def _own_input(self, msg: pb.WorkItem, item: tp.WireItem) -> pb.WorkItem:
-        """The message a job keeps for forwarding, without hidden states (the item holds
-        them): an item of a received batch shares the batch's arena, so keeping it would keep
-        every item's activations of the batch alive until its last job ran. The emulated engine
-        keeps only the size of its input (`compact_input`): its outputs are zeros anyway."""
-        if not msg.HasField("hidden"):
-            return msg
+    def _own_input(self, msg: pb.WorkItem, item: tp.WireItem) -> pb.WorkItem | tp.Continuation:
+        """What a job keeps to forward its item, without hidden states (the item holds them):
+        an item of a received batch shares the batch's arena, so keeping it would keep every
+        item's activations of the batch alive until its last job ran. A full item's message
+        is copied; of a continuation item (a decode step: most items) only its few fields are
+        kept, as plain Python. The emulated engine keeps only the size of its input
+        (`compact_input`): its outputs are zeros anyway."""
         compact = getattr(self.engine, "compact_input", None)
         if compact is not None and item.hidden is not None:
             item.hidden = compact(item.hidden)
+        if not msg.route:
+            return tp.Continuation(item)
+        if not msg.HasField("hidden"):
+            return msg
         msg.ClearField("hidden")
         own = pb.WorkItem()
         own.CopyFrom(msg)

@@ -228,3 +228,22 @@ def test_raw_hidden_states_for_the_next_hop_become_bytes_only_when_written() -> 
     now.write_into(msg)
     assert msg == tp.forward_item_pb(came, torch.arange(24, dtype=torch.float32).view(3, 8), 0.5)
     assert list(msg.hidden.shape) == [3, 8] and msg.hidden.dtype == "float32"
+
+
+def test_a_continuation_item_is_kept_as_its_fields_and_forwarded_as_it_came() -> None:
+    """A middle hop keeps of a continuation item (most of a decode hop's items) only the
+    fields it forwards, not a protobuf copy, and writes the same next-hop message that
+    `forward_item_pb` makes of the item as it arrived."""
+    w = _worker(0, 2)
+    stream = _coordinator_stream()
+    assert w._accept(_full("r"), stream, "items[0]") is not None
+    came = tp.continuation_to_pb("r", 2, 3, [9])
+    job = w._accept(came, stream, "items[0]")
+    assert job is not None and isinstance(job.msg, tp.Continuation)
+    hidden = torch.arange(8, dtype=torch.float32).view(1, 8)
+    out = _Outgoing.of(job.msg, hidden, 0.25, CID)
+    assert (out.request_id, out.step_id, out.tokens) == ("r", 2, 1)
+    msg = pb.WorkItem()
+    out.write_into(msg)
+    assert msg == tp.forward_item_pb(came, hidden, 0.25)
+    assert not msg.route and msg.hop_index == 0 and list(msg.token_ids) == [9]
