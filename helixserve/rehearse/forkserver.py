@@ -96,7 +96,7 @@ def _child(argv: list[str], log: str) -> None:
         os.close(fd)
         os.close(null)
         os.environ[PARENT_PID_ENV] = str(os.getppid())  # die_with_parent: the fork server
-        from helixserve.rehearse.child import run_command
+        from helixserve.rehearse.command import run_command
 
         code = run_command(argv)
     except SystemExit as exc:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helixserve.rehearse import child
+from helixserve.rehearse import command
 from helixserve.rehearse.cluster import EmulatedCluster
 from helixserve.runtime.config import CoordinatorConfig
 
@@ -51,7 +51,7 @@ def test_a_profiled_child_writes_its_threads_stats(tmp_path: Path) -> None:
         t.join()
         return 3
 
-    assert child._profiled(run, "worker", str(tmp_path)) == 3
+    assert command._profiled(run, "worker", str(tmp_path)) == 3
     (dump,) = tmp_path.iterdir()
     assert dump.name == f"worker-{os.getpid()}.prof"
     funcs = {f[2] for f in pstats.Stats(str(dump)).stats}  # type: ignore[attr-defined]
