@@ -89,7 +89,13 @@ class Scored:
 
     source: str
     ranges: Ranges
+    #: what the scorer gives it (the primary engine model's decode tokens/s)
     served_tokens_per_s: float
+    #: what the second scorer gives it (`served_search`'s `also`), None without one
+    also_tokens_per_s: float | None = None
+    #: the search's objective: `served_tokens_per_s`, or with a second scorer the smaller
+    #: of the two scores over the best start's in each (`Objective`)
+    value: float = 0.0
 
 
 @dataclass
@@ -101,7 +107,33 @@ class ServedOutcome:
     starts: list[Scored] = field(default_factory=list)
     #: accepted steps of the climb, in order
     steps: list[Scored] = field(default_factory=list)
+    #: placements the primary scorer scored
     evaluations: int = 0
+    #: placements the second scorer scored (each climb neighbour first: the screen)
+    also_evaluations: int = 0
+    #: what `best` maximised (its references fixed by the starts)
+    objective: Objective | None = None
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The value the search maximises. One scorer: its score. Two: the smaller of the two
+    scores, each over the best any start got in it, so a placement is worth as much as it
+    gains in the engine model where it gains least (a placement that serves 1.1x in one and
+    0.95x in the other is worth 0.95, where a sum would call it 1.05)."""
+
+    primary_ref: float = 1.0
+    also_ref: float | None = None
+
+    def __call__(self, primary: float, also: float | None) -> float:
+        if self.also_ref is None or also is None:
+            return primary
+        return min(primary / max(self.primary_ref, 1e-9), also / max(self.also_ref, 1e-9))
+
+    def also_bound(self, also: float) -> float:
+        """The most a placement whose second score is `also` can be worth (to screen it
+        before the primary scorer runs)."""
+        return float("inf") if self.also_ref is None else also / max(self.also_ref, 1e-9)
 
 
 def key(ranges: Ranges) -> tuple[tuple[int, int, int], ...]:
@@ -214,14 +246,21 @@ def neighbours(ranges: Ranges, kmax: np.ndarray, num_layers: int, rng: random.Ra
 def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer: ServedScorer,
                   deadline_s: float, seed: int = 0, batch: int = BATCH,
                   max_stall: int = 50,
-                  progress: Callable[[str], None] | None = None) -> ServedOutcome:
-    """The placement of `starts` and their stage neighbourhoods that `scorer` scores highest,
-    found by `deadline_s` (planner clock); see the module doc. `starts` must not be empty."""
+                  progress: Callable[[str], None] | None = None,
+                  also: ServedScorer | None = None) -> ServedOutcome:
+    """The placement of `starts` and their neighbourhoods that scores highest, found by
+    `deadline_s` (planner clock); see the module doc. With `also` (a second scorer, cheaper
+    than `scorer`: the command's helix-prototype model), every placement is scored by both
+    and the `Objective` of the two is maximised: a climb neighbour is scored by `also`
+    first and by `scorer` only when its `also` score alone could make it better than the
+    current placement (the screen loses nothing: the objective is at most that ratio).
+    `starts` must not be empty."""
     if not starts:
         raise ValueError("served_search: no start")
     say = progress or (lambda msg: None)
     L = net.model.num_layers
     cache = _Cache(scorer)
+    also_cache = _Cache(also) if also is not None else None
     unique: list[tuple[str, Ranges]] = []
     seen: set[tuple[tuple[int, int, int], ...]] = set()
     for source, ranges in starts:
@@ -230,42 +269,64 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
             unique.append((source, ranges))
     # the starts in the order given (the caller's priority), a batch at a time, while the
     # next batch fits in what is left; at least the first
-    scored: list[Scored] = []
+    raw: list[tuple[str, Ranges, float, float | None]] = []
     step_cost = 0.0
     for b in range(0, len(unique), batch):
-        if scored and clock.now() + step_cost > deadline_s:
+        if raw and clock.now() + step_cost > deadline_s:
             say(f"served: {len(unique) - b} starts left unscored (budget)")
             break
         started = clock.now()
         chunk = unique[b : b + batch]
-        for (source, ranges), v in zip(chunk, cache.score([r for _, r in chunk]), strict=True):
-            scored.append(Scored(source, ranges, v))
-            say(f"served: {source} serves {v:,.1f} decode tokens/s")
+        got = cache.score([r for _, r in chunk])
+        got_also = (also_cache.score([r for _, r in chunk]) if also_cache is not None
+                    else [None] * len(chunk))
+        for (source, ranges), v, a in zip(chunk, got, got_also, strict=True):
+            raw.append((source, ranges, v, a))
+            say(f"served: {source} serves {v:,.1f} decode tokens/s"
+                + ("" if a is None else f" ({a:,.1f} in the second engine model)"))
         step_cost = clock.now() - started
-    best = max(scored, key=lambda c: c.served_tokens_per_s)
-    out = ServedOutcome(best, scored)
+    objective = Objective()
+    if also_cache is not None:
+        objective = Objective(max(v for _, _, v, _ in raw),
+                              max(a or 0.0 for _, _, _, a in raw))
+    scored = [Scored(src, r, v, a, objective(v, a)) for src, r, v, a in raw]
+    best = max(scored, key=lambda c: c.value)
+    out = ServedOutcome(best, scored, objective=objective)
     cur = best
     kmax = np.asarray(net.max_layers, dtype=np.int64)
     rng = random.Random(seed)
     stall = 0
     while stall < max_stall and clock.now() + step_cost <= deadline_s:
         started = clock.now()
-        cands = neighbours(cur.ranges, kmax, L, rng, batch, set(cache.values))
+        cands = neighbours(cur.ranges, kmax, L, rng, batch,
+                           set(cache.values) | (set(also_cache.values) if also_cache else set()))
         if not cands:
             break
-        vals = cache.score(cands)
+        threshold = cur.value * (1 + MIN_GAIN)
+        kept: list[tuple[Ranges, float | None]]
+        if also_cache is not None:
+            screen = also_cache.score(cands)
+            kept = [(c, a) for c, a in zip(cands, screen, strict=True)
+                    if objective.also_bound(a) > threshold]
+        else:
+            kept = [(c, None) for c in cands]
+        vals = cache.score([c for c, _ in kept]) if kept else []
         step_cost = clock.now() - started
-        j = max(range(len(cands)), key=lambda x: vals[x])
-        if vals[j] > cur.served_tokens_per_s * (1 + MIN_GAIN):
-            cur = Scored("climb", cands[j], vals[j])
+        found = [Scored("climb", c, v, a, objective(v, a))
+                 for (c, a), v in zip(kept, vals, strict=True)]
+        top = max(found, key=lambda c: c.value, default=None)
+        if top is not None and top.value > threshold:
+            cur = top
             out.steps.append(cur)
             stall = 0
-            say(f"served climb: {vals[j]:,.1f} decode tokens/s "
-                f"({cache.evaluations} placements scored)")
+            say(f"served climb: {top.served_tokens_per_s:,.1f} decode tokens/s"
+                + ("" if top.also_tokens_per_s is None else
+                   f", {top.also_tokens_per_s:,.1f} in the second (value {top.value:.3f})")
+                + f" ({cache.evaluations} placements scored)")
         else:
             stall += 1
-    if cur.served_tokens_per_s > out.best.served_tokens_per_s:
+    if cur.value > out.best.value:
         out.best = cur
     out.evaluations = cache.evaluations
+    out.also_evaluations = also_cache.evaluations if also_cache is not None else 0
     return out
-

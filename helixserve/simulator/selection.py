@@ -94,13 +94,18 @@ class SelectionConfig:
     #: saturate only: size each placement's run by the rule of planner/window.py (its fill
     #: time, then whole request lifetimes) instead of `duration_s` / `warmup_s`
     window: ScoringWindow | None = None
+    #: the engine model's other SimConfig fields, as (name, value) pairs (the KV watermark,
+    #: the helix-prototype model's admission promise, offline feeder, per-layer cost, ...)
+    engine_options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def from_engine(cls, engine: Mapping[str, Any], **fields: Any) -> SelectionConfig:
-        """The selection run with an engine model's options (`simulator.presets.ENGINES`)."""
+        """The selection run with an engine model's options (`simulator.presets.ENGINES`):
+        every one of them, the batching fields as fields and the rest as `engine_options`."""
         keys = ("kv_allocation", "chunked_prefill", "prefill_chunk_tokens", "max_prompt_tokens",
                 "max_prefilling")
-        return cls(**{k: engine[k] for k in keys}, **fields)
+        rest = tuple(sorted((k, v) for k, v in engine.items() if k not in keys))
+        return cls(**{k: engine[k] for k in keys}, engine_options=rest, **fields)
 
     def check(self) -> SelectionConfig:
         if self.mode not in SELECTION_MODES:
@@ -406,6 +411,7 @@ def _run(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, placement: Pla
         max_prompt_tokens=config.max_prompt_tokens,
         max_prefilling=config.max_prefilling,
         timeline_buckets=buckets,
+        **dict(config.engine_options),
     )
     return Simulation(cluster, model, cost, placement, list(requests), cfg).run()
 
