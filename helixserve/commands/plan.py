@@ -392,12 +392,12 @@ def workload_requests(mix: Any, seed: int = 0) -> list[Any]:
 
 
 def _simulate(cluster: Any, model: Any, cost: Any, placement: Any, requests: list[Any],
-              config: Any) -> tuple[float, int]:
-    """(decode tokens/s, events) of `placement` under a SelectionConfig: offline after the
-    warm-up (saturate), or over the trace replayed (replay); a worker function."""
-    from helixserve.simulator.selection import simulate_scored
+              config: Any) -> Any:
+    """simulator.selection.ScoredRun of `placement` under a SelectionConfig: offline after
+    the warm-up (saturate), or over the trace replayed (replay); a worker function."""
+    from helixserve.simulator.selection import simulate_pressure
 
-    return simulate_scored(cluster, model, cost, placement, requests, config)
+    return simulate_pressure(cluster, model, cost, placement, requests, config)
 
 
 class SimScorer:
@@ -412,6 +412,15 @@ class SimScorer:
         self.events = 0
         #: simulate with the router keeping requests inside their region (placement field)
         self.within_regions = False
+        #: each node's pressure (node index -> share) in the run of each placement scored
+        self.pressures: dict[Any, dict[int, float]] = {}
+
+    def pressure(self, ranges: Any) -> dict[int, float] | None:
+        """Node index -> pressure (simulator/selection.py's `node_pressure`) in the run of
+        `ranges`, None when it was not simulated here."""
+        from helixserve.planner.served import key
+
+        return self.pressures.get(key(ranges))
 
     def placement(self, ranges: Any) -> Any:
         from helixserve.planner.registry import to_placement
@@ -431,12 +440,18 @@ class SimScorer:
         runs = [p for p in placed if p.flows]
         calls = [(net.cluster, net.model, net.cost, p, self.requests, self.config)
                  for p in runs]
+        from helixserve.planner.served import key
+
         results = dict(zip(map(id, runs), map_in_workers(_simulate, calls, self.jobs),
                            strict=True))
-        for _, events in results.values():
-            self.events += events
-            clock.charge(events * SIM_EVENT_UNITS)
-        return [results[id(p)][0] if id(p) in results else 0.0 for p in placed]
+        for run in results.values():
+            self.events += run.events
+            clock.charge(run.events * SIM_EVENT_UNITS)
+        for r, p in zip(batch, placed, strict=True):
+            if id(p) in results:
+                self.pressures[key(r)] = {net.index[name]: v for name, v
+                                          in results[id(p)].pressure.items()}
+        return [results[id(p)].tokens_per_s if id(p) in results else 0.0 for p in placed]
 
 
 @dataclass

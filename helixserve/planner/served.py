@@ -74,6 +74,9 @@ DRAWS_PER_NEIGHBOUR = 200
 MIN_GAIN = 0.002
 #: share of a stage-structured placement's neighbours drawn by stage moves
 STAGE_MOVES = 0.5
+#: share of the neighbours drawn by bottleneck moves when the scorer reports each node's
+#: pressure in its simulation (`pressure_move`)
+PRESSURE_MOVES = 0.5
 
 
 class ServedScorer(Protocol):
@@ -216,11 +219,72 @@ def node_move(ranges: Ranges, kmax: np.ndarray, num_layers: int,
     return new
 
 
+def _covers(ranges: Ranges, num_layers: int) -> bool:
+    cover = np.zeros(num_layers + 1, dtype=np.int64)
+    for a, b in ranges.values():
+        cover[a] += 1
+        cover[b] -= 1
+    return bool(np.all(np.cumsum(cover)[:num_layers] > 0))
+
+
+def pressure_move(ranges: Ranges, pressure: dict[int, float], kmax: np.ndarray,
+                  num_layers: int, rng: random.Random) -> Ranges | None:
+    """A change aimed at the placement's bottleneck, as its simulation showed it (`pressure`:
+    node -> max(busy share, KV use over what admission may fill)): one of the three most
+    pressed machines either hands one or two layers at an end of its range to the least
+    pressed machine whose range meets that end (a lighter range holds more KV a layer and
+    computes less), or one of the three least pressed machines (or an unused one) takes a
+    copy of its range, cut to its own cap (a replica: more KV and compute for those
+    layers). None when the drawn move does not apply."""
+    held = sorted(ranges)
+    if not held:
+        return None
+    by_load = sorted(held, key=lambda i: (-pressure.get(i, 0.0), i))
+    hot = by_load[rng.randrange(min(3, len(by_load)))]
+    s, e = ranges[hot]
+    new = dict(ranges)
+    if rng.random() < 0.5:
+        d = rng.choice((1, 2))
+        if e - s <= d:
+            return None
+        if rng.random() < 0.5:  # give [s, s + d) to a machine whose range ends at s
+            new[hot] = (s + d, e)
+            takers = [j for j in held if j != hot and ranges[j][1] == s
+                      and s + d - ranges[j][0] <= kmax[j]]
+            if not takers:
+                return None
+            j = min(takers, key=lambda j: (pressure.get(j, 0.0), j))
+            new[j] = (ranges[j][0], s + d)
+        else:  # give [e - d, e) to a machine whose range starts at e
+            new[hot] = (s, e - d)
+            takers = [j for j in held if j != hot and ranges[j][0] == e
+                      and ranges[j][1] - (e - d) <= kmax[j]]
+            if not takers:
+                return None
+            j = min(takers, key=lambda j: (pressure.get(j, 0.0), j))
+            new[j] = (e - d, ranges[j][1])
+    else:
+        unused = [i for i in range(len(kmax)) if i not in ranges and kmax[i] > 0]
+        cold = [i for i in reversed(by_load) if i != hot][:3] + unused[:1]
+        if not cold:
+            return None
+        j = cold[rng.randrange(len(cold))]
+        k = min(e - s, int(kmax[j]))
+        start = s if rng.random() < 0.5 else e - k
+        new[j] = (start, start + k)
+    if new == ranges or not _covers(new, num_layers):
+        return None
+    return new
+
+
 def neighbours(ranges: Ranges, kmax: np.ndarray, num_layers: int, rng: random.Random,
-               count: int, exclude: set[tuple[tuple[int, int, int], ...]]) -> list[Ranges]:
+               count: int, exclude: set[tuple[tuple[int, int, int], ...]],
+               pressure: dict[int, float] | None = None) -> list[Ranges]:
     """Up to `count` distinct neighbours of `ranges`, none of them in `exclude` (placements
-    already scored): stage moves (stages.py) for half of them when `ranges` is
-    stage-structured, one-machine moves (`node_move`) otherwise."""
+    already scored): with the placement's `pressure` (its simulation's), a share
+    PRESSURE_MOVES of bottleneck moves (`pressure_move`); of the rest, stage moves
+    (stages.py) for half when `ranges` is stage-structured, one-machine moves
+    (`node_move`) otherwise."""
     out: list[Ranges] = []
     keys = set(exclude)
     st = _state(ranges, len(kmax), num_layers)
@@ -228,7 +292,9 @@ def neighbours(ranges: Ranges, kmax: np.ndarray, num_layers: int, rng: random.Ra
         if len(out) >= count:
             break
         cand: Ranges | None
-        if st is not None and rng.random() < STAGE_MOVES:
+        if pressure is not None and rng.random() < PRESSURE_MOVES:
+            cand = pressure_move(ranges, pressure, kmax, num_layers, rng)
+        elif st is not None and rng.random() < STAGE_MOVES:
             moved = propose(st, kmax, rng)
             cand = None if moved is None else to_ranges(*moved.arrays())
         else:
@@ -240,6 +306,19 @@ def neighbours(ranges: Ranges, kmax: np.ndarray, num_layers: int, rng: random.Ra
             continue
         keys.add(k)
         out.append(cand)
+    return out
+
+
+def _pressure(ranges: Ranges, *scorers: ServedScorer | None) -> dict[int, float] | None:
+    """Each node's largest pressure in the runs of `ranges` by the scorers that report one
+    (an optional `pressure(ranges)` method); None when none does."""
+    out: dict[int, float] | None = None
+    for sc in scorers:
+        got = getattr(sc, "pressure", None)
+        p = got(ranges) if got is not None else None
+        if p is not None:
+            out = dict(p) if out is None else {i: max(v, out.get(i, 0.0))
+                                               for i, v in (out | p).items()}
     return out
 
 
@@ -267,29 +346,55 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         if ranges and key(ranges) not in seen:
             seen.add(key(ranges))
             unique.append((source, ranges))
+    objective = Objective()
+    refs_set = also_cache is None
+
+    def score(items: Sequence[tuple[str, Ranges]], threshold: float) -> list[Scored | None]:
+        """The candidates scored, a batch per scorer: with `also`, by it first, then by
+        `scorer` those whose `also` score could make them worth more than `threshold` (the
+        others None). The first call's first candidate is always scored by both and sets
+        the objective's references."""
+        nonlocal objective, refs_set
+        cands = [r for _, r in items]
+        if also_cache is None:
+            return [Scored(src, r, v, None, v)
+                    for (src, r), v in zip(items, cache.score(cands), strict=True)]
+        screen = also_cache.score(cands)
+        first = not refs_set
+        kept = [i for i, a in enumerate(screen)
+                if (first and i == 0) or objective.also_bound(a) > threshold]
+        vals = dict(zip(kept, cache.score([cands[i] for i in kept]), strict=True))
+        if first:
+            objective = Objective(vals[0] if vals[0] > 0 else 1.0,
+                                  screen[0] if screen[0] > 0 else 1.0)
+            refs_set = True
+        return [Scored(src, r, vals[i], screen[i], objective(vals[i], screen[i]))
+                if i in vals else None for i, (src, r) in enumerate(items)]
+
     # the starts in the order given (the caller's priority), a batch at a time, while the
-    # next batch fits in what is left; at least the first
-    raw: list[tuple[str, Ranges, float, float | None]] = []
+    # next batch fits in what is left; at least the first. With `also` the first start,
+    # scored by both, sets the objective's references, and the others are screened
+    # against the best start so far
+    scored: list[Scored] = []
     step_cost = 0.0
     for b in range(0, len(unique), batch):
-        if raw and clock.now() + step_cost > deadline_s:
+        if scored and clock.now() + step_cost > deadline_s:
             say(f"served: {len(unique) - b} starts left unscored (budget)")
             break
         started = clock.now()
         chunk = unique[b : b + batch]
-        got = cache.score([r for _, r in chunk])
-        got_also = (also_cache.score([r for _, r in chunk]) if also_cache is not None
-                    else [None] * len(chunk))
-        for (source, ranges), v, a in zip(chunk, got, got_also, strict=True):
-            raw.append((source, ranges, v, a))
-            say(f"served: {source} serves {v:,.1f} decode tokens/s"
-                + ("" if a is None else f" ({a:,.1f} in the second engine model)"))
+        best_value = max((c.value for c in scored), default=-1.0)
+        for (source, ranges), c in zip(chunk, score(chunk, best_value), strict=True):
+            if c is not None:
+                scored.append(c)
+                say(f"served: {source} serves {c.served_tokens_per_s:,.1f} decode tokens/s"
+                    + ("" if c.also_tokens_per_s is None else
+                       f", {c.also_tokens_per_s:,.1f} in the second engine model (value "
+                       f"{c.value:.3f})"))
+            elif also_cache is not None:
+                say(f"served: {source} serves {also_cache.values[key(ranges)]:,.1f} in the "
+                    "second engine model: screened out")
         step_cost = clock.now() - started
-    objective = Objective()
-    if also_cache is not None:
-        objective = Objective(max(v for _, _, v, _ in raw),
-                              max(a or 0.0 for _, _, _, a in raw))
-    scored = [Scored(src, r, v, a, objective(v, a)) for src, r, v, a in raw]
     best = max(scored, key=lambda c: c.value)
     out = ServedOutcome(best, scored, objective=objective)
     cur = best
@@ -299,21 +404,13 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
     while stall < max_stall and clock.now() + step_cost <= deadline_s:
         started = clock.now()
         cands = neighbours(cur.ranges, kmax, L, rng, batch,
-                           set(cache.values) | (set(also_cache.values) if also_cache else set()))
+                           set(cache.values) | (set(also_cache.values) if also_cache else set()),
+                           _pressure(cur.ranges, scorer, also))
         if not cands:
             break
         threshold = cur.value * (1 + MIN_GAIN)
-        kept: list[tuple[Ranges, float | None]]
-        if also_cache is not None:
-            screen = also_cache.score(cands)
-            kept = [(c, a) for c, a in zip(cands, screen, strict=True)
-                    if objective.also_bound(a) > threshold]
-        else:
-            kept = [(c, None) for c in cands]
-        vals = cache.score([c for c, _ in kept]) if kept else []
+        found = [c for c in score([("climb", r) for r in cands], threshold) if c is not None]
         step_cost = clock.now() - started
-        found = [Scored("climb", c, v, a, objective(v, a))
-                 for (c, a), v in zip(kept, vals, strict=True)]
         top = max(found, key=lambda c: c.value, default=None)
         if top is not None and top.value > threshold:
             cur = top
