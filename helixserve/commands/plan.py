@@ -28,6 +28,15 @@ FLOW_SHARE = 0.2
 MIN_FLOW_SHARE = 0.5
 #: starts simulated at most, so that most of the budget goes to the climb
 MAX_STARTS = 5
+#: with a second engine model: the best stacked tilings (simulator/selection.py, ranked by
+#: its analytic estimate) also tried as starts, after the others, each screened by the second
+#: model (the cheaper one) before the first simulates it. On helix-single-24 the tenth of
+#: them (A100s 10 layers each, L4 pairs 6, T4 triples 4) serves 1.06x / 1.02x the max-flow
+#: answer (helix-prototype / vllm, 2,400 s windows)
+TILING_STARTS = 12
+#: the served objective's second engine model (--serve-also): the Helix authors' prototype
+#: (docs/calibration.md), about a fifth of the vllm model's events on the Helix clusters
+DEFAULT_ALSO = "helix-prototype"
 
 
 def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None:
@@ -159,7 +168,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "its memory (vllm: 4.5 GB per GPU outside weights and KV) unless "
                    "--gpu-reserve-gb is given; with --objective flow the memory is the "
                    "plan's: pass --gpu-reserve-gb 4.5 to plan and select with vLLM's")
-    p.add_argument("--serve-also", default="helix-prototype",
+    p.add_argument("--serve-also", default=DEFAULT_ALSO,
                    choices=("helix-prototype", "vllm", "reserve", "none"),
                    help="with the served objective: a second engine model every placement is "
                    "also simulated with (default helix-prototype, the Helix authors' "
@@ -487,7 +496,7 @@ def _engine_fields(engine: str) -> dict[str, Any]:
 
 
 def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
-                engine: str = "vllm", also: str | None = None,
+                engine: str = "vllm", also: str | None = DEFAULT_ALSO,
                 duration_s: float | None = None,
                 mode: str = "saturate",
                 time_limit_s: float = 300.0, work_limit: float | None = None, seed: int = 0,
@@ -542,9 +551,10 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
         # in the order they are simulated while the budget lasts: the max flow's answer,
         # the baselines petals' and swarm's (the best served starts on helix-mix-42:
         # 1,032 and 991 decode tokens/s against the max flow's 762), the regional
-        # pipelines, then the portfolio's other answers by max flow, MAX_STARTS in all;
-        # none whose max flow is under MIN_FLOW_SHARE of the best (they serve far less:
-        # uniform, separate beyond the cap)
+        # pipelines, with a second engine model the best TILING_STARTS stacked tilings
+        # (screened by it: cheap), then the portfolio's other answers by max flow,
+        # MAX_STARTS in all but the tilings; none whose max flow is under MIN_FLOW_SHARE of
+        # the best (they serve far less: uniform, separate beyond the cap)
         best_of: dict[str, Candidate] = {}
         for c in candidates:
             if c.ranges and (c.source not in best_of
@@ -560,8 +570,18 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
         regional = regional_pipelines(cluster, model, cost)
         if regional is not None:
             starts.append(("regional pipelines", ranges_of(regional)))
-        starts += [(f"max flow: {c.source}", c.ranges) for c in others if c.source not in first]
         starts = starts[:MAX_STARTS]
+        rest = [(f"max flow: {c.source}", c.ranges) for c in others
+                if c.source not in first][: MAX_STARTS - len(starts)]
+        if also_scorer is not None:
+            from helixserve.simulator.selection import stacked_tilings
+
+            prompt_tokens = sum(q.prompt_tokens for q in requests)
+            output_tokens = max(1, sum(q.output_tokens for q in requests))
+            tilings = stacked_tilings(cluster, model, cost, prompt_tokens / output_tokens)
+            starts += [(f"stacked tiling {i + 1}", ranges_of(p))
+                       for i, (_, p) in enumerate(tilings[:TILING_STARTS])]
+        starts += rest
         say(f"served objective: {len(starts)} starts, simulated "
             f"{'each in its own window' if windowed else f'{config.duration_s:.0f} s each'} "
             f"({engine} engine{f' and {also}' if also_scorer is not None else ''})")
