@@ -25,19 +25,32 @@ placement's links, latencies, KV and prefill times) and the first wave, then cou
 request lifetimes measured in the run; it is derived from the inputs and the seeded
 simulation only, so the work clock keeps the answer machine-independent.
 
+Two engine models. The scorer may come with a second one (`also`; the command's: the Helix
+authors' prototype model, `--serve-also`): the engine models rank placements differently (on
+helix-single-24 the max-flow answer serves 1.08x the authors' placement in the `vllm` model
+and 1.01x in the prototype's, whose admission promise binds its A100 chain), and the target
+is to serve more in both. The search then maximises the smaller of the two ratios to the
+first start's scores (`Objective`), and since the second model is the cheaper (whole
+prompts: a fraction of the events), it screens: a candidate is scored by the first only
+when its second ratio alone could beat the placement it must beat.
+
 Search (`served_search`), on the planner clock (clock.py: seconds, or counted work with
 `--work-limit`, the scorer charging its own work):
   1. starts, in the caller's order of priority (the command's: the max flow's answer,
-     petals' and swarm's, across regions the regional pipelines, the portfolio's other
-     answers; commands/plan.py, `plan_served`), scored a batch at a time while the next
-     batch fits in what is left; duplicates once;
-  2. climb: from the best start, draw `batch` distinct neighbours (half by stage
-     annealing's moves when the placement is stage-structured: move or swap machines,
-     shift a boundary, split or merge stages; the others by one-machine moves: shift, grow
-     or shrink a range, or copy another machine's), score them together (the scorer may
-     run them side by side), and move to the best of them when it serves more than the
-     current placement; stop at the deadline, before a batch that would not fit in what is
-     left (by the last batch's cost), or after `max_stall` batches without a gain.
+     petals' and swarm's, across regions the regional pipelines, with a second model the
+     best stacked tilings, the portfolio's other answers; commands/plan.py,
+     `plan_served`), scored a batch at a time while the next batch fits in what is left;
+     duplicates once;
+  2. climb: from the best start, draw `batch` distinct neighbours (with the scorer's
+     per-node pressure in the current placement's simulation, half by bottleneck moves:
+     a pressed machine hands layers to a light neighbour, or a light machine copies a
+     pressed one's range; of the rest, half by stage annealing's moves when the placement
+     is stage-structured: move or swap machines, shift a boundary, split or merge stages;
+     the others by one-machine moves: shift, grow or shrink a range, or copy another
+     machine's), score them together (the scorer may run them side by side), and move to
+     the best of them when it is worth more than the current placement; stop at the
+     deadline, before a batch that would not fit in what is left (by the last batch's
+     cost), or after `max_stall` batches without a gain.
 On the work clock the answer depends only on the inputs, the seed and the budget: the
 proposals come from one seeded generator, a batch is scored whole whatever the scorer's
 parallelism, and the scorer charges its work, not its time.
