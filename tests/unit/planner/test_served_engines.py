@@ -14,7 +14,7 @@ from planner_factories import counted, llama70b, make_cluster, measured_cost, wo
 
 from helixserve.planner import FlowNetwork, clock
 from helixserve.planner.baselines import BASELINES, Ranges
-from helixserve.planner.served import Objective, key, pressure_move, served_search
+from helixserve.planner.served import Objective, key, order_move, pressure_move, served_search
 
 
 class Scorer:
@@ -127,3 +127,31 @@ def test_cli_second_engine_line(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "helix-prototype" not in text
     assert json.loads(out.read_text())["planner"] == "milp"
+
+
+def test_order_move_keeps_each_stage_and_moves_blocks():
+    # four A100 singles of 10 layers, four L4 pairs of 6, four T4 triples of 4 (80 layers)
+    ranges: Ranges = {}
+    kind: list[str] = []
+    start = 0
+    for gpu, width, size in [("A100", 1, 10)] * 4 + [("L4", 2, 6)] * 4 + [("T4", 3, 4)] * 4:
+        for _ in range(width):
+            ranges[len(kind)] = (start, start + size)
+            kind.append(gpu)
+        start += size
+    rng = random.Random(0)
+    firsts = set()
+    for _ in range(200):
+        new = order_move(ranges, kind, 80, rng)
+        if new is None:
+            continue
+        # every machine keeps its number of layers and its stage mates; layers all held
+        assert all(new[i][1] - new[i][0] == e - s for i, (s, e) in ranges.items())
+        for i, j in ((0, 0), (4, 5), (12, 14)):
+            assert (new[i] == new[j]) and (ranges[i] == ranges[j])
+        held = sorted({r for r in new.values()})
+        assert held[0][0] == 0 and held[-1][1] == 80
+        assert all(a[1] == b[0] for a, b in zip(held, held[1:], strict=False))
+        firsts.add(kind[min(new, key=lambda i: new[i])])
+    assert firsts == {"A100", "L4", "T4"}  # the T4 block can come first, as can the L4s
+    assert order_move({0: (0, 80)}, ["A100"], 80, rng) is None
