@@ -30,12 +30,13 @@ MIN_FLOW_SHARE = 0.5
 MAX_STARTS = 5
 #: with a second engine model: the best stacked tilings (simulator/selection.py, ranked by
 #: its analytic estimate) also tried as starts, after the others, each screened by the second
-#: model (the cheaper one) before the first simulates it. On helix-single-24 the tenth of
-#: them (A100s 10 layers each, L4 pairs 6, T4 triples 4) serves 1.06x / 1.02x the max-flow
-#: answer (helix-prototype / vllm, 2,400 s windows)
+#: model (the cheaper one) before the first simulates it. On helix-single-24 one of them
+#: (A100s 10 layers each, L4 pairs 6, T4 triples 4; the 11th with the conversation mix's
+#: requests) serves 1.06x / 1.02x the max-flow answer (helix-prototype / vllm, 2,400 s)
 TILING_STARTS = 12
 #: the served objective's second engine model (--serve-also): the Helix authors' prototype
-#: (docs/calibration.md), about a fifth of the vllm model's events on the Helix clusters
+#: (docs/calibration.md): a fifth of the vllm model's events on helix-single-24, about half
+#: on helix-mix-42
 DEFAULT_ALSO = "helix-prototype"
 
 
@@ -174,9 +175,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "also simulated with (default helix-prototype, the Helix authors' "
                    "prototype: admission on prompt + 240 promised tokens, whole prompts, a "
                    "per-layer cost; docs/calibration.md), with the plan's memory; the search "
-                   "then maximises the smaller of the two scores, each over the best start's, "
-                   "and scores a climb neighbour with it first (it is the cheaper one). none: "
-                   "--serve-engine alone")
+                   "then maximises the smaller of the two scores, each over the max-flow "
+                   "answer's, and simulates every other placement with it first (it is the "
+                   "cheaper one); docs/planner.md, 'Two engine models'. none: --serve-engine "
+                   "alone")
     p.add_argument("--serve-duration", type=finite_float, default=None, metavar="SECONDS",
                    help="simulated seconds per candidate, the first quarter (at most 300 s) "
                    "not counted (default with the served objective: each placement's own "
