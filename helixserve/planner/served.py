@@ -112,7 +112,7 @@ class Scored:
     #: what the second scorer gives it (`served_search`'s `also`), None without one
     also_tokens_per_s: float | None = None
     #: the search's objective: `served_tokens_per_s`, or with a second scorer the smaller
-    #: of the two scores over the best start's in each (`Objective`)
+    #: of the two scores over the first start's in each (`Objective`)
     value: float = 0.0
 
 
@@ -129,16 +129,17 @@ class ServedOutcome:
     evaluations: int = 0
     #: placements the second scorer scored (each climb neighbour first: the screen)
     also_evaluations: int = 0
-    #: what `best` maximised (its references fixed by the starts)
+    #: what `best` maximised (its references: the first start's scores)
     objective: Objective | None = None
 
 
 @dataclass(frozen=True)
 class Objective:
     """The value the search maximises. One scorer: its score. Two: the smaller of the two
-    scores, each over the best any start got in it, so a placement is worth as much as it
-    gains in the engine model where it gains least (a placement that serves 1.1x in one and
-    0.95x in the other is worth 0.95, where a sum would call it 1.05)."""
+    scores, each over the first start's (the command's: the max-flow answer's), so a
+    placement is worth as much as it gains in the engine model where it gains least (one
+    that serves 1.1x in one and 0.95x in the other is worth 0.95, where a mean would call
+    it 1.025)."""
 
     primary_ref: float = 1.0
     also_ref: float | None = None
