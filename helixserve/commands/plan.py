@@ -179,6 +179,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "answer's, and simulates every other placement with it first (it is the "
                    "cheaper one); docs/planner.md, 'Two engine models'. none: --serve-engine "
                    "alone")
+    p.add_argument("--serve-combine", default="min", choices=("min", "geomean"),
+                   help="with --serve-also: how the two models' ratios to the max-flow "
+                   "answer make one value: min (default) the smaller; geomean their "
+                   "geometric mean (an experiment; its screen assumes a candidate gains at "
+                   "most 5%% over the current placement in --serve-engine)")
     p.add_argument("--serve-duration", type=finite_float, default=None, metavar="SECONDS",
                    help="simulated seconds per candidate, the first quarter (at most 300 s) "
                    "not counted (default with the served objective: each placement's own "
@@ -498,7 +503,7 @@ def _engine_fields(engine: str) -> dict[str, Any]:
 
 
 def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
-                engine: str = "vllm", also: str | None = DEFAULT_ALSO,
+                engine: str = "vllm", also: str | None = DEFAULT_ALSO, combine: str = "min",
                 duration_s: float | None = None,
                 mode: str = "saturate",
                 time_limit_s: float = 300.0, work_limit: float | None = None, seed: int = 0,
@@ -588,7 +593,7 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
             f"{'each in its own window' if windowed else f'{config.duration_s:.0f} s each'} "
             f"({engine} engine{f' and {also}' if also_scorer is not None else ''})")
         outcome = served_search(net, starts, scorer, end, seed, progress=say,
-                                also=also_scorer)
+                                also=also_scorer, combine=combine)
         best = outcome.best
         served, served_also = best.served_tokens_per_s, best.also_tokens_per_s
         regions = len({n.region for n in cluster.nodes}) > 1
@@ -623,6 +628,7 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
     """`plan_served` from the flags: the placement and the line that says what it serves."""
     out = plan_served(cluster, model, cost, requests, engine=args.serve_engine,
                       also=None if args.serve_also == "none" else args.serve_also,
+                      combine=args.serve_combine,
                       duration_s=args.serve_duration, mode=args.serve_mode,
                       time_limit_s=args.time_limit, work_limit=args.work_limit,
                       seed=args.seed, jobs=args.jobs, partial=partial, progress=progress,

@@ -90,6 +90,9 @@ STAGE_MOVES = 0.5
 #: share of the neighbours drawn by bottleneck moves when the scorer reports each node's
 #: pressure in its simulation (`pressure_move`)
 PRESSURE_MOVES = 0.5
+#: with `combine="geomean"`: the screen assumes a candidate's primary ratio at most this much
+#: above the current placement's (or the best start's)
+SCREEN_SLACK = 0.05
 #: share of a stage-structured placement's other neighbours drawn by reordering its stages
 ORDER_MOVES = 0.3
 
@@ -139,20 +142,31 @@ class Objective:
     scores, each over the first start's (the command's: the max-flow answer's), so a
     placement is worth as much as it gains in the engine model where it gains least (one
     that serves 1.1x in one and 0.95x in the other is worth 0.95, where a mean would call
-    it 1.025)."""
+    it 1.025). `combine="geomean"`: the geometric mean of the two ratios instead (an
+    experiment, `plan --serve-combine`; it does not depend on the reference)."""
 
     primary_ref: float = 1.0
     also_ref: float | None = None
+    combine: str = "min"
+
+    def ratios(self, primary: float, also: float) -> tuple[float, float]:
+        return (primary / max(self.primary_ref, 1e-9),
+                also / max(self.also_ref or 1.0, 1e-9))
 
     def __call__(self, primary: float, also: float | None) -> float:
         if self.also_ref is None or also is None:
             return primary
-        return min(primary / max(self.primary_ref, 1e-9), also / max(self.also_ref, 1e-9))
+        p, a = self.ratios(primary, also)
+        return min(p, a) if self.combine == "min" else float(np.sqrt(max(0.0, p * a)))
 
-    def also_bound(self, also: float) -> float:
+    def also_bound(self, also: float, primary_cap: float = float("inf")) -> float:
         """The most a placement whose second score is `also` can be worth (to screen it
-        before the primary scorer runs)."""
-        return float("inf") if self.also_ref is None else also / max(self.also_ref, 1e-9)
+        before the primary scorer runs): exact for "min"; for "geomean" with its primary
+        ratio assumed at most `primary_cap`."""
+        if self.also_ref is None:
+            return float("inf")
+        a = also / max(self.also_ref, 1e-9)
+        return a if self.combine == "min" else float(np.sqrt(max(0.0, a * primary_cap)))
 
 
 def key(ranges: Ranges) -> tuple[tuple[int, int, int], ...]:
@@ -395,7 +409,7 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
                   deadline_s: float, seed: int = 0, batch: int = BATCH,
                   max_stall: int = 50,
                   progress: Callable[[str], None] | None = None,
-                  also: ServedScorer | None = None) -> ServedOutcome:
+                  also: ServedScorer | None = None, combine: str = "min") -> ServedOutcome:
     """The placement of `starts` and their neighbourhoods that scores highest, found by
     `deadline_s` (planner clock); see the module doc. With `also` (a second scorer, cheaper
     than `scorer`: the command's helix-prototype model), every placement is scored by both
@@ -415,10 +429,11 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         if ranges and key(ranges) not in seen:
             seen.add(key(ranges))
             unique.append((source, ranges))
-    objective = Objective()
+    objective = Objective(combine=combine)
     refs_set = also_cache is None
 
-    def score(items: Sequence[tuple[str, Ranges]], threshold: float) -> list[Scored | None]:
+    def score(items: Sequence[tuple[str, Ranges]], threshold: float,
+              primary_cap: float = float("inf")) -> list[Scored | None]:
         """The candidates scored, a batch per scorer: with `also`, by it first, then by
         `scorer` those whose `also` score could make them worth more than `threshold` (the
         others None). The first call's first candidate is always scored by both and sets
@@ -431,11 +446,11 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         screen = also_cache.score(cands)
         first = not refs_set
         kept = [i for i, a in enumerate(screen)
-                if (first and i == 0) or objective.also_bound(a) > threshold]
+                if (first and i == 0) or objective.also_bound(a, primary_cap) > threshold]
         vals = dict(zip(kept, cache.score([cands[i] for i in kept]), strict=True))
         if first:
             objective = Objective(vals[0] if vals[0] > 0 else 1.0,
-                                  screen[0] if screen[0] > 0 else 1.0)
+                                  screen[0] if screen[0] > 0 else 1.0, combine)
             refs_set = True
         return [Scored(src, r, vals[i], screen[i], objective(vals[i], screen[i]))
                 if i in vals else None for i, (src, r) in enumerate(items)]
@@ -453,7 +468,10 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         started = clock.now()
         chunk = unique[b : b + batch]
         best_value = max((c.value for c in scored), default=-1.0)
-        for (source, ranges), c in zip(chunk, score(chunk, best_value), strict=True):
+        cap = (1 + SCREEN_SLACK) * max((objective.ratios(c.served_tokens_per_s,
+                                                         c.also_tokens_per_s or 0.0)[0]
+                                        for c in scored), default=1.0)
+        for (source, ranges), c in zip(chunk, score(chunk, best_value, cap), strict=True):
             if c is not None:
                 scored.append(c)
                 say(f"served: {source} serves {c.served_tokens_per_s:,.1f} decode tokens/s"
@@ -479,7 +497,10 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         if not cands:
             break
         threshold = cur.value * (1 + MIN_GAIN)
-        found = [c for c in score([("climb", r) for r in cands], threshold) if c is not None]
+        cap = (1 + SCREEN_SLACK) * objective.ratios(cur.served_tokens_per_s,
+                                                    cur.also_tokens_per_s or 0.0)[0]
+        found = [c for c in score([("climb", r) for r in cands], threshold, cap)
+                 if c is not None]
         step_cost = clock.now() - started
         top = max(found, key=lambda c: c.value, default=None)
         if top is not None and top.value > threshold:
