@@ -58,6 +58,9 @@ def test_objective_is_the_smaller_gain():
     assert obj(90.0, 12.0) == pytest.approx(0.9)
     assert obj.also_bound(11.0) == pytest.approx(1.1)
     assert Objective()(5.0, None) == 5.0  # one scorer: its score
+    gm = Objective(100.0, 10.0, "geomean")
+    assert gm(110.0, 9.5) == pytest.approx((1.1 * 0.95) ** 0.5)
+    assert gm.also_bound(11.0, 1.05) == pytest.approx((1.1 * 1.05) ** 0.5)
 
 
 def test_two_scorers_screen_and_climb(net, counted):  # noqa: F811
