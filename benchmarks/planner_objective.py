@@ -74,9 +74,14 @@ def run_cluster(name: str, args: argparse.Namespace, requests: list[Any]) -> dic
         "plan_process_cpu_s": round(time.process_time() - cpu, 1),
         "serve_duration_s": "auto" if args.serve_duration is None else args.serve_duration,
         "served_evaluations": planned.outcome.evaluations,
+        "served_also": planned.also,
+        "also_evaluations": planned.outcome.also_evaluations,
         "chosen_from": planned.outcome.best.source,
         "route_within_regions": planned.placement.route_within_regions,
-        "starts": [{"source": s.source, "served_tokens_per_s": round(s.served_tokens_per_s, 1)}
+        "starts": [{"source": s.source, "served_tokens_per_s": round(s.served_tokens_per_s, 1),
+                    "also_tokens_per_s": (None if s.also_tokens_per_s is None
+                                          else round(s.also_tokens_per_s, 1)),
+                    "value": round(s.value, 4)}
                    for s in planned.outcome.starts],
         "climb": [round(s.served_tokens_per_s, 1) for s in planned.outcome.steps],
         "placements": {}}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,16 @@ FLOW_SHARE = 0.2
 MIN_FLOW_SHARE = 0.5
 #: starts simulated at most, so that most of the budget goes to the climb
 MAX_STARTS = 5
+#: with a second engine model: the best stacked tilings (simulator/selection.py, ranked by
+#: its analytic estimate) also tried as starts, after the others, each screened by the second
+#: model (the cheaper one) before the first simulates it. On helix-single-24 one of them
+#: (A100s 10 layers each, L4 pairs 6, T4 triples 4; the 11th with the conversation mix's
+#: requests) serves 1.06x / 1.02x the max-flow answer (helix-prototype / vllm, 2,400 s)
+TILING_STARTS = 12
+#: the served objective's second engine model (--serve-also): the Helix authors' prototype
+#: (docs/calibration.md): a fifth of the vllm model's events on helix-single-24, about half
+#: on helix-mix-42
+DEFAULT_ALSO = "helix-prototype"
 
 
 def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None:
@@ -159,6 +169,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "its memory (vllm: 4.5 GB per GPU outside weights and KV) unless "
                    "--gpu-reserve-gb is given; with --objective flow the memory is the "
                    "plan's: pass --gpu-reserve-gb 4.5 to plan and select with vLLM's")
+    p.add_argument("--serve-also", default=DEFAULT_ALSO,
+                   choices=("helix-prototype", "vllm", "reserve", "none"),
+                   help="with the served objective: a second engine model every placement is "
+                   "also simulated with (default helix-prototype, the Helix authors' "
+                   "prototype: admission on prompt + 240 promised tokens, whole prompts, a "
+                   "per-layer cost; docs/calibration.md), with the plan's memory; the search "
+                   "then maximises the smaller of the two scores, each over the max-flow "
+                   "answer's, and simulates every other placement with it first (it is the "
+                   "cheaper one); docs/planner.md, 'Two engine models'. none: --serve-engine "
+                   "alone")
+    p.add_argument("--serve-combine", default="min", choices=("min", "geomean"),
+                   help="with --serve-also: how the two models' ratios to the max-flow "
+                   "answer make one value: min (default) the smaller; geomean their "
+                   "geometric mean (an experiment; its screen assumes a candidate gains at "
+                   "most 5%% over the current placement in --serve-engine)")
     p.add_argument("--serve-duration", type=finite_float, default=None, metavar="SECONDS",
                    help="simulated seconds per candidate, the first quarter (at most 300 s) "
                    "not counted (default with the served objective: each placement's own "
@@ -383,12 +408,12 @@ def workload_requests(mix: Any, seed: int = 0) -> list[Any]:
 
 
 def _simulate(cluster: Any, model: Any, cost: Any, placement: Any, requests: list[Any],
-              config: Any) -> tuple[float, int]:
-    """(decode tokens/s, events) of `placement` under a SelectionConfig: offline after the
-    warm-up (saturate), or over the trace replayed (replay); a worker function."""
-    from helixserve.simulator.selection import simulate_scored
+              config: Any) -> Any:
+    """simulator.selection.ScoredRun of `placement` under a SelectionConfig: offline after
+    the warm-up (saturate), or over the trace replayed (replay); a worker function."""
+    from helixserve.simulator.selection import simulate_pressure
 
-    return simulate_scored(cluster, model, cost, placement, requests, config)
+    return simulate_pressure(cluster, model, cost, placement, requests, config)
 
 
 class SimScorer:
@@ -403,6 +428,15 @@ class SimScorer:
         self.events = 0
         #: simulate with the router keeping requests inside their region (placement field)
         self.within_regions = False
+        #: each node's pressure (node index -> share) in the run of each placement scored
+        self.pressures: dict[Any, dict[int, float]] = {}
+
+    def pressure(self, ranges: Any) -> dict[int, float] | None:
+        """Node index -> pressure (simulator/selection.py's `node_pressure`) in the run of
+        `ranges`, None when it was not simulated here."""
+        from helixserve.planner.served import key
+
+        return self.pressures.get(key(ranges))
 
     def placement(self, ranges: Any) -> Any:
         from helixserve.planner.registry import to_placement
@@ -422,12 +456,18 @@ class SimScorer:
         runs = [p for p in placed if p.flows]
         calls = [(net.cluster, net.model, net.cost, p, self.requests, self.config)
                  for p in runs]
+        from helixserve.planner.served import key
+
         results = dict(zip(map(id, runs), map_in_workers(_simulate, calls, self.jobs),
                            strict=True))
-        for _, events in results.values():
-            self.events += events
-            clock.charge(events * SIM_EVENT_UNITS)
-        return [results[id(p)][0] if id(p) in results else 0.0 for p in placed]
+        for run in results.values():
+            self.events += run.events
+            clock.charge(run.events * SIM_EVENT_UNITS)
+        for r, p in zip(batch, placed, strict=True):
+            if id(p) in results:
+                self.pressures[key(r)] = {net.index[name]: v for name, v
+                                          in results[id(p)].pressure.items()}
+        return [results[id(p)].tokens_per_s if id(p) in results else 0.0 for p in placed]
 
 
 @dataclass
@@ -445,10 +485,26 @@ class ServedPlan:
     """The simulator.selection.SelectionConfig every placement was scored with."""
     served_tokens_per_s: float
     """What the placement serves in that simulation (with its `route_within_regions`)."""
+    also: str | None = None
+    """The second engine model every placement was also simulated with (None: none)."""
+    also_tokens_per_s: float | None = None
+    """What the placement serves in it."""
+
+
+def _engine_fields(engine: str) -> dict[str, Any]:
+    """SelectionConfig fields of an engine model (the batching ones and `engine_options`)."""
+    from helixserve.simulator.presets import engine_config
+    from helixserve.simulator.selection import SelectionConfig
+
+    other = SelectionConfig.from_engine(engine_config(engine))
+    keys = ("kv_allocation", "chunked_prefill", "prefill_chunk_tokens", "max_prompt_tokens",
+            "max_prefilling", "engine_options")
+    return {k: getattr(other, k) for k in keys}
 
 
 def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
-                engine: str = "vllm", duration_s: float | None = None,
+                engine: str = "vllm", also: str | None = DEFAULT_ALSO, combine: str = "min",
+                duration_s: float | None = None,
                 mode: str = "saturate",
                 time_limit_s: float = 300.0, work_limit: float | None = None, seed: int = 0,
                 jobs: int | None = None, partial: bool = True, progress: Any = None,
@@ -457,7 +513,9 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
     budget (`time_limit_s` seconds from `started`, or `work_limit` units), then its answers
     and their neighbours scored by simulating `requests` on `engine` in the rest: each in its
     own window (planner/window.py) when `duration_s` is None, else for `duration_s` (the
-    first quarter, at most 300 s, not counted; in replay mode, past the last arrival)."""
+    first quarter, at most 300 s, not counted; in replay mode, past the last arrival).
+    `also`: a second engine model each placement is simulated with the same way (the
+    search then maximises planner/served.py's `Objective` of the two)."""
     from contextlib import nullcontext
 
     from helixserve.planner import clock
@@ -465,7 +523,7 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
     from helixserve.planner.parallel import check_jobs
     from helixserve.planner.portfolio import Candidate
     from helixserve.planner.registry import plan, to_placement
-    from helixserve.planner.served import MIN_GAIN, served_search
+    from helixserve.planner.served import MIN_GAIN, Objective, served_search
     from helixserve.planner.window import ScoringWindow
     from helixserve.simulator.presets import engine_config
     from helixserve.simulator.selection import SelectionConfig, regional_pipelines
@@ -486,6 +544,10 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
         engine_config(engine), duration_s=fixed_s, warmup_s=min(300.0, fixed_s / 4),
         seed=seed, mode=mode, window=ScoringWindow() if windowed else None).check()
     scorer = SimScorer(net, requests, config, check_jobs(jobs), partial)
+    also_scorer = None
+    if also is not None and also != engine:
+        also_scorer = SimScorer(net, requests, replace(config, **_engine_fields(also)),
+                                check_jobs(jobs), partial)
 
     def ranges_of(p: Any) -> dict[int, tuple[int, int]]:
         return {net.index[r.name]: (r.start_layer, r.end_layer) for r in p.nodes}
@@ -496,9 +558,10 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
         # in the order they are simulated while the budget lasts: the max flow's answer,
         # the baselines petals' and swarm's (the best served starts on helix-mix-42:
         # 1,032 and 991 decode tokens/s against the max flow's 762), the regional
-        # pipelines, then the portfolio's other answers by max flow, MAX_STARTS in all;
-        # none whose max flow is under MIN_FLOW_SHARE of the best (they serve far less:
-        # uniform, separate beyond the cap)
+        # pipelines, with a second engine model the best TILING_STARTS stacked tilings
+        # (screened by it: cheap), then the portfolio's other answers by max flow,
+        # MAX_STARTS in all but the tilings; none whose max flow is under MIN_FLOW_SHARE of
+        # the best (they serve far less: uniform, separate beyond the cap)
         best_of: dict[str, Candidate] = {}
         for c in candidates:
             if c.ranges and (c.source not in best_of
@@ -514,29 +577,49 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
         regional = regional_pipelines(cluster, model, cost)
         if regional is not None:
             starts.append(("regional pipelines", ranges_of(regional)))
-        starts += [(f"max flow: {c.source}", c.ranges) for c in others if c.source not in first]
         starts = starts[:MAX_STARTS]
+        rest = [(f"max flow: {c.source}", c.ranges) for c in others
+                if c.source not in first][: MAX_STARTS - len(starts)]
+        if also_scorer is not None:
+            from helixserve.simulator.selection import stacked_tilings
+
+            prompt_tokens = sum(q.prompt_tokens for q in requests)
+            output_tokens = max(1, sum(q.output_tokens for q in requests))
+            tilings = stacked_tilings(cluster, model, cost, prompt_tokens / output_tokens)
+            starts += [(f"stacked tiling {i + 1}", ranges_of(p))
+                       for i, (_, p) in enumerate(tilings[:TILING_STARTS])]
+        starts += rest
         say(f"served objective: {len(starts)} starts, simulated "
             f"{'each in its own window' if windowed else f'{config.duration_s:.0f} s each'} "
-            f"({engine} engine)")
-        outcome = served_search(net, starts, scorer, end, seed, progress=say)
+            f"({engine} engine{f' and {also}' if also_scorer is not None else ''})")
+        outcome = served_search(net, starts, scorer, end, seed, progress=say,
+                                also=also_scorer, combine=combine)
         best = outcome.best
-        served = best.served_tokens_per_s
+        served, served_also = best.served_tokens_per_s, best.also_tokens_per_s
         regions = len({n.region for n in cluster.nodes}) > 1
         if regions:
             # across regions, the answer once more with the router keeping each request in
             # its region where the flow continues there (simulator/selection.py's variant)
             scorer.within_regions = True
             kept_in = scorer([best.ranges])[0]
-            say(f"served: the answer routed within regions serves {kept_in:,.1f}")
-            regions = kept_in > served * (1 + MIN_GAIN)
-            served = max(served, kept_in)
+            kept_also = None
+            if also_scorer is not None:
+                also_scorer.within_regions = True
+                kept_also = also_scorer([best.ranges])[0]
+            say(f"served: the answer routed within regions serves {kept_in:,.1f}"
+                + ("" if kept_also is None else f" ({kept_also:,.1f} in {also})"))
+            objective = outcome.objective or Objective()
+            regions = objective(kept_in, kept_also) > best.value * (1 + MIN_GAIN)
+            if regions:
+                served, served_also = kept_in, kept_also
     held_within_cap = all(e - s <= net.max_layers[i] for i, (s, e) in best.ranges.items())
     bound = flow.upper_bound_tokens_per_s if held_within_cap else None
     placement = to_placement(net, "milp", best.ranges, bound, partial)
     placement.route_within_regions = regions
     placement.solve_time_s = time.perf_counter() - started
-    return ServedPlan(placement, flow, outcome, config, served)
+    return ServedPlan(placement, flow, outcome, config, served,
+                      also if also_scorer is not None else None,
+                      served_also)
 
 
 def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
@@ -544,6 +627,8 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
                  started: float) -> tuple[Any, str]:
     """`plan_served` from the flags: the placement and the line that says what it serves."""
     out = plan_served(cluster, model, cost, requests, engine=args.serve_engine,
+                      also=None if args.serve_also == "none" else args.serve_also,
+                      combine=args.serve_combine,
                       duration_s=args.serve_duration, mode=args.serve_mode,
                       time_limit_s=args.time_limit, work_limit=args.work_limit,
                       seed=args.seed, jobs=args.jobs, partial=partial, progress=progress,
@@ -555,10 +640,15 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
               "whole request lifetimes" if config.window is not None else
               f"{config.duration_s:.0f} s offline, the first {config.warmup_s:.0f} s not "
               f"counted")
+    first = outcome.starts[0]
+    both = out.also is not None and out.also_tokens_per_s is not None
     line = (f"served (simulated, {args.serve_engine} engine, {window}): "
-            f"{out.served_tokens_per_s:,.1f} decode tokens/s from {outcome.best.source}"
+            f"{out.served_tokens_per_s:,.1f} decode tokens/s"
+            + (f", {out.also} engine {out.also_tokens_per_s:,.1f}" if both else "")
+            + f" from {outcome.best.source}"
             f"{', routed within regions' if out.placement.route_within_regions else ''}; "
-            f"the max-flow answer "
-            f"{outcome.starts[0].served_tokens_per_s:,.1f}; {outcome.evaluations} placements "
-            f"simulated")
+            f"the max-flow answer {first.served_tokens_per_s:,.1f}"
+            + (f" and {first.also_tokens_per_s or 0.0:,.1f}" if both else "")
+            + f"; {outcome.evaluations} placements simulated"
+            + (f" ({outcome.also_evaluations} with {out.also}, the screen)" if both else ""))
     return out.placement, line

@@ -25,19 +25,32 @@ placement's links, latencies, KV and prefill times) and the first wave, then cou
 request lifetimes measured in the run; it is derived from the inputs and the seeded
 simulation only, so the work clock keeps the answer machine-independent.
 
+Two engine models. The scorer may come with a second one (`also`; the command's: the Helix
+authors' prototype model, `--serve-also`): the engine models rank placements differently (on
+helix-single-24 the max-flow answer serves 1.08x the authors' placement in the `vllm` model
+and 1.01x in the prototype's, whose admission promise binds its A100 chain), and the target
+is to serve more in both. The search then maximises the smaller of the two ratios to the
+first start's scores (`Objective`), and since the second model is the cheaper (whole
+prompts: a fraction of the events), it screens: a candidate is scored by the first only
+when its second ratio alone could beat the placement it must beat.
+
 Search (`served_search`), on the planner clock (clock.py: seconds, or counted work with
 `--work-limit`, the scorer charging its own work):
   1. starts, in the caller's order of priority (the command's: the max flow's answer,
-     petals' and swarm's, across regions the regional pipelines, the portfolio's other
-     answers; commands/plan.py, `plan_served`), scored a batch at a time while the next
-     batch fits in what is left; duplicates once;
-  2. climb: from the best start, draw `batch` distinct neighbours (half by stage
-     annealing's moves when the placement is stage-structured: move or swap machines,
-     shift a boundary, split or merge stages; the others by one-machine moves: shift, grow
-     or shrink a range, or copy another machine's), score them together (the scorer may
-     run them side by side), and move to the best of them when it serves more than the
-     current placement; stop at the deadline, before a batch that would not fit in what is
-     left (by the last batch's cost), or after `max_stall` batches without a gain.
+     petals' and swarm's, across regions the regional pipelines, with a second model the
+     best stacked tilings, the portfolio's other answers; commands/plan.py,
+     `plan_served`), scored a batch at a time while the next batch fits in what is left;
+     duplicates once;
+  2. climb: from the best start, draw `batch` distinct neighbours (with the scorer's
+     per-node pressure in the current placement's simulation, half by bottleneck moves:
+     a pressed machine hands layers to a light neighbour, or a light machine copies a
+     pressed one's range; of the rest, half by stage annealing's moves when the placement
+     is stage-structured: move or swap machines, shift a boundary, split or merge stages;
+     the others by one-machine moves: shift, grow or shrink a range, or copy another
+     machine's), score them together (the scorer may run them side by side), and move to
+     the best of them when it is worth more than the current placement; stop at the
+     deadline, before a batch that would not fit in what is left (by the last batch's
+     cost), or after `max_stall` batches without a gain.
 On the work clock the answer depends only on the inputs, the seed and the budget: the
 proposals come from one seeded generator, a batch is scored whole whatever the scorer's
 parallelism, and the scorer charges its work, not its time.
@@ -74,6 +87,14 @@ DRAWS_PER_NEIGHBOUR = 200
 MIN_GAIN = 0.002
 #: share of a stage-structured placement's neighbours drawn by stage moves
 STAGE_MOVES = 0.5
+#: share of the neighbours drawn by bottleneck moves when the scorer reports each node's
+#: pressure in its simulation (`pressure_move`)
+PRESSURE_MOVES = 0.5
+#: with `combine="geomean"`: the screen assumes a candidate's primary ratio at most this much
+#: above the current placement's (or the best start's)
+SCREEN_SLACK = 0.05
+#: share of a stage-structured placement's other neighbours drawn by reordering its stages
+ORDER_MOVES = 0.3
 
 
 class ServedScorer(Protocol):
@@ -89,7 +110,13 @@ class Scored:
 
     source: str
     ranges: Ranges
+    #: what the scorer gives it (the primary engine model's decode tokens/s)
     served_tokens_per_s: float
+    #: what the second scorer gives it (`served_search`'s `also`), None without one
+    also_tokens_per_s: float | None = None
+    #: the search's objective: `served_tokens_per_s`, or with a second scorer the smaller
+    #: of the two scores over the first start's in each (`Objective`)
+    value: float = 0.0
 
 
 @dataclass
@@ -101,7 +128,45 @@ class ServedOutcome:
     starts: list[Scored] = field(default_factory=list)
     #: accepted steps of the climb, in order
     steps: list[Scored] = field(default_factory=list)
+    #: placements the primary scorer scored
     evaluations: int = 0
+    #: placements the second scorer scored (each climb neighbour first: the screen)
+    also_evaluations: int = 0
+    #: what `best` maximised (its references: the first start's scores)
+    objective: Objective | None = None
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The value the search maximises. One scorer: its score. Two: the smaller of the two
+    scores, each over the first start's (the command's: the max-flow answer's), so a
+    placement is worth as much as it gains in the engine model where it gains least (one
+    that serves 1.1x in one and 0.95x in the other is worth 0.95, where a mean would call
+    it 1.025). `combine="geomean"`: the geometric mean of the two ratios instead (an
+    experiment, `plan --serve-combine`; it does not depend on the reference)."""
+
+    primary_ref: float = 1.0
+    also_ref: float | None = None
+    combine: str = "min"
+
+    def ratios(self, primary: float, also: float) -> tuple[float, float]:
+        return (primary / max(self.primary_ref, 1e-9),
+                also / max(self.also_ref or 1.0, 1e-9))
+
+    def __call__(self, primary: float, also: float | None) -> float:
+        if self.also_ref is None or also is None:
+            return primary
+        p, a = self.ratios(primary, also)
+        return min(p, a) if self.combine == "min" else float(np.sqrt(max(0.0, p * a)))
+
+    def also_bound(self, also: float, primary_cap: float = float("inf")) -> float:
+        """The most a placement whose second score is `also` can be worth (to screen it
+        before the primary scorer runs): exact for "min"; for "geomean" with its primary
+        ratio assumed at most `primary_cap`."""
+        if self.also_ref is None:
+            return float("inf")
+        a = also / max(self.also_ref, 1e-9)
+        return a if self.combine == "min" else float(np.sqrt(max(0.0, a * primary_cap)))
 
 
 def key(ranges: Ranges) -> tuple[tuple[int, int, int], ...]:
@@ -184,11 +249,123 @@ def node_move(ranges: Ranges, kmax: np.ndarray, num_layers: int,
     return new
 
 
+def _covers(ranges: Ranges, num_layers: int) -> bool:
+    cover = np.zeros(num_layers + 1, dtype=np.int64)
+    for a, b in ranges.values():
+        cover[a] += 1
+        cover[b] -= 1
+    return bool(np.all(np.cumsum(cover)[:num_layers] > 0))
+
+
+def pressure_move(ranges: Ranges, pressure: dict[int, float], kmax: np.ndarray,
+                  num_layers: int, rng: random.Random) -> Ranges | None:
+    """A change aimed at the placement's bottleneck, as its simulation showed it (`pressure`:
+    node -> max(busy share, KV use over what admission may fill)): one of the three most
+    pressed machines either hands one or two layers at an end of its range to the least
+    pressed machine whose range meets that end (a lighter range holds more KV a layer and
+    computes less), or one of the three least pressed machines (or an unused one) takes a
+    copy of its range, cut to its own cap (a replica: more KV and compute for those
+    layers). None when the drawn move does not apply."""
+    held = sorted(ranges)
+    if not held:
+        return None
+    by_load = sorted(held, key=lambda i: (-pressure.get(i, 0.0), i))
+    hot = by_load[rng.randrange(min(3, len(by_load)))]
+    s, e = ranges[hot]
+    new = dict(ranges)
+    if rng.random() < 0.5:
+        d = rng.choice((1, 2))
+        if e - s <= d:
+            return None
+        if rng.random() < 0.5:  # give [s, s + d) to a machine whose range ends at s
+            new[hot] = (s + d, e)
+            takers = [j for j in held if j != hot and ranges[j][1] == s
+                      and s + d - ranges[j][0] <= kmax[j]]
+            if not takers:
+                return None
+            j = min(takers, key=lambda j: (pressure.get(j, 0.0), j))
+            new[j] = (ranges[j][0], s + d)
+        else:  # give [e - d, e) to a machine whose range starts at e
+            new[hot] = (s, e - d)
+            takers = [j for j in held if j != hot and ranges[j][0] == e
+                      and ranges[j][1] - (e - d) <= kmax[j]]
+            if not takers:
+                return None
+            j = min(takers, key=lambda j: (pressure.get(j, 0.0), j))
+            new[j] = (e - d, ranges[j][1])
+    else:
+        unused = [i for i in range(len(kmax)) if i not in ranges and kmax[i] > 0]
+        cold = [i for i in reversed(by_load) if i != hot][:3] + unused[:1]
+        if not cold:
+            return None
+        j = cold[rng.randrange(len(cold))]
+        k = min(e - s, int(kmax[j]))
+        start = s if rng.random() < 0.5 else e - k
+        new[j] = (start, start + k)
+    if new == ranges or not _covers(new, num_layers):
+        return None
+    return new
+
+
+def order_move(ranges: Ranges, kind: Sequence[str], num_layers: int,
+               rng: random.Random) -> Ranges | None:
+    """The stages of a stage-structured placement in another order, each keeping its
+    machines and its number of layers: half the time a block (the longest run of
+    consecutive stages whose machines are of one `kind`, e.g. the T4 triples) moved to
+    another place in the order, else two stages swapped. The order matters where prompts
+    are prefilled whole at every hop (the helix-prototype model: on helix-single-24 the
+    T4 triples before the A100 chain serve 1.07x the same stages after the L4 pairs). None
+    when `ranges` is not stage-structured or has one stage."""
+    form = stage_form(ranges, num_layers)
+    if form is None:
+        return None
+    cuts, stage_of = form
+    n = len(cuts) - 1
+    if n < 2:
+        return None
+    members: list[list[int]] = [[] for _ in range(n)]
+    for i, p in stage_of.items():
+        members[p].append(i)
+    order = list(range(n))
+    if rng.random() < 0.5:
+        label = [tuple(sorted({kind[i] for i in m})) for m in members]
+        blocks: list[list[int]] = []
+        for p in range(n):
+            if blocks and label[blocks[-1][-1]] == label[p]:
+                blocks[-1].append(p)
+            else:
+                blocks.append([p])
+        if len(blocks) < 2:
+            return None
+        b = rng.randrange(len(blocks))
+        rest = [blk for j, blk in enumerate(blocks) if j != b]
+        at = rng.randrange(len(rest) + 1)
+        if at == b:
+            return None
+        order = [p for blk in rest[:at] + [blocks[b]] + rest[at:] for p in blk]
+    else:
+        a, c = rng.sample(range(n), 2)
+        order[a], order[c] = order[c], order[a]
+    new: Ranges = {}
+    start = 0
+    for p in order:
+        size = cuts[p + 1] - cuts[p]
+        for i in members[p]:
+            new[i] = (start, start + size)
+        start += size
+    return None if new == ranges else new
+
+
 def neighbours(ranges: Ranges, kmax: np.ndarray, num_layers: int, rng: random.Random,
-               count: int, exclude: set[tuple[tuple[int, int, int], ...]]) -> list[Ranges]:
+               count: int, exclude: set[tuple[tuple[int, int, int], ...]],
+               pressure: dict[int, float] | None = None,
+               kind: Sequence[str] | None = None) -> list[Ranges]:
     """Up to `count` distinct neighbours of `ranges`, none of them in `exclude` (placements
-    already scored): stage moves (stages.py) for half of them when `ranges` is
-    stage-structured, one-machine moves (`node_move`) otherwise."""
+    already scored): with the placement's `pressure` (its simulation's), a share
+    PRESSURE_MOVES of bottleneck moves (`pressure_move`); of the rest, when `ranges` is
+    stage-structured, a share ORDER_MOVES of stage orders (`order_move`, with each
+    machine's `kind`) and half of what remains stage moves (stages.py); one-machine moves
+    (`node_move`) otherwise."""
     out: list[Ranges] = []
     keys = set(exclude)
     st = _state(ranges, len(kmax), num_layers)
@@ -196,7 +373,11 @@ def neighbours(ranges: Ranges, kmax: np.ndarray, num_layers: int, rng: random.Ra
         if len(out) >= count:
             break
         cand: Ranges | None
-        if st is not None and rng.random() < STAGE_MOVES:
+        if pressure is not None and rng.random() < PRESSURE_MOVES:
+            cand = pressure_move(ranges, pressure, kmax, num_layers, rng)
+        elif st is not None and kind is not None and rng.random() < ORDER_MOVES:
+            cand = order_move(ranges, kind, num_layers, rng)
+        elif st is not None and rng.random() < STAGE_MOVES:
             moved = propose(st, kmax, rng)
             cand = None if moved is None else to_ranges(*moved.arrays())
         else:
@@ -211,25 +392,73 @@ def neighbours(ranges: Ranges, kmax: np.ndarray, num_layers: int, rng: random.Ra
     return out
 
 
+def _pressure(ranges: Ranges, *scorers: ServedScorer | None) -> dict[int, float] | None:
+    """Each node's largest pressure in the runs of `ranges` by the scorers that report one
+    (an optional `pressure(ranges)` method); None when none does."""
+    out: dict[int, float] | None = None
+    for sc in scorers:
+        got = getattr(sc, "pressure", None)
+        p = got(ranges) if got is not None else None
+        if p is not None:
+            out = dict(p) if out is None else {i: max(v, out.get(i, 0.0))
+                                               for i, v in (out | p).items()}
+    return out
+
+
 def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer: ServedScorer,
                   deadline_s: float, seed: int = 0, batch: int = BATCH,
                   max_stall: int = 50,
-                  progress: Callable[[str], None] | None = None) -> ServedOutcome:
-    """The placement of `starts` and their stage neighbourhoods that `scorer` scores highest,
-    found by `deadline_s` (planner clock); see the module doc. `starts` must not be empty."""
+                  progress: Callable[[str], None] | None = None,
+                  also: ServedScorer | None = None, combine: str = "min") -> ServedOutcome:
+    """The placement of `starts` and their neighbourhoods that scores highest, found by
+    `deadline_s` (planner clock); see the module doc. With `also` (a second scorer, cheaper
+    than `scorer`: the command's helix-prototype model), every placement is scored by both
+    and the `Objective` of the two is maximised: a climb neighbour is scored by `also`
+    first and by `scorer` only when its `also` score alone could make it better than the
+    current placement (the screen loses nothing: the objective is at most that ratio).
+    `starts` must not be empty."""
     if not starts:
         raise ValueError("served_search: no start")
     say = progress or (lambda msg: None)
     L = net.model.num_layers
     cache = _Cache(scorer)
+    also_cache = _Cache(also) if also is not None else None
     unique: list[tuple[str, Ranges]] = []
     seen: set[tuple[tuple[int, int, int], ...]] = set()
     for source, ranges in starts:
         if ranges and key(ranges) not in seen:
             seen.add(key(ranges))
             unique.append((source, ranges))
+    objective = Objective(combine=combine)
+    refs_set = also_cache is None
+
+    def score(items: Sequence[tuple[str, Ranges]], threshold: float,
+              primary_cap: float = float("inf")) -> list[Scored | None]:
+        """The candidates scored, a batch per scorer: with `also`, by it first, then by
+        `scorer` those whose `also` score could make them worth more than `threshold` (the
+        others None). The first call's first candidate is always scored by both and sets
+        the objective's references."""
+        nonlocal objective, refs_set
+        cands = [r for _, r in items]
+        if also_cache is None:
+            return [Scored(src, r, v, None, v)
+                    for (src, r), v in zip(items, cache.score(cands), strict=True)]
+        screen = also_cache.score(cands)
+        first = not refs_set
+        kept = [i for i, a in enumerate(screen)
+                if (first and i == 0) or objective.also_bound(a, primary_cap) > threshold]
+        vals = dict(zip(kept, cache.score([cands[i] for i in kept]), strict=True))
+        if first:
+            objective = Objective(vals[0] if vals[0] > 0 else 1.0,
+                                  screen[0] if screen[0] > 0 else 1.0, combine)
+            refs_set = True
+        return [Scored(src, r, vals[i], screen[i], objective(vals[i], screen[i]))
+                if i in vals else None for i, (src, r) in enumerate(items)]
+
     # the starts in the order given (the caller's priority), a batch at a time, while the
-    # next batch fits in what is left; at least the first
+    # next batch fits in what is left; at least the first. With `also` the first start,
+    # scored by both, sets the objective's references, and the others are screened
+    # against the best start so far
     scored: list[Scored] = []
     step_cost = 0.0
     for b in range(0, len(unique), batch):
@@ -238,34 +467,54 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
             break
         started = clock.now()
         chunk = unique[b : b + batch]
-        for (source, ranges), v in zip(chunk, cache.score([r for _, r in chunk]), strict=True):
-            scored.append(Scored(source, ranges, v))
-            say(f"served: {source} serves {v:,.1f} decode tokens/s")
+        best_value = max((c.value for c in scored), default=-1.0)
+        cap = (1 + SCREEN_SLACK) * max((objective.ratios(c.served_tokens_per_s,
+                                                         c.also_tokens_per_s or 0.0)[0]
+                                        for c in scored), default=1.0)
+        for (source, ranges), c in zip(chunk, score(chunk, best_value, cap), strict=True):
+            if c is not None:
+                scored.append(c)
+                say(f"served: {source} serves {c.served_tokens_per_s:,.1f} decode tokens/s"
+                    + ("" if c.also_tokens_per_s is None else
+                       f", {c.also_tokens_per_s:,.1f} in the second engine model (value "
+                       f"{c.value:.3f})"))
+            elif also_cache is not None:
+                say(f"served: {source} serves {also_cache.values[key(ranges)]:,.1f} in the "
+                    "second engine model: screened out")
         step_cost = clock.now() - started
-    best = max(scored, key=lambda c: c.served_tokens_per_s)
-    out = ServedOutcome(best, scored)
+    best = max(scored, key=lambda c: c.value)
+    out = ServedOutcome(best, scored, objective=objective)
     cur = best
     kmax = np.asarray(net.max_layers, dtype=np.int64)
+    kind = [f"{x.gpu}x{x.num_gpus}" for x in net.cluster.nodes]
     rng = random.Random(seed)
     stall = 0
     while stall < max_stall and clock.now() + step_cost <= deadline_s:
         started = clock.now()
-        cands = neighbours(cur.ranges, kmax, L, rng, batch, set(cache.values))
+        cands = neighbours(cur.ranges, kmax, L, rng, batch,
+                           set(cache.values) | (set(also_cache.values) if also_cache else set()),
+                           _pressure(cur.ranges, scorer, also), kind)
         if not cands:
             break
-        vals = cache.score(cands)
+        threshold = cur.value * (1 + MIN_GAIN)
+        cap = (1 + SCREEN_SLACK) * objective.ratios(cur.served_tokens_per_s,
+                                                    cur.also_tokens_per_s or 0.0)[0]
+        found = [c for c in score([("climb", r) for r in cands], threshold, cap)
+                 if c is not None]
         step_cost = clock.now() - started
-        j = max(range(len(cands)), key=lambda x: vals[x])
-        if vals[j] > cur.served_tokens_per_s * (1 + MIN_GAIN):
-            cur = Scored("climb", cands[j], vals[j])
+        top = max(found, key=lambda c: c.value, default=None)
+        if top is not None and top.value > threshold:
+            cur = top
             out.steps.append(cur)
             stall = 0
-            say(f"served climb: {vals[j]:,.1f} decode tokens/s "
-                f"({cache.evaluations} placements scored)")
+            say(f"served climb: {top.served_tokens_per_s:,.1f} decode tokens/s"
+                + ("" if top.also_tokens_per_s is None else
+                   f", {top.also_tokens_per_s:,.1f} in the second (value {top.value:.3f})")
+                + f" ({cache.evaluations} placements scored)")
         else:
             stall += 1
-    if cur.served_tokens_per_s > out.best.served_tokens_per_s:
+    if cur.value > out.best.value:
         out.best = cur
     out.evaluations = cache.evaluations
+    out.also_evaluations = also_cache.evaluations if also_cache is not None else 0
     return out
-

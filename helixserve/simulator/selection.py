@@ -90,13 +90,18 @@ class SelectionConfig:
     #: saturate only: size each placement's run by the rule of planner/window.py (its fill
     #: time, then whole request lifetimes) instead of `duration_s` / `warmup_s`
     window: ScoringWindow | None = None
+    #: the engine model's other SimConfig fields, as (name, value) pairs (the KV watermark,
+    #: the helix-prototype model's admission promise, offline feeder, per-layer cost, ...)
+    engine_options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def from_engine(cls, engine: Mapping[str, Any], **fields: Any) -> SelectionConfig:
-        """The selection run with an engine model's options (`simulator.presets.ENGINES`)."""
+        """The selection run with an engine model's options (`simulator.presets.ENGINES`):
+        every one of them, the batching fields as fields and the rest as `engine_options`."""
         keys = ("kv_allocation", "chunked_prefill", "prefill_chunk_tokens", "max_prompt_tokens",
                 "max_prefilling")
-        return cls(**{k: engine[k] for k in keys}, **fields)
+        rest = tuple(sorted((k, v) for k, v in engine.items() if k not in keys))
+        return cls(**{k: engine[k] for k in keys}, engine_options=rest, **fields)
 
     def check(self) -> SelectionConfig:
         if self.mode not in SELECTION_MODES:
@@ -199,9 +204,39 @@ def simulate_scored(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
     """(decode tokens/s, events simulated) of `placement` as `simulate_candidate` scores it,
     its flows as they are (the served objective's scorer charges its clock by the events);
     in the placement's own window (`simulate_windowed`) when `config.window` is set."""
+    run = simulate_pressure(cluster, model, cost, placement, requests, config)
+    return run.tokens_per_s, run.events
+
+
+@dataclass(frozen=True)
+class ScoredRun:
+    """A placement's score, the events it took, and how hard each node was pressed."""
+
+    tokens_per_s: float
+    events: int
+    #: node name -> max(busy share, KV mean use over the share admission may use) in the
+    #: scoring run: near 1 on the node that bounds the placement (its compute or its KV)
+    pressure: dict[str, float]
+
+
+def node_pressure(result: Any, kv_watermark: float) -> dict[str, float]:
+    """Per node of a run: the larger of its busy share and its mean KV use over the share of
+    its KV that admission may fill (`1 - kv_watermark`)."""
+    span = result.end_s or 1.0
+    usable = max(1e-9, 1.0 - kv_watermark)
+    return {n.name: max(n.busy_s / span,
+                        (n.kv_area / span / n.kv_cap / usable) if n.kv_cap else 0.0)
+            for n in result.nodes}
+
+
+def simulate_pressure(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
+                      placement: Placement, requests: Sequence[Any],
+                      config: SelectionConfig) -> ScoredRun:
+    """`simulate_scored` with each node's pressure in the scoring run (`node_pressure`)."""
+    watermark = float(dict(config.engine_options).get("kv_watermark", 0.0))
     if config.window is not None and config.mode != "replay":
         w = simulate_windowed(cluster, model, cost, placement, requests, config)
-        return w.tokens_per_s, w.events
+        return ScoredRun(w.tokens_per_s, w.events, w.pressure)
     replay = config.mode == "replay"
     last_arrival_s = max((q.arrival_s for q in requests), default=0.0)
     result = _run(cluster, model, cost, placement, requests, config,
@@ -209,7 +244,7 @@ def simulate_scored(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
                   0.0 if replay else config.warmup_s)
     value = (replay_tokens_per_s(result, requests) if replay
              else summarize(result)["decode_throughput_tokens_per_s"])
-    return float(value), int(result.events)
+    return ScoredRun(float(value), int(result.events), node_pressure(result, watermark))
 
 
 def _run(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, placement: Placement,
@@ -227,6 +262,7 @@ def _run(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, placement: Pla
         max_prompt_tokens=config.max_prompt_tokens,
         max_prefilling=config.max_prefilling,
         timeline_buckets=buckets,
+        **dict(config.engine_options),
     )
     return Simulation(cluster, model, cost, placement, list(requests), cfg).run()
 
@@ -247,6 +283,8 @@ class WindowedScore:
     counted_from_s: float
     #: simulated seconds of every run together
     simulated_s: float
+    #: each node's pressure in the scoring run (`node_pressure`)
+    pressure: dict[str, float] = field(default_factory=dict)
 
 
 def simulate_windowed(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
@@ -277,8 +315,9 @@ def simulate_windowed(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
     counted_s = duration - first * result.bucket_s
     tokens = sum(result.token_timeline[first:])
     value = tokens / counted_s if counted_s > 0 else 0.0
+    watermark = float(dict(config.engine_options).get("kv_watermark", 0.0))
     return WindowedScore(float(value), events, fill, lifetime, duration,
-                         first * result.bucket_s, simulated)
+                         first * result.bucket_s, simulated, node_pressure(result, watermark))
 
 
 def request_lifetime_s(result: Any, duration_s: float) -> float:

@@ -13,7 +13,12 @@ from helixserve.planner import evaluate
 from helixserve.planner.placement import NodeRange, Placement
 from helixserve.planner.window import ScoringWindow, fill_time_s
 from helixserve.simulator.presets import engine_config
-from helixserve.simulator.selection import SelectionConfig, simulate_scored, simulate_windowed
+from helixserve.simulator.selection import (
+    SelectionConfig,
+    simulate_pressure,
+    simulate_scored,
+    simulate_windowed,
+)
 from helixserve.simulator.workload import TraceRequest
 from helixserve.spec import ClusterSpec, LinkSpec
 
@@ -129,3 +134,20 @@ def test_cli_default_window_same_placement_whatever_jobs(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "served (simulated, vllm engine, offline, in its own window" in text
     assert outs[0] == outs[1]
+
+
+def test_prototype_model_in_its_window_with_each_nodes_pressure(a100s, llama70b,  # noqa: F811
+                                                                measured_cost):  # noqa: F811
+    """The second engine model runs with all of its options (the KV promise, the feeder, the
+    per-layer cost): it scores below the vllm model on the same chain, and each node's
+    pressure (busy share or KV use over what admission may fill) is reported."""
+    reqs = requests()
+    p = two_stage(a100s, measured_cost, llama70b)
+    proto = SelectionConfig.from_engine(engine_config("helix-prototype"), window=ScoringWindow())
+    assert dict(proto.engine_options)["layer_overhead_s"] > 0
+    fast = simulate_pressure(a100s, llama70b, measured_cost, p, reqs, config())
+    slow = simulate_pressure(a100s, llama70b, measured_cost, p, reqs, proto)
+    assert 0 < slow.tokens_per_s < fast.tokens_per_s
+    for run in (fast, slow):
+        assert set(run.pressure) == {n.name for n in p.nodes}
+        assert all(0 < v <= 1.5 for v in run.pressure.values())

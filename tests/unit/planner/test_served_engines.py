@@ -1,0 +1,160 @@
+"""The served objective with a second engine model (planner/served.py, `also`): the search
+maximises the smaller gain of the two, screens neighbours with the cheaper scorer without
+losing one that could win, and aims moves at the bottleneck the simulation shows."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from planner_factories import counted, llama70b, make_cluster, measured_cost, work  # noqa: F401
+
+from helixserve.planner import FlowNetwork, clock
+from helixserve.planner.baselines import BASELINES, Ranges
+from helixserve.planner.served import Objective, key, order_move, pressure_move, served_search
+
+
+class Scorer:
+    """A stand-in for one engine model: `weight` of a placement's score is its KV spread
+    (layers evenly over machines), the rest how few machines it uses (a shorter route), so
+    the two scorers below disagree on what is best. Reports each machine's layers over its
+    cap as its pressure."""
+
+    def __init__(self, net: FlowNetwork, weight: float, units: float) -> None:
+        self.net, self.weight, self.units = net, weight, units
+        self.calls: list[tuple[tuple[int, int, int], ...]] = []
+
+    def value(self, r: Ranges) -> float:
+        spread = 1e5 / sum((e - s) ** 2 for s, e in r.values())
+        return self.weight * spread + (1 - self.weight) * 1e3 / len(r)
+
+    def __call__(self, batch: Sequence[Ranges]) -> list[float]:
+        out = []
+        for r in batch:
+            self.calls.append(key(r))
+            clock.charge(self.units)
+            out.append(self.value(r))
+        return out
+
+    def pressure(self, ranges: Ranges) -> dict[int, float]:
+        return {i: (e - s) / self.net.max_layers[i] for i, (s, e) in ranges.items()}
+
+
+@pytest.fixture
+def net(llama70b, measured_cost):  # noqa: F811
+    return FlowNetwork(make_cluster(a100=4, l4=8, t4=12, link_gbps=8.0), llama70b, measured_cost)
+
+
+def starts_of(net: FlowNetwork) -> list[tuple[str, Ranges]]:
+    return [(name, BASELINES[name](net)) for name in ("petals", "swarm")]
+
+
+def test_objective_is_the_smaller_gain():
+    obj = Objective(100.0, 10.0)
+    assert obj(110.0, 9.5) == pytest.approx(0.95)
+    assert obj(90.0, 12.0) == pytest.approx(0.9)
+    assert obj.also_bound(11.0) == pytest.approx(1.1)
+    assert Objective()(5.0, None) == 5.0  # one scorer: its score
+    gm = Objective(100.0, 10.0, "geomean")
+    assert gm(110.0, 9.5) == pytest.approx((1.1 * 0.95) ** 0.5)
+    assert gm.also_bound(11.0, 1.05) == pytest.approx((1.1 * 1.05) ** 0.5)
+
+
+def test_two_scorers_screen_and_climb(net, counted):  # noqa: F811
+    runs = []
+    for _ in range(2):
+        main, cheap = Scorer(net, 0.9, 1.0), Scorer(net, 0.5, 0.2)
+        out = served_search(net, starts_of(net), main, work(60), seed=2, also=cheap)
+        runs.append((key(out.best.ranges), main.calls, cheap.calls))
+    assert runs[0] == runs[1]  # deterministic on the work clock
+    obj = out.objective
+    assert obj is not None
+    first = out.starts[0]
+    # the first start sets the references: it is worth 1 in both
+    assert first.value == pytest.approx(1.0)
+    assert obj.primary_ref == first.served_tokens_per_s
+    assert obj.also_ref == first.also_tokens_per_s
+    # every placement is screened by the cheap scorer; the main one sees only those whose
+    # cheap score could beat the placement current at the time, so fewer of them
+    assert set(main.calls) <= set(cheap.calls)
+    assert len(main.calls) < len(cheap.calls)
+    assert out.also_evaluations == len(cheap.calls) and out.evaluations == len(main.calls)
+    # it climbed, and the value is the smaller gain of the two scores
+    assert out.steps and out.best.value > max(s.value for s in out.starts)
+    b = out.best
+    assert b.value == pytest.approx(min(b.served_tokens_per_s / obj.primary_ref,
+                                        (b.also_tokens_per_s or 0) / (obj.also_ref or 1)))
+    assert b.served_tokens_per_s > first.served_tokens_per_s
+    assert (b.also_tokens_per_s or 0) > (first.also_tokens_per_s or 0)
+
+
+def test_pressure_move_aims_at_the_bottleneck():
+    rng = random.Random(0)
+    kmax = np.array([4, 4, 4, 4, 4])
+    ranges = {0: (0, 4), 1: (4, 6), 2: (6, 8), 3: (0, 2)}
+    pressure = {0: 0.95, 1: 0.2, 2: 0.3, 3: 0.1}
+    seen = 0
+    for _ in range(300):
+        new = pressure_move(ranges, pressure, kmax, 8, rng)
+        if new is None:
+            continue
+        seen += 1
+        held = set()
+        for i, (s, e) in new.items():
+            assert e - s <= kmax[i]
+            held |= set(range(s, e))
+        assert held == set(range(8))
+        changed = {i for i in new if new[i] != ranges.get(i)}
+        # the pressed machine (0) gives layers away, or a light one (or the unused 4)
+        # copies (part of) a pressed machine's range
+        assert changed and (0 in changed or changed & {1, 2, 3, 4})
+        if 0 in changed:
+            assert new[0][1] - new[0][0] < 4
+    assert seen > 30
+
+
+def test_cli_second_engine_line(tmp_path, capsys):
+    from helixserve.cli import main
+
+    out = tmp_path / "p.json"
+    assert main(["plan", "--example", "--work-limit", "3", "--serve-duration", "40",
+                 "--jobs", "1", "--quiet", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "served (simulated, vllm engine, 40 s offline" in text
+    assert ", helix-prototype engine " in text and "with helix-prototype, the screen" in text
+    assert main(["plan", "--example", "--work-limit", "3", "--serve-duration", "40",
+                 "--serve-also", "none", "--jobs", "1", "--quiet", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "helix-prototype" not in text
+    assert json.loads(out.read_text())["planner"] == "milp"
+
+
+def test_order_move_keeps_each_stage_and_moves_blocks():
+    # four A100 singles of 10 layers, four L4 pairs of 6, four T4 triples of 4 (80 layers)
+    ranges: Ranges = {}
+    kind: list[str] = []
+    start = 0
+    for gpu, width, size in [("A100", 1, 10)] * 4 + [("L4", 2, 6)] * 4 + [("T4", 3, 4)] * 4:
+        for _ in range(width):
+            ranges[len(kind)] = (start, start + size)
+            kind.append(gpu)
+        start += size
+    rng = random.Random(0)
+    firsts = set()
+    for _ in range(200):
+        new = order_move(ranges, kind, 80, rng)
+        if new is None:
+            continue
+        # every machine keeps its number of layers and its stage mates; layers all held
+        assert all(new[i][1] - new[i][0] == e - s for i, (s, e) in ranges.items())
+        for i, j in ((0, 0), (4, 5), (12, 14)):
+            assert (new[i] == new[j]) and (ranges[i] == ranges[j])
+        held = sorted({r for r in new.values()})
+        assert held[0][0] == 0 and held[-1][1] == 80
+        assert all(a[1] == b[0] for a, b in zip(held, held[1:], strict=False))
+        firsts.add(kind[min(new, key=lambda i: new[i])])
+    assert firsts == {"A100", "L4", "T4"}  # the T4 block can come first, as can the L4s
+    assert order_move({0: (0, 80)}, ["A100"], 80, rng) is None
