@@ -44,6 +44,22 @@ link's total the same. Stats: `bytes` are charged (on the wire + declared), `wir
 `declared_bytes` apart. A unix datagram socket does not drop; a declaration naming no route
 is counted in the stats file's "undeclared" section, never on a link.
 
+Backpressure (the link's window). A real link does not queue what its senders write for
+tens of seconds: the sender's socket buffer and TCP/HTTP-2 flow control hold it back once
+a few MiB are in flight, so the sender's own queue grows instead, and a control frame (a
+gRPC keepalive PING or its ACK) waits behind at most that window. The proxy does the same
+in REAL bytes (on the wire + declared): a link stops taking chunks from its connections
+while it has `window_bytes` or more accepted but not yet serialized (`Link.room_at_s`), and
+the sender's writes then wait in its socket and its HTTP/2 window. Without it, declared
+bytes (tiny on the wire, so flow control never pushed back) filled a 0.1 Gbit/s link's
+FIFO with minutes of backlog on helix-geo-24; pings queued behind it, gRPC declared the
+connections dead (GOAWAY ping_timeout) and the coordinator replayed hundreds of requests
+(issue 27). A message is never split: the chunk that carries a message's declared bytes
+is taken whole once the link has room, so the backlog a chunk finds is under the window
+plus one message. Stats: `bytes` are the bytes the link ACCEPTED (offered to the wire);
+`backlog_bytes` the part not yet serialized when the stats were written, so
+`bytes - backlog_bytes` were delivered (or dropped with a connection that broke).
+
 A pair the cluster file gives no link (`ClusterSpec.link` is None: bandwidth 0) should carry
 nothing, since no route uses it; if it does, its bytes are forwarded without limits and
 counted under that pair with `"unlinked": true`, so the report shows it.
@@ -63,6 +79,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,6 +91,10 @@ from helixserve.spec.cluster import COORDINATOR, ClusterSpec
 CHUNK_BYTES = 64 * 1024
 #: chunks queued per connection direction before the reader waits (bounded memory)
 MAX_QUEUED_CHUNKS = 256
+#: real bytes (on the wire + declared) a link holds accepted but not yet serialized before
+#: it stops reading its connections (module doc, Backpressure): Linux's largest default
+#: TCP send buffer (net.ipv4.tcp_wmem's max), what a sender writes ahead on a real link
+WINDOW_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -112,10 +133,13 @@ def link_table(cluster: ClusterSpec, names: list[str],
 
 
 class Link:
-    """One direction of a link: a FIFO with a serialization rate and a propagation delay."""
+    """One direction of a link: a FIFO with a serialization rate and a propagation delay,
+    which takes a chunk only while less than `window_bytes` wait to be serialized (module
+    doc, Backpressure; None: unbounded)."""
 
-    def __init__(self, shape: LinkShape) -> None:
+    def __init__(self, shape: LinkShape, window_bytes: int | None = None) -> None:
         self.shape = shape
+        self.window_bytes = window_bytes
         self.free_at_s = 0.0  # when the link has finished sending what it was given
         #: bytes that crossed the proxy (on the wire)
         self.bytes_sent = 0
@@ -130,6 +154,25 @@ class Link:
         self.bytes_declared += num_bytes
         self.pending_bytes += num_bytes
 
+    @property
+    def bytes_per_s(self) -> float:
+        return self.shape.bandwidth_gbps * 1e9 / 8
+
+    def backlog_bytes(self, now_s: float) -> int:
+        """Bytes accepted and not yet serialized at `now_s`, declared ones still pending
+        (not yet on a chunk) included."""
+        if not self.shape.limited:
+            return 0
+        return round(max(0.0, self.free_at_s - now_s) * self.bytes_per_s) + self.pending_bytes
+
+    def room_at_s(self, now_s: float) -> float:
+        """When the link takes its next chunk: at once on an unlimited or unbounded link,
+        else once less than the window waits to be serialized. Pending declared bytes do
+        not count here: they leave with the next chunk, which must be taken for them to go."""
+        if self.window_bytes is None or not self.shape.limited:
+            return now_s
+        return max(now_s, self.free_at_s - self.window_bytes / self.bytes_per_s)
+
     def schedule(self, num_bytes: int, now_s: float) -> float:
         """Arrival time of `num_bytes` handed to the link at `now_s` (after any declared
         bytes pending)."""
@@ -140,7 +183,7 @@ class Link:
         if not self.shape.limited:
             return now_s
         start = max(now_s, self.free_at_s)
-        self.free_at_s = start + charged * 8 / (self.shape.bandwidth_gbps * 1e9)
+        self.free_at_s = start + charged / self.bytes_per_s
         return self.free_at_s + self.shape.latency_ms / 1000.0
 
 
@@ -171,6 +214,9 @@ class ProxyConfig:
     #: the link ledger's name (an abstract unix datagram socket, "\0" + this) where senders
     #: declare the bytes they left out (module doc); None: no ledger
     ledger: str | None = None
+    #: a link's window in real bytes (module doc, Backpressure); None: unbounded (the FIFO
+    #: takes whatever its senders write, as before issue 27)
+    window_bytes: int | None = WINDOW_BYTES
 
     def to_json(self) -> str:
         return json.dumps({
@@ -179,6 +225,7 @@ class ProxyConfig:
             "pids": {str(k): v for k, v in self.pids.items()},
             "stats_path": self.stats_path, "host": self.host, "other_source": self.other_source,
             "max_seconds": self.max_seconds, "ledger": self.ledger,
+            "window_bytes": self.window_bytes,
         }, indent=1)
 
     @classmethod
@@ -193,6 +240,7 @@ class ProxyConfig:
             other_source=raw.get("other_source", COORDINATOR),
             max_seconds=float(raw.get("max_seconds", 3600.0)),
             ledger=raw.get("ledger"),
+            window_bytes=raw.get("window_bytes", WINDOW_BYTES),
         )
 
 
@@ -283,7 +331,8 @@ class LinkProxy:
     def link(self, src: str, dst: str) -> Link:
         key = (src, dst)
         if key not in self.links:
-            self.links[key] = Link(self.config.links.get(key, UNLIMITED))
+            self.links[key] = Link(self.config.links.get(key, UNLIMITED),
+                                   self.config.window_bytes)
         return self.links[key]
 
     def host_of(self, route: ProxyRoute) -> str:
@@ -401,6 +450,10 @@ class LinkProxy:
         sender = asyncio.ensure_future(deliver())
         try:
             while True:
+                # the link's window: no read (so the sender's socket and HTTP/2 window fill
+                # and its writes wait) while the link has a window's worth to serialize
+                while (wait_s := link.room_at_s(loop.time()) - loop.time()) > 0:
+                    await asyncio.sleep(wait_s)
                 data = await reader.read(CHUNK_BYTES)
                 if not data:
                     break
@@ -416,13 +469,14 @@ class LinkProxy:
         """Per directed link between machines that carried a connection: bytes, chunks,
         connections, shape (UNATTRIBUTED traffic is in `unattributed`)."""
         out: dict[str, dict[str, Any]] = {}
+        now_s = time.monotonic()  # the event loop's clock (asyncio's default)
         for (src, dst), link in sorted(self.links.items()):
             if UNATTRIBUTED in (src, dst):
                 continue
             out[f"{src}->{dst}"] = {
                 "src": src, "dst": dst, "bytes": link.bytes_sent + link.bytes_declared,
                 "wire_bytes": link.bytes_sent, "declared_bytes": link.bytes_declared,
-                "chunks": link.chunks,
+                "chunks": link.chunks, "backlog_bytes": link.backlog_bytes(now_s),
                 "connections": self.connections.get((src, dst), 0),
                 "bandwidth_gbps": link.shape.bandwidth_gbps, "latency_ms": link.shape.latency_ms,
                 **({"unlinked": True} if (src, dst) not in self.config.links else {}),

@@ -1,0 +1,146 @@
+"""The link proxy's window (rehearse/links.py, module doc "Backpressure"): a link takes no
+more from its connections while a window of real bytes (sent + declared) waits to be
+serialized, so a sender's flow control pushes back as on a real link, and a control frame
+behind the data (a gRPC keepalive PING's ACK) waits behind at most about a window. Without it
+a slow link's FIFO took all a sender wrote at once (issue 27: minutes of backlog, keepalive
+timeouts, re-routes). Times are the FIFO's own arithmetic or the link's counters, never a
+wall-clock bound."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+
+from helixserve.rehearse import links as links_mod
+from helixserve.rehearse.links import (
+    CHUNK_BYTES,
+    UNLIMITED,
+    WINDOW_BYTES,
+    Link,
+    LinkProxy,
+    LinkShape,
+    ProxyConfig,
+    ProxyRoute,
+    read_stats,
+)
+from helixserve.runtime import transport as tp
+
+#: 0.008 Gbit/s = 1 MB/s
+MB_PER_S = LinkShape(bandwidth_gbps=0.008, latency_ms=0.0)
+
+
+def test_a_link_takes_the_next_chunk_once_less_than_a_window_waits():
+    link = Link(MB_PER_S, window_bytes=100_000)
+    assert link.room_at_s(0.0) == 0.0  # idle: at once
+    link.schedule(300_000, now_s=0.0)  # 0.3 s of serialization queued
+    # room once 100 kB are left: at 0.2 s
+    assert link.room_at_s(0.0) == pytest.approx(0.2)
+    assert link.room_at_s(0.25) == 0.25
+    assert link.backlog_bytes(0.1) == 200_000 and link.backlog_bytes(0.5) == 0
+    # declared bytes count in the backlog, and leave with the next chunk taken
+    link.declare(50_000)
+    assert link.backlog_bytes(0.3) == 50_000
+    assert link.room_at_s(0.3) == 0.3  # they must not block the chunk that carries them
+    link.schedule(1_000, now_s=0.3)
+    assert link.backlog_bytes(0.3) == 51_000 and link.pending_bytes == 0
+
+
+def test_unbounded_or_unlimited_links_never_hold_a_chunk_back():
+    unbounded = Link(MB_PER_S, window_bytes=None)
+    unbounded.schedule(10**7, now_s=0.0)
+    assert unbounded.room_at_s(1.0) == 1.0
+    free = Link(UNLIMITED, window_bytes=1)
+    free.schedule(10**9, now_s=0.0)
+    assert free.room_at_s(0.0) == 0.0 and free.backlog_bytes(0.0) == 0
+
+
+def test_the_default_window_is_a_few_mib_and_round_trips_through_json(tmp_path):
+    assert 1 << 20 <= WINDOW_BYTES <= 16 << 20
+    config = ProxyConfig([ProxyRoute("n0", 1, 2)], {}, {}, str(tmp_path / "s.json"))
+    assert config.window_bytes == WINDOW_BYTES
+    config.window_bytes = None
+    assert ProxyConfig.from_json(config.to_json()).window_bytes is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while await reader.read(65536):
+        pass
+    writer.close()
+
+
+async def _flood(window_bytes: int | None, total: int, declare_each: int,
+                 tmp_path) -> tuple[int, dict]:
+    """Write `total` bytes (in messages of CHUNK_BYTES, each declaring `declare_each` more
+    before it is written, as a worker does) through a 1 MB/s link, then let the proxy read
+    for half a second; the largest backlog a chunk found when the link took it, and the
+    stats."""
+    target = await asyncio.start_server(_sink, "127.0.0.1", 0)
+    listen = _free_port()
+    ledger = f"helix-test-window-{os.getpid()}-{window_bytes}"
+    config = ProxyConfig([ProxyRoute("n0", listen, target.sockets[0].getsockname()[1])],
+                         {("n1", "n0"): LinkShape(0.008, 1.0)}, {},
+                         str(tmp_path / "stats.json"), ledger=ledger,
+                         window_bytes=window_bytes)
+    proxy = LinkProxy(config, resolve=lambda peer: "n1")
+    found: list[int] = []
+    real_schedule = Link.schedule
+
+    def schedule(link: Link, num_bytes: int, now_s: float) -> float:
+        if link.shape.limited:
+            found.append(link.backlog_bytes(now_s) - link.pending_bytes)
+        return real_schedule(link, num_bytes, now_s)
+
+    await proxy.start()
+    sender = tp.LinkLedger(ledger)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(Link, "schedule", schedule)
+            _, writer = await asyncio.open_connection("127.0.0.1", listen)
+            message = b"x" * CHUNK_BYTES
+            for _ in range(total // CHUNK_BYTES):
+                if declare_each:
+                    sender.declare("n1", f"127.0.0.1:{listen}", declare_each)
+                writer.write(message)
+                await writer.drain()
+            # the kernel took it all; the proxy reads what the link lets it
+            for _ in range(50):
+                await asyncio.sleep(0.01)
+            proxy.write_stats()
+            writer.close()
+    finally:
+        await proxy.close()
+        target.close()
+    return max(found), read_stats(config.stats_path)[1]["n1->n0"]
+
+
+def test_a_flooding_sender_finds_at_most_a_window_queued(tmp_path):
+    window = 256 * 1024
+    most, stats = asyncio.run(_flood(window, 4 * 1024 * 1024, 0, tmp_path))
+    assert most < window + CHUNK_BYTES
+    # what it wrote and the link has not yet taken waits in the sockets, not on the link
+    assert stats["bytes"] < 4 * 1024 * 1024
+    assert stats["backlog_bytes"] <= window + CHUNK_BYTES
+    # without the window the proxy reads as fast as the sender writes: the backlog a chunk
+    # finds grows with what was written (issue 27's minutes of queue on slow links)
+    unbounded, _ = asyncio.run(_flood(None, 4 * 1024 * 1024, 0, tmp_path))
+    assert unbounded > 4 * (window + CHUNK_BYTES)
+
+
+def test_declared_bytes_fill_the_window_too(tmp_path):
+    """Messages small on the wire with many declared bytes each (the emulated payload):
+    the window counts real bytes, so the link takes few of them at a time."""
+    window = 256 * 1024
+    most, stats = asyncio.run(_flood(window, 8 * CHUNK_BYTES, 4 * CHUNK_BYTES, tmp_path))
+    # one message's declared bytes may ride on top of the window, never several
+    assert most < window + 6 * CHUNK_BYTES
+    assert stats["declared_bytes"] > 0
+    assert links_mod.WINDOW_BYTES == WINDOW_BYTES
