@@ -56,7 +56,11 @@ FIFO with minutes of backlog on helix-geo-24; pings queued behind it, gRPC decla
 connections dead (GOAWAY ping_timeout) and the coordinator replayed hundreds of requests
 (issue 27). A message is never split: the chunk that carries a message's declared bytes
 is taken whole once the link has room, so the backlog a chunk finds is under the window
-plus one message. Stats: `bytes` are the bytes the link ACCEPTED (offered to the wire);
+plus one message. A chunk whose serialization takes long (a message's declared bytes, or
+several messages' when the proxy read them together) arrives in pieces spread evenly over
+it (`Link.pieces`), its last byte when the whole chunk would have: a real link delivers
+bytes as they come off the wire, and a receiver that hears nothing for many seconds takes
+its peer for dead (gRPC cancels a keepalive ping's deadline on any bytes read). Stats: `bytes` are the bytes the link ACCEPTED (offered to the wire);
 `backlog_bytes` the part not yet serialized when the stats were written, so
 `bytes - backlog_bytes` were delivered (or dropped with a connection that broke).
 
@@ -75,6 +79,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import os
 import signal
 import socket
@@ -95,6 +100,11 @@ MAX_QUEUED_CHUNKS = 256
 #: it stops reading its connections (module doc, Backpressure): Linux's largest default
 #: TCP send buffer (net.ipv4.tcp_wmem's max), what a sender writes ahead on a real link
 WINDOW_BYTES = 4 * 1024 * 1024
+#: a chunk longer than this on the wire (declared bytes included) arrives in pieces spread
+#: over its serialization (`Link.pieces`), each at least PIECE_MIN_BYTES: a TLS record
+#: holds up to 16 KiB and the receiver can read none of it before it is whole
+PIECE_GAP_S = 0.25
+PIECE_MIN_BYTES = 17 * 1024
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,8 @@ class Link:
         self.bytes_declared = 0
         self.pending_bytes = 0
         self.chunks = 0
+        #: seconds the last chunk scheduled took to serialize, its declared bytes included
+        self.last_serialize_s = 0.0
 
     def declare(self, num_bytes: int) -> None:
         """`num_bytes` the sender left out of the message it is about to write: the next
@@ -183,8 +195,26 @@ class Link:
         if not self.shape.limited:
             return now_s
         start = max(now_s, self.free_at_s)
-        self.free_at_s = start + charged / self.bytes_per_s
+        self.last_serialize_s = charged / self.bytes_per_s
+        self.free_at_s = start + self.last_serialize_s
         return self.free_at_s + self.shape.latency_ms / 1000.0
+
+    def pieces(self, data: bytes, now_s: float) -> list[tuple[float, bytes]]:
+        """`data` handed to the link at `now_s` as (arrival time, bytes) pieces: the last
+        byte arrives when `schedule` says; a chunk whose serialization (declared bytes
+        included) takes over PIECE_GAP_S is cut into pieces of at least PIECE_MIN_BYTES that
+        arrive evenly over it (module doc, Backpressure), so the receiver reads as a real
+        link's would, not nothing for seconds and then all at once."""
+        arrive_s = self.schedule(len(data), now_s)
+        if not self.shape.limited:
+            return [(arrive_s, data)]
+        serialize_s = self.last_serialize_s
+        count = min(len(data) // PIECE_MIN_BYTES, math.ceil(serialize_s / PIECE_GAP_S))
+        if count <= 1:
+            return [(arrive_s, data)]
+        cuts = [len(data) * i // count for i in range(count + 1)]
+        return [(arrive_s - serialize_s * (count - i) / count, data[cuts[i - 1]:cuts[i]])
+                for i in range(1, count + 1)]
 
 
 @dataclass(frozen=True)
@@ -457,7 +487,8 @@ class LinkProxy:
                 data = await reader.read(CHUNK_BYTES)
                 if not data:
                     break
-                await chunks.put((link.schedule(len(data), loop.time()), data))
+                for piece in link.pieces(data, loop.time()):
+                    await chunks.put(piece)
             await chunks.put((loop.time(), b""))
             await sender
         except (ConnectionError, OSError):

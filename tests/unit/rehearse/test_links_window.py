@@ -17,6 +17,8 @@ import pytest
 from helixserve.rehearse import links as links_mod
 from helixserve.rehearse.links import (
     CHUNK_BYTES,
+    PIECE_GAP_S,
+    PIECE_MIN_BYTES,
     UNLIMITED,
     WINDOW_BYTES,
     Link,
@@ -144,3 +146,30 @@ def test_declared_bytes_fill_the_window_too(tmp_path):
     assert most < window + 6 * CHUNK_BYTES
     assert stats["declared_bytes"] > 0
     assert links_mod.WINDOW_BYTES == WINDOW_BYTES
+
+
+def test_a_long_chunk_arrives_in_pieces_over_its_serialization_the_last_on_time():
+    link = Link(MB_PER_S, window_bytes=None)
+    data = os.urandom(64 * 1024)
+    link.declare(4_000_000)  # 4 s of declared bytes ride on this chunk
+    pieces = link.pieces(data, now_s=10.0)
+    serialize_s = (len(data) + 4_000_000) / 1e6
+    assert b"".join(p for _, p in pieces) == data  # in order, nothing lost
+    assert len(pieces) == len(data) // PIECE_MIN_BYTES == 3
+    assert all(len(p) >= PIECE_MIN_BYTES for _, p in pieces)
+    times = [t for t, _ in pieces]
+    assert times[-1] == pytest.approx(10.0 + serialize_s)  # as `schedule` says, undivided
+    assert times == sorted(times)
+    assert times[0] == pytest.approx(10.0 + serialize_s / 3)  # evenly over the link's time
+    # the next chunk queues behind the whole of it
+    assert link.schedule(1000, now_s=10.0) == pytest.approx(10.0 + serialize_s + 0.001)
+
+
+def test_a_short_or_small_chunk_arrives_whole():
+    link = Link(MB_PER_S, window_bytes=None)
+    quick = os.urandom(int(PIECE_GAP_S * 1e6) // 2)  # half the gap on the wire
+    assert len(link.pieces(quick, now_s=0.0)) == 1
+    small = b"x" * (PIECE_MIN_BYTES + 10)  # one TLS record's worth: never cut
+    link.declare(10_000_000)
+    assert len(link.pieces(small, now_s=100.0)) == 1
+    assert len(Link(UNLIMITED).pieces(os.urandom(10**6), now_s=0.0)) == 1
