@@ -32,37 +32,42 @@ Declared bytes (the link ledger). An emulated worker may send its activations as
 payload (engine/emulated.py): the proxy sees only TLS ciphertext, so the sender declares the
 bytes it left out, just before it writes the batch they belong to, as one datagram on an
 abstract unix socket (`ProxyConfig.ledger`; runtime/transport.py `declare_unsent`): "node
-src, the next hop's address, K bytes". The proxy names the destination by the address (the
-route listening there) and adds K to that link's pending debt; the next chunk it reads on
-the link (the batch's own bytes: the datagram is queued before the worker writes the batch,
-and one loop pass handles the datagram before the pump it wakes) leaves only after K + its
-own bytes have been serialized. So a message takes the real size's serialization time and
-its latency once, as the real bytes would; the debt never runs ahead of its message on an
-idle link. If the proxy lags so far behind that the previous batch's last bytes are still
-unread, they carry the debt instead: that batch is later by it, the next one on time, the
-link's total the same. Stats: `bytes` are charged (on the wire + declared), `wire_bytes` and
-`declared_bytes` apart. A unix datagram socket does not drop; a declaration naming no route
-is counted in the stats file's "undeclared" section, never on a link.
+src, the next hop's address, K bytes" and, optionally, a fourth line: "W", the batch's own
+size on the wire. The proxy names the destination by the address (the route listening
+there). A declaration with W is a debt of K bytes spread over the next W bytes the link
+reads (`Link.debts`, oldest first): each chunk carries the declared bytes of the messages,
+or the parts of them, it holds, so a message leaves after its own real size, however many
+messages the sender wrote ahead of the proxy. One without W adds K to the link's pending
+debt, all of which rides on the next chunk read: right when the proxy reads each batch as
+it comes (the datagram is queued before the worker writes the batch, and one loop pass
+handles it before the pump it wakes), but a sender that runs ahead lumps the debts of all
+the batches it declared meanwhile onto one chunk, which then arrives that much later and
+its receiver hears nothing in between (gRPC's aio writes do not wait for HTTP/2 flow
+control, and with the payload 64 bytes a token the wire bytes are ~1/256 of the real
+ones, so a worker runs ahead by up to tens of MB of real bytes; issue 27). Either way the
+link's total is the same. Stats: `bytes` are charged (on the wire + declared), `wire_bytes`
+and `declared_bytes` apart. A unix datagram socket does not drop; a declaration naming no
+route is counted in the stats file's "undeclared" section, never on a link.
 
-Backpressure (the link's window). A real link does not queue what its senders write for
-tens of seconds: the sender's socket buffer and TCP/HTTP-2 flow control hold it back once
-a few MiB are in flight, so the sender's own queue grows instead, and a control frame (a
-gRPC keepalive PING or its ACK) waits behind at most that window. The proxy does the same
-in REAL bytes (on the wire + declared): a link stops taking chunks from its connections
-while it has `window_bytes` or more accepted but not yet serialized (`Link.room_at_s`), and
-the sender's writes then wait in its socket and its HTTP/2 window. Without it, declared
-bytes (tiny on the wire, so flow control never pushed back) filled a 0.1 Gbit/s link's
-FIFO with minutes of backlog on helix-geo-24; pings queued behind it, gRPC declared the
-connections dead (GOAWAY ping_timeout) and the coordinator replayed hundreds of requests
-(issue 27). A message is never split: the chunk that carries a message's declared bytes
-is taken whole once the link has room, so the backlog a chunk finds is under the window
-plus one message. A chunk whose serialization takes long (a message's declared bytes, or
-several messages' when the proxy read them together) arrives in pieces spread evenly over
-it (`Link.pieces`), its last byte when the whole chunk would have: a real link delivers
-bytes as they come off the wire, and a receiver that hears nothing for many seconds takes
-its peer for dead (gRPC cancels a keepalive ping's deadline on any bytes read). Stats: `bytes` are the bytes the link ACCEPTED (offered to the wire);
-`backlog_bytes` the part not yet serialized when the stats were written, so
-`bytes - backlog_bytes` were delivered (or dropped with a connection that broke).
+Delivery in pieces. A chunk whose serialization takes over PIECE_GAP_S (its declared bytes
+included) arrives in pieces of at least PIECE_MIN_BYTES (a TLS record is read whole) spread
+evenly over it, its last byte when the whole chunk would have (`Link.pieces`): a real link
+delivers bytes as they come off the wire, and gRPC counts any bytes read as the peer being
+alive, so a receiver must not hear nothing for the whole of a long chunk.
+
+Backpressure (the link's window, `ProxyConfig.window_bytes`, off by default). A real link
+does not queue what its senders write for minutes: the sender's socket buffer and flow
+control hold it back once a few MiB are in flight. With a window a link stops taking chunks
+while `window_bytes` or more wait to be serialized (`Link.room_at_s`), in real bytes (on
+the wire + declared). It is off until the workers size their declarations: with unsized
+ones, the batches declared while the link held a connection back all ride on its next
+chunk (above), and a connection held back for longer than gRPC's TCP_USER_TIMEOUT (its
+keepalive timeout) is aborted by the sender's kernel (seen: `recvmsg: Connection timed
+out`). Stats: `bytes` are what a link ACCEPTED, not what it delivered: `backlog_bytes` is
+the part still to be serialized when the stats were written (delivered = bytes -
+backlog_bytes; a broken connection's chunks count as delivered: they kept the link busy as
+lost bytes would). Without a window a link can accept far more than its bandwidth x wall
+time (helix-geo-24 milp, issue 27: n1 -> n8 accepted 757 MB against 568 MB of capacity).
 
 A pair the cluster file gives no link (`ClusterSpec.link` is None: bandwidth 0) should carry
 nothing, since no route uses it; if it does, its bytes are forwarded without limits and
@@ -85,6 +90,7 @@ import signal
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -96,9 +102,9 @@ from helixserve.spec.cluster import COORDINATOR, ClusterSpec
 CHUNK_BYTES = 64 * 1024
 #: chunks queued per connection direction before the reader waits (bounded memory)
 MAX_QUEUED_CHUNKS = 256
-#: real bytes (on the wire + declared) a link holds accepted but not yet serialized before
-#: it stops reading its connections (module doc, Backpressure): Linux's largest default
-#: TCP send buffer (net.ipv4.tcp_wmem's max), what a sender writes ahead on a real link
+#: real bytes (on the wire + declared) a link with a window holds accepted but not yet
+#: serialized before it stops reading its connections (module doc, Backpressure): Linux's
+#: largest default TCP send buffer (net.ipv4.tcp_wmem's max)
 WINDOW_BYTES = 4 * 1024 * 1024
 #: a chunk longer than this on the wire (declared bytes included) arrives in pieces spread
 #: over its serialization (`Link.pieces`), each at least PIECE_MIN_BYTES: a TLS record
@@ -155,16 +161,45 @@ class Link:
         self.bytes_sent = 0
         #: bytes declared by a sender (module doc), charged ahead of the next chunk
         self.bytes_declared = 0
+        #: declared bytes of declarations that name no size on the wire: all ride on the
+        #: next chunk
         self.pending_bytes = 0
+        #: [declared bytes, bytes on the wire] still due of each declaration that names its
+        #: message's size on the wire, oldest first: the chunks carry them as they carry the
+        #: message's own bytes (module doc, Declared bytes)
+        self.debts: deque[list[int]] = deque()
         self.chunks = 0
         #: seconds the last chunk scheduled took to serialize, its declared bytes included
         self.last_serialize_s = 0.0
 
-    def declare(self, num_bytes: int) -> None:
-        """`num_bytes` the sender left out of the message it is about to write: the next
-        chunk on the link serializes them before its own bytes."""
+    def declare(self, num_bytes: int, wire_bytes: int = 0) -> None:
+        """`num_bytes` the sender left out of the message it is about to write, whose own
+        bytes on the wire are `wire_bytes` (0: not said): they are serialized ahead of the
+        message's bytes, spread over the chunks that carry them; without a size, all ahead
+        of the next chunk."""
         self.bytes_declared += num_bytes
-        self.pending_bytes += num_bytes
+        if wire_bytes > 0:
+            self.debts.append([num_bytes, wire_bytes])
+        else:
+            self.pending_bytes += num_bytes
+
+    def _debt_of(self, num_bytes: int) -> int:
+        """The declared bytes due with a chunk of `num_bytes` on the wire: what the sender
+        left out of the messages (or the parts of them) the chunk holds, if they are sized."""
+        due = 0
+        while num_bytes > 0 and self.debts:
+            debt = self.debts[0]
+            if num_bytes >= debt[1]:
+                due += debt[0]
+                num_bytes -= debt[1]
+                self.debts.popleft()
+            else:
+                part = debt[0] * num_bytes // debt[1]
+                due += part
+                debt[0] -= part
+                debt[1] -= num_bytes
+                num_bytes = 0
+        return due
 
     @property
     def bytes_per_s(self) -> float:
@@ -175,7 +210,8 @@ class Link:
         (not yet on a chunk) included."""
         if not self.shape.limited:
             return 0
-        return round(max(0.0, self.free_at_s - now_s) * self.bytes_per_s) + self.pending_bytes
+        return (round(max(0.0, self.free_at_s - now_s) * self.bytes_per_s) + self.pending_bytes
+                + sum(debt[0] for debt in self.debts))
 
     def room_at_s(self, now_s: float) -> float:
         """When the link takes its next chunk: at once on an unlimited or unbounded link,
@@ -190,7 +226,7 @@ class Link:
         bytes pending)."""
         self.bytes_sent += num_bytes
         self.chunks += 1
-        charged = num_bytes + self.pending_bytes
+        charged = num_bytes + self.pending_bytes + self._debt_of(num_bytes)
         self.pending_bytes = 0
         if not self.shape.limited:
             return now_s
@@ -244,9 +280,11 @@ class ProxyConfig:
     #: the link ledger's name (an abstract unix datagram socket, "\0" + this) where senders
     #: declare the bytes they left out (module doc); None: no ledger
     ledger: str | None = None
-    #: a link's window in real bytes (module doc, Backpressure); None: unbounded (the FIFO
-    #: takes whatever its senders write, as before issue 27)
-    window_bytes: int | None = WINDOW_BYTES
+    #: a link's window in real bytes (module doc, Backpressure; WINDOW_BYTES); None:
+    #: unbounded, the FIFO takes whatever its senders write. Only for senders whose
+    #: declarations name their messages' size on the wire: with unsized ones, bytes declared
+    #: while the link held a connection back all ride on its next chunk (module doc)
+    window_bytes: int | None = None
 
     def to_json(self) -> str:
         return json.dumps({
@@ -270,7 +308,7 @@ class ProxyConfig:
             other_source=raw.get("other_source", COORDINATOR),
             max_seconds=float(raw.get("max_seconds", 3600.0)),
             ledger=raw.get("ledger"),
-            window_bytes=raw.get("window_bytes", WINDOW_BYTES),
+            window_bytes=raw.get("window_bytes"),
         )
 
 
@@ -386,8 +424,11 @@ class LinkProxy:
         """A sender's declaration (runtime/transport.py `ledger_message`): bytes it left out
         of what it is about to write on the link src -> the route at an address."""
         try:
-            src, address, count = message.decode().split("\n")
+            src, address, count, *wire = message.decode().split("\n")
             num_bytes = int(count)
+            wire_bytes = int(wire[0]) if wire else 0
+            if len(wire) > 1:
+                raise ValueError(message)
         except ValueError:
             self.undeclared["malformed"] = self.undeclared.get("malformed", 0) + 1
             return
@@ -396,7 +437,7 @@ class LinkProxy:
             why = f"{src} -> {address}"
             self.undeclared[why] = self.undeclared.get(why, 0) + max(num_bytes, 0)
             return
-        self.link(src, dst).declare(num_bytes)
+        self.link(src, dst).declare(num_bytes, max(wire_bytes, 0))
 
     async def close(self) -> None:
         if self._ledger is not None:

@@ -59,12 +59,13 @@ def test_unbounded_or_unlimited_links_never_hold_a_chunk_back():
     assert free.room_at_s(0.0) == 0.0 and free.backlog_bytes(0.0) == 0
 
 
-def test_the_default_window_is_a_few_mib_and_round_trips_through_json(tmp_path):
+def test_the_window_is_a_few_mib_off_by_default_and_round_trips_through_json(tmp_path):
     assert 1 << 20 <= WINDOW_BYTES <= 16 << 20
     config = ProxyConfig([ProxyRoute("n0", 1, 2)], {}, {}, str(tmp_path / "s.json"))
-    assert config.window_bytes == WINDOW_BYTES
-    config.window_bytes = None
+    assert config.window_bytes is None  # until the senders size their declarations
     assert ProxyConfig.from_json(config.to_json()).window_bytes is None
+    config.window_bytes = WINDOW_BYTES
+    assert ProxyConfig.from_json(config.to_json()).window_bytes == WINDOW_BYTES
 
 
 def _free_port() -> int:
@@ -173,3 +174,38 @@ def test_a_short_or_small_chunk_arrives_whole():
     link.declare(10_000_000)
     assert len(link.pieces(small, now_s=100.0)) == 1
     assert len(Link(UNLIMITED).pieces(os.urandom(10**6), now_s=0.0)) == 1
+
+
+def test_a_sized_declaration_rides_on_its_own_messages_bytes_not_the_next_chunk():
+    """A sender that ran ahead: three messages of 30 kB on the wire, 2 MB declared each,
+    read as one 64 KiB chunk and then the rest. Sized, the first chunk carries the debts of
+    the messages it holds (two whole, a part of the third), the rest comes with the rest;
+    unsized, all of it rides on the first chunk (issue 27's lumps)."""
+    sized = Link(MB_PER_S)
+    for _ in range(3):
+        sized.declare(2_000_000, wire_bytes=30_000)
+    first = 64 * 1024
+    part = 2_000_000 * (first - 60_000) // 30_000
+    sized.schedule(first, now_s=0.0)
+    assert sized.free_at_s == pytest.approx((first + 4_000_000 + part) / 1e6)
+    assert sized.backlog_bytes(sized.free_at_s) == 2_000_000 - part  # still due
+    sized.schedule(90_000 - first, now_s=sized.free_at_s)
+    assert sized.backlog_bytes(0.0) == 90_000 + 6_000_000 and not sized.debts
+    lumped = Link(MB_PER_S)
+    for _ in range(3):
+        lumped.declare(2_000_000)
+    lumped.schedule(first, now_s=0.0)
+    assert lumped.free_at_s == pytest.approx((first + 6_000_000) / 1e6)
+    assert sized.bytes_declared == lumped.bytes_declared == 6_000_000
+
+
+def test_the_ledger_takes_a_wire_size_as_a_fourth_line(tmp_path):
+    config = ProxyConfig([ProxyRoute("n0", 4321, 1)], {("n1", "n0"): MB_PER_S}, {},
+                         str(tmp_path / "s.json"))
+    proxy = LinkProxy(config, resolve=lambda peer: "n1")
+    proxy.declared(b"n1\n127.0.0.1:4321\n1000\n50")
+    proxy.declared(b"n1\n127.0.0.1:4321\n700")
+    link = proxy.links[("n1", "n0")]
+    assert list(link.debts) == [[1000, 50]] and link.pending_bytes == 700
+    proxy.declared(b"n1\n127.0.0.1:4321\n1000\n50\n9")
+    assert proxy.undeclared == {"malformed": 1} and link.bytes_declared == 1700
