@@ -61,9 +61,9 @@ control hold it back once a few MiB are in flight. With a window a link stops ta
 while `window_bytes` or more wait to be serialized (`Link.room_at_s`), in real bytes (on
 the wire + declared). It is off until the workers size their declarations: with unsized
 ones, the batches declared while the link held a connection back all ride on its next
-chunk (above), and a connection held back for longer than gRPC's TCP_USER_TIMEOUT (its
-keepalive timeout) is aborted by the sender's kernel (seen: `recvmsg: Connection timed
-out`). Stats: `bytes` are what a link ACCEPTED, not what it delivered: `backlog_bytes` is
+chunk (above), and a connection held back for longer than the keepalive timeout is
+aborted (seen with a 1 s timeout: `recvmsg: Connection timed out`, the kernel's
+TCP_USER_TIMEOUT, which gRPC sets from the keepalive timeout). Stats: `bytes` are what a link ACCEPTED, not what it delivered: `backlog_bytes` is
 the part still to be serialized when the stats were written (delivered = bytes -
 backlog_bytes; a broken connection's chunks count as delivered: they kept the link busy as
 lost bytes would). Without a window a link can accept far more than its bandwidth x wall
