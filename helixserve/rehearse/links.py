@@ -55,15 +55,19 @@ evenly over it, its last byte when the whole chunk would have (`Link.pieces`): a
 delivers bytes as they come off the wire, and gRPC counts any bytes read as the peer being
 alive, so a receiver must not hear nothing for the whole of a long chunk.
 
-Backpressure (the link's window, `ProxyConfig.window_bytes`, off by default). A real link
-does not queue what its senders write for minutes: the sender's socket buffer and flow
-control hold it back once a few MiB are in flight. With a window a link stops taking chunks
-while `window_bytes` or more wait to be serialized (`Link.room_at_s`), in real bytes (on
-the wire + declared). It is off until the workers size their declarations: with unsized
-ones, the batches declared while the link held a connection back all ride on its next
-chunk (above), and a connection held back for longer than the keepalive timeout is
-aborted (seen with a 1 s timeout: `recvmsg: Connection timed out`, the kernel's
-TCP_USER_TIMEOUT, which gRPC sets from the keepalive timeout). Stats: `bytes` are what a link ACCEPTED, not what it delivered: `backlog_bytes` is
+Backpressure (the link's window, `ProxyConfig.window_bytes`). A real link does not queue
+what its senders write for minutes: the sender's socket buffer and flow control hold it back
+once a few MiB are in flight. Here a link stops taking chunks while `window_bytes` or more
+wait to be serialized (`Link.room_at_s`), in real bytes (on the wire + declared), so the
+sender's socket and HTTP/2 window fill and its writes wait. Without it a link's FIFO grew
+to minutes on helix-geo-24, a keepalive PING sent after a quiet spell waited behind it for
+its ACK, and gRPC closed the connection (`GOAWAY ping_timeout`; issue 27). The window holds
+back only links whose declarations are sized (or that carry real bytes): while unsized
+declared bytes are pending, the next chunk is taken at once, since holding it back would
+lump the debts of every batch declared meanwhile onto it (gRPC's aio writes do not wait for
+HTTP/2 flow control, so a worker keeps declaring) and a connection held back longer than
+the keepalive timeout is aborted (seen with a 1 s timeout: `recvmsg: Connection timed
+out`, the kernel's TCP_USER_TIMEOUT, which gRPC sets from the keepalive timeout). Stats: `bytes` are what a link ACCEPTED, not what it delivered: `backlog_bytes` is
 the part still to be serialized when the stats were written (delivered = bytes -
 backlog_bytes; a broken connection's chunks count as delivered: they kept the link busy as
 lost bytes would). Without a window a link can accept far more than its bandwidth x wall
@@ -215,10 +219,11 @@ class Link:
 
     def room_at_s(self, now_s: float) -> float:
         """When the link takes its next chunk: at once on an unlimited or unbounded link,
-        else once less than the window waits to be serialized. Pending declared bytes do
-        not count here: they leave with the next chunk, which must be taken for them to go."""
-        if self.window_bytes is None or not self.shape.limited:
-            return now_s
+        or while unsized declared bytes are pending (they leave with the next chunk: held
+        back, it would gather the debts of every batch declared meanwhile); else once less
+        than the window waits to be serialized."""
+        if self.window_bytes is None or not self.shape.limited or self.pending_bytes:
+            return now_s  # unsized declared bytes wait for a chunk: take it at once
         return max(now_s, self.free_at_s - self.window_bytes / self.bytes_per_s)
 
     def schedule(self, num_bytes: int, now_s: float) -> float:
@@ -280,11 +285,9 @@ class ProxyConfig:
     #: the link ledger's name (an abstract unix datagram socket, "\0" + this) where senders
     #: declare the bytes they left out (module doc); None: no ledger
     ledger: str | None = None
-    #: a link's window in real bytes (module doc, Backpressure; WINDOW_BYTES); None:
-    #: unbounded, the FIFO takes whatever its senders write. Only for senders whose
-    #: declarations name their messages' size on the wire: with unsized ones, bytes declared
-    #: while the link held a connection back all ride on its next chunk (module doc)
-    window_bytes: int | None = None
+    #: a link's window in real bytes (module doc, Backpressure); None: unbounded, the FIFO
+    #: takes whatever its senders write
+    window_bytes: int | None = WINDOW_BYTES
 
     def to_json(self) -> str:
         return json.dumps({
@@ -308,7 +311,7 @@ class ProxyConfig:
             other_source=raw.get("other_source", COORDINATOR),
             max_seconds=float(raw.get("max_seconds", 3600.0)),
             ledger=raw.get("ledger"),
-            window_bytes=raw.get("window_bytes"),
+            window_bytes=raw.get("window_bytes", WINDOW_BYTES),
         )
 
 

@@ -59,13 +59,24 @@ def test_unbounded_or_unlimited_links_never_hold_a_chunk_back():
     assert free.room_at_s(0.0) == 0.0 and free.backlog_bytes(0.0) == 0
 
 
-def test_the_window_is_a_few_mib_off_by_default_and_round_trips_through_json(tmp_path):
+def test_the_default_window_is_a_few_mib_and_round_trips_through_json(tmp_path):
     assert 1 << 20 <= WINDOW_BYTES <= 16 << 20
     config = ProxyConfig([ProxyRoute("n0", 1, 2)], {}, {}, str(tmp_path / "s.json"))
-    assert config.window_bytes is None  # until the senders size their declarations
-    assert ProxyConfig.from_json(config.to_json()).window_bytes is None
-    config.window_bytes = WINDOW_BYTES
+    assert config.window_bytes == WINDOW_BYTES
     assert ProxyConfig.from_json(config.to_json()).window_bytes == WINDOW_BYTES
+    config.window_bytes = None
+    assert ProxyConfig.from_json(config.to_json()).window_bytes is None
+
+
+def test_unsized_declared_bytes_are_never_held_back():
+    """Held back, the next chunk would gather the debts of every batch declared meanwhile;
+    sized ones ride on their own bytes, so the window holds those back."""
+    link = Link(MB_PER_S, window_bytes=100_000)
+    link.schedule(300_000, now_s=0.0)
+    link.declare(50_000, wire_bytes=500)
+    assert link.room_at_s(0.0) == pytest.approx(0.2)
+    link.declare(50_000)
+    assert link.room_at_s(0.0) == 0.0
 
 
 def _free_port() -> int:
@@ -99,7 +110,8 @@ async def _flood(window_bytes: int | None, total: int, declare_each: int,
 
     def schedule(link: Link, num_bytes: int, now_s: float) -> float:
         if link.shape.limited:
-            found.append(link.backlog_bytes(now_s) - link.pending_bytes)
+            # queued to serialize (declared bytes not yet on a chunk are not queued yet)
+            found.append(round(max(0.0, link.free_at_s - now_s) * link.bytes_per_s))
         return real_schedule(link, num_bytes, now_s)
 
     await proxy.start()
@@ -110,10 +122,12 @@ async def _flood(window_bytes: int | None, total: int, declare_each: int,
             _, writer = await asyncio.open_connection("127.0.0.1", listen)
             message = b"x" * CHUNK_BYTES
             for _ in range(total // CHUNK_BYTES):
-                if declare_each:
-                    sender.declare("n1", f"127.0.0.1:{listen}", declare_each)
+                if declare_each:  # sized: the message's bytes on the wire as a 4th line
+                    sender.sock.sendto(f"n1\n127.0.0.1:{listen}\n{declare_each}\n"
+                                       f"{CHUNK_BYTES}".encode(), sender.address)
                 writer.write(message)
                 await writer.drain()
+                await asyncio.sleep(0)  # the proxy, in this loop, takes the datagram
             # the kernel took it all; the proxy reads what the link lets it
             for _ in range(50):
                 await asyncio.sleep(0.01)
@@ -139,13 +153,16 @@ def test_a_flooding_sender_finds_at_most_a_window_queued(tmp_path):
 
 
 def test_declared_bytes_fill_the_window_too(tmp_path):
-    """Messages small on the wire with many declared bytes each (the emulated payload):
-    the window counts real bytes, so the link takes few of them at a time."""
+    """Messages small on the wire with many declared bytes each (the emulated payload,
+    sized declarations): the window counts real bytes, so the link takes few at a time."""
     window = 256 * 1024
-    most, stats = asyncio.run(_flood(window, 8 * CHUNK_BYTES, 4 * CHUNK_BYTES, tmp_path))
+    most, stats = asyncio.run(_flood(window, 32 * CHUNK_BYTES, 4 * CHUNK_BYTES, tmp_path))
     # one message's declared bytes may ride on top of the window, never several
     assert most < window + 6 * CHUNK_BYTES
-    assert stats["declared_bytes"] > 0
+    assert 0 < stats["declared_bytes"] <= 32 * 4 * CHUNK_BYTES
+    assert stats["wire_bytes"] < 16 * CHUNK_BYTES  # the rest waits in the sockets
+    unbounded, _ = asyncio.run(_flood(None, 32 * CHUNK_BYTES, 4 * CHUNK_BYTES, tmp_path))
+    assert unbounded > 4 * (window + 6 * CHUNK_BYTES)
     assert links_mod.WINDOW_BYTES == WINDOW_BYTES
 
 
