@@ -175,6 +175,8 @@ class Link:
         self.chunks = 0
         #: seconds the last chunk scheduled took to serialize, its declared bytes included
         self.last_serialize_s = 0.0
+        #: set by an unsized declaration: a connection held back takes its next chunk now
+        self.declared_event = asyncio.Event()
 
     def declare(self, num_bytes: int, wire_bytes: int = 0) -> None:
         """`num_bytes` the sender left out of the message it is about to write, whose own
@@ -186,6 +188,7 @@ class Link:
             self.debts.append([num_bytes, wire_bytes])
         else:
             self.pending_bytes += num_bytes
+            self.declared_event.set()
 
     def _debt_of(self, num_bytes: int) -> int:
         """The declared bytes due with a chunk of `num_bytes` on the wire: what the sender
@@ -527,7 +530,9 @@ class LinkProxy:
                 # the link's window: no read (so the sender's socket and HTTP/2 window fill
                 # and its writes wait) while the link has a window's worth to serialize
                 while (wait_s := link.room_at_s(loop.time()) - loop.time()) > 0:
-                    await asyncio.sleep(wait_s)
+                    link.declared_event.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(link.declared_event.wait(), wait_s)
                 data = await reader.read(CHUNK_BYTES)
                 if not data:
                     break

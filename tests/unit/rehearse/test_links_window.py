@@ -226,3 +226,42 @@ def test_the_ledger_takes_a_wire_size_as_a_fourth_line(tmp_path):
     assert list(link.debts) == [[1000, 50]] and link.pending_bytes == 700
     proxy.declared(b"n1\n127.0.0.1:4321\n1000\n50\n9")
     assert proxy.undeclared == {"malformed": 1} and link.bytes_declared == 1700
+
+
+def test_a_held_back_connection_takes_its_next_chunk_when_unsized_bytes_are_declared():
+    """The pump waits for room or a declaration, whichever comes first."""
+
+    async def main() -> tuple[float, float]:
+        link = Link(MB_PER_S, window_bytes=1000)
+        link.schedule(1_000_000, now_s=asyncio.get_running_loop().time())  # ~1 s queued
+        reader = asyncio.StreamReader()
+        reader.feed_data(b"x" * 100)
+        reader.feed_eof()
+
+        class Sink:
+            def write(self, data: bytes) -> None:
+                pass
+
+            async def drain(self) -> None:
+                pass
+
+            def write_eof(self) -> None:
+                pass
+
+        proxy = LinkProxy(ProxyConfig([], {}, {}, "unused"), resolve=lambda peer: "n1")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        pump = asyncio.ensure_future(proxy._pump(reader, Sink(), link))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        assert link.chunks == 1  # held back: the link has ~1 s queued
+        link.declare(10)
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if link.chunks == 2:
+                break
+        taken_s = loop.time() - t0
+        pump.cancel()
+        return taken_s, link.free_at_s - t0
+
+    taken_s, queued_s = asyncio.run(main())
+    assert taken_s < queued_s / 2  # taken on the declaration, not when the room came
