@@ -330,21 +330,31 @@ MISS_RETRIES = 6
 UNATTRIBUTED = "unattributed"
 
 
-def socket_inode(host: str, port: int) -> int | None:
-    """Inode of the local TCP socket bound to host:port, from /proc/net/tcp, or tcp6 where
-    the caller used a dual-stack socket (gRPC does: the address is then ::ffff:host)."""
+def _packed(host: str, port: int, v6: bool) -> str:
+    """host:port as /proc/net/tcp (v6: tcp6, a dual-stack socket's ::ffff:host) writes it."""
     v4 = "".join(f"{int(b):02X}" for b in reversed(host.split(".")))
     # /proc/net/tcp6: four 32-bit words, each in host (little-endian) byte order
-    v6 = "0000000000000000FFFF0000" + v4
-    for table, packed in (("/proc/net/tcp", v4), ("/proc/net/tcp6", v6)):
-        want = f"{packed}:{port:04X}"
+    return f"{'0000000000000000FFFF0000' + v4 if v6 else v4}:{port:04X}"
+
+
+def socket_inode(host: str, port: int,
+                 remote: tuple[str, int] | None = None) -> int | None:
+    """Inode of the local TCP socket bound to host:port and, when `remote` is given,
+    connected to it, from /proc/net/tcp, or tcp6 where the caller used a dual-stack socket
+    (gRPC does: the address is then ::ffff:host). Give `remote`: Linux lets connect() reuse a
+    local port for another destination, so host:port alone may name another process's
+    socket (seen: the proxy's own connection to a worker, which made a worker's connection
+    the coordinator's and left its declared bytes charged nowhere; issue 27)."""
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        want = _packed(host, port, v6)
+        peer = _packed(*remote, v6) if remote else None
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
             cols = line.split()
-            if len(cols) > 9 and cols[1] == want:
+            if len(cols) > 9 and cols[1] == want and (peer is None or cols[2] == peer):
                 return int(cols[9])
     return None
 
@@ -374,8 +384,10 @@ class SourceResolver:
         self.pids = pids
         self.other = other
 
-    def __call__(self, peer: tuple[str, int]) -> str:
-        inode = socket_inode(peer[0], peer[1])
+    def __call__(self, peer: tuple[str, int], local: tuple[str, int] | None = None) -> str:
+        """`peer`: the caller's address; `local`: the address it called (the proxy's
+        listening one), which tells its socket apart from others on the same port."""
+        inode = socket_inode(peer[0], peer[1], local)
         if not inode:  # not listed, or listed without a socket (0: closed, TIME_WAIT)
             return UNATTRIBUTED
         pid = pid_holding(inode, list(self.pids))
@@ -464,7 +476,9 @@ class LinkProxy:
         self._tasks.add(task)
         try:
             peer = writer.get_extra_info("peername")
-            src = (await self._source((peer[0], peer[1])) if peer
+            local = writer.get_extra_info("sockname")
+            src = (await self._source((peer[0], peer[1]),
+                                      (local[0], local[1]) if local else None) if peer
                    else self.config.other_source)
             key = (src, route.node)
             self.connections[key] = self.connections.get(key, 0) + 1
@@ -484,25 +498,31 @@ class LinkProxy:
         finally:
             self._tasks.discard(task)
 
-    async def _source(self, peer: tuple[str, int]) -> str:
+    def _resolve(self, peer: tuple[str, int], local: tuple[str, int] | None) -> str:
+        if isinstance(self.resolve, SourceResolver):
+            return self.resolve(peer, local)
+        return self.resolve(peer)
+
+    async def _source(self, peer: tuple[str, int],
+                      local: tuple[str, int] | None = None) -> str:
         """Who is calling from `peer`. A worker's socket may not be found at once on a loaded
         host (seen: a t0 -> t1 connection, and 1.1 GB to n9, counted as the coordinator's):
         ask again before taking the peer for the other source, which costs only the
         coordinator's connections a short wait; a socket never found is UNATTRIBUTED."""
-        src = self.resolve(peer)
+        src = self._resolve(peer, local)
         other = self.config.other_source
         for _ in range(RESOLVE_RETRIES):
             if src not in (other, UNATTRIBUTED):
                 return src
             await asyncio.sleep(RESOLVE_RETRY_S)
-            src = self.resolve(peer)
+            src = self._resolve(peer, local)
         wait_s = RESOLVE_RETRY_S
         for _ in range(MISS_RETRIES):
             if src != UNATTRIBUTED:
                 break
             await asyncio.sleep(wait_s)
             wait_s *= 2
-            src = self.resolve(peer)
+            src = self._resolve(peer, local)
         return src
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
