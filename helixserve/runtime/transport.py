@@ -59,6 +59,18 @@ KEEPALIVE_S = float(os.environ.get("HELIXSERVE_GRPC_KEEPALIVE_S", "20"))
 #: 0.1 Gbit/s, but 7 s at 10 Mbit/s. gRPC's own default, 20 s, keeps a live peer on such a
 #: slow link alive; a dead one is still found within KEEPALIVE_S + this.
 KEEPALIVE_TIMEOUT_S = float(os.environ.get("HELIXSERVE_GRPC_KEEPALIVE_TIMEOUT_S", "20"))
+#: A fixed HTTP/2 stream window in bytes on the wire, BDP probing off (env
+#: HELIXSERVE_GRPC_STREAM_WINDOW_BYTES; unset: gRPC's own, which grows with the link). Only
+#: for a rehearsal whose activations cross as a smaller payload (rehearse/links.py): flow
+#: control counts bytes on the wire, so there a sender runs ahead by ~256x the real bytes a
+#: real link's window would let it, and a PING's ACK queues behind all of it.
+STREAM_WINDOW_BYTES = int(os.environ.get("HELIXSERVE_GRPC_STREAM_WINDOW_BYTES", "0"))
+
+
+def _window_options() -> list[tuple[str, Any]]:
+    if STREAM_WINDOW_BYTES <= 0:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES)]
 
 
 def channel_options(keepalive_s: float = KEEPALIVE_S,
@@ -72,6 +84,7 @@ def channel_options(keepalive_s: float = KEEPALIVE_S,
         ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        *_window_options(),
     ]
 
 
@@ -90,6 +103,7 @@ def server_options(keepalive_s: float = KEEPALIVE_S,
         # the server's own pings to idle clients (a dead coordinator's stream is noticed)
         ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        *_window_options(),
     ]
 
 

@@ -34,3 +34,18 @@ def test_the_default_is_grpcs_own_and_the_environment_overrides_it():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == ["80000", "80000"]
+
+
+def test_a_rehearsal_can_fix_the_stream_window_and_turn_bdp_probing_off():
+    env = {k: v for k, v in os.environ.items() if k != "HELIXSERVE_GRPC_STREAM_WINDOW_BYTES"}
+    code = ("from helixserve.runtime import transport as tp;"
+            "c, s = dict(tp.CHANNEL_OPTIONS), dict(tp.SERVER_OPTIONS);"
+            "print(c.get('grpc.http2.lookahead_bytes'), c.get('grpc.http2.bdp_probe'),"
+            "s.get('grpc.http2.lookahead_bytes'), s.get('grpc.http2.bdp_probe'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["None"] * 4  # gRPC's own window, growing with the link
+    env["HELIXSERVE_GRPC_STREAM_WINDOW_BYTES"] = "32768"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["32768", "0", "32768", "0"]
