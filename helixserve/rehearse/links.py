@@ -32,17 +32,46 @@ Declared bytes (the link ledger). An emulated worker may send its activations as
 payload (engine/emulated.py): the proxy sees only TLS ciphertext, so the sender declares the
 bytes it left out, just before it writes the batch they belong to, as one datagram on an
 abstract unix socket (`ProxyConfig.ledger`; runtime/transport.py `declare_unsent`): "node
-src, the next hop's address, K bytes". The proxy names the destination by the address (the
-route listening there) and adds K to that link's pending debt; the next chunk it reads on
-the link (the batch's own bytes: the datagram is queued before the worker writes the batch,
-and one loop pass handles the datagram before the pump it wakes) leaves only after K + its
-own bytes have been serialized. So a message takes the real size's serialization time and
-its latency once, as the real bytes would; the debt never runs ahead of its message on an
-idle link. If the proxy lags so far behind that the previous batch's last bytes are still
-unread, they carry the debt instead: that batch is later by it, the next one on time, the
-link's total the same. Stats: `bytes` are charged (on the wire + declared), `wire_bytes` and
-`declared_bytes` apart. A unix datagram socket does not drop; a declaration naming no route
-is counted in the stats file's "undeclared" section, never on a link.
+src, the next hop's address, K bytes" and, optionally, a fourth line: "W", the batch's own
+size on the wire. The proxy names the destination by the address (the route listening
+there). A declaration with W is a debt of K bytes spread over the next W bytes the link
+reads (`Link.debts`, oldest first): each chunk carries the declared bytes of the messages,
+or the parts of them, it holds, so a message leaves after its own real size, however many
+messages the sender wrote ahead of the proxy. One without W adds K to the link's pending
+debt, all of which rides on the next chunk read: right when the proxy reads each batch as
+it comes (the datagram is queued before the worker writes the batch, and one loop pass
+handles it before the pump it wakes), but a sender that runs ahead lumps the debts of all
+the batches it declared meanwhile onto one chunk, which then arrives that much later and
+its receiver hears nothing in between (gRPC's aio writes do not wait for HTTP/2 flow
+control, and with the payload 64 bytes a token the wire bytes are ~1/256 of the real
+ones, so a worker runs ahead by up to tens of MB of real bytes; issue 27). Either way the
+link's total is the same. Stats: `bytes` are charged (on the wire + declared), `wire_bytes`
+and `declared_bytes` apart. A unix datagram socket does not drop; a declaration naming no
+route is counted in the stats file's "undeclared" section, never on a link.
+
+Delivery in pieces. A chunk whose serialization takes over PIECE_GAP_S (its declared bytes
+included) arrives in pieces of at least PIECE_MIN_BYTES (a TLS record is read whole) spread
+evenly over it, its last byte when the whole chunk would have (`Link.pieces`): a real link
+delivers bytes as they come off the wire, and gRPC counts any bytes read as the peer being
+alive, so a receiver must not hear nothing for the whole of a long chunk.
+
+Backpressure (the link's window, `ProxyConfig.window_bytes`). A real link does not queue
+what its senders write for minutes: the sender's socket buffer and flow control hold it back
+once a few MiB are in flight. Here a link stops taking chunks while `window_bytes` or more
+wait to be serialized (`Link.room_at_s`), in real bytes (on the wire + declared), so the
+sender's socket and HTTP/2 window fill and its writes wait. Without it a link's FIFO grew
+to minutes on helix-geo-24, a keepalive PING sent after a quiet spell waited behind it for
+its ACK, and gRPC closed the connection (`GOAWAY ping_timeout`; issue 27). The window holds
+back only links whose declarations are sized (or that carry real bytes): while unsized
+declared bytes are pending, the next chunk is taken at once, since holding it back would
+lump the debts of every batch declared meanwhile onto it (gRPC's aio writes do not wait for
+HTTP/2 flow control, so a worker keeps declaring) and a connection held back longer than
+the keepalive timeout is aborted (seen with a 1 s timeout: `recvmsg: Connection timed
+out`, the kernel's TCP_USER_TIMEOUT, which gRPC sets from the keepalive timeout). Stats: `bytes` are what a link ACCEPTED, not what it delivered: `backlog_bytes` is
+the part still to be serialized when the stats were written (delivered = bytes -
+backlog_bytes; a broken connection's chunks count as delivered: they kept the link busy as
+lost bytes would). Without a window a link can accept far more than its bandwidth x wall
+time (helix-geo-24 milp, issue 27: n1 -> n8 accepted 757 MB against 568 MB of capacity).
 
 A pair the cluster file gives no link (`ClusterSpec.link` is None: bandwidth 0) should carry
 nothing, since no route uses it; if it does, its bytes are forwarded without limits and
@@ -59,10 +88,13 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import os
 import signal
 import socket
 import sys
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,6 +106,15 @@ from helixserve.spec.cluster import COORDINATOR, ClusterSpec
 CHUNK_BYTES = 64 * 1024
 #: chunks queued per connection direction before the reader waits (bounded memory)
 MAX_QUEUED_CHUNKS = 256
+#: real bytes (on the wire + declared) a link with a window holds accepted but not yet
+#: serialized before it stops reading its connections (module doc, Backpressure): Linux's
+#: largest default TCP send buffer (net.ipv4.tcp_wmem's max)
+WINDOW_BYTES = 4 * 1024 * 1024
+#: a chunk longer than this on the wire (declared bytes included) arrives in pieces spread
+#: over its serialization (`Link.pieces`), each at least PIECE_MIN_BYTES: a TLS record
+#: holds up to 16 KiB and the receiver can read none of it before it is whole
+PIECE_GAP_S = 0.25
+PIECE_MIN_BYTES = 17 * 1024
 
 
 @dataclass(frozen=True)
@@ -112,36 +153,112 @@ def link_table(cluster: ClusterSpec, names: list[str],
 
 
 class Link:
-    """One direction of a link: a FIFO with a serialization rate and a propagation delay."""
+    """One direction of a link: a FIFO with a serialization rate and a propagation delay,
+    which takes a chunk only while less than `window_bytes` wait to be serialized (module
+    doc, Backpressure; None: unbounded)."""
 
-    def __init__(self, shape: LinkShape) -> None:
+    def __init__(self, shape: LinkShape, window_bytes: int | None = None) -> None:
         self.shape = shape
+        self.window_bytes = window_bytes
         self.free_at_s = 0.0  # when the link has finished sending what it was given
         #: bytes that crossed the proxy (on the wire)
         self.bytes_sent = 0
         #: bytes declared by a sender (module doc), charged ahead of the next chunk
         self.bytes_declared = 0
+        #: declared bytes of declarations that name no size on the wire: all ride on the
+        #: next chunk
         self.pending_bytes = 0
+        #: [declared bytes, bytes on the wire] still due of each declaration that names its
+        #: message's size on the wire, oldest first: the chunks carry them as they carry the
+        #: message's own bytes (module doc, Declared bytes)
+        self.debts: deque[list[int]] = deque()
         self.chunks = 0
+        #: seconds the last chunk scheduled took to serialize, its declared bytes included
+        self.last_serialize_s = 0.0
+        #: set by an unsized declaration: a connection held back takes its next chunk now
+        self.declared_event = asyncio.Event()
 
-    def declare(self, num_bytes: int) -> None:
-        """`num_bytes` the sender left out of the message it is about to write: the next
-        chunk on the link serializes them before its own bytes."""
+    def declare(self, num_bytes: int, wire_bytes: int = 0) -> None:
+        """`num_bytes` the sender left out of the message it is about to write, whose own
+        bytes on the wire are `wire_bytes` (0: not said): they are serialized ahead of the
+        message's bytes, spread over the chunks that carry them; without a size, all ahead
+        of the next chunk."""
         self.bytes_declared += num_bytes
-        self.pending_bytes += num_bytes
+        if wire_bytes > 0:
+            self.debts.append([num_bytes, wire_bytes])
+        else:
+            self.pending_bytes += num_bytes
+            self.declared_event.set()
+
+    def _debt_of(self, num_bytes: int) -> int:
+        """The declared bytes due with a chunk of `num_bytes` on the wire: what the sender
+        left out of the messages (or the parts of them) the chunk holds, if they are sized."""
+        due = 0
+        while num_bytes > 0 and self.debts:
+            debt = self.debts[0]
+            if num_bytes >= debt[1]:
+                due += debt[0]
+                num_bytes -= debt[1]
+                self.debts.popleft()
+            else:
+                part = debt[0] * num_bytes // debt[1]
+                due += part
+                debt[0] -= part
+                debt[1] -= num_bytes
+                num_bytes = 0
+        return due
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.shape.bandwidth_gbps * 1e9 / 8
+
+    def backlog_bytes(self, now_s: float) -> int:
+        """Bytes accepted and not yet serialized at `now_s`, declared ones still pending
+        (not yet on a chunk) included."""
+        if not self.shape.limited:
+            return 0
+        return (round(max(0.0, self.free_at_s - now_s) * self.bytes_per_s) + self.pending_bytes
+                + sum(debt[0] for debt in self.debts))
+
+    def room_at_s(self, now_s: float) -> float:
+        """When the link takes its next chunk: at once on an unlimited or unbounded link,
+        or while unsized declared bytes are pending (they leave with the next chunk: held
+        back, it would gather the debts of every batch declared meanwhile); else once less
+        than the window waits to be serialized."""
+        if self.window_bytes is None or not self.shape.limited or self.pending_bytes:
+            return now_s  # unsized declared bytes wait for a chunk: take it at once
+        return max(now_s, self.free_at_s - self.window_bytes / self.bytes_per_s)
 
     def schedule(self, num_bytes: int, now_s: float) -> float:
         """Arrival time of `num_bytes` handed to the link at `now_s` (after any declared
         bytes pending)."""
         self.bytes_sent += num_bytes
         self.chunks += 1
-        charged = num_bytes + self.pending_bytes
+        charged = num_bytes + self.pending_bytes + self._debt_of(num_bytes)
         self.pending_bytes = 0
         if not self.shape.limited:
             return now_s
         start = max(now_s, self.free_at_s)
-        self.free_at_s = start + charged * 8 / (self.shape.bandwidth_gbps * 1e9)
+        self.last_serialize_s = charged / self.bytes_per_s
+        self.free_at_s = start + self.last_serialize_s
         return self.free_at_s + self.shape.latency_ms / 1000.0
+
+    def pieces(self, data: bytes, now_s: float) -> list[tuple[float, bytes]]:
+        """`data` handed to the link at `now_s` as (arrival time, bytes) pieces: the last
+        byte arrives when `schedule` says; a chunk whose serialization (declared bytes
+        included) takes over PIECE_GAP_S is cut into pieces of at least PIECE_MIN_BYTES that
+        arrive evenly over it (module doc, Backpressure), so the receiver reads as a real
+        link's would, not nothing for seconds and then all at once."""
+        arrive_s = self.schedule(len(data), now_s)
+        if not self.shape.limited:
+            return [(arrive_s, data)]
+        serialize_s = self.last_serialize_s
+        count = min(len(data) // PIECE_MIN_BYTES, math.ceil(serialize_s / PIECE_GAP_S))
+        if count <= 1:
+            return [(arrive_s, data)]
+        cuts = [len(data) * i // count for i in range(count + 1)]
+        return [(arrive_s - serialize_s * (count - i) / count, data[cuts[i - 1]:cuts[i]])
+                for i in range(1, count + 1)]
 
 
 @dataclass(frozen=True)
@@ -171,6 +288,9 @@ class ProxyConfig:
     #: the link ledger's name (an abstract unix datagram socket, "\0" + this) where senders
     #: declare the bytes they left out (module doc); None: no ledger
     ledger: str | None = None
+    #: a link's window in real bytes (module doc, Backpressure); None: unbounded, the FIFO
+    #: takes whatever its senders write
+    window_bytes: int | None = WINDOW_BYTES
 
     def to_json(self) -> str:
         return json.dumps({
@@ -179,6 +299,7 @@ class ProxyConfig:
             "pids": {str(k): v for k, v in self.pids.items()},
             "stats_path": self.stats_path, "host": self.host, "other_source": self.other_source,
             "max_seconds": self.max_seconds, "ledger": self.ledger,
+            "window_bytes": self.window_bytes,
         }, indent=1)
 
     @classmethod
@@ -193,6 +314,7 @@ class ProxyConfig:
             other_source=raw.get("other_source", COORDINATOR),
             max_seconds=float(raw.get("max_seconds", 3600.0)),
             ledger=raw.get("ledger"),
+            window_bytes=raw.get("window_bytes", WINDOW_BYTES),
         )
 
 
@@ -208,21 +330,31 @@ MISS_RETRIES = 6
 UNATTRIBUTED = "unattributed"
 
 
-def socket_inode(host: str, port: int) -> int | None:
-    """Inode of the local TCP socket bound to host:port, from /proc/net/tcp, or tcp6 where
-    the caller used a dual-stack socket (gRPC does: the address is then ::ffff:host)."""
+def _packed(host: str, port: int, v6: bool) -> str:
+    """host:port as /proc/net/tcp (v6: tcp6, a dual-stack socket's ::ffff:host) writes it."""
     v4 = "".join(f"{int(b):02X}" for b in reversed(host.split(".")))
     # /proc/net/tcp6: four 32-bit words, each in host (little-endian) byte order
-    v6 = "0000000000000000FFFF0000" + v4
-    for table, packed in (("/proc/net/tcp", v4), ("/proc/net/tcp6", v6)):
-        want = f"{packed}:{port:04X}"
+    return f"{'0000000000000000FFFF0000' + v4 if v6 else v4}:{port:04X}"
+
+
+def socket_inode(host: str, port: int,
+                 remote: tuple[str, int] | None = None) -> int | None:
+    """Inode of the local TCP socket bound to host:port and, when `remote` is given,
+    connected to it, from /proc/net/tcp, or tcp6 where the caller used a dual-stack socket
+    (gRPC does: the address is then ::ffff:host). Give `remote`: Linux lets connect() reuse a
+    local port for another destination, so host:port alone may name another process's
+    socket (seen: the proxy's own connection to a worker, which made a worker's connection
+    the coordinator's and left its declared bytes charged nowhere; issue 27)."""
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        want = _packed(host, port, v6)
+        peer = _packed(*remote, v6) if remote else None
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
             cols = line.split()
-            if len(cols) > 9 and cols[1] == want:
+            if len(cols) > 9 and cols[1] == want and (peer is None or cols[2] == peer):
                 return int(cols[9])
     return None
 
@@ -252,8 +384,10 @@ class SourceResolver:
         self.pids = pids
         self.other = other
 
-    def __call__(self, peer: tuple[str, int]) -> str:
-        inode = socket_inode(peer[0], peer[1])
+    def __call__(self, peer: tuple[str, int], local: tuple[str, int] | None = None) -> str:
+        """`peer`: the caller's address; `local`: the address it called (the proxy's
+        listening one), which tells its socket apart from others on the same port."""
+        inode = socket_inode(peer[0], peer[1], local)
         if not inode:  # not listed, or listed without a socket (0: closed, TIME_WAIT)
             return UNATTRIBUTED
         pid = pid_holding(inode, list(self.pids))
@@ -283,7 +417,8 @@ class LinkProxy:
     def link(self, src: str, dst: str) -> Link:
         key = (src, dst)
         if key not in self.links:
-            self.links[key] = Link(self.config.links.get(key, UNLIMITED))
+            self.links[key] = Link(self.config.links.get(key, UNLIMITED),
+                                   self.config.window_bytes)
         return self.links[key]
 
     def host_of(self, route: ProxyRoute) -> str:
@@ -307,8 +442,11 @@ class LinkProxy:
         """A sender's declaration (runtime/transport.py `ledger_message`): bytes it left out
         of what it is about to write on the link src -> the route at an address."""
         try:
-            src, address, count = message.decode().split("\n")
+            src, address, count, *wire = message.decode().split("\n")
             num_bytes = int(count)
+            wire_bytes = int(wire[0]) if wire else 0
+            if len(wire) > 1:
+                raise ValueError(message)
         except ValueError:
             self.undeclared["malformed"] = self.undeclared.get("malformed", 0) + 1
             return
@@ -317,7 +455,7 @@ class LinkProxy:
             why = f"{src} -> {address}"
             self.undeclared[why] = self.undeclared.get(why, 0) + max(num_bytes, 0)
             return
-        self.link(src, dst).declare(num_bytes)
+        self.link(src, dst).declare(num_bytes, max(wire_bytes, 0))
 
     async def close(self) -> None:
         if self._ledger is not None:
@@ -338,7 +476,9 @@ class LinkProxy:
         self._tasks.add(task)
         try:
             peer = writer.get_extra_info("peername")
-            src = (await self._source((peer[0], peer[1])) if peer
+            local = writer.get_extra_info("sockname")
+            src = (await self._source((peer[0], peer[1]),
+                                      (local[0], local[1]) if local else None) if peer
                    else self.config.other_source)
             key = (src, route.node)
             self.connections[key] = self.connections.get(key, 0) + 1
@@ -358,25 +498,31 @@ class LinkProxy:
         finally:
             self._tasks.discard(task)
 
-    async def _source(self, peer: tuple[str, int]) -> str:
+    def _resolve(self, peer: tuple[str, int], local: tuple[str, int] | None) -> str:
+        if isinstance(self.resolve, SourceResolver):
+            return self.resolve(peer, local)
+        return self.resolve(peer)
+
+    async def _source(self, peer: tuple[str, int],
+                      local: tuple[str, int] | None = None) -> str:
         """Who is calling from `peer`. A worker's socket may not be found at once on a loaded
         host (seen: a t0 -> t1 connection, and 1.1 GB to n9, counted as the coordinator's):
         ask again before taking the peer for the other source, which costs only the
         coordinator's connections a short wait; a socket never found is UNATTRIBUTED."""
-        src = self.resolve(peer)
+        src = self._resolve(peer, local)
         other = self.config.other_source
         for _ in range(RESOLVE_RETRIES):
             if src not in (other, UNATTRIBUTED):
                 return src
             await asyncio.sleep(RESOLVE_RETRY_S)
-            src = self.resolve(peer)
+            src = self._resolve(peer, local)
         wait_s = RESOLVE_RETRY_S
         for _ in range(MISS_RETRIES):
             if src != UNATTRIBUTED:
                 break
             await asyncio.sleep(wait_s)
             wait_s *= 2
-            src = self.resolve(peer)
+            src = self._resolve(peer, local)
         return src
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -401,10 +547,17 @@ class LinkProxy:
         sender = asyncio.ensure_future(deliver())
         try:
             while True:
+                # the link's window: no read (so the sender's socket and HTTP/2 window fill
+                # and its writes wait) while the link has a window's worth to serialize
+                while (wait_s := link.room_at_s(loop.time()) - loop.time()) > 0:
+                    link.declared_event.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(link.declared_event.wait(), wait_s)
                 data = await reader.read(CHUNK_BYTES)
                 if not data:
                     break
-                await chunks.put((link.schedule(len(data), loop.time()), data))
+                for piece in link.pieces(data, loop.time()):
+                    await chunks.put(piece)
             await chunks.put((loop.time(), b""))
             await sender
         except (ConnectionError, OSError):
@@ -416,13 +569,14 @@ class LinkProxy:
         """Per directed link between machines that carried a connection: bytes, chunks,
         connections, shape (UNATTRIBUTED traffic is in `unattributed`)."""
         out: dict[str, dict[str, Any]] = {}
+        now_s = time.monotonic()  # the event loop's clock (asyncio's default)
         for (src, dst), link in sorted(self.links.items()):
             if UNATTRIBUTED in (src, dst):
                 continue
             out[f"{src}->{dst}"] = {
                 "src": src, "dst": dst, "bytes": link.bytes_sent + link.bytes_declared,
                 "wire_bytes": link.bytes_sent, "declared_bytes": link.bytes_declared,
-                "chunks": link.chunks,
+                "chunks": link.chunks, "backlog_bytes": link.backlog_bytes(now_s),
                 "connections": self.connections.get((src, dst), 0),
                 "bandwidth_gbps": link.shape.bandwidth_gbps, "latency_ms": link.shape.latency_ms,
                 **({"unlinked": True} if (src, dst) not in self.config.links else {}),

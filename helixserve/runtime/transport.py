@@ -50,22 +50,45 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Seconds between keepalive pings on idle channels (env HELIXSERVE_GRPC_KEEPALIVE_S; tests
 #: shrink it to reproduce hours of idling in seconds).
 KEEPALIVE_S = float(os.environ.get("HELIXSERVE_GRPC_KEEPALIVE_S", "20"))
+#: Seconds a keepalive ping waits for its ACK before the connection is declared dead (env
+#: HELIXSERVE_GRPC_KEEPALIVE_TIMEOUT_S; the rehearsal scales it by its time scale, as its
+#: links). The ACK travels behind all the peer has already written in that direction: its
+#: socket buffer (Linux autotunes up to 4 MiB) and its HTTP/2 window (gRPC's BDP probe grows
+#: it to several MiB on a long link), ~8 MiB of activations on a busy pipeline link: 0.7 s at
+#: 0.1 Gbit/s, but 7 s at 10 Mbit/s. gRPC's own default, 20 s, keeps a live peer on such a
+#: slow link alive; a dead one is still found within KEEPALIVE_S + this.
+KEEPALIVE_TIMEOUT_S = float(os.environ.get("HELIXSERVE_GRPC_KEEPALIVE_TIMEOUT_S", "20"))
+#: A fixed HTTP/2 stream window in bytes on the wire, BDP probing off (env
+#: HELIXSERVE_GRPC_STREAM_WINDOW_BYTES; unset: gRPC's own, which grows with the link). Only
+#: for a rehearsal whose activations cross as a smaller payload (rehearse/links.py): flow
+#: control counts bytes on the wire, so there a sender runs ahead by ~256x the real bytes a
+#: real link's window would let it, and a PING's ACK queues behind all of it.
+STREAM_WINDOW_BYTES = int(os.environ.get("HELIXSERVE_GRPC_STREAM_WINDOW_BYTES", "0"))
 
 
-def channel_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, Any]]:
+def _window_options() -> list[tuple[str, Any]]:
+    if STREAM_WINDOW_BYTES <= 0:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES)]
+
+
+def channel_options(keepalive_s: float = KEEPALIVE_S,
+                    timeout_s: float = KEEPALIVE_TIMEOUT_S) -> list[tuple[str, Any]]:
     """Options of every client channel (coordinator -> worker, worker -> next hop)."""
     return [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         # Loopback and LAN links: keep persistent streams alive through idle periods and NATs.
         ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        *_window_options(),
     ]
 
 
-def server_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, Any]]:
+def server_options(keepalive_s: float = KEEPALIVE_S,
+                   timeout_s: float = KEEPALIVE_TIMEOUT_S) -> list[tuple[str, Any]]:
     """Options of the worker's server, agreeing with `channel_options`' pings: by default a
     gRPC server allows a ping without data only every 5 minutes and sends GOAWAY
     `too_many_pings` after 2 early ones, which killed idle worker-to-worker streams after
@@ -78,7 +101,8 @@ def server_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, Any]]:
         ("grpc.http2.min_ping_interval_without_data_ms", int(keepalive_s * 1000 / 2)),
         # the server's own pings to idle clients (a dead coordinator's stream is noticed)
         ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        *_window_options(),
     ]
 
 
