@@ -212,6 +212,23 @@ class EmulatedCluster:
         self.cluster_path.write_text(yaml.safe_dump(data, sort_keys=False))
         self.inputs.placement.save(self.placement_path)
 
+    def grpc_env(self) -> dict[str, str]:
+        """gRPC's settings for this rehearsal's workers and coordinator (docs/rehearse.md,
+        "Links"): the keepalive timeout x the time scale, as every emulated time is; with a
+        smaller payload, an HTTP/2 stream window of the wire bytes that stand for 4 MiB of
+        real ones (flow control counts wire bytes), so a sender cannot run far ahead of a
+        slow link and a PING's answer never waits behind minutes of queued bytes."""
+        from helixserve.runtime.transport import KEEPALIVE_TIMEOUT_S
+
+        env = {"HELIXSERVE_GRPC_KEEPALIVE_TIMEOUT_S": repr(KEEPALIVE_TIMEOUT_S * self.time_scale)}
+        if self.payload_bytes_per_token is not None:
+            model = self.inputs.model
+            real = model.hidden_size * model.dtype_bytes
+            if self.payload_bytes_per_token < real:
+                window = 4 * 2**20 * self.payload_bytes_per_token // real
+                env["HELIXSERVE_GRPC_STREAM_WINDOW_BYTES"] = str(max(32768, window))
+        return env
+
     def _spawn(self, name: str, args: list[str], stdout: Any = None,
                stdin: Any = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = (self.logs / f"{name}.log").open("wb")
@@ -231,7 +248,8 @@ class EmulatedCluster:
         # the workers, forked from it, inherit its environment: the link ledger's name
         server = self._spawn("forkserver", [FORKSERVER, "worker"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE,
-                             env={LINK_LEDGER_ENV: self.ledger} if self.ledger else None)
+                             env={**self.grpc_env(),
+                                  **({LINK_LEDGER_ENV: self.ledger} if self.ledger else {})})
         self.forkserver = ForkServer(server)
         payload = ([] if self.payload_bytes_per_token is None else
                    ["--emulated-payload-bytes-per-token", str(self.payload_bytes_per_token)])
@@ -266,7 +284,8 @@ class EmulatedCluster:
             "--cluster", str(self.cluster_path), *common, "--host", HOST,
             "--port", str(self.ports.api), "--profiles", str(self.inputs.profiles_path),
             "--gpu-reserve-gb", str(DEFAULT_RESERVED_GB_PER_GPU), "--no-replan",
-            "--log-level", "warning", *creds.coordinator.flags(), *self.serve_args])
+            "--log-level", "warning", *creds.coordinator.flags(), *self.serve_args],
+            env=self.grpc_env())
         self._wait_api(timeout_s=180.0)
 
     def _check_alive(self) -> None:

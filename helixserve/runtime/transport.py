@@ -283,9 +283,12 @@ LINK_LEDGER_ENV = "HELIXSERVE_LINK_LEDGER"
 LEDGER_SEND_TIMEOUT_S = 1.0
 
 
-def ledger_message(src: str, address: str, num_bytes: int) -> bytes:
-    """One declaration: `num_bytes` more on the link from node `src` to `address`."""
-    return f"{src}\n{address}\n{num_bytes}".encode()
+def ledger_message(src: str, address: str, num_bytes: int, wire_bytes: int = 0) -> bytes:
+    """One declaration: `num_bytes` more on the link from node `src` to `address`; with
+    `wire_bytes` > 0, the size on the wire of the message they belong to (a 4th line), so the
+    proxy charges them with that message's own bytes (rehearse/links.py)."""
+    tail = f"\n{wire_bytes}" if wire_bytes > 0 else ""
+    return f"{src}\n{address}\n{num_bytes}{tail}".encode()
 
 
 class LinkLedger:
@@ -300,9 +303,9 @@ class LinkLedger:
         self.lost_bytes = 0
         self.lost_declarations = 0
 
-    def declare(self, src: str, address: str, num_bytes: int) -> None:
+    def declare(self, src: str, address: str, num_bytes: int, wire_bytes: int = 0) -> None:
         try:
-            self.sock.sendto(ledger_message(src, address, num_bytes), self.address)
+            self.sock.sendto(ledger_message(src, address, num_bytes, wire_bytes), self.address)
         except OSError as exc:
             self.lost_bytes += num_bytes
             self.lost_declarations += 1
@@ -324,6 +327,7 @@ def declare_unsent(src: str, address: str, hiddens: Iterable[Any]) -> None:
     link src -> address, just before the batch is written (module doc). Real activations
     leave nothing out: nothing is sent."""
     global _ledger
+    hiddens = list(hiddens)
     num_bytes = sum(getattr(h, "unsent_nbytes", 0) for h in hiddens)
     if not num_bytes:
         return
@@ -334,7 +338,9 @@ def declare_unsent(src: str, address: str, hiddens: Iterable[Any]) -> None:
             log.warning("activations are sent as a smaller payload but %s names no link "
                         "ledger: the bytes left out are charged by no link", LINK_LEDGER_ENV)
     if isinstance(_ledger, LinkLedger):
-        _ledger.declare(src, address, num_bytes)
+        # the payloads' size on the wire: the proxy charges the declared bytes with them
+        wire_bytes = sum(getattr(h, "payload_nbytes", 0) for h in hiddens if h is not None)
+        _ledger.declare(src, address, num_bytes, wire_bytes)
 
 
 # ---- work items -------------------------------------------------------------------------

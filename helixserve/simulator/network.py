@@ -1,10 +1,19 @@
 """Links and NICs of the simulated cluster: when does a transfer arrive?
 
 A transfer of `nbytes` from `src` to `dst` holds the directed link, the sender's NIC egress
-and the receiver's NIC ingress, each for `nbytes / its bandwidth`, starting when all three
-are free: one transfer at a time per direction, in the order they were sent (FIFO). It
-arrives one link latency after the slowest of the three is done. Each resource is a
-"free at" cursor, so a transfer costs O(1) and needs no events of its own.
+and the receiver's NIC ingress, each for `nbytes / its bandwidth`: one transfer at a time
+per link direction and per NIC direction, each in the order they were handed over (FIFO).
+A NIC takes the transfer when it is handed over (or when the NIC is free), whatever the
+link's queue: a NIC feeds all of a node's links, so a transfer waiting behind one slow
+link's queue must not hold the NIC, and the node's other links, until its turn there. The
+link starts the transfer once it is free and both NICs have started it. It arrives one link
+latency after the last of the three is done. Each resource is a "free at" cursor, so a
+transfer costs O(1) and needs no events of its own.
+
+(Before 2026-12-06 the NICs' cursors moved to the link's start: on helix-geo-24 a node
+with six 0.1 Gbit/s links out carried about a third of what they can, and the rehearsal of
+the same placement, whose links are independent, measured up to 5x the simulator's prompt
+tokens/s in the first minute; docs/rehearse.md.)
 """
 
 from __future__ import annotations
@@ -55,19 +64,19 @@ class Network:
         """Reserve the link and NICs for a transfer sent at `now_s`; return its arrival time."""
         link = self.links.get((src, dst)) or self._link(src, dst)
         busy_s = nbytes / link.bytes_per_s
-        start = max(now_s, link.free_at_s)
         out_bps, in_bps = self.nic_bps[src], self.nic_bps[dst]
-        out_s = nbytes / out_bps if out_bps else 0.0
-        in_s = nbytes / in_bps if in_bps else 0.0
+        out_start = in_start = now_s
+        out_s = in_s = 0.0
         if out_bps:
-            start = max(start, self.nic_out_free[src])
+            out_start = max(now_s, self.nic_out_free[src])
+            out_s = nbytes / out_bps
+            self.nic_out_free[src] = out_start + out_s
         if in_bps:
-            start = max(start, self.nic_in_free[dst])
+            in_start = max(now_s, self.nic_in_free[dst])
+            in_s = nbytes / in_bps
+            self.nic_in_free[dst] = in_start + in_s
+        start = max(link.free_at_s, out_start, in_start)
         link.free_at_s = start + busy_s
         link.busy_s += busy_s
         link.bytes_sent += nbytes
-        if out_bps:
-            self.nic_out_free[src] = start + out_s
-        if in_bps:
-            self.nic_in_free[dst] = start + in_s
-        return start + max(busy_s, out_s, in_s) + link.latency_s
+        return max(start + busy_s, out_start + out_s, in_start + in_s) + link.latency_s

@@ -60,7 +60,10 @@ def test_declare_unsent_sends_one_datagram_a_batch_with_what_was_left_out(monkey
         batch = [ZeroHidden("float16", (3, 8), 3 * ROW, 6), None,
                  ZeroHidden("float16", (1, 8), ROW, 2), tp.RawHidden("float16", (1, 8), bytes(ROW))]
         tp.declare_unsent("t0", "127.0.0.1:4100", batch)
-        assert sock.recv(1000) == tp.ledger_message("t0", "127.0.0.1:4100", 42 + 14)
+        # the bytes left out, and the payloads' own size on the wire (6 + 2): the proxy charges
+        # the first with the second
+        assert sock.recv(1000) == tp.ledger_message("t0", "127.0.0.1:4100", 42 + 14, 6 + 2)
+        assert tp.ledger_message("t0", "a", 5, 0) == b"t0\na\n5"  # unsized: three lines
         # real activations leave nothing out: nothing is declared
         tp.declare_unsent("t0", "127.0.0.1:4100", [ZeroHidden("float16", (1, 8), ROW)])
         sock.settimeout(0.05)
