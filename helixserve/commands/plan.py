@@ -491,17 +491,6 @@ class ServedPlan:
     """What the placement serves in it."""
 
 
-def _engine_fields(engine: str) -> dict[str, Any]:
-    """SelectionConfig fields of an engine model (the batching ones and `engine_options`)."""
-    from helixserve.simulator.presets import engine_config
-    from helixserve.simulator.selection import SelectionConfig
-
-    other = SelectionConfig.from_engine(engine_config(engine))
-    keys = ("kv_allocation", "chunked_prefill", "prefill_chunk_tokens", "max_prompt_tokens",
-            "max_prefilling", "engine_options")
-    return {k: getattr(other, k) for k in keys}
-
-
 def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
                 engine: str = "vllm", also: str | None = DEFAULT_ALSO, combine: str = "min",
                 duration_s: float | None = None,
@@ -546,7 +535,7 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
     scorer = SimScorer(net, requests, config, check_jobs(jobs), partial)
     also_scorer = None
     if also is not None and also != engine:
-        also_scorer = SimScorer(net, requests, replace(config, **_engine_fields(also)),
+        also_scorer = SimScorer(net, requests, replace(config, **SelectionConfig.from_engine(engine_config(also)).engine_fields()),
                                 check_jobs(jobs), partial)
 
     def ranges_of(p: Any) -> dict[int, tuple[int, int]]:

@@ -240,16 +240,11 @@ def node_move(ranges: Ranges, kmax: np.ndarray, num_layers: int,
         return None
     new = dict(ranges)
     new[i] = (s, e)
-    cover = np.zeros(num_layers + 1, dtype=np.int64)
-    for a, b in new.values():
-        cover[a] += 1
-        cover[b] -= 1
-    if not np.all(np.cumsum(cover)[:num_layers] > 0):
-        return None
-    return new
+    return new if _covers(new, num_layers) else None
 
 
 def _covers(ranges: Ranges, num_layers: int) -> bool:
+    """Every layer of [0, num_layers) is held by some machine."""
     cover = np.zeros(num_layers + 1, dtype=np.int64)
     for a, b in ranges.values():
         cover[a] += 1

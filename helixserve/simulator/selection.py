@@ -66,6 +66,12 @@ SELECTION_MODES = ("saturate", "replay")
 REPLAY_BASELINES = ("swarm", "separate", "petals")
 
 
+#: the SelectionConfig fields an engine model sets by name (`SelectionConfig.from_engine`; its
+#: other options go to `engine_options`)
+ENGINE_FIELDS = ("kv_allocation", "chunked_prefill", "prefill_chunk_tokens",
+                 "max_prompt_tokens", "max_prefilling")
+
+
 @dataclass(frozen=True)
 class SelectionConfig:
     """How candidates are simulated (saturated or the trace replayed) and how many tilings
@@ -98,10 +104,18 @@ class SelectionConfig:
     def from_engine(cls, engine: Mapping[str, Any], **fields: Any) -> SelectionConfig:
         """The selection run with an engine model's options (`simulator.presets.ENGINES`):
         every one of them, the batching fields as fields and the rest as `engine_options`."""
-        keys = ("kv_allocation", "chunked_prefill", "prefill_chunk_tokens", "max_prompt_tokens",
-                "max_prefilling")
-        rest = tuple(sorted((k, v) for k, v in engine.items() if k not in keys))
-        return cls(**{k: engine[k] for k in keys}, engine_options=rest, **fields)
+        rest = tuple(sorted((k, v) for k, v in engine.items() if k not in ENGINE_FIELDS))
+        return cls(**{k: engine[k] for k in ENGINE_FIELDS}, engine_options=rest, **fields)
+
+    def engine_fields(self) -> dict[str, Any]:
+        """What `from_engine` set: the batching fields and `engine_options` (to put another
+        engine model in a copy: `dataclasses.replace(config, **other.engine_fields())`)."""
+        return {k: getattr(self, k) for k in (*ENGINE_FIELDS, "engine_options")}
+
+    @property
+    def kv_watermark(self) -> float:
+        """The share of KV admission leaves free (an engine option; 0 without one)."""
+        return float(dict(self.engine_options).get("kv_watermark", 0.0))
 
     def check(self) -> SelectionConfig:
         if self.mode not in SELECTION_MODES:
@@ -233,7 +247,7 @@ def simulate_pressure(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
                       placement: Placement, requests: Sequence[Any],
                       config: SelectionConfig) -> ScoredRun:
     """`simulate_scored` with each node's pressure in the scoring run (`node_pressure`)."""
-    watermark = float(dict(config.engine_options).get("kv_watermark", 0.0))
+    watermark = config.kv_watermark
     if config.window is not None and config.mode != "replay":
         w = simulate_windowed(cluster, model, cost, placement, requests, config)
         return ScoredRun(w.tokens_per_s, w.events, w.pressure)
@@ -315,7 +329,7 @@ def simulate_windowed(cluster: ClusterSpec, model: ModelSpec, cost: CostModel,
     counted_s = duration - first * result.bucket_s
     tokens = sum(result.token_timeline[first:])
     value = tokens / counted_s if counted_s > 0 else 0.0
-    watermark = float(dict(config.engine_options).get("kv_watermark", 0.0))
+    watermark = config.kv_watermark
     return WindowedScore(float(value), events, fill, lifetime, duration,
                          first * result.bucket_s, simulated, node_pressure(result, watermark))
 
