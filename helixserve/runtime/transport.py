@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 from collections.abc import Iterable, Sequence
@@ -219,23 +220,15 @@ def _checked_shape(msg: pb.Tensor, where: str, shape: Sequence[int | None],
         want = dtype_name(dtype) if dtype is not None else " | ".join(_ITEMSIZE)
         raise WireError(f"{where}.dtype: got {msg.dtype!r}, expected {want}")
     got_shape = list(msg.shape)
-    # one plain loop: this runs for every item on every hop
-    fits = len(got_shape) == len(shape)
-    positive = True
-    count = 1
-    for g, w in zip(got_shape, shape, strict=False):
-        if w is not None and g != w:
-            fits = False
-        if g <= 0:
-            positive = False
-        count *= g
-    if not fits:
+    if len(got_shape) != len(shape) or any(
+        w is not None and g != w for g, w in zip(got_shape, shape, strict=False)
+    ):
         pretty = ["*" if w is None else w for w in shape]
         raise WireError(f"{where}.shape: got {got_shape}, expected {pretty}")
-    if not positive:
+    if any(g <= 0 for g in got_shape):
         raise WireError(f"{where}.shape: dims must be positive, got {got_shape}")
     itemsize = _ITEMSIZE[msg.dtype]
-    want_bytes = count * itemsize
+    want_bytes = math.prod(got_shape) * itemsize
     got_bytes = len(msg.data if data is None else data)
     if payload and got_bytes < want_bytes and got_bytes >= got_shape[0] \
             and got_bytes % got_shape[0] == 0:
