@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from helixserve.engine.protocol import RawHidden
+from helixserve.errors import UserError
 from helixserve.planner.placement import NodeRange
 from helixserve.prefix import BLOCK_HASH_BYTES, CacheEvents
 from helixserve.request import PromptLogprob, SamplingParams, StructuredOutput
@@ -48,9 +49,26 @@ log = logging.getLogger(__name__)
 #: 8192-wide fp32 model that is 16 MiB. Prefills longer than `prefill_chunk_tokens(...)` are split.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+
+
+def _env_number(name: str, default: float, minimum: float) -> float:
+    """The number in environment variable `name` (`default` when unset); a value that is not
+    a number >= `minimum` is a UserError naming the variable and the value."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value >= minimum:
+        raise UserError(f"{name}: bad value {raw!r}; need a number >= {minimum:g}")
+    return value
+
+
 #: Seconds between keepalive pings on idle channels (env HELIXSERVE_GRPC_KEEPALIVE_S; tests
 #: shrink it to reproduce hours of idling in seconds).
-KEEPALIVE_S = float(os.environ.get("HELIXSERVE_GRPC_KEEPALIVE_S", "20"))
+KEEPALIVE_S = _env_number("HELIXSERVE_GRPC_KEEPALIVE_S", 20.0, 0.001)
 #: Seconds a keepalive ping waits for its ACK before the connection is declared dead (env
 #: HELIXSERVE_GRPC_KEEPALIVE_TIMEOUT_S; the rehearsal scales it by its time scale, as its
 #: links). The ACK travels behind all the peer has already written in that direction: its
@@ -58,13 +76,13 @@ KEEPALIVE_S = float(os.environ.get("HELIXSERVE_GRPC_KEEPALIVE_S", "20"))
 #: it to several MiB on a long link), ~8 MiB of activations on a busy pipeline link: 0.7 s at
 #: 0.1 Gbit/s, but 7 s at 10 Mbit/s. gRPC's own default, 20 s, keeps a live peer on such a
 #: slow link alive; a dead one is still found within KEEPALIVE_S + this.
-KEEPALIVE_TIMEOUT_S = float(os.environ.get("HELIXSERVE_GRPC_KEEPALIVE_TIMEOUT_S", "20"))
+KEEPALIVE_TIMEOUT_S = _env_number("HELIXSERVE_GRPC_KEEPALIVE_TIMEOUT_S", 20.0, 0.001)
 #: A fixed HTTP/2 stream window in bytes on the wire, BDP probing off (env
 #: HELIXSERVE_GRPC_STREAM_WINDOW_BYTES; unset: gRPC's own, which grows with the link). Only
 #: for a rehearsal whose activations cross as a smaller payload (rehearse/links.py): flow
 #: control counts bytes on the wire, so there a sender runs ahead by ~256x the real bytes a
 #: real link's window would let it, and a PING's ACK queues behind all of it.
-STREAM_WINDOW_BYTES = int(os.environ.get("HELIXSERVE_GRPC_STREAM_WINDOW_BYTES", "0"))
+STREAM_WINDOW_BYTES = int(_env_number("HELIXSERVE_GRPC_STREAM_WINDOW_BYTES", 0, 0))
 
 
 def _window_options() -> list[tuple[str, Any]]:

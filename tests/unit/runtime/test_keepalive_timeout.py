@@ -9,6 +9,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from helixserve.errors import UserError
 from helixserve.runtime import transport as tp
 
 
@@ -49,3 +52,14 @@ def test_a_rehearsal_can_fix_the_stream_window_and_turn_bdp_probing_off():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == ["32768", "0", "32768", "0"]
+
+
+def test_a_bad_value_in_the_environment_is_a_user_error_naming_it(monkeypatch):
+    monkeypatch.setenv("HELIXSERVE_GRPC_KEEPALIVE_TIMEOUT_S", "abc")
+    with pytest.raises(UserError, match=r"HELIXSERVE_GRPC_KEEPALIVE_TIMEOUT_S: bad value 'abc'"):
+        tp._env_number("HELIXSERVE_GRPC_KEEPALIVE_TIMEOUT_S", 20.0, 0.001)
+    monkeypatch.setenv("HELIXSERVE_GRPC_STREAM_WINDOW_BYTES", "-3")
+    with pytest.raises(UserError, match=r"HELIXSERVE_GRPC_STREAM_WINDOW_BYTES: bad value '-3'"):
+        tp._env_number("HELIXSERVE_GRPC_STREAM_WINDOW_BYTES", 0, 0)
+    monkeypatch.delenv("HELIXSERVE_GRPC_STREAM_WINDOW_BYTES")
+    assert tp._env_number("HELIXSERVE_GRPC_STREAM_WINDOW_BYTES", 0, 0) == 0
