@@ -37,7 +37,7 @@ from helixserve.simulator.nodes import SimNode, SimRequest
 class NodeCache:
     """One simulated node's prefix cache (module doc)."""
 
-    __slots__ = ("refs", "free", "log")
+    __slots__ = ("refs", "free", "log", "evicted", "peak_blocks")
 
     def __init__(self) -> None:
         #: names in use -> how many running requests use them
@@ -45,6 +45,9 @@ class NodeCache:
         #: names no running request uses, least recently used first
         self.free: OrderedDict[BlockHash, None] = OrderedDict()
         self.log = CacheEventLog()
+        #: blocks evicted so far, and the most blocks held at once (after a step)
+        self.evicted = 0
+        self.peak_blocks = 0
 
     def __len__(self) -> int:
         return len(self.refs) + len(self.free)
@@ -94,6 +97,8 @@ class NodeCache:
         while len(free) > max(0, room_blocks):
             h, _ = free.popitem(last=False)
             self.log.removed(h)
+            self.evicted += 1
+        self.peak_blocks = max(self.peak_blocks, len(self.refs) + len(free))
 
 
 def request_names(r: SimRequest, hop: int, blocks: int, block_size: int) -> list[BlockHash]:
