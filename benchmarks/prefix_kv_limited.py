@@ -14,9 +14,9 @@ route of its previous turn, the most blocks each node's cache held, and how many
 
 Timing is a stand-in for the 2-core VM (prefill 1 ms a token, a decode step 100 ms, for
 the whole model; split by layers): the hit rates depend on it only through the order of
-events. Conversations start together; their later turns arrive `--turn-gap-s` apart plus a
-uniform jitter of up to `--jitter-s` (so turns interleave as in the closed-loop benchmark,
-not in lock step with the router's rotation).
+events. Conversations start together (`--conversation-gap-s` staggers them); their later
+turns arrive `--turn-gap-s` apart plus a uniform jitter of up to `--jitter-s` (so turns
+interleave as in the closed-loop benchmark, not in lock step with the router's rotation).
 
     python -m benchmarks.prefix_kv_limited --json benchmarks/results/prefix_kv_limited.json
 """
@@ -98,7 +98,8 @@ def build(topology: str, kv_mib: float, n3_share: float = 0.5) -> tuple[Any, Any
 
 def run(topology: str, kv_mib: float, conversations: int, turns: int, user_tokens: int,
         output_tokens: int, system_tokens: int, seed: int, aware: bool, turn_gap_s: float,
-        jitter_s: float, n3_share: float = 0.5) -> dict[str, Any]:
+        jitter_s: float, n3_share: float = 0.5, conversation_gap_s: float = 0.0,
+        flow_weight: float | None = None) -> dict[str, Any]:
     from helixserve.simulator.metrics import latencies, percentiles, prefix_summary
     from helixserve.simulator.sim import SimConfig, Simulation
     from helixserve.simulator.workload import multi_turn
@@ -106,13 +107,16 @@ def run(topology: str, kv_mib: float, conversations: int, turns: int, user_token
     cluster, model, cost, placement = build(topology, kv_mib, n3_share)
     reqs = multi_turn(conversations, turns, system_prompt_tokens=system_tokens,
                       user_tokens=user_tokens, output_tokens=output_tokens,
-                      conversation_gap_s=0.0, turn_gap_s=turn_gap_s, seed=seed)
+                      conversation_gap_s=conversation_gap_s, turn_gap_s=turn_gap_s,
+                      seed=seed)
     rng = random.Random(seed + 1)
     reqs = sorted((replace(r, arrival_s=r.arrival_s + (0.0 if r.request_id.endswith("-turn0")
                                                         else rng.uniform(0, jitter_s)))
                    for r in reqs), key=lambda r: r.arrival_s)
-    config = SimConfig(duration_s=turns * turn_gap_s + jitter_s + 600.0, scheduler="maxflow",
-                       seed=seed, kv_allocation="on-demand", cache_aware=aware)
+    flow = {} if flow_weight is None else {"prefix_flow_weight": flow_weight}
+    config = SimConfig(duration_s=conversations * conversation_gap_s + turns * turn_gap_s
+                       + jitter_s + 600.0, scheduler="maxflow", seed=seed,
+                       kv_allocation="on-demand", cache_aware=aware, **flow)
     sim = Simulation(cluster, model, cost, placement, reqs, config)
     sim.decisions = []
     result = sim.run()
@@ -152,6 +156,10 @@ def main() -> None:
     ap.add_argument("--n3-share", type=float, nargs="+", default=[0.5, 0.64],
                     help="demo: the flow's shares of route n1 -> n3 to run (0.5: equal "
                     "nodes; the demo's MILP plans about 0.64)")
+    ap.add_argument("--conversation-gap-s", type=float, default=0.0,
+                    help="seconds between conversations' first turns (0: all start together)")
+    ap.add_argument("--flow-weight", type=float, default=None,
+                    help="SimConfig.prefix_flow_weight (default: the core's, 0.25)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rows = []
@@ -162,7 +170,8 @@ def main() -> None:
                             for sd in args.seeds):
         p, a = (run(args.topology, kv, args.conversations, args.turns, args.user_tokens,
                     args.output_tokens, args.system_tokens, seed, aware, args.turn_gap_s,
-                    args.jitter_s, share) for aware in (False, True))
+                    args.jitter_s, share, args.conversation_gap_s, args.flow_weight)
+                for aware in (False, True))
         ratio = a["hit_rate"] / p["hit_rate"] if p["hit_rate"] else 0.0
         rows.append({"n3_share": share, "kv_mib": kv, "seed": seed, "ratio": ratio,
                      "plain": p, "aware": a})
