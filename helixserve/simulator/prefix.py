@@ -9,7 +9,8 @@ request runs there):
   block when the decode step that fills it has run. A request admitted with
   `Admission.cached_tokens` attaches those blocks on every hop at admission.
 - free: blocks no running request uses (finished or preempted ones), least recently used
-  first. They live in the KV the ledger has not handed out, so after each step the node
+  first, a request's last block before its first (as the engines free them: a prefix's
+  tail is evicted before its head). They live in the KV the ledger has not handed out, so after each step the node
   keeps at most `(kv_cap - used_tokens) // block_size` of them and evicts the rest, least
   recently used first; a block in use is never evicted.
 After each step the node's `CacheEventLog` (what it stored and removed) goes to the core
@@ -36,7 +37,7 @@ from helixserve.simulator.nodes import SimNode, SimRequest
 class NodeCache:
     """One simulated node's prefix cache (module doc)."""
 
-    __slots__ = ("refs", "free", "log")
+    __slots__ = ("refs", "free", "log", "evicted", "peak_blocks")
 
     def __init__(self) -> None:
         #: names in use -> how many running requests use them
@@ -44,6 +45,9 @@ class NodeCache:
         #: names no running request uses, least recently used first
         self.free: OrderedDict[BlockHash, None] = OrderedDict()
         self.log = CacheEventLog()
+        #: blocks evicted so far, and the most blocks held at once (after a step)
+        self.evicted = 0
+        self.peak_blocks = 0
 
     def __len__(self) -> int:
         return len(self.refs) + len(self.free)
@@ -75,9 +79,11 @@ class NodeCache:
 
     def release(self, names: Sequence[BlockHash]) -> None:
         """A request stopped using these (finished or preempted): they stay cached, most
-        recently used last."""
+        recently used last, its last block first (as the engines and vLLM free a request's
+        blocks: a prefix's tail is evicted before its head, whose blocks every later block's
+        match needs)."""
         refs, free = self.refs, self.free
-        for h in names:
+        for h in reversed(names):
             n = refs[h] - 1
             if n:
                 refs[h] = n
@@ -91,6 +97,8 @@ class NodeCache:
         while len(free) > max(0, room_blocks):
             h, _ = free.popitem(last=False)
             self.log.removed(h)
+            self.evicted += 1
+        self.peak_blocks = max(self.peak_blocks, len(self.refs) + len(free))
 
 
 def request_names(r: SimRequest, hop: int, blocks: int, block_size: int) -> list[BlockHash]:
