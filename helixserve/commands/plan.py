@@ -470,6 +470,54 @@ class SimScorer:
         return [results[id(p)].tokens_per_s if id(p) in results else 0.0 for p in placed]
 
 
+def served_configs(engine: str, also: str | None, duration_s: float | None,
+                   mode: str = "saturate", seed: int = 0) -> tuple[Any, Any]:
+    """The served objective's simulation settings (simulator.selection.SelectionConfig), for
+    `engine` and for the second engine model `also` (None without one, or when it is
+    `engine`): each placement in its own window (planner/window.py) when `duration_s` is
+    None and `mode` is saturate, else `duration_s` seconds (the first quarter, at most
+    300 s, not counted; in replay mode past the last arrival)."""
+    from helixserve.planner.window import ScoringWindow
+    from helixserve.simulator.presets import engine_config
+    from helixserve.simulator.selection import SelectionConfig
+
+    windowed = duration_s is None and mode == "saturate"
+    fixed_s = REPLAY_HORIZON_S if duration_s is None else duration_s
+    config = SelectionConfig.from_engine(
+        engine_config(engine), duration_s=fixed_s, warmup_s=min(300.0, fixed_s / 4),
+        seed=seed, mode=mode, window=ScoringWindow() if windowed else None).check()
+    if also is None or also == engine:
+        return config, None
+    fields = SelectionConfig.from_engine(engine_config(also)).engine_fields()
+    return config, replace(config, **fields)
+
+
+def served_estimate(cluster: Any, model: Any, cost: Any, placement: Any, requests: list[Any],
+                    *, engine: str = "vllm", also: str | None = DEFAULT_ALSO,
+                    duration_s: float | None = None, seed: int = 0, jobs: int | None = 1,
+                    partial: bool = True) -> tuple[float, float | None, Any]:
+    """What the served objective's scorer gives `placement` (`plan_served`'s numbers, as
+    `plan` prints them): decode tokens/s in `engine` and in `also` (None without one), with
+    the same settings (`served_configs`), the placement's flows recomputed with `cost` (give
+    the engine's memory, as `plan` does) and its `route_within_regions` kept; and the
+    SelectionConfig used."""
+    from helixserve.planner.flow import FlowNetwork
+    from helixserve.planner.parallel import check_jobs
+
+    config, also_config = served_configs(engine, also, duration_s, "saturate", seed)
+    net = FlowNetwork(cluster, model, cost)
+    ranges = {net.index[r.name]: (r.start_layer, r.end_layer) for r in placement.nodes}
+    scores: list[float | None] = []
+    for cfg in (config, also_config):
+        if cfg is None:
+            scores.append(None)
+            continue
+        scorer = SimScorer(net, requests, cfg, check_jobs(jobs), partial)
+        scorer.within_regions = placement.route_within_regions
+        scores.append(scorer([ranges])[0])
+    return float(scores[0] or 0.0), scores[1], config
+
+
 @dataclass
 class ServedPlan:
     """What `plan_served` found: the placement and how it got there."""
@@ -513,9 +561,7 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
     from helixserve.planner.portfolio import Candidate
     from helixserve.planner.registry import plan, to_placement
     from helixserve.planner.served import MIN_GAIN, Objective, served_search
-    from helixserve.planner.window import ScoringWindow
-    from helixserve.simulator.presets import engine_config
-    from helixserve.simulator.selection import SelectionConfig, regional_pipelines
+    from helixserve.simulator.selection import regional_pipelines
 
     say = progress or (lambda msg: None)
     started = time.perf_counter() if started is None else started
@@ -527,16 +573,11 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
                 work_limit=FLOW_SHARE * work_limit if work_limit is not None else None,
                 candidates=candidates)
     net = FlowNetwork(cluster, model, cost)
-    windowed = duration_s is None and mode == "saturate"
-    fixed_s = REPLAY_HORIZON_S if duration_s is None else duration_s
-    config = SelectionConfig.from_engine(
-        engine_config(engine), duration_s=fixed_s, warmup_s=min(300.0, fixed_s / 4),
-        seed=seed, mode=mode, window=ScoringWindow() if windowed else None).check()
+    config, also_config = served_configs(engine, also, duration_s, mode, seed)
+    windowed = config.window is not None
     scorer = SimScorer(net, requests, config, check_jobs(jobs), partial)
-    also_scorer = None
-    if also is not None and also != engine:
-        also_scorer = SimScorer(net, requests, replace(config, **SelectionConfig.from_engine(engine_config(also)).engine_fields()),
-                                check_jobs(jobs), partial)
+    also_scorer = (None if also_config is None else
+                   SimScorer(net, requests, also_config, check_jobs(jobs), partial))
 
     def ranges_of(p: Any) -> dict[int, tuple[int, int]]:
         return {net.index[r.name]: (r.start_layer, r.end_layer) for r in p.nodes}
