@@ -38,6 +38,10 @@ TILING_STARTS = 12
 #: (docs/calibration.md): a fifth of the vllm model's events on helix-single-24, about half
 #: on helix-mix-42
 DEFAULT_ALSO = "helix-prototype"
+#: --serve-reference: what each engine model's ratio is taken over (planner/served.py,
+#: `served_search`'s `reference`: "first" is the max-flow answer, the first start)
+REFERENCES = {"max-flow": "first", "best": "best"}
+DEFAULT_REFERENCE = "max-flow"
 
 
 def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None:
@@ -184,6 +188,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "answer make one value: min (default) the smaller; geomean their "
                    "geometric mean (an experiment; its screen assumes a candidate gains at "
                    "most 5%% over the current placement in --serve-engine)")
+    p.add_argument("--serve-reference", default=DEFAULT_REFERENCE, choices=REFERENCES,
+                   help="with --serve-also: what each model's score is taken over: max-flow "
+                   "the max-flow answer's score in that model; best the best score any start "
+                   "reached in that model (so the best in each model is 1.0 in each); "
+                   f"default {DEFAULT_REFERENCE}; docs/planner.md, 'Two engine models'")
     p.add_argument("--serve-duration", type=finite_float, default=None, metavar="SECONDS",
                    help="simulated seconds per candidate, the first quarter (at most 300 s) "
                    "not counted (default with the served objective: each placement's own "
@@ -541,6 +550,7 @@ class ServedPlan:
 
 def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
                 engine: str = "vllm", also: str | None = DEFAULT_ALSO, combine: str = "min",
+                reference: str = DEFAULT_REFERENCE,
                 duration_s: float | None = None,
                 mode: str = "saturate",
                 time_limit_s: float = 300.0, work_limit: float | None = None, seed: int = 0,
@@ -623,7 +633,8 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
             f"{'each in its own window' if windowed else f'{config.duration_s:.0f} s each'} "
             f"({engine} engine{f' and {also}' if also_scorer is not None else ''})")
         outcome = served_search(net, starts, scorer, end, seed, progress=say,
-                                also=also_scorer, combine=combine)
+                                also=also_scorer, combine=combine,
+                                reference=REFERENCES[reference])
         best = outcome.best
         served, served_also = best.served_tokens_per_s, best.also_tokens_per_s
         regions = len({n.region for n in cluster.nodes}) > 1
@@ -658,7 +669,7 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
     """`plan_served` from the flags: the placement and the line that says what it serves."""
     out = plan_served(cluster, model, cost, requests, engine=args.serve_engine,
                       also=None if args.serve_also == "none" else args.serve_also,
-                      combine=args.serve_combine,
+                      combine=args.serve_combine, reference=args.serve_reference,
                       duration_s=args.serve_duration, mode=args.serve_mode,
                       time_limit_s=args.time_limit, work_limit=args.work_limit,
                       seed=args.seed, jobs=args.jobs, partial=partial, progress=progress,

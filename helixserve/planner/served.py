@@ -404,7 +404,8 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
                   deadline_s: float, seed: int = 0, batch: int = BATCH,
                   max_stall: int = 50,
                   progress: Callable[[str], None] | None = None,
-                  also: ServedScorer | None = None, combine: str = "min") -> ServedOutcome:
+                  also: ServedScorer | None = None, combine: str = "min",
+                  reference: str = "first") -> ServedOutcome:
     """The placement of `starts` and their neighbourhoods that scores highest, found by
     `deadline_s` (planner clock); see the module doc. With `also` (a second scorer, cheaper
     than `scorer`: the command's helix-prototype model), every placement is scored by both
@@ -477,6 +478,16 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
                 say(f"served: {source} serves {also_cache.values[key(ranges)]:,.1f} in the "
                     "second engine model: screened out")
         step_cost = clock.now() - started
+    if reference == "best" and also_cache is not None:
+        # each model's reference: the best any start reached in it (screened-out starts
+        # count in the second model), so the best placement in each model is 1.0 in it
+        objective = Objective(
+            max((c.served_tokens_per_s for c in scored), default=1.0) or 1.0,
+            max((also_cache.values[key(r)] for _, r in unique if key(r) in also_cache.values),
+                default=1.0) or 1.0, combine)
+        scored = [Scored(c.source, c.ranges, c.served_tokens_per_s, c.also_tokens_per_s,
+                         objective(c.served_tokens_per_s, c.also_tokens_per_s))
+                  for c in scored]
     best = max(scored, key=lambda c: c.value)
     out = ServedOutcome(best, scored, objective=objective)
     cur = best
