@@ -351,6 +351,47 @@ def order_move(ranges: Ranges, kind: Sequence[str], num_layers: int,
     return None if new == ranges else new
 
 
+def block_orders(ranges: Ranges, kind: Sequence[str], num_layers: int) -> list[Ranges]:
+    """The stage orders of a stage-structured placement that move one block of stages (a
+    longest run of consecutive stages of one machine `kind`, e.g. the T4 triples) to the
+    front or to the end, each stage keeping its machines and its number of layers: at most
+    2 (blocks - 1) placements, none equal to `ranges`, in a fixed order (every block to the
+    front, then every block to the end). Empty when `ranges` is not stage-structured or has
+    one block."""
+    form = stage_form(ranges, num_layers)
+    if form is None:
+        return []
+    cuts, stage_of = form
+    n = len(cuts) - 1
+    members: list[list[int]] = [[] for _ in range(n)]
+    for i, p in stage_of.items():
+        members[p].append(i)
+    label = [tuple(sorted({kind[i] for i in m})) for m in members]
+    blocks: list[list[int]] = []
+    for p in range(n):
+        if blocks and label[blocks[-1][-1]] == label[p]:
+            blocks[-1].append(p)
+        else:
+            blocks.append([p])
+    out: list[Ranges] = []
+    seen = {key(ranges)}
+    for to_front in (True, False):
+        for b in range(len(blocks)):
+            rest = [blk for j, blk in enumerate(blocks) if j != b]
+            moved = [blocks[b]] + rest if to_front else rest + [blocks[b]]
+            new: Ranges = {}
+            start = 0
+            for p in (p for blk in moved for p in blk):
+                size = cuts[p + 1] - cuts[p]
+                for i in members[p]:
+                    new[i] = (start, start + size)
+                start += size
+            if key(new) not in seen:
+                seen.add(key(new))
+                out.append(new)
+    return out
+
+
 def neighbours(ranges: Ranges, kmax: np.ndarray, num_layers: int, rng: random.Random,
                count: int, exclude: set[tuple[tuple[int, int, int], ...]],
                pressure: dict[int, float] | None = None,
@@ -405,7 +446,7 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
                   max_stall: int = 50,
                   progress: Callable[[str], None] | None = None,
                   also: ServedScorer | None = None, combine: str = "min",
-                  reference: str = "first") -> ServedOutcome:
+                  reference: str = "first", order_step: bool = True) -> ServedOutcome:
     """The placement of `starts` and their neighbourhoods that scores highest, found by
     `deadline_s` (planner clock); see the module doc. With `also` (a second scorer, cheaper
     than `scorer`: the command's helix-prototype model), every placement is scored by both
@@ -495,6 +536,25 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
     kind = [f"{x.gpu}x{x.num_gpus}" for x in net.cluster.nodes]
     rng = random.Random(seed)
     stall = 0
+    # first, the best start's block orders (`block_orders`), all in one step when it fits:
+    # where prompts prefill whole at every hop the order of the stages matters (the T4
+    # triples first on helix-single-24), and a random draw reaches them late
+    orders = block_orders(cur.ranges, kind, L) if order_step else []
+    if orders and clock.now() + step_cost * -(-len(orders) // batch) <= deadline_s:
+        started = clock.now()
+        threshold = cur.value * (1 + MIN_GAIN)
+        cap = (1 + SCREEN_SLACK) * objective.ratios(cur.served_tokens_per_s,
+                                                    cur.also_tokens_per_s or 0.0)[0]
+        found = [c for c in score([("block order", r) for r in orders], threshold, cap)
+                 if c is not None]
+        step_cost = (clock.now() - started) / -(-len(orders) // batch)
+        top = max(found, key=lambda c: c.value, default=None)
+        if top is not None and top.value > threshold:
+            cur = top
+            out.steps.append(cur)
+            say(f"served block order: {top.served_tokens_per_s:,.1f} decode tokens/s"
+                + ("" if top.also_tokens_per_s is None else
+                   f", {top.also_tokens_per_s:,.1f} in the second (value {top.value:.3f})"))
     while stall < max_stall and clock.now() + step_cost <= deadline_s:
         started = clock.now()
         cands = neighbours(cur.ranges, kmax, L, rng, batch,
