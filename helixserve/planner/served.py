@@ -536,25 +536,28 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
     kind = [f"{x.gpu}x{x.num_gpus}" for x in net.cluster.nodes]
     rng = random.Random(seed)
     stall = 0
-    # first, the best start's block orders (`block_orders`), all in one step when it fits:
-    # where prompts prefill whole at every hop the order of the stages matters (the T4
-    # triples first on helix-single-24), and a random draw reaches them late
+    # first, the best start's block orders (`block_orders`), a batch at a time while the
+    # next fits: where prompts prefill whole at every hop the order of the stages matters
+    # (the T4 triples first on helix-single-24), and a random draw reaches them late
     orders = block_orders(cur.ranges, kind, L) if order_step else []
-    if orders and clock.now() + step_cost * -(-len(orders) // batch) <= deadline_s:
+    threshold = cur.value * (1 + MIN_GAIN)
+    top: Scored | None = None
+    for b in range(0, len(orders), batch):
+        if clock.now() + step_cost > deadline_s:
+            break
         started = clock.now()
-        threshold = cur.value * (1 + MIN_GAIN)
         cap = (1 + SCREEN_SLACK) * objective.ratios(cur.served_tokens_per_s,
                                                     cur.also_tokens_per_s or 0.0)[0]
-        found = [c for c in score([("block order", r) for r in orders], threshold, cap)
-                 if c is not None]
-        step_cost = (clock.now() - started) / -(-len(orders) // batch)
-        top = max(found, key=lambda c: c.value, default=None)
-        if top is not None and top.value > threshold:
-            cur = top
-            out.steps.append(cur)
-            say(f"served block order: {top.served_tokens_per_s:,.1f} decode tokens/s"
-                + ("" if top.also_tokens_per_s is None else
-                   f", {top.also_tokens_per_s:,.1f} in the second (value {top.value:.3f})"))
+        for c in score([("block order", r) for r in orders[b : b + batch]], threshold, cap):
+            if c is not None and c.value > (threshold if top is None else top.value):
+                top = c
+        step_cost = clock.now() - started
+    if top is not None:
+        cur = top
+        out.steps.append(cur)
+        say(f"served block order: {top.served_tokens_per_s:,.1f} decode tokens/s"
+            + ("" if top.also_tokens_per_s is None else
+               f", {top.also_tokens_per_s:,.1f} in the second (value {top.value:.3f})"))
     while stall < max_stall and clock.now() + step_cost <= deadline_s:
         started = clock.now()
         cands = neighbours(cur.ranges, kmax, L, rng, batch,
