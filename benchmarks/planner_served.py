@@ -16,6 +16,11 @@ Clusters: helix-single-24 and helix-geo-24 (`examples/clusters/`) and helix-mix-
 Scorers, each a decode tokens/s:
 
 - `evaluator`: the max flow, as `helixserve evaluate` prints it (the plan's own objective);
+- `estimate-vllm`, `estimate-helix-prototype`: the served objective's own estimate, what
+  `helixserve evaluate --served` prints and `plan` prints for its pick (its scorer: the
+  plan's 4,000 requests drawn from the conversation mix, each placement in its own window,
+  the vllm engine's memory); printed with the milp / authors ratio it predicts against the
+  simulated one in that model (and the evaluator's);
 - `vllm`, `helix-prototype`: `helixserve simulate --offline --engine E` on the Azure
   conversation trace, maxflow routing, each engine's memory; windows as docs/calibration.md
   (600 s with 60 s warmup, and the prototype's 300 s with 60 s), `--vllm-window`,
@@ -69,7 +74,11 @@ REPO = full_size.REPO
 CLUSTERS = full_size.CLUSTERS
 PLANS = ["milp", "authors", "swarm", "separate", "petals"]
 BASELINES = ["swarm", "separate", "petals"]
-SCORERS = ["evaluator", "vllm", "helix-prototype", "helix-sim", "rehearsal"]
+SCORERS = ["evaluator", "estimate-vllm", "estimate-helix-prototype", "vllm", "helix-prototype",
+           "helix-sim", "rehearsal"]
+#: the served objective's own estimate (`helixserve evaluate --served`, what `plan` prints):
+#: scorer -> the engine model it estimates, the simulated scorer it predicts
+ESTIMATES = {"estimate-vllm": "vllm", "estimate-helix-prototype": "helix-prototype"}
 #: (duration s, warmup s) of each simulated engine, as docs/calibration.md runs them
 WINDOWS = {"vllm": (600.0, 60.0), "helix-prototype": (300.0, 60.0)}
 FORMAT = "helixserve.benchmarks.planner_served/v1"
@@ -83,6 +92,8 @@ class Scoring:
         self.profiles: ProfileTable = load_profiles(full_size.PROFILES)
         self.trace: list[TraceRequest] = prepare_trace(load_azure_trace(full_size.TRACE))
         self.clusters: dict[str, ClusterSpec] = {}
+        #: (cluster, id of the placement) -> engine -> the served estimate's details
+        self.estimates: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
 
     def cluster(self, key: str) -> ClusterSpec:
         if key not in self.clusters:
@@ -116,6 +127,51 @@ class Scoring:
         return {"decode_tokens_per_s": round(s["decode_throughput_tokens_per_s"], 1),
                 "tpot_mean_s": round(s["tpot_s"]["mean"], 3),
                 "in_flight_end": s["requests_in_flight"], "wall_s": round(s["wall_s"], 1)}
+
+
+    def estimate(self, key: str, placement: Placement, engine: str,
+                 reserve_gb: float | None) -> dict[str, Any]:
+        """`helixserve evaluate --served` (the served objective's scorer, as `plan` scores
+        its picks): `engine` and the other model of the pair simulated on the plan's own
+        requests (drawn from the conversation mix, seed 0), each in its own window, with
+        `reserve_gb` a GPU (None: the vllm engine's memory, as plan's). Both models in one
+        call, kept for the other column."""
+        memo = self.estimates.setdefault((key, id(placement)), {})
+        if engine not in memo:
+            from helixserve.commands.plan import served_estimate, workload_requests
+
+            cost = CostModel(self.model, self.profiles, reserved_gb_per_gpu=(
+                engine_gpu_reserve_gb("vllm") if reserve_gb is None else reserve_gb))
+            started = time.perf_counter()
+            try:
+                primary, also, _ = served_estimate(
+                    self.cluster(key), self.model, cost, placement, workload_requests(None, 0),
+                    engine="vllm", also="helix-prototype", jobs=1)
+            except UserError as exc:
+                return {"error": str(exc)}
+            wall = round(time.perf_counter() - started, 1)
+            for name, value in (("vllm", primary), ("helix-prototype", also)):
+                memo[name] = {"decode_tokens_per_s": None if value is None else round(value, 1),
+                              "window": "its own (planner/window.py)",
+                              "requests": "4,000 drawn from the conversation mix, seed 0",
+                              "wall_s_both": wall}
+        return memo[engine]
+
+
+def predictions(case: dict[str, Any]) -> dict[str, Any]:
+    """milp / authors as each estimate predicts it (the served estimate in each engine model,
+    and the evaluator's max flow) against the simulated ratio in each model, with how far
+    apart they are (predicted / simulated - 1)."""
+    out: dict[str, Any] = {}
+    for scorer, engine in ESTIMATES.items():
+        for predictor in (scorer, "evaluator"):
+            pred = case["ratios"].get(predictor, {}).get("milp_over_authors")
+            sim = case["ratios"].get(engine, {}).get("milp_over_authors")
+            if pred is None or sim is None:
+                continue
+            out[f"{predictor} vs {engine}"] = {"predicted": pred, "simulated": sim,
+                                               "off_by": round(pred / sim - 1, 3)}
+    return out
 
 
 def git_describe(repo: Path) -> str:
@@ -254,6 +310,7 @@ def analyse(case: dict[str, Any], tie: float) -> None:
     case["ratios"] = {s: ratios(v) for s, v in scores.items()}
     case["rankings"] = rankings(scores)
     case["disagreements"] = disagreements(scores, tie)
+    case["predictions"] = predictions(case)
 
 
 def merge(old: dict[str, Any], case: dict[str, Any], ran: list[str]) -> None:
@@ -287,9 +344,10 @@ def print_case(name: str, case: dict[str, Any]) -> None:
     scorers = [s for s in SCORERS if s in case["scores"]
                and any(v is not None for v in case["scores"][s].values())]
     print(f"\n{name}, llama-2-70b: decode tokens/s")
-    print(f"{'placement':<15}" + "".join(f"{s:>16}" for s in scorers))
+    width = {s: max(16, len(s) + 2) for s in scorers}
+    print(f"{'placement':<15}" + "".join(f"{s:>{width[s]}}" for s in scorers))
     for plan in (p for p in PLANS if p in case["placements"]):
-        print(f"{plan:<15}" + "".join(f"{fmt(case['scores'][s].get(plan), '.1f'):>16}"
+        print(f"{plan:<15}" + "".join(f"{fmt(case['scores'][s].get(plan), '.1f'):>{width[s]}}"
                                      for s in scorers))
     for label, key in (("milp/authors", "milp_over_authors"),
                        ("milp/best base", "milp_over_best_baseline")):
@@ -299,8 +357,11 @@ def print_case(name: str, case: dict[str, Any]) -> None:
             cell = fmt(r[key], ".2f")
             if key == "milp_over_best_baseline" and r["best_baseline"]:
                 cell += f" ({r['best_baseline']})"
-            cells.append(f"{cell:>16}")
+            cells.append(f"{cell:>{width[s]}}")
         print(f"{label:<15}" + "".join(cells))
+    for label, p in case.get("predictions", {}).items():
+        print(f"  milp/authors predicted by {label.replace(' vs ', ', simulated in ')}: "
+              f"{p['predicted']:.2f} against {p['simulated']:.2f} ({p['off_by']:+.0%})")
     for s, why in case["skipped"].items():
         print(f"  {s}: {why}")
     if not case["disagreements"]:
@@ -456,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"scoring {name} {plan} with {scorer}", file=sys.stderr, flush=True)
                     if scorer == "evaluator":
                         out = scoring.evaluator(key, placement)
+                    elif scorer in ESTIMATES:
+                        out = scoring.estimate(key, placement, ESTIMATES[scorer],
+                                               args.gpu_reserve_gb)
                     elif scorer in WINDOWS:
                         window = getattr(args, f"{scorer.replace('-', '_')}_window")
                         out = scoring.simulate(key, placement, scorer, tuple(window))

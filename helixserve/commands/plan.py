@@ -38,6 +38,10 @@ TILING_STARTS = 12
 #: (docs/calibration.md): a fifth of the vllm model's events on helix-single-24, about half
 #: on helix-mix-42
 DEFAULT_ALSO = "helix-prototype"
+#: --serve-reference: what each engine model's ratio is taken over (planner/served.py,
+#: `served_search`'s `reference`: "first" is the max-flow answer, the first start)
+REFERENCES = {"max-flow": "first", "best": "best"}
+DEFAULT_REFERENCE = "max-flow"
 
 
 def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None:
@@ -184,6 +188,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "answer make one value: min (default) the smaller; geomean their "
                    "geometric mean (an experiment; its screen assumes a candidate gains at "
                    "most 5%% over the current placement in --serve-engine)")
+    p.add_argument("--serve-reference", default=DEFAULT_REFERENCE, choices=REFERENCES,
+                   help="with --serve-also: what each model's score is taken over: max-flow "
+                   "the max-flow answer's score in that model; best the best score any start "
+                   "reached in that model (so the best in each model is 1.0 in each); "
+                   f"default {DEFAULT_REFERENCE}; docs/planner.md, 'Two engine models'")
     p.add_argument("--serve-duration", type=finite_float, default=None, metavar="SECONDS",
                    help="simulated seconds per candidate, the first quarter (at most 300 s) "
                    "not counted (default with the served objective: each placement's own "
@@ -470,6 +479,54 @@ class SimScorer:
         return [results[id(p)].tokens_per_s if id(p) in results else 0.0 for p in placed]
 
 
+def served_configs(engine: str, also: str | None, duration_s: float | None,
+                   mode: str = "saturate", seed: int = 0) -> tuple[Any, Any]:
+    """The served objective's simulation settings (simulator.selection.SelectionConfig), for
+    `engine` and for the second engine model `also` (None without one, or when it is
+    `engine`): each placement in its own window (planner/window.py) when `duration_s` is
+    None and `mode` is saturate, else `duration_s` seconds (the first quarter, at most
+    300 s, not counted; in replay mode past the last arrival)."""
+    from helixserve.planner.window import ScoringWindow
+    from helixserve.simulator.presets import engine_config
+    from helixserve.simulator.selection import SelectionConfig
+
+    windowed = duration_s is None and mode == "saturate"
+    fixed_s = REPLAY_HORIZON_S if duration_s is None else duration_s
+    config = SelectionConfig.from_engine(
+        engine_config(engine), duration_s=fixed_s, warmup_s=min(300.0, fixed_s / 4),
+        seed=seed, mode=mode, window=ScoringWindow() if windowed else None).check()
+    if also is None or also == engine:
+        return config, None
+    fields = SelectionConfig.from_engine(engine_config(also)).engine_fields()
+    return config, replace(config, **fields)
+
+
+def served_estimate(cluster: Any, model: Any, cost: Any, placement: Any, requests: list[Any],
+                    *, engine: str = "vllm", also: str | None = DEFAULT_ALSO,
+                    duration_s: float | None = None, seed: int = 0, jobs: int | None = 1,
+                    partial: bool = True) -> tuple[float, float | None, Any]:
+    """What the served objective's scorer gives `placement` (`plan_served`'s numbers, as
+    `plan` prints them): decode tokens/s in `engine` and in `also` (None without one), with
+    the same settings (`served_configs`), the placement's flows recomputed with `cost` (give
+    the engine's memory, as `plan` does) and its `route_within_regions` kept; and the
+    SelectionConfig used."""
+    from helixserve.planner.flow import FlowNetwork
+    from helixserve.planner.parallel import check_jobs
+
+    config, also_config = served_configs(engine, also, duration_s, "saturate", seed)
+    net = FlowNetwork(cluster, model, cost)
+    ranges = {net.index[r.name]: (r.start_layer, r.end_layer) for r in placement.nodes}
+    scores: list[float | None] = []
+    for cfg in (config, also_config):
+        if cfg is None:
+            scores.append(None)
+            continue
+        scorer = SimScorer(net, requests, cfg, check_jobs(jobs), partial)
+        scorer.within_regions = placement.route_within_regions
+        scores.append(scorer([ranges])[0])
+    return float(scores[0] or 0.0), scores[1], config
+
+
 @dataclass
 class ServedPlan:
     """What `plan_served` found: the placement and how it got there."""
@@ -493,6 +550,7 @@ class ServedPlan:
 
 def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
                 engine: str = "vllm", also: str | None = DEFAULT_ALSO, combine: str = "min",
+                reference: str = DEFAULT_REFERENCE,
                 duration_s: float | None = None,
                 mode: str = "saturate",
                 time_limit_s: float = 300.0, work_limit: float | None = None, seed: int = 0,
@@ -513,9 +571,7 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
     from helixserve.planner.portfolio import Candidate
     from helixserve.planner.registry import plan, to_placement
     from helixserve.planner.served import MIN_GAIN, Objective, served_search
-    from helixserve.planner.window import ScoringWindow
-    from helixserve.simulator.presets import engine_config
-    from helixserve.simulator.selection import SelectionConfig, regional_pipelines
+    from helixserve.simulator.selection import regional_pipelines
 
     say = progress or (lambda msg: None)
     started = time.perf_counter() if started is None else started
@@ -527,16 +583,11 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
                 work_limit=FLOW_SHARE * work_limit if work_limit is not None else None,
                 candidates=candidates)
     net = FlowNetwork(cluster, model, cost)
-    windowed = duration_s is None and mode == "saturate"
-    fixed_s = REPLAY_HORIZON_S if duration_s is None else duration_s
-    config = SelectionConfig.from_engine(
-        engine_config(engine), duration_s=fixed_s, warmup_s=min(300.0, fixed_s / 4),
-        seed=seed, mode=mode, window=ScoringWindow() if windowed else None).check()
+    config, also_config = served_configs(engine, also, duration_s, mode, seed)
+    windowed = config.window is not None
     scorer = SimScorer(net, requests, config, check_jobs(jobs), partial)
-    also_scorer = None
-    if also is not None and also != engine:
-        also_scorer = SimScorer(net, requests, replace(config, **SelectionConfig.from_engine(engine_config(also)).engine_fields()),
-                                check_jobs(jobs), partial)
+    also_scorer = (None if also_config is None else
+                   SimScorer(net, requests, also_config, check_jobs(jobs), partial))
 
     def ranges_of(p: Any) -> dict[int, tuple[int, int]]:
         return {net.index[r.name]: (r.start_layer, r.end_layer) for r in p.nodes}
@@ -582,7 +633,8 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
             f"{'each in its own window' if windowed else f'{config.duration_s:.0f} s each'} "
             f"({engine} engine{f' and {also}' if also_scorer is not None else ''})")
         outcome = served_search(net, starts, scorer, end, seed, progress=say,
-                                also=also_scorer, combine=combine)
+                                also=also_scorer, combine=combine,
+                                reference=REFERENCES[reference])
         best = outcome.best
         served, served_also = best.served_tokens_per_s, best.also_tokens_per_s
         regions = len({n.region for n in cluster.nodes}) > 1
@@ -617,7 +669,7 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
     """`plan_served` from the flags: the placement and the line that says what it serves."""
     out = plan_served(cluster, model, cost, requests, engine=args.serve_engine,
                       also=None if args.serve_also == "none" else args.serve_also,
-                      combine=args.serve_combine,
+                      combine=args.serve_combine, reference=args.serve_reference,
                       duration_s=args.serve_duration, mode=args.serve_mode,
                       time_limit_s=args.time_limit, work_limit=args.work_limit,
                       seed=args.seed, jobs=args.jobs, partial=partial, progress=progress,

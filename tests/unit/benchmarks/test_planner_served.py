@@ -104,3 +104,24 @@ def test_merge_keeps_an_earlier_runs_columns_and_rows() -> None:
     assert case["scores"]["helix-sim"] == {"milp": 3.0, "authors": 4.0}
     assert case["skipped"] == {}
     assert case["details"]["helix-sim"]["authors_published_files"] == {"x": 1}
+
+
+def test_the_served_estimate_predicts_milp_over_authors_against_the_simulation(capsys) -> None:
+    case = {
+        "placements": {"milp": {}, "authors": {}},
+        "scores": {"evaluator": {"milp": 7000.0, "authors": 4000.0},
+                   "estimate-vllm": {"milp": 440.0, "authors": 400.0},
+                   "estimate-helix-prototype": {"milp": 200.0, "authors": 200.0},
+                   "vllm": {"milp": 420.0, "authors": 400.0},
+                   "helix-prototype": {"milp": 210.0, "authors": 200.0}},
+        "skipped": {},
+    }
+    planner_served.analyse(case, tie=0.0)
+    p = case["predictions"]
+    assert p["estimate-vllm vs vllm"] == {"predicted": 1.1, "simulated": 1.05, "off_by": 0.048}
+    assert p["evaluator vs vllm"] == {"predicted": 1.75, "simulated": 1.05, "off_by": 0.667}
+    assert p["estimate-helix-prototype vs helix-prototype"]["off_by"] == -0.048
+    planner_served.print_case("helix-single-24", case)
+    printed = capsys.readouterr().out
+    assert "milp/authors predicted by estimate-vllm, simulated in vllm: 1.10 against 1.05 (+5%)" \
+        in printed

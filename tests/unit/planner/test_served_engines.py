@@ -91,6 +91,38 @@ def test_two_scorers_screen_and_climb(net, counted):  # noqa: F811
     assert (b.also_tokens_per_s or 0) > (first.also_tokens_per_s or 0)
 
 
+def test_best_reference_is_the_best_start_in_each_model(net, counted):  # noqa: F811
+    main, cheap = Scorer(net, 0.9, 1.0), Scorer(net, 0.5, 0.2)
+    out = served_search(net, starts_of(net), main, work(60), seed=2, also=cheap,
+                        reference="best")
+    obj = out.objective
+    assert obj is not None
+    # each reference is the best score a start reached in that model (the second model's
+    # over every start it screened), so no start is worth more than 1
+    assert obj.primary_ref == max(s.served_tokens_per_s for s in out.starts)
+    assert obj.also_ref == max(cheap.value(r) for _, r in starts_of(net))
+    assert max(s.value for s in out.starts) <= 1.0 + 1e-12
+    for s in out.starts:
+        assert s.value == pytest.approx(obj(s.served_tokens_per_s, s.also_tokens_per_s))
+    assert out.best.value >= max(s.value for s in out.starts)
+
+
+def test_block_orders_move_each_kind_to_the_front_or_the_end():
+    from helixserve.planner.served import block_orders
+
+    kind = ["A", "A", "B", "C"]
+    ranges = {0: (0, 2), 1: (2, 4), 2: (4, 6), 3: (6, 8)}  # blocks: A A | B | C
+    got = block_orders(ranges, kind, 8)
+    assert got == [
+        {2: (0, 2), 0: (2, 4), 1: (4, 6), 3: (6, 8)},  # B to the front
+        {3: (0, 2), 0: (2, 4), 1: (4, 6), 2: (6, 8)},  # C to the front
+        {2: (0, 2), 3: (2, 4), 0: (4, 6), 1: (6, 8)},  # A to the end (C last: as it is)
+        {0: (0, 2), 1: (2, 4), 3: (4, 6), 2: (6, 8)},  # B to the end
+    ]
+    assert block_orders({0: (0, 8)}, kind, 8) == []  # one block
+    assert block_orders({0: (0, 5), 1: (3, 8)}, kind, 8) == []  # not stage-structured
+
+
 def test_pressure_move_aims_at_the_bottleneck():
     rng = random.Random(0)
     kmax = np.array([4, 4, 4, 4, 4])
