@@ -1,6 +1,6 @@
 """The planner's objectives against the Helix authors' placements, served (issue 34).
 
-For each cluster: `helixserve plan`'s served objective (`commands.plan.plan_served`, on the
+For each cluster: `helixserve plan`'s served objective (`commands.served.plan_served`, on the
 work clock: `--work-limit`), whose budget includes the max-flow portfolio's answer (what
 `--objective flow` returns in the same share); then the served placement, the max-flow
 answer and the Helix authors' Gurobi placement (benchmarks/helix-placements/) are each
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helixserve.commands.plan import plan_served
+from helixserve.commands.served import plan_served
 from helixserve.costmodel import CostModel
 from helixserve.planner import evaluate, load_placement
 from helixserve.planner.placement import Placement

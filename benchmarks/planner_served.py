@@ -138,7 +138,7 @@ class Scoring:
         call, kept for the other column."""
         memo = self.estimates.setdefault((key, id(placement)), {})
         if engine not in memo:
-            from helixserve.commands.plan import served_estimate, workload_requests
+            from helixserve.commands.served import served_estimate, workload_requests
 
             cost = CostModel(self.model, self.profiles, reserved_gb_per_gpu=(
                 engine_gpu_reserve_gb("vllm") if reserve_gb is None else reserve_gb))

@@ -129,13 +129,9 @@ class ServedEstimate:
 
 def _served(args: argparse.Namespace, placement: Any) -> ServedEstimate:
     """The served estimate of `placement` with the flags' engine models, memory and
-    requests (commands/plan.py, `served_estimate`)."""
-    from helixserve.commands.plan import (
-        _serve_requests,
-        load_inputs,
-        served_estimate,
-        workload_requests,
-    )
+    requests (commands/served.py, `served_estimate`)."""
+    from helixserve.commands.plan import _serve_requests, load_inputs
+    from helixserve.commands.served import served_estimate, workload_requests
 
     cluster, model, cost = load_inputs(args, engine=args.serve_engine)
     if args.serve_trace:

@@ -5,12 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from helixserve.commands.args import finite_float
 from helixserve.commands.costs import add_cost_args
+from helixserve.commands.served import (
+    DEFAULT_ALSO,
+    DEFAULT_REFERENCE,
+    FLOW_SHARE,
+    REFERENCES,
+    REPLAY_HORIZON_S,
+    plan_served,
+    workload_requests,
+)
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "example"
 #: what milp maximises (--objective)
@@ -19,29 +27,6 @@ OBJECTIVES = ("served", "flow")
 #: own window, planner/window.py; with --serve-mode replay, 300 s past the last arrival)
 DEFAULT_TIME_LIMIT_S = {"served": 300.0, "flow": 60.0}
 DEFAULT_SERVE_DURATION_S: dict[str, float | None] = {"served": None, "flow": 1200.0}
-#: --serve-duration's horizon after the last arrival in replay mode when not given
-REPLAY_HORIZON_S = 300.0
-#: with the served objective: the max-flow portfolio's share of the budget; the
-#: simulations (planner/served.py) get the rest
-FLOW_SHARE = 0.2
-#: portfolio candidates with less max flow than this share of the best are not simulated
-MIN_FLOW_SHARE = 0.5
-#: starts simulated at most, so that most of the budget goes to the climb
-MAX_STARTS = 5
-#: with a second engine model: the best stacked tilings (simulator/selection.py, ranked by
-#: its analytic estimate) also tried as starts, after the others, each screened by the second
-#: model (the cheaper one) before the first simulates it. On helix-single-24 one of them
-#: (A100s 10 layers each, L4 pairs 6, T4 triples 4; the 11th with the conversation mix's
-#: requests) serves 1.06x / 1.02x the max-flow answer (helix-prototype / vllm, 2,400 s)
-TILING_STARTS = 12
-#: the served objective's second engine model (--serve-also): the Helix authors' prototype
-#: (docs/calibration.md): a fifth of the vllm model's events on helix-single-24, about half
-#: on helix-mix-42
-DEFAULT_ALSO = "helix-prototype"
-#: --serve-reference: what each engine model's ratio is taken over (planner/served.py,
-#: `served_search`'s `reference`: "first" is the max-flow answer, the first start)
-REFERENCES = {"max-flow": "first", "best": "best"}
-DEFAULT_REFERENCE = "max-flow"
 
 
 def add_input_args(p: argparse.ArgumentParser, *, example: bool = False) -> None:
@@ -383,284 +368,6 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
               f"offline, the first {config.warmup_s:.0f} s not counted; * = kept):")
     print(format_selection(report))
     return chosen
-
-
-#: units of the planner's work clock (clock.py: about a second of one core of the reference
-#: 2-core VM) charged per event a served-objective simulation processes: 110,000 events/s
-#: measured there under load (66,226 events in 1.23 s of process CPU time, a 120 s window of
-#: helix-single-24)
-SIM_EVENT_UNITS = 1 / 60_000
-#: requests drawn for the served objective when no --serve-trace is given
-WORKLOAD_REQUESTS = 4000
-
-
-def workload_requests(mix: Any, seed: int = 0) -> list[Any]:
-    """Requests for the served objective without a trace: prompt and output lengths drawn
-    (seeded) from exponential distributions with the --workload mix's means (the Azure
-    conversation trace's without one: prompt 763, output 232 tokens), within the
-    simulator's default length filter (4-2,048 prompt and 4-1,024 output tokens)."""
-    import random
-
-    from helixserve.costmodel.workload import Workload
-    from helixserve.simulator.workload import LengthFilter, TraceRequest
-
-    mix = mix or Workload.conversation()
-    bounds = LengthFilter()
-    rng = random.Random(seed)
-
-    def draw(mean: float, most: int) -> int:
-        return min(most, max(bounds.min_tokens, round(rng.expovariate(1.0 / mean))))
-
-    return [TraceRequest(f"w{i}", 0.0, draw(mix.prompt_tokens, bounds.max_prompt_tokens),
-                         draw(mix.output_tokens, bounds.max_output_tokens))
-            for i in range(WORKLOAD_REQUESTS)]
-
-
-def _simulate(cluster: Any, model: Any, cost: Any, placement: Any, requests: list[Any],
-              config: Any) -> Any:
-    """simulator.selection.ScoredRun of `placement` under a SelectionConfig: offline after
-    the warm-up (saturate), or over the trace replayed (replay); a worker function."""
-    from helixserve.simulator.selection import simulate_pressure
-
-    return simulate_pressure(cluster, model, cost, placement, requests, config)
-
-
-class SimScorer:
-    """The served objective's scorer (planner/served.py, `ServedScorer`): each placement
-    simulated under `config`, a batch on up to `jobs` processes; charges the planner clock
-    SIM_EVENT_UNITS per event, so `--work-limit` does not depend on the machine."""
-
-    def __init__(self, net: Any, requests: list[Any], config: Any, jobs: int,
-                 partial_inference: bool = True) -> None:
-        self.net, self.requests, self.config = net, requests, config
-        self.jobs, self.partial = jobs, partial_inference
-        self.events = 0
-        #: simulate with the router keeping requests inside their region (placement field)
-        self.within_regions = False
-        #: each node's pressure (node index -> share) in the run of each placement scored
-        self.pressures: dict[Any, dict[int, float]] = {}
-
-    def pressure(self, ranges: Any) -> dict[int, float] | None:
-        """Node index -> pressure (simulator/selection.py's `node_pressure`) in the run of
-        `ranges`, None when it was not simulated here."""
-        from helixserve.planner.served import key
-
-        return self.pressures.get(key(ranges))
-
-    def placement(self, ranges: Any) -> Any:
-        from helixserve.planner.registry import to_placement
-
-        p = to_placement(self.net, "served", ranges, None, self.partial)
-        p.route_within_regions = self.within_regions
-        return p
-
-    def __call__(self, batch: Any) -> list[float]:
-        from helixserve.planner import clock
-        from helixserve.planner.parallel import map_in_workers
-
-        net = self.net
-        placed = [self.placement(r) for r in batch]
-        # a placement whose max flow is 0 (the links chain none of its stages) serves
-        # nothing: the router needs flows to route over, so it scores 0 unsimulated
-        runs = [p for p in placed if p.flows]
-        calls = [(net.cluster, net.model, net.cost, p, self.requests, self.config)
-                 for p in runs]
-        from helixserve.planner.served import key
-
-        results = dict(zip(map(id, runs), map_in_workers(_simulate, calls, self.jobs),
-                           strict=True))
-        for run in results.values():
-            self.events += run.events
-            clock.charge(run.events * SIM_EVENT_UNITS)
-        for r, p in zip(batch, placed, strict=True):
-            if id(p) in results:
-                self.pressures[key(r)] = {net.index[name]: v for name, v
-                                          in results[id(p)].pressure.items()}
-        return [results[id(p)].tokens_per_s if id(p) in results else 0.0 for p in placed]
-
-
-def served_configs(engine: str, also: str | None, duration_s: float | None,
-                   mode: str = "saturate", seed: int = 0) -> tuple[Any, Any]:
-    """The served objective's simulation settings (simulator.selection.SelectionConfig), for
-    `engine` and for the second engine model `also` (None without one, or when it is
-    `engine`): each placement in its own window (planner/window.py) when `duration_s` is
-    None and `mode` is saturate, else `duration_s` seconds (the first quarter, at most
-    300 s, not counted; in replay mode past the last arrival)."""
-    from helixserve.planner.window import ScoringWindow
-    from helixserve.simulator.presets import engine_config
-    from helixserve.simulator.selection import SelectionConfig
-
-    windowed = duration_s is None and mode == "saturate"
-    fixed_s = REPLAY_HORIZON_S if duration_s is None else duration_s
-    config = SelectionConfig.from_engine(
-        engine_config(engine), duration_s=fixed_s, warmup_s=min(300.0, fixed_s / 4),
-        seed=seed, mode=mode, window=ScoringWindow() if windowed else None).check()
-    if also is None or also == engine:
-        return config, None
-    fields = SelectionConfig.from_engine(engine_config(also)).engine_fields()
-    return config, replace(config, **fields)
-
-
-def served_estimate(cluster: Any, model: Any, cost: Any, placement: Any, requests: list[Any],
-                    *, engine: str = "vllm", also: str | None = DEFAULT_ALSO,
-                    duration_s: float | None = None, seed: int = 0, jobs: int | None = 1,
-                    partial: bool = True) -> tuple[float, float | None, Any]:
-    """What the served objective's scorer gives `placement` (`plan_served`'s numbers, as
-    `plan` prints them): decode tokens/s in `engine` and in `also` (None without one), with
-    the same settings (`served_configs`), the placement's flows recomputed with `cost` (give
-    the engine's memory, as `plan` does) and its `route_within_regions` kept; and the
-    SelectionConfig used."""
-    from helixserve.planner.flow import FlowNetwork
-    from helixserve.planner.parallel import check_jobs
-
-    config, also_config = served_configs(engine, also, duration_s, "saturate", seed)
-    net = FlowNetwork(cluster, model, cost)
-    ranges = {net.index[r.name]: (r.start_layer, r.end_layer) for r in placement.nodes}
-    scores: list[float | None] = []
-    for cfg in (config, also_config):
-        if cfg is None:
-            scores.append(None)
-            continue
-        scorer = SimScorer(net, requests, cfg, check_jobs(jobs), partial)
-        scorer.within_regions = placement.route_within_regions
-        scores.append(scorer([ranges])[0])
-    return float(scores[0] or 0.0), scores[1], config
-
-
-@dataclass
-class ServedPlan:
-    """What `plan_served` found: the placement and how it got there."""
-
-    placement: Any
-    """The chosen placement (planner "milp"; its flows and max flow by the evaluator; the
-    portfolio's bound when it is within the weight cap)."""
-    flow: Any
-    """The max-flow portfolio's answer (what `--objective flow` returns with its budget)."""
-    outcome: Any
-    """planner.served.ServedOutcome: the starts and the climb, with what each serves."""
-    config: Any
-    """The simulator.selection.SelectionConfig every placement was scored with."""
-    served_tokens_per_s: float
-    """What the placement serves in that simulation (with its `route_within_regions`)."""
-    also: str | None = None
-    """The second engine model every placement was also simulated with (None: none)."""
-    also_tokens_per_s: float | None = None
-    """What the placement serves in it."""
-
-
-def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
-                engine: str = "vllm", also: str | None = DEFAULT_ALSO, combine: str = "min",
-                reference: str = DEFAULT_REFERENCE,
-                duration_s: float | None = None,
-                mode: str = "saturate",
-                time_limit_s: float = 300.0, work_limit: float | None = None, seed: int = 0,
-                jobs: int | None = None, partial: bool = True, progress: Any = None,
-                started: float | None = None) -> ServedPlan:
-    """The served objective (planner/served.py): the max-flow portfolio in FLOW_SHARE of the
-    budget (`time_limit_s` seconds from `started`, or `work_limit` units), then its answers
-    and their neighbours scored by simulating `requests` on `engine` in the rest: each in its
-    own window (planner/window.py) when `duration_s` is None, else for `duration_s` (the
-    first quarter, at most 300 s, not counted; in replay mode, past the last arrival).
-    `also`: a second engine model each placement is simulated with the same way (the
-    search then maximises planner/served.py's `Objective` of the two)."""
-    from contextlib import nullcontext
-
-    from helixserve.planner import clock
-    from helixserve.planner.flow import FlowNetwork
-    from helixserve.planner.parallel import check_jobs
-    from helixserve.planner.portfolio import Candidate
-    from helixserve.planner.registry import plan, to_placement
-    from helixserve.planner.served import MIN_GAIN, Objective, served_search
-    from helixserve.simulator.selection import regional_pipelines
-
-    say = progress or (lambda msg: None)
-    started = time.perf_counter() if started is None else started
-    counting = work_limit is not None
-    budget = work_limit if work_limit is not None else time_limit_s
-    candidates: list[Candidate] = []
-    flow = plan("milp", cluster, model, cost, time_limit_s=FLOW_SHARE * time_limit_s,
-                seed=seed, progress=say, partial_inference=partial, jobs=jobs,
-                work_limit=FLOW_SHARE * work_limit if work_limit is not None else None,
-                candidates=candidates)
-    net = FlowNetwork(cluster, model, cost)
-    config, also_config = served_configs(engine, also, duration_s, mode, seed)
-    windowed = config.window is not None
-    scorer = SimScorer(net, requests, config, check_jobs(jobs), partial)
-    also_scorer = (None if also_config is None else
-                   SimScorer(net, requests, also_config, check_jobs(jobs), partial))
-
-    def ranges_of(p: Any) -> dict[int, tuple[int, int]]:
-        return {net.index[r.name]: (r.start_layer, r.end_layer) for r in p.nodes}
-
-    with clock.work_clock() if counting else nullcontext():
-        t0 = clock.now()
-        end = t0 + (1 - FLOW_SHARE) * budget if counting else started + time_limit_s
-        # in the order they are simulated while the budget lasts: the max flow's answer,
-        # the baselines petals' and swarm's (the best served starts on helix-mix-42:
-        # 1,032 and 991 decode tokens/s against the max flow's 762), the regional
-        # pipelines, with a second engine model the best TILING_STARTS stacked tilings
-        # (screened by it: cheap), then the portfolio's other answers by max flow,
-        # MAX_STARTS in all but the tilings; none whose max flow is under MIN_FLOW_SHARE of
-        # the best (they serve far less: uniform, separate beyond the cap)
-        best_of: dict[str, Candidate] = {}
-        for c in candidates:
-            if c.ranges and (c.source not in best_of
-                             or c.value_tokens_per_s > best_of[c.source].value_tokens_per_s):
-                best_of[c.source] = c
-        floor = MIN_FLOW_SHARE * (flow.throughput_tokens_per_s or 0.0)
-        others = [c for c in sorted(best_of.values(), key=lambda c: -c.value_tokens_per_s)
-                  if c.value_tokens_per_s >= floor]
-        first = ("petals", "swarm")
-        starts = [("max flow", ranges_of(flow))]
-        starts += [(f"max flow: {c.source}", c.ranges) for name in first for c in others
-                   if c.source == name]
-        regional = regional_pipelines(cluster, model, cost)
-        if regional is not None:
-            starts.append(("regional pipelines", ranges_of(regional)))
-        starts = starts[:MAX_STARTS]
-        rest = [(f"max flow: {c.source}", c.ranges) for c in others
-                if c.source not in first][: MAX_STARTS - len(starts)]
-        if also_scorer is not None:
-            from helixserve.simulator.selection import stacked_tilings
-
-            prompt_tokens = sum(q.prompt_tokens for q in requests)
-            output_tokens = max(1, sum(q.output_tokens for q in requests))
-            tilings = stacked_tilings(cluster, model, cost, prompt_tokens / output_tokens)
-            starts += [(f"stacked tiling {i + 1}", ranges_of(p))
-                       for i, (_, p) in enumerate(tilings[:TILING_STARTS])]
-        starts += rest
-        say(f"served objective: {len(starts)} starts, simulated "
-            f"{'each in its own window' if windowed else f'{config.duration_s:.0f} s each'} "
-            f"({engine} engine{f' and {also}' if also_scorer is not None else ''})")
-        outcome = served_search(net, starts, scorer, end, seed, progress=say,
-                                also=also_scorer, combine=combine,
-                                reference=REFERENCES[reference])
-        best = outcome.best
-        served, served_also = best.served_tokens_per_s, best.also_tokens_per_s
-        regions = len({n.region for n in cluster.nodes}) > 1
-        if regions:
-            # across regions, the answer once more with the router keeping each request in
-            # its region where the flow continues there (simulator/selection.py's variant)
-            scorer.within_regions = True
-            kept_in = scorer([best.ranges])[0]
-            kept_also = None
-            if also_scorer is not None:
-                also_scorer.within_regions = True
-                kept_also = also_scorer([best.ranges])[0]
-            say(f"served: the answer routed within regions serves {kept_in:,.1f}"
-                + ("" if kept_also is None else f" ({kept_also:,.1f} in {also})"))
-            objective = outcome.objective or Objective()
-            regions = objective(kept_in, kept_also) > best.value * (1 + MIN_GAIN)
-            if regions:
-                served, served_also = kept_in, kept_also
-    held_within_cap = all(e - s <= net.max_layers[i] for i, (s, e) in best.ranges.items())
-    bound = flow.upper_bound_tokens_per_s if held_within_cap else None
-    placement = to_placement(net, "milp", best.ranges, bound, partial)
-    placement.route_within_regions = regions
-    placement.solve_time_s = time.perf_counter() - started
-    return ServedPlan(placement, flow, outcome, config, served,
-                      also if also_scorer is not None else None,
-                      served_also)
 
 
 def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,

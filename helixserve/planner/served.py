@@ -39,7 +39,7 @@ Search (`served_search`), on the planner clock (clock.py: seconds, or counted wo
 `--work-limit`, the scorer charging its own work):
   1. starts, in the caller's order of priority (the command's: the max flow's answer,
      petals' and swarm's, across regions the regional pipelines, with a second model the
-     best stacked tilings, the portfolio's other answers; commands/plan.py,
+     best stacked tilings, the portfolio's other answers; commands/served.py,
      `plan_served`), scored a batch at a time while the next batch fits in what is left;
      duplicates once;
   2. block orders: when the best start is stage-structured, its stages in the orders that
