@@ -8,6 +8,12 @@ length):
   its arrival time, x the time scale;
 - offline: a closed loop of `concurrency` streams, each sending the trace's next request
   (in order, cycled) when its last one ends: the cluster kept busy.
+Order: offline, stream k sends its first request (k + 1) x OFFLINE_RAMP_S wall seconds after
+the start, and the simulator's closed feed sends its initial requests OFFLINE_RAMP_S / K
+apart: both sides queue the trace's requests in its order. Sent at once, a burst reached the
+coordinator's queue in the API server's order (the first 34 of 256 last), and a cold start's
+decode tokens/s are the first tokens of the prompts that complete first (docs/rehearse.md,
+"Order"); `request_timelines` keeps each request's first token to compare the order.
 At `duration_s` (cluster time) the run is cut: requests still streaming are cancelled (the
 client closes them; the coordinator releases their KV), so the run takes duration x K.
 
