@@ -175,8 +175,6 @@ class Link:
         self.chunks = 0
         #: seconds the last chunk scheduled took to serialize, its declared bytes included
         self.last_serialize_s = 0.0
-        #: (bytes on the wire, when serialized) of each segment of the last chunk scheduled
-        self.last_segments: list[tuple[int, float]] = []
         #: set by an unsized declaration: a connection held back takes its next chunk now
         self.declared_event = asyncio.Event()
 
@@ -192,26 +190,23 @@ class Link:
             self.pending_bytes += num_bytes
             self.declared_event.set()
 
-    def _segments(self, num_bytes: int) -> list[list[int]]:
-        """A chunk of `num_bytes` on the wire as [bytes on the wire, declared bytes due with
-        them] segments, in order: one per sized declaration (or part of one) the chunk's
-        bytes carry (module doc, Declared bytes), then the rest with none."""
-        out: list[list[int]] = []
+    def _debt_of(self, num_bytes: int) -> int:
+        """The declared bytes due with a chunk of `num_bytes` on the wire: what the sender
+        left out of the messages (or the parts of them) the chunk holds, if they are sized."""
+        due = 0
         while num_bytes > 0 and self.debts:
             debt = self.debts[0]
             if num_bytes >= debt[1]:
-                out.append([debt[1], debt[0]])
+                due += debt[0]
                 num_bytes -= debt[1]
                 self.debts.popleft()
             else:
                 part = debt[0] * num_bytes // debt[1]
-                out.append([num_bytes, part])
+                due += part
                 debt[0] -= part
                 debt[1] -= num_bytes
                 num_bytes = 0
-        if num_bytes > 0:
-            out.append([num_bytes, 0])
-        return out
+        return due
 
     @property
     def bytes_per_s(self) -> float:
@@ -236,56 +231,34 @@ class Link:
 
     def schedule(self, num_bytes: int, now_s: float) -> float:
         """Arrival time of `num_bytes` handed to the link at `now_s` (after any declared
-        bytes pending). Each segment's serialization (`_segments`: a message's bytes with
-        its declared ones) is kept in `last_segments` for `pieces`."""
+        bytes pending)."""
         self.bytes_sent += num_bytes
         self.chunks += 1
-        segments = self._segments(num_bytes)
-        if self.pending_bytes:  # unsized declarations ride on the chunk's first bytes
-            segments[0][1] += self.pending_bytes
-            self.pending_bytes = 0
-        charged = num_bytes + sum(declared for _, declared in segments)
+        charged = num_bytes + self.pending_bytes + self._debt_of(num_bytes)
+        self.pending_bytes = 0
         if not self.shape.limited:
-            self.last_segments = [(num_bytes, now_s)]
             return now_s
         start = max(now_s, self.free_at_s)
         self.last_serialize_s = charged / self.bytes_per_s
         self.free_at_s = start + self.last_serialize_s
-        ends, done = [], 0
-        for wire, declared in segments:
-            done += wire + declared
-            ends.append((wire, start + done / self.bytes_per_s))
-        ends[-1] = (ends[-1][0], self.free_at_s)
-        self.last_segments = ends
         return self.free_at_s + self.shape.latency_ms / 1000.0
 
     def pieces(self, data: bytes, now_s: float) -> list[tuple[float, bytes]]:
-        """`data` handed to the link at `now_s` as (arrival time, bytes) pieces, in order: the
-        bytes of each message the chunk carries (`_segments`) arrive when they, with their
-        own declared bytes, have been serialized, not with the chunk's last byte: a decode
-        step's small message read in one chunk with the next prefill chunk's message must
-        not wait for that one's megabytes. A segment whose serialization takes over
-        PIECE_GAP_S is cut into pieces of at least PIECE_MIN_BYTES that arrive evenly over
-        it (module doc, Backpressure), so the receiver reads as a real link's would, not
-        nothing for seconds and then all at once. The last byte arrives when `schedule`
-        says."""
+        """`data` handed to the link at `now_s` as (arrival time, bytes) pieces: the last
+        byte arrives when `schedule` says; a chunk whose serialization (declared bytes
+        included) takes over PIECE_GAP_S is cut into pieces of at least PIECE_MIN_BYTES that
+        arrive evenly over it (module doc, Backpressure), so the receiver reads as a real
+        link's would, not nothing for seconds and then all at once."""
         arrive_s = self.schedule(len(data), now_s)
         if not self.shape.limited:
             return [(arrive_s, data)]
-        latency_s = arrive_s - self.free_at_s
-        out: list[tuple[float, bytes]] = []
-        pos, begin_s = 0, self.free_at_s - self.last_serialize_s
-        for wire, end_s in self.last_segments:
-            serialize_s = end_s - begin_s
-            count = min(wire // PIECE_MIN_BYTES, math.ceil(serialize_s / PIECE_GAP_S))
-            if count <= 1:
-                out.append((end_s + latency_s, data[pos:pos + wire]))
-            else:
-                cuts = [pos + wire * i // count for i in range(count + 1)]
-                out.extend((end_s - serialize_s * (count - i) / count + latency_s,
-                            data[cuts[i - 1]:cuts[i]]) for i in range(1, count + 1))
-            pos, begin_s = pos + wire, end_s
-        return out
+        serialize_s = self.last_serialize_s
+        count = min(len(data) // PIECE_MIN_BYTES, math.ceil(serialize_s / PIECE_GAP_S))
+        if count <= 1:
+            return [(arrive_s, data)]
+        cuts = [len(data) * i // count for i in range(count + 1)]
+        return [(arrive_s - serialize_s * (count - i) / count, data[cuts[i - 1]:cuts[i]])
+                for i in range(1, count + 1)]
 
 
 @dataclass(frozen=True)

@@ -321,22 +321,3 @@ def test_a_slow_caller_lookup_does_not_hold_back_the_other_links(tmp_path):
 
     asyncio.run(main())
     assert outcome == {"released": True}
-
-
-def test_a_small_message_read_with_a_large_one_arrives_when_its_own_bytes_have_crossed():
-    """A decode step's small message and the next prefill chunk's message, read from the
-    socket in one chunk: the small one's bytes arrive once they and their own declared bytes
-    are serialized, the large one's later; before, the whole chunk arrived with its last
-    byte, so every decode message on a busy slow link waited for the megabytes behind it
-    (helix-geo-24: decode 0.7x the simulator's once the first tokens were in)."""
-    link = Link(MB_PER_S)  # 1 MB/s, no latency
-    link.declare(100_000, 100)  # a decode message: 100 bytes on the wire, 0.1 MB declared
-    link.declare(8_000_000, 40_000)  # a prefill chunk's: 40 kB on the wire, 8 MB declared
-    pieces = link.pieces(b"d" * 100 + b"p" * 40_000, now_s=0.0)
-    assert pieces[0] == (pytest.approx(0.1001), b"d" * 100)
-    assert b"".join(data for _, data in pieces) == b"d" * 100 + b"p" * 40_000
-    assert pieces[-1][0] == pytest.approx(8.1401)  # the chunk's last byte: as before
-    # the prefill message's bytes arrive over its own serialization, in pieces no smaller
-    # than a TLS record
-    assert [at for at, _ in pieces[1:]] == pytest.approx([0.1001 + 8.04 / 2, 8.1401])
-    assert all(len(data) >= PIECE_MIN_BYTES for _, data in pieces[1:])
