@@ -111,6 +111,25 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+#: real bytes (on the wire + declared) an HTTP/2 stream may have unacknowledged on a
+#: rehearsal's link (`stream_window_bytes`): two of the largest messages a worker writes
+#: (runtime/worker.py BATCH_BYTES of items, 4 MiB, then one more, at most a 512-token prefill
+#: chunk of LLaMA-2-70B, 8 MiB), so the next message is on its way while one is being
+#: serialized; a PING's ACK waits behind at most this and the proxy's window (36 MiB: 3 s
+#: at 0.1 Gbit/s, x K like the keepalive timeout, 20 s x K). At 8 MiB
+#: (a 32 KiB window on the wire) a chunk's message (~34 KiB on the wire: its 64-byte rows and
+#: its token ids) did not fit, its sender waited for a WINDOW_UPDATE once per message, and
+#: helix-geo-24's saturated 0.1 Gbit/s links carried 87-95% of their bandwidth (issue 27)
+GRPC_WINDOW_REAL_BYTES = 32 * 2**20
+
+
+def stream_window_bytes(payload_bytes_per_token: int, real_bytes_per_token: int) -> int:
+    """The HTTP/2 stream window on the wire that stands for GRPC_WINDOW_REAL_BYTES of real
+    bytes when activations cross as `payload_bytes_per_token` of `real_bytes_per_token`
+    (at least gRPC's 64 KiB default, so no message of the control traffic waits on it)."""
+    return max(65536, GRPC_WINDOW_REAL_BYTES * payload_bytes_per_token // real_bytes_per_token)
+
+
 def child_env() -> dict[str, str]:
     """The environment of every child: this helixserve first on the path, one CPU thread
     for numeric libraries, at most MALLOC_ARENAS malloc arenas, and the pid the child must
@@ -215,9 +234,10 @@ class EmulatedCluster:
     def grpc_env(self) -> dict[str, str]:
         """gRPC's settings for this rehearsal's workers and coordinator (docs/rehearse.md,
         "Links"): the keepalive timeout x the time scale, as every emulated time is; with a
-        smaller payload, an HTTP/2 stream window of the wire bytes that stand for 4 MiB of
-        real ones (flow control counts wire bytes), so a sender cannot run far ahead of a
-        slow link and a PING's answer never waits behind minutes of queued bytes."""
+        smaller payload, an HTTP/2 stream window of the wire bytes that stand for
+        GRPC_WINDOW_REAL_BYTES of real ones (flow control counts wire bytes), so a sender
+        cannot run far ahead of a slow link and a PING's answer never waits behind minutes
+        of queued bytes, while two of the largest messages fit in it (`stream_window_bytes`)."""
         from helixserve.runtime.transport import KEEPALIVE_TIMEOUT_S
 
         env = {"HELIXSERVE_GRPC_KEEPALIVE_TIMEOUT_S": repr(KEEPALIVE_TIMEOUT_S * self.time_scale)}
@@ -225,8 +245,8 @@ class EmulatedCluster:
             model = self.inputs.model
             real = model.hidden_size * model.dtype_bytes
             if self.payload_bytes_per_token < real:
-                window = 4 * 2**20 * self.payload_bytes_per_token // real
-                env["HELIXSERVE_GRPC_STREAM_WINDOW_BYTES"] = str(max(32768, window))
+                env["HELIXSERVE_GRPC_STREAM_WINDOW_BYTES"] = str(
+                    stream_window_bytes(self.payload_bytes_per_token, real))
         return env
 
     def _spawn(self, name: str, args: list[str], stdout: Any = None,

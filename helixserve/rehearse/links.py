@@ -413,6 +413,8 @@ class LinkProxy:
         #: declarations whose address or message was not understood: reason -> bytes
         self.undeclared: dict[str, int] = {}
         self._ledger: asyncio.DatagramTransport | None = None
+        #: seconds spent finding callers (`_resolve_off_loop`), on threads, summed
+        self.resolve_s = 0.0
 
     def link(self, src: str, dst: str) -> Link:
         key = (src, dst)
@@ -508,22 +510,37 @@ class LinkProxy:
         """Who is calling from `peer`. A worker's socket may not be found at once on a loaded
         host (seen: a t0 -> t1 connection, and 1.1 GB to n9, counted as the coordinator's):
         ask again before taking the peer for the other source, which costs only the
-        coordinator's connections a short wait; a socket never found is UNATTRIBUTED."""
-        src = self._resolve(peer, local)
+        coordinator's connections a short wait; a socket never found is UNATTRIBUTED.
+        Each lookup runs on a thread (`_resolve_off_loop`), never on the event loop."""
+        src = await self._resolve_off_loop(peer, local)
         other = self.config.other_source
         for _ in range(RESOLVE_RETRIES):
             if src not in (other, UNATTRIBUTED):
                 return src
             await asyncio.sleep(RESOLVE_RETRY_S)
-            src = self._resolve(peer, local)
+            src = await self._resolve_off_loop(peer, local)
         wait_s = RESOLVE_RETRY_S
         for _ in range(MISS_RETRIES):
             if src != UNATTRIBUTED:
                 break
             await asyncio.sleep(wait_s)
             wait_s *= 2
-            src = self._resolve(peer, local)
+            src = await self._resolve_off_loop(peer, local)
         return src
+
+    async def _resolve_off_loop(self, peer: tuple[str, int],
+                                local: tuple[str, int] | None) -> str:
+        """`_resolve` on a thread: a lookup reads /proc/net/tcp(6) and the file descriptors of
+        every worker (tens of ms on a loaded host with a rehearsal's ~1,000 sockets), and on
+        the event loop it held back every link's deliveries meanwhile; a cold start opens
+        dozens of connections at once (each worker's streams to its next hops), so the links
+        already busy stalled for a connection on another one. The time is counted
+        (`resolve_s`)."""
+        t0 = time.monotonic()
+        try:
+            return await asyncio.to_thread(self._resolve, peer, local)
+        finally:
+            self.resolve_s += time.monotonic() - t0
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     link: Link) -> None:
@@ -604,7 +621,8 @@ class LinkProxy:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"writes": self.writes, "links": self.stats(),
                                    "unattributed": self.unattributed(),
-                                   "undeclared": self.undeclared}))
+                                   "undeclared": self.undeclared,
+                                   "resolve_s": round(self.resolve_s, 3)}))
         os.replace(tmp, path)  # a reader never sees half a file
 
 

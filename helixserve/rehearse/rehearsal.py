@@ -32,10 +32,12 @@ from helixserve.rehearse.cluster import (
 )
 from helixserve.rehearse.inputs import RehearsalInputs, load_inputs
 from helixserve.rehearse.run import (
+    OFFLINE_RAMP_S,
     drive,
     errors_of,
     measured_metrics,
     offline_concurrency,
+    request_timelines,
     simulate,
 )
 
@@ -143,10 +145,12 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
             raise RuntimeError("rehearse: a process of the cluster did not stop")
         load_after = os.getloadavg()[0]
         measured = measured_metrics(run, opts.time_scale, opts.warmup_s, opts.duration_s)
+        timelines = request_timelines(run, opts.time_scale, opts.warmup_s, opts.duration_s)
         log(f"rehearse: {measured['requests_sent']} requests sent, "
             f"{measured['requests_finished']} finished in the window; simulating the same")
         sim = simulate(inputs, offline=opts.offline, duration_s=opts.duration_s,
-                       warmup_s=opts.warmup_s, concurrency=concurrency)
+                       warmup_s=opts.warmup_s, concurrency=concurrency,
+                       ramp_s=OFFLINE_RAMP_S / opts.time_scale)
     except BaseException:
         if temporary:
             log(f"rehearse: logs kept in {workdir / 'logs'}")
@@ -164,7 +168,7 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
         emulated=cluster.emulated,
         pids=pids, concurrency=concurrency, start_s=start_s, wall_s=run.wall_s,
         errors=errors_of(run), load=(load_before, load_after), coordinator=coordinator,
-        workdir=None if temporary else workdir)
+        workdir=None if temporary else workdir, timelines=timelines)
 
 
 class _CpuSample:
@@ -233,7 +237,8 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
                  unattributed: dict[str, dict[str, int]] | None = None,
                  pids: dict[str, int], concurrency: int, start_s: float, wall_s: float,
                  errors: list[str], load: tuple[float, float], coordinator: dict[str, Any],
-                 workdir: Path | None) -> dict[str, Any]:
+                 workdir: Path | None,
+                 timelines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The JSON report (docs/rehearse.md)."""
     summary = sim["summary"]
     k = opts.time_scale
@@ -280,6 +285,9 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
         "links": link_rows,
         # per machine: bytes whose caller the proxy could not find, on no link above
         "unattributed_links": unattributed or {},
+        # per request, in the order sent (measured) / arrived (simulated): its first token
+        # and tokens (`run.request_timelines`): which prompts completed first
+        "requests": {"measured": timelines or [], "simulated": sim.get("requests", [])},
         "errors": errors,
         "start_s": start_s,
         "processes": pids,

@@ -8,6 +8,12 @@ length):
   its arrival time, x the time scale;
 - offline: a closed loop of `concurrency` streams, each sending the trace's next request
   (in order, cycled) when its last one ends: the cluster kept busy.
+Order: offline, stream k sends its first request (k + 1) x OFFLINE_RAMP_S wall seconds after
+the start, and the simulator's closed feed sends its initial requests OFFLINE_RAMP_S / K
+apart: both sides queue the trace's requests in its order. Sent at once, a burst reached the
+coordinator's queue in the API server's order (the first 34 of 256 last), and a cold start's
+decode tokens/s are the first tokens of the prompts that complete first (docs/rehearse.md,
+"Order"); `request_timelines` keeps each request's first token to compare the order.
 At `duration_s` (cluster time) the run is cut: requests still streaming are cancelled (the
 client closes them; the coordinator releases their KV), so the run takes duration x K.
 
@@ -51,6 +57,12 @@ MAX_OFFLINE_STREAMS = 256
 FAILED_PAUSE_S = 0.5
 #: seconds a client waits for a request before giving up on it (the run's cut comes first)
 REQUEST_TIMEOUT_S = 3600.0
+#: wall seconds between the offline streams' first requests (module doc, "Order"): the API
+#: server takes a burst in its own order (seen: the first 34 of 256 requests sent at once
+#: reached the coordinator's queue last), and a cold start's decode depends on which prompts
+#: go first; spaced, each is queued before the next is sent, as the simulator assumes. A
+#: burst of 256 took the coordinator ~4 ms a request on this loaded 2-core host
+OFFLINE_RAMP_S = 0.01
 
 
 @dataclass
@@ -112,8 +124,10 @@ def bench_request(q: TraceRequest, rng: random.Random) -> BenchRequest:
 
 
 async def drive(api_url: str, model_name: str, requests: list[TraceRequest], *, offline: bool,
-                duration_s: float, time_scale: float, concurrency: int) -> Drive:
-    """Send the load (module doc) and cut it at `duration_s` of cluster time."""
+                duration_s: float, time_scale: float, concurrency: int,
+                ramp_s: float = OFFLINE_RAMP_S) -> Drive:
+    """Send the load (module doc) and cut it at `duration_s` of cluster time; offline, the
+    streams' first requests `ramp_s` wall seconds apart."""
     import httpx
 
     cfg = ClientConfig(base_url=api_url, model=model_name, timeout_s=REQUEST_TIMEOUT_S)
@@ -136,7 +150,12 @@ async def drive(api_url: str, model_name: str, requests: list[TraceRequest], *, 
             await send_one(client, cfg, bench_request(requests[i], random.Random(i)), s.result)
             return s
 
-        async def stream(order: itertools.count[int]) -> None:
+        async def stream(k: int, order: itertools.count[int]) -> None:
+            # stream k sends its first request k + 1 ramps after the start, as the
+            # simulator's feed does (offline.py `initial_times_s`; module doc, "Order")
+            delay = t0 + (k + 1) * ramp_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
             while time.perf_counter() < end:
                 done = await one(next(order) % len(requests))
                 if done.failed:  # refused (e.g. a full queue): no tight loop of refusals
@@ -154,7 +173,7 @@ async def drive(api_url: str, model_name: str, requests: list[TraceRequest], *, 
             await asyncio.gather(*tasks)
 
         order = itertools.count()
-        work = ([asyncio.create_task(stream(order)) for _ in range(concurrency)] if offline
+        work = ([asyncio.create_task(stream(k, order)) for k in range(concurrency)] if offline
                 else [asyncio.create_task(arrivals())])
         _, pending = await asyncio.wait(work, timeout=max(0.0, end - time.perf_counter()))
         for task in pending:
@@ -201,6 +220,21 @@ def measured_metrics(run: Drive, time_scale: float, warmup_s: float,
     }
 
 
+def request_timelines(run: Drive, time_scale: float, warmup_s: float,
+                      duration_s: float) -> list[dict[str, Any]]:
+    """Per request sent, in the order sent: its prompt tokens, arrival, first token (None:
+    none came) and output tokens received in the window [warmup_s, duration_s], in cluster
+    time: what a cold start's decode tokens/s is made of (which prompts completed first)."""
+    out = []
+    for s in run.sent:
+        times = s.chunk_times_s(run.t0, time_scale)
+        out.append({"prompt_tokens": s.trace.prompt_tokens,
+                    "arrival_s": round(s.arrival_s, 4),
+                    "first_token_s": round(times[0], 4) if times else None,
+                    "tokens_in_window": sum(1 for t in times if warmup_s <= t <= duration_s)})
+    return out
+
+
 def _latency_keys(ttft: list[float], tpot: list[float]) -> dict[str, float | None]:
     """p50/p95 of TTFT and TPOT; None where no request finished in the window."""
     return {"ttft_p50_s": percentile(ttft, 50) if ttft else None,
@@ -236,9 +270,11 @@ def simulator_fields(inputs: RehearsalInputs) -> dict[str, Any]:
 
 
 def simulate(inputs: RehearsalInputs, *, offline: bool, duration_s: float, warmup_s: float,
-             concurrency: int) -> dict[str, Any]:
+             concurrency: int, ramp_s: float = 0.0) -> dict[str, Any]:
     """`helixserve simulate`'s code path on the same placement and requests (module doc):
-    {"metrics": the METRIC_KEYS and request counts, "summary": the simulator's summary}."""
+    {"metrics": the METRIC_KEYS and request counts, "summary": the simulator's summary}.
+    `ramp_s`: offline, seconds of cluster time between the streams' first requests (the
+    client's OFFLINE_RAMP_S / time scale)."""
     from helixserve.simulator.metrics import latencies, summarize
     from helixserve.simulator.sim import SimConfig, Simulation
     from helixserve.spec.scheduling import RUNTIME_VICTIM_RULE
@@ -248,12 +284,13 @@ def simulate(inputs: RehearsalInputs, *, offline: bool, duration_s: float, warmu
         q for q in inputs.requests if q.arrival_s < duration_s]
     config = SimConfig(duration_s=duration_s, warmup_s=warmup_s, offline=offline,
                        offline_feed="closed", feed_initial_requests=max(1, concurrency),
-                       feed_interval_s=0.0, scheduler="maxflow",
+                       feed_interval_s=ramp_s, scheduler="maxflow",
                        victim_rule=RUNTIME_VICTIM_RULE, **fields)
     sim = Simulation(inputs.cluster, inputs.model, inputs.cost, inputs.placement, requests,
                      config)
     result = sim.run()
     summary = summarize(result)
+    timeline = _simulated_timelines(sim)
     lat = latencies(result)
     return {
         "metrics": {
@@ -266,6 +303,21 @@ def simulate(inputs: RehearsalInputs, *, offline: bool, duration_s: float, warmu
             "output_tokens": result.decode_tokens,
         },
         "summary": summary,
+        "requests": timeline,
         "engine_config": {k: v for k, v in config.__dict__.items()
                           if k in fields or k in ("victim_rule", "offline_feed")},
     }
+
+
+def _simulated_timelines(sim: Any) -> list[dict[str, Any]]:
+    """`request_timelines` of the simulated side: every request admitted (finished or in
+    flight at the end), in the order they arrived; `tokens_in_window` is left out (the
+    simulator counts tokens, not their times, per request), `generated` is the tokens it had
+    by the end instead."""
+    reqs = [*sim.finished, *sim.running.values(), *sim.waiting.values()]
+    reqs.sort(key=lambda r: (r.arrival_s, int(r.rid.rsplit("-", 1)[-1])
+                             if r.rid.rsplit("-", 1)[-1].isdigit() else 0))
+    return [{"prompt_tokens": r.prompt - r.replayed, "arrival_s": round(r.arrival_s, 4),
+             "first_token_s": None if r.first_s != r.first_s else round(r.first_s, 4),
+             "generated": r.generated,
+             "route": [n.name for n in r.nodes]} for r in reqs]

@@ -265,3 +265,59 @@ def test_a_held_back_connection_takes_its_next_chunk_when_unsized_bytes_are_decl
 
     taken_s, queued_s = asyncio.run(main())
     assert taken_s < queued_s / 2  # taken on the declaration, not when the room came
+
+
+def test_a_slow_caller_lookup_does_not_hold_back_the_other_links(tmp_path):
+    """Finding a caller reads /proc (tens of ms on a loaded host, for each of the dozens of
+    connections a cold start opens): it runs on a thread, so a connection already open keeps
+    delivering meanwhile. On the event loop, every link stalled for each lookup. The lookup
+    here waits until the open connection's echo came back (with a deadlock breaker: on the
+    event loop the echo cannot come, and the lookup gives up)."""
+    import threading
+
+    started, released = threading.Event(), threading.Event()
+    outcome: dict[str, bool] = {}
+    calls = []
+
+    def resolve(peer):  # type: ignore[no-untyped-def]
+        calls.append(peer)
+        if len(calls) == 1:
+            return "n1"
+        started.set()
+        outcome["released"] = released.wait(10.0)
+        return "n2"
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    async def main() -> None:
+        target = await asyncio.start_server(echo, "127.0.0.1", 0)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            listen = s.getsockname()[1]
+        config = ProxyConfig([ProxyRoute("n0", listen, target.sockets[0].getsockname()[1])],
+                             {("n1", "n0"): LinkShape(10.0, 0.5)}, {},
+                             str(tmp_path / "stats.json"))
+        proxy = LinkProxy(config, resolve=resolve)
+        await proxy.start()
+        try:
+            r1, w1 = await asyncio.open_connection("127.0.0.1", listen)
+            w1.write(b"a" * 1000)
+            assert await r1.readexactly(1000) == b"a" * 1000  # connection A is open
+            _, w2 = await asyncio.open_connection("127.0.0.1", listen)  # B: a slow lookup
+            await asyncio.to_thread(started.wait, 10.0)
+            w1.write(b"b" * 1000)  # A again, while B's caller is being looked up
+            assert await r1.readexactly(1000) == b"b" * 1000
+            released.set()
+            for w in (w1, w2):
+                w.close()
+        finally:
+            released.set()
+            await proxy.close()
+            target.close()
+
+    asyncio.run(main())
+    assert outcome == {"released": True}
