@@ -29,8 +29,8 @@ from helixserve.commands.serve import (
 )
 from helixserve.commands.tool_args import add_tool_arguments, tool_options
 
-#: the workers' --worker-batch-wait when their threads outnumber the cores: 1 recent step
-#: time (0.5, 1 and 2 measured on the 2-core VM: 1 and 2 alike, 0.5 half the gain)
+#: torch workers' --worker-batch-wait when their threads outnumber the cores: 1 recent step
+#: time (0.5, 1 and 2 measured on the 2-core VM: 1 and 2 alike, 0.5 about half the gain)
 DEMO_BATCH_WAIT = 1.0
 
 
@@ -74,8 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--worker-batch-wait", type=finite_float, default=None,
         help="how long a worker's step waits for the rest of a request group's tokens, in "
         "units of its recent step time (HELIXSERVE_BATCH_WAIT, helixserve/runtime/worker.py "
-        f"'Batching'); default {DEMO_BATCH_WAIT:g} when the workers' threads outnumber this "
-        "machine's cores, else 0 (off)",
+        f"'Batching'); default {DEMO_BATCH_WAIT:g} for the torch engine when the workers' "
+        "threads outnumber this machine's cores, else 0 (off)",
     )
     p.add_argument(
         "--worker-kv-cache-mb",
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         credentials=None if tls is None else _given_credentials(tls, [w.node for w in to_start]),
         insecure=args.insecure,
         one_at_a_time=_shares_a_gpu(engine),
-        env={"HELIXSERVE_BATCH_WAIT": f"{_batch_wait(args, len(to_start)):g}"},
+        env={"HELIXSERVE_BATCH_WAIT": f"{_batch_wait(args, engine, len(to_start)):g}"},
     )
     if args.insecure:
         log("demo: --insecure: worker ports are plaintext and take anyone's requests")
@@ -248,12 +248,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _batch_wait(args: argparse.Namespace, num_workers: int) -> float:
-    """--worker-batch-wait, else DEMO_BATCH_WAIT when the workers' threads outnumber the
-    cores (they take turns on them, and a step costs about the same for 2 items as for 8:
-    runtime/worker.py, Batching), else 0."""
+def _batch_wait(args: argparse.Namespace, engine: str, num_workers: int) -> float:
+    """--worker-batch-wait, else DEMO_BATCH_WAIT for torch workers whose threads outnumber
+    the cores (they take turns on them, and a step costs about the same for 2 items as for
+    8: runtime/worker.py, Batching), else 0. The vllm engine's workers fray less without it
+    (~5.5 items a step on the first stage under 16 streams vs the torch engine's ~4), and
+    the one A/B run of it on the 2-core VM showed no gain (95 vs 101 tok/s, within that
+    machine's spread), so it stays off there."""
     if args.worker_batch_wait is not None:
         return float(args.worker_batch_wait)
+    if engine != "torch":
+        return 0.0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return DEMO_BATCH_WAIT if num_workers * args.worker_threads > (cores or 1) else 0.0
 
