@@ -252,7 +252,7 @@ def _batch_wait(args: argparse.Namespace, engine: str, num_workers: int) -> floa
     """--worker-batch-wait, else DEMO_BATCH_WAIT for torch workers whose threads outnumber
     the cores (they take turns on them, and a step costs about the same for 2 items as for
     8: runtime/worker.py, Batching), else 0. The vllm engine's workers fray less without it
-    (~5.5 items a step on the first stage under 16 streams vs the torch engine's ~4), and
+    (~6 items a step on the first stage under 16 streams vs the torch engine's ~4), and
     the one A/B run of it on the 2-core VM showed no gain (95 vs 101 tok/s, within that
     machine's spread), so it stays off there."""
     if args.worker_batch_wait is not None:
