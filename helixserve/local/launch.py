@@ -222,8 +222,11 @@ class WorkerProcesses:
         credentials: Any = None,
         insecure: bool = False,
         one_at_a_time: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.model_dir = model_dir
+        #: set in each worker's environment (on top of this process's)
+        self.env = env or {}
         #: start each worker only once the one before answers its health check: stages that
         #: share one GPU (vllm on CUDA) must not size themselves at the same time (docs/vllm.md)
         self.one_at_a_time = one_at_a_time
@@ -284,7 +287,8 @@ class WorkerProcesses:
             extra_args=[*(creds.nodes[w.node].flags() if creds is not None else []),
                         *self.extra_args])
         self.procs[w.node] = spawn_worker(cmd, self.log_dir / f"worker-{w.node}.log",
-                                          num_threads=self.num_threads, append=True)
+                                          num_threads=self.num_threads, env=self.env,
+                                          append=True)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Until every worker's gRPC health check says SERVING; fails with the worker's log

@@ -15,6 +15,18 @@ Among those first items, the step is formed by the scheduling core's `plan_step`
 and prompt chunks oldest first up to `step_prompt_tokens` (the first always runs); a chunk the
 coordinator cut is never split again. The rest waits, in order, for the next step.
 
+Batching (`batch_wait`, HELIXSERVE_BATCH_WAIT; off by default): before a step, the engine
+thread may wait, up to `batch_wait` x its recent step time, while a request on the route of a
+pending item that ran here in one of the last BATCH_WAIT_STEPS steps has no item queued yet:
+the rest of that request group's tokens, on their way back through the pipeline. Where
+workers share CPU cores (the demo's 3 single-thread workers on a 2-core machine) a step's
+cost is mostly reading the layer weights, whatever the batch, and without the wait a
+pipeline frays into ever smaller steps (n1 ran ~3.7 items a step under 16 streams instead
+of ~8); with it each stage steps once per route's group and the CPU per output token fell
+~30% (docs/benchmarks.md, "The vllm engine"). Where each worker has its own device, a
+pipeline deeper than its request groups would lose overlap by waiting, so it stays off
+there (`helixserve demo` turns it on for torch workers whose threads outnumber the cores).
+
 What travels: a request's first item on a route (its prefill chunks) carries its route, its
 coordinator and its sampling; the worker keeps them (`kept`, per request, until the request is
 released) and the request's later decode items are continuation items that carry only request
@@ -104,6 +116,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from helixserve.engine.errors import EngineError, KvExhaustedError, PrefixMissError
 from helixserve.engine.protocol import RawHidden
+from helixserve.planner.placement import NodeRange
 from helixserve.prefix import BlockHash, CacheEvents
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
@@ -140,8 +153,33 @@ MAX_COORDINATOR_STREAMS = 8
 SENT_MEMORY = 10_000
 #: Default bound on an engine that makes no progress while work waits (module doc).
 ENGINE_STALL_S = 20.0
+#: Weight of the last step in the moving average of the step time.
+STEP_EMA_WEIGHT = 0.2
+#: Default `Worker.batch_wait` (module doc, Batching): off.
+BATCH_WAIT = 0.0
+BATCH_WAIT_ENV = "HELIXSERVE_BATCH_WAIT"
+#: ... waiting only for requests that ran in one of this many last steps (a request that
+#: stopped sending, say its coordinator holds it back, is not waited for again and again)
+BATCH_WAIT_STEPS = 2
 #: Test-only hang injection (module doc); never set in deployments.
 HANG_ENV = "HELIXSERVE_TEST_ENGINE_HANG"
+
+
+def _batch_wait_default() -> float:
+    import os
+
+    text = os.environ.get(BATCH_WAIT_ENV, "")
+    if not text:
+        return BATCH_WAIT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 10.0:
+        from helixserve.errors import UserError
+
+        raise UserError(f"{BATCH_WAIT_ENV}: bad value {text!r}; need a number in [0, 10]")
+    return value
 
 
 @dataclass(frozen=True)
@@ -448,8 +486,12 @@ class Worker(pb_grpc.HelixWorkerServicer):
                  peers: security.PeerPolicy | None = None,
                  reload: Callable[[Any, int, int], tuple[Any, int]] | None = None,
                  kv_cache_bytes: int | None = None,
-                 step_prompt_tokens: int | None = DEFAULT_STEP_PROMPT_TOKENS) -> None:
+                 step_prompt_tokens: int | None = DEFAULT_STEP_PROMPT_TOKENS,
+                 batch_wait: float | None = None) -> None:
         self.engine = engine
+        #: how long a step waits for the items of requests holding KV here, in units of the
+        #: recent step time (module doc, Batching); 0: never waits
+        self.batch_wait = _batch_wait_default() if batch_wait is None else batch_wait
         #: what one engine step may take (module doc); None: every first item, as before
         self.budget = StepBudget(max_prompt_tokens=step_prompt_tokens).check()
         #: credentials for the streams to next hops (None: plaintext)
@@ -498,6 +540,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.draining = False
         # Engine-thread state (read approximately by Info from the loop thread).
         self.active: dict[str, str] = {}  # request id -> coordinator id, holding KV here
+        #: engine thread: request id -> (the step it last ran in, `steps` then; its route),
+        #: while it holds KV here (module doc, Batching)
+        self._ran: dict[str, tuple[int, tuple[NodeRange, ...]]] = {}
         #: loop thread: route, coordinator and sampling of each request from its first item,
         #: for its continuation items (module doc); dropped when the request is released
         self.kept: security.OwnedMemory[str, tp.RequestRoute] = security.OwnedMemory(
@@ -530,6 +575,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.steps = 0
         self.items_run = 0
         self._busy: deque[tuple[float, float]] = deque()  # (end time, step seconds)
+        #: moving average of the engine's step time (batch_wait's unit)
+        self._step_ema_s = 0.0
         #: engine steps per bucket of tokens in the step (tp.STEP_TOKEN_BUCKETS, + larger)
         self.step_tokens_counts = [0] * (len(tp.STEP_TOKEN_BUCKETS) + 1)
         self.step_tokens_sum = 0
@@ -613,15 +660,51 @@ class Worker(pb_grpc.HelixWorkerServicer):
 
     def _take_inbox(self, pending: deque[_Job]) -> deque[_Job] | None:
         """Engine thread: what arrived (waiting for it when nothing is pending): new jobs
-        join `pending`, releases and range switches are done now. None: stop."""
+        join `pending`, releases and range switches are done now; then, while some request
+        holding KV here has no item pending, up to `batch_wait` x the recent step time for
+        its item (module doc, Batching). None: stop."""
         msgs: list[list[_Job] | _Release | _Switch | None] = []
         if not pending:
             msgs.append(self.inbox.get())
+        got = self._absorb(self._drain(msgs), pending)
+        wait_s = self.batch_wait * self._step_ema_s
+        if got is None or not got or wait_s <= 0:
+            return got
+        deadline = time.perf_counter() + wait_s
+        while self._missing(got):
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            try:
+                first = self.inbox.get(timeout=remaining)
+            except queue.Empty:
+                break
+            got = self._absorb(self._drain([first]), got)
+            if got is None:
+                return None
+        return got
+
+    def _drain(
+        self, msgs: list[list[_Job] | _Release | _Switch | None]
+    ) -> list[list[_Job] | _Release | _Switch | None]:
         while True:
             try:
                 msgs.append(self.inbox.get_nowait())
             except queue.Empty:
-                break
+                return msgs
+
+    def _missing(self, pending: deque[_Job]) -> bool:
+        """Engine thread: a request on the route of a pending item that ran here in one of
+        the last BATCH_WAIT_STEPS steps (and holds KV here) has no item in `pending`."""
+        recent = self.steps - BATCH_WAIT_STEPS
+        here = {j.item.request_id for j in pending}
+        routes = {j.item.route for j in pending}
+        return any(step >= recent and route in routes and rid not in here
+                   for rid, (step, route) in self._ran.items())
+
+    def _absorb(self, msgs: list[list[_Job] | _Release | _Switch | None],
+                pending: deque[_Job]) -> deque[_Job] | None:
+        """Engine thread: `msgs` applied in order; the pending jobs after them, None: stop."""
         for m in msgs:
             if m is None:
                 return None
@@ -681,6 +764,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         ]
         for j in batch:
             self.active[j.item.request_id] = j.item.coordinator_id
+            self._ran[j.item.request_id] = (self.steps, j.item.route)
         t0 = time.perf_counter()
         outputs: list[Any]
         try:
@@ -728,6 +812,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         for rid, cid in moved.items():
             self.released.put((cid, rid), cid, None)
         self.active.clear()
+        self._ran.clear()
         self.engine.release_memory()
         new.allocate_kv(self.kv_cache_bytes)
         self.engine = new
@@ -752,6 +837,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     self.loop.call_soon_threadsafe(self._forget, cid, rid)
                 continue  # not here, or another coordinator's request: left alone
             del self.active[rid]
+            self._ran.pop(rid, None)
             freed += 1
             self.engine.free(rid)
             if self.loop is not None:
@@ -773,6 +859,10 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.step_tokens_sum += num_tokens
         now = time.monotonic()
         self._busy.append((now, step_s))
+        if self._step_ema_s:
+            self._step_ema_s += STEP_EMA_WEIGHT * (step_s - self._step_ema_s)
+        else:
+            self._step_ema_s = step_s
         while self._busy and self._busy[0][0] < now - BUSY_WINDOW_S:
             self._busy.popleft()
         self.last_batch_size = batch_size

@@ -30,18 +30,20 @@ class FakeEngine:
         return [SimpleNamespace() for _ in items]
 
 
-def _job(rid: str, tokens: int) -> _Job:
+def _job(rid: str, tokens: int, route: str = "r") -> _Job:
     hop = NodeRange("n", 0, 2)
     item = SimpleNamespace(request_id=rid, coordinator_id="c", hop=hop, position=0,
+                           route=(hop, NodeRange(route, 2, 4)),
                            token_ids=[1] * tokens, hidden=None, sampling=None, sample=True,
                            num_prompt_tokens=None, prefix_token_ids=None)
     return _Job(item=item, msg=None, origin=None)  # type: ignore[arg-type]
 
 
-def _run(step_prompt_tokens: int | None, jobs: list[_Job], steps: int) -> list[list[tuple[str, int]]]:
-    engine = FakeEngine(steps)
+def _run(step_prompt_tokens: int | None, jobs: list[_Job], steps: int,
+         engine: FakeEngine | None = None, batch_wait: float = 0.0) -> list[list[tuple[str, int]]]:
+    engine = engine or FakeEngine(steps)
     worker = Worker(engine, node="n", model="m", backend="torch", device="cpu",
-                    step_prompt_tokens=step_prompt_tokens)
+                    step_prompt_tokens=step_prompt_tokens, batch_wait=batch_wait)
     engine.worker = worker
     worker.loop = SimpleNamespace(call_soon_threadsafe=lambda *a: None)  # type: ignore[assignment]
     worker.inbox.put(jobs)
@@ -65,3 +67,59 @@ def test_step_budget_defers_a_chunk_that_does_not_fit_and_keeps_request_order() 
 def test_without_a_budget_or_for_one_long_chunk_the_first_items_all_run(budget: int | None) -> None:
     jobs = [_job("a", 400), _job("b", 1)]
     assert _run(budget, jobs, steps=1) == [[("a", 400), ("b", 1)]]
+
+
+class ReturningEngine(FakeEngine):
+    """Step 1 takes `step_s`; during it the first request's next item comes back at once
+    and the other's `late_s` later (as a pipeline returns a group's tokens unevenly)."""
+
+    def __init__(self, steps: int, step_s: float, late_s: float, route_b: str) -> None:
+        super().__init__(steps)
+        self.step_s, self.late_s, self.route_b = step_s, late_s, route_b
+
+    def step(self, items: list[Any]) -> list[Any]:
+        if not self.calls:
+            import time
+
+            assert self.worker is not None
+            inbox = self.worker.inbox
+            inbox.put([_job("a", 1)])
+            threading.Timer(self.late_s, inbox.put, [[_job("b", 1, self.route_b)]]).start()
+            time.sleep(self.step_s)
+        return super().step(items)
+
+
+@pytest.mark.parametrize("batch_wait", [0.0, 20.0])
+def test_batch_wait_holds_a_step_for_the_rest_of_its_route_group(batch_wait: float) -> None:
+    """b's token comes back 0.1 s after a's: with a wait of up to 20 x the 0.05 s step both
+    run in one step; without, a runs alone. (The margin, 1 s vs 0.1 s, is wide on purpose:
+    the test asserts which items share a step, not a time.)"""
+    engine = ReturningEngine(steps=3 if batch_wait == 0 else 2, step_s=0.05, late_s=0.1,
+                             route_b="r")
+    calls = _run(None, [_job("a", 4), _job("b", 4)], 0, engine, batch_wait)
+    assert calls[0] == [("a", 4), ("b", 4)]
+    if batch_wait:
+        assert calls[1:] == [[("a", 1), ("b", 1)]]
+    else:
+        assert calls[1:] == [[("a", 1)], [("b", 1)]]
+
+
+def test_batch_wait_does_not_hold_a_step_for_another_route() -> None:
+    """b runs on another route (its group comes back through another next hop): a's step
+    does not wait for it, even with a long wait allowed."""
+    engine = ReturningEngine(steps=3, step_s=0.05, late_s=0.3, route_b="other")
+    calls = _run(None, [_job("a", 4), _job("b", 4, "other")], 0, engine, batch_wait=20.0)
+    assert calls == [[("a", 4), ("b", 4)], [("a", 1)], [("b", 1)]]
+
+
+@pytest.mark.parametrize("text", ["x", "-1", "11", "nan"])
+def test_bad_batch_wait_environment_value_is_a_user_error(text: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from helixserve.errors import UserError
+    from helixserve.runtime.worker import BATCH_WAIT_ENV, _batch_wait_default
+
+    monkeypatch.setenv(BATCH_WAIT_ENV, text)
+    with pytest.raises(UserError, match=f"{BATCH_WAIT_ENV}: bad value '{text}'"):
+        _batch_wait_default()
+    monkeypatch.setenv(BATCH_WAIT_ENV, "1.5")
+    assert _batch_wait_default() == 1.5
