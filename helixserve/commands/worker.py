@@ -89,6 +89,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    metavar="N", help="prompt tokens one engine step may run beside its decode "
                    f"tokens (default {DEFAULT_STEP_PROMPT_TOKENS}, as the simulator's vllm "
                    "engine model; a chunk longer than N runs alone; 0: no limit)")
+    p.add_argument("--batch-wait", type=finite_float, default=None, metavar="X",
+                   help="before a step, wait up to X x the recent step time for the rest of "
+                   "a request group's tokens (runtime/worker.py, Batching; for workers that "
+                   "share CPU cores; default: $HELIXSERVE_BATCH_WAIT, else 0, off)")
     p.add_argument("--slowdown", type=finite_float, default=1.0, metavar="F",
                    help="emulate a slower device: stretch each engine step to F x its compute "
                    "time by sleeping (benchmarks/rig; default 1, off)")
@@ -186,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--kv-block-size: bad value {args.kv_block_size}; need >= 1")
     if args.step_prompt_tokens < 0:
         raise UserError(f"--step-prompt-tokens: bad value {args.step_prompt_tokens}; need >= 0")
+    if args.batch_wait is not None and not 0 <= args.batch_wait <= 10:
+        raise UserError(f"--batch-wait: bad value {args.batch_wait:g}; need a number in [0, 10]")
     from helixserve.engine.registry import default_device, engine_version, resolve_engine
 
     engine_name = resolve_engine(args.engine)
@@ -231,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
     worker = Worker(slowed(engine, args.slowdown), node=node, model=args.model.name,
                     backend=engine_name, device=device, tls=tls, peers=peers, reload=reload,
                     kv_cache_bytes=args.kv_cache_bytes,
-                    step_prompt_tokens=args.step_prompt_tokens or None)
+                    step_prompt_tokens=args.step_prompt_tokens or None,
+                    batch_wait=args.batch_wait)
     version = engine_version(engine_name)
     if version:
         print(f"helixserve worker {node}: engine {engine_name} {version}", flush=True)

@@ -246,6 +246,10 @@ def test_safe_defaults_of_demo_and_worker(tmp_path):
     proc = helixserve("worker", "--model", str(model), "--layers", "0:2", "--port", "0",
                       "--host", "0.0.0.0", "--insecure", "--engine-stall-s", "0")
     assert proc.returncode == 2 and "--engine-stall-s: bad value 0" in proc.stderr
+    proc = helixserve("worker", "--model", str(model), "--layers", "0:2", "--port", "0",
+                      "--insecure", "--batch-wait", "11")
+    assert proc.returncode == 2 and "--batch-wait: bad value 11" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_security_imports_without_torch_or_grpc():
