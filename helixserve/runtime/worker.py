@@ -25,7 +25,8 @@ pipeline frays into ever smaller steps (n1 ran ~3.7 items a step under 16 stream
 of ~8); with it each stage steps once per route's group and the CPU per output token fell
 ~30% (docs/benchmarks.md, "The vllm engine"). Where each worker has its own device, a
 pipeline deeper than its request groups would lose overlap by waiting, so it stays off
-there (`helixserve demo` turns it on for torch workers whose threads outnumber the cores).
+there (`helixserve demo` turns it on for its CPU workers, torch or vllm, when their threads
+outnumber the cores).
 
 What travels: a request's first item on a route (its prefill chunks) carries its route, its
 coordinator and its sampling; the worker keeps them (`kept`, per request, until the request is
