@@ -329,13 +329,7 @@ def order_move(ranges: Ranges, kind: Sequence[str], num_layers: int,
         members[p].append(i)
     order = list(range(n))
     if rng.random() < 0.5:
-        label = [tuple(sorted({kind[i] for i in m})) for m in members]
-        blocks: list[list[int]] = []
-        for p in range(n):
-            if blocks and label[blocks[-1][-1]] == label[p]:
-                blocks[-1].append(p)
-            else:
-                blocks.append([p])
+        blocks = _kind_blocks(members, kind)
         if len(blocks) < 2:
             return None
         b = rng.randrange(len(blocks))
@@ -357,6 +351,19 @@ def order_move(ranges: Ranges, kind: Sequence[str], num_layers: int,
     return None if new == ranges else new
 
 
+def _kind_blocks(members: list[list[int]], kind: Sequence[str]) -> list[list[int]]:
+    """The stages (indices into `members`, each stage's machines) in blocks: longest runs
+    of consecutive stages whose machines are of the same kinds."""
+    label = [tuple(sorted({kind[i] for i in m})) for m in members]
+    blocks: list[list[int]] = []
+    for p in range(len(members)):
+        if blocks and label[blocks[-1][-1]] == label[p]:
+            blocks[-1].append(p)
+        else:
+            blocks.append([p])
+    return blocks
+
+
 def block_orders(ranges: Ranges, kind: Sequence[str], num_layers: int) -> list[Ranges]:
     """The stage orders of a stage-structured placement that move one block of stages (a
     longest run of consecutive stages of one machine `kind`, e.g. the T4 triples) to the
@@ -372,13 +379,7 @@ def block_orders(ranges: Ranges, kind: Sequence[str], num_layers: int) -> list[R
     members: list[list[int]] = [[] for _ in range(n)]
     for i, p in stage_of.items():
         members[p].append(i)
-    label = [tuple(sorted({kind[i] for i in m})) for m in members]
-    blocks: list[list[int]] = []
-    for p in range(n):
-        if blocks and label[blocks[-1][-1]] == label[p]:
-            blocks[-1].append(p)
-        else:
-            blocks.append([p])
+    blocks = _kind_blocks(members, kind)
     out: list[Ranges] = []
     seen = {key(ranges)}
     for to_front in (True, False):
