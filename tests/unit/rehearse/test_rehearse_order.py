@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,15 +17,7 @@ from helixserve.rehearse import run as rehearse_run
 from helixserve.rehearse.inputs import load_inputs
 from helixserve.rehearse.run import Drive, Sent, request_timelines, simulate
 from helixserve.simulator.workload import TraceRequest
-
-TESTS = Path(__file__).resolve().parents[2]
-
-
-def data(*parts: str) -> Path:
-    for root in (TESTS / "data" / "shared", TESTS.parent / "examples"):
-        if (root / parts[0]).exists():
-            return root.joinpath(*parts)
-    raise FileNotFoundError("/".join(parts))
+from tests.unit.rehearse.test_rehearse_inputs import TESTS, data
 
 
 def inputs():  # type: ignore[no-untyped-def]
