@@ -39,6 +39,9 @@ KV_BYTES_PER_TOKEN_PER_LAYER = 2 * 3 * 64 * 4
 TOPOLOGIES = {
     "demo": [("n1", "T4", 0, 9), ("n2", "L4", 9, 30), ("n3", "A10", 9, 30)],
     "three": [("n1", "T4", 0, 30), ("n2", "L4", 0, 30), ("n3", "A10", 0, 30)],
+    # `helixserve demo --memory-gb 1,1,1`: three equal workers, which the demo's MILP
+    # plans as n3 [0, 10) -> n1 or n2 [10, 30), 50% / 50%
+    "equal": [("n3", "T4", 0, 10), ("n1", "L4", 10, 30), ("n2", "A10", 10, 30)],
 }
 PROMPT_MS_PER_TOKEN = 1.0
 DECODE_MS_PER_STEP = 100.0

@@ -231,13 +231,15 @@ def route_load(route: Route, state: Mapping[str, NodeState]) -> int:
 
 class PrefixRouting:
     """The core's prefix state: the index, each request's names, the recent routes and the
-    per-node counters (`stats`: node -> [prompt tokens queried, tokens hit])."""
+    counters, per node (`stats`: node -> [prompt tokens queried, tokens hit]) and per
+    admission (`total`: the same, once per request whatever its hops)."""
 
     def __init__(self, recent_routes: int) -> None:
         self.index = PrefixIndex()
         self.names: dict[str, RequestNames] = {}
         self.recent = RecentRoutes(recent_routes)
         self.stats: dict[str, list[int]] = {}
+        self.total = [0, 0]
 
     def matched(self, request_id: str, tokens: Sequence[int], route: Route,
                 block_size: int,
@@ -267,14 +269,18 @@ class PrefixRouting:
                 break
         return blocks
 
-    def count(self, route: Route, prompt_tokens: int, cached_tokens: int) -> None:
-        """An admission's lookup, counted on every hop (vLLM's queries / hits counters)."""
+    def count(self, route: Route, prompt_tokens: int, cached_tokens: int,
+              sign: int = 1) -> None:
+        """An admission's lookup, counted on every hop and once in the total (vLLM's
+        queries / hits counters); `sign` -1 takes back one that never ran."""
         for h in route.hops:
             c = self.stats.get(h.name)
             if c is None:
                 c = self.stats[h.name] = [0, 0]
-            c[0] += prompt_tokens
-            c[1] += cached_tokens
+            c[0] += sign * prompt_tokens
+            c[1] += sign * cached_tokens
+        self.total[0] += sign * prompt_tokens
+        self.total[1] += sign * cached_tokens
 
     def cached_tokens(self, request_id: str, tokens: Sequence[int], info: RequestInfo,
                       route: Route, block_size: int) -> int:

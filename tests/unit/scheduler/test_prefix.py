@@ -207,6 +207,41 @@ def test_prefix_miss_drops_the_listed_names_and_requeues_uncounted() -> None:
     assert admit(c, req("r2", prompt)).cached_tokens == 0
 
 
+def test_each_request_is_counted_once_at_the_admission_that_ran() -> None:
+    """vLLM's queries / hits: a request counts once. An admission a hop refused (prefix
+    miss) is taken back and the next one counts; a preempted or re-routed request admitted
+    again is not counted again (vLLM counts those apart, in no exported counter)."""
+    c = make_core({"a": (0, 4), "b": (4, 8)}, kv=KvPolicy("on-demand", watermark=0.0))
+    prompt = SYSTEM + [9] * 8  # 32 tokens, 8 blocks
+    holds(c, "a", prompt, 0, 4, reset=True)
+    holds(c, "b", prompt, 4, 8, reset=True)
+    assert admit(c, req("r1", prompt)).cached_tokens == 7 * BS
+    assert c.prefix_totals() == (32, 28)
+    c.prefix_miss("r1", "b", block_hashes(prompt, BS, 4, 8)[2:])
+    assert c.prefix_totals() == (0, 0) and c.prefix_stats() == {"a": (0, 0), "b": (0, 0)}
+    (d,) = c.schedule()  # admitted again: this one runs, and counts
+    assert isinstance(d, Admission) and d.cached_tokens == 2 * BS
+    assert c.prefix_totals() == (32, 8) and c.prefix_stats() == {"a": (32, 8), "b": (32, 8)}
+    c.on_token("r1")
+    c.reroute("r1")  # a fault: replayed from its admission, not counted again
+    c.rename("r1", "r1b")  # under the replay's fresh id, which keeps its count
+    (d,) = c.schedule()
+    assert isinstance(d, Admission) and d.resumed and d.info.prompt_tokens == 33
+    assert c.prefix_totals() == (32, 8)
+    c.prefix_miss("r1b", "b")  # refused again: nothing counted for it to take back
+    (d,) = c.schedule()
+    assert isinstance(d, Admission) and c.prefix_totals() == (32, 8)
+    c.finish("r1b")
+    # another request: counted, and after a miss counted at its next admission
+    holds(c, "b", prompt, 4, 8, reset=True)
+    assert admit(c, req("r2", prompt)).cached_tokens == 7 * BS
+    assert c.prefix_totals() == (64, 36)
+    c.prefix_miss("r2", "a")
+    (d,) = c.schedule()
+    assert isinstance(d, Admission) and d.cached_tokens == 0
+    assert c.prefix_totals() == (64, 8)
+
+
 def test_prefix_miss_without_names_drops_the_admissions_blocks_on_that_hop_only() -> None:
     c = make_core({"a": (0, 4), "b": (4, 8)})
     prompt = SYSTEM + [9] * 8
