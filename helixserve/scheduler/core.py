@@ -438,7 +438,13 @@ class SchedulerCore:
         cached = 0
         tokens = req.token_ids() if self.policy.prefix_caching else None
         if tokens is not None:
-            route, cached = self._prefix_route(req.request_id, tokens, info, route)
+            chosen = self._prefix_route(req.request_id, tokens, info, route)
+            if chosen is None:  # waits for the route holding its prefix
+                cancel = getattr(self.router, "cancel", None)
+                if cancel is not None:
+                    cancel()
+                return None
+            route, cached = chosen
             if req.request_id not in self._lookups:
                 self.prefix.count(route, info.prompt_tokens, cached)
                 self._lookups[req.request_id] = (route, info.prompt_tokens, cached)
@@ -454,7 +460,7 @@ class SchedulerCore:
         return Admission(req.request_id, route, info, req.resumed, cached)
 
     def _prefix_route(self, request_id: str, tokens: Sequence[int], info: RequestInfo,
-                      pick: Route) -> tuple[Route, int]:
+                      pick: Route) -> tuple[Route, int] | None:
         """The route to admit on and its cached tokens (scheduler/prefix.py's rule)."""
         p = self.policy
         if not p.cache_aware:
@@ -464,7 +470,7 @@ class SchedulerCore:
         return self.prefix.route(
             request_id, tokens, info, pick, self.router, self.view, self.prefix_block_size,
             RouteWeights(p.prefix_prefill_weight, p.prefix_load_weight_tokens,
-                         p.prefix_flow_weight),
+                         p.prefix_flow_weight, p.prefix_wait_tokens),
             (lambda r: self.kv.fits(info, r.nodes)) if check_fit else None)
 
     def _drop_head(self, rid: str, reason: str) -> Rejection:

@@ -530,6 +530,50 @@ def test_a_conversation_sticks_to_its_route_while_the_flow_allows() -> None:
     assert others["x"] >= 10
 
 
+def test_a_turn_waits_for_its_busy_route_rather_than_compute_its_history_elsewhere() -> None:
+    """y holds the conversation's history but has no KV room while another request runs
+    there: the turn waits (nobody's credits change) and runs on y once that request ends;
+    with `prefix_wait_tokens` 0, or when y's room is short with nothing running there, it
+    is admitted on x at once and computes its whole prompt."""
+    history = SYSTEM + list(range(40))  # 64 tokens, 16 blocks
+
+    def setup(wait: float, capacity_y: int = 100) -> SchedulerCore:
+        flows = [Flow(C, "x", 1.0), Flow("x", C, 1.0), Flow(C, "y", 1.0), Flow("y", C, 1.0)]
+        p = Placement(model="m", cluster="c", num_layers=8, planner="hand",
+                      nodes=[NodeRange("x", 0, 8), NodeRange("y", 0, 8)], flows=flows)
+        c = SchedulerCore(make_router("maxflow", p),
+                          SchedulerPolicy(kv=KvPolicy("on-demand", watermark=0.0),
+                                          prefix_flow_weight=0.0, prefix_wait_tokens=wait),
+                          {"x": 100, "y": capacity_y})
+        c.set_block_size(BS)
+        admit(c, req("warm-x", [1] * 8))
+        admit(c, req("warm-y", [2] * 8))  # both routes recent
+        c.finish("warm-x")
+        c.finish("warm-y")
+        holds(c, "y", history, 0, 8, reset=True)
+        return c
+
+    c = setup(wait=16)
+    other = admit(c, req("other", history[:40] + [5] * 20))  # 60 tokens, on y for its cache
+    assert other.route.nodes == ("y",) and c.view["y"].kv_free_tokens < 72
+    credits = dict(c.router.credit)  # type: ignore[attr-defined]
+    c.arrive(req("turn", history + [7] * 8))  # 72 tokens: no room on y now
+    assert c.schedule() == [] and c.waiting == 1
+    assert c.router.credit == credits  # type: ignore[attr-defined]
+    c.finish("other")
+    (d,) = c.schedule()
+    assert isinstance(d, Admission) and d.route.nodes == ("y",) and d.cached_tokens == 64
+
+    c = setup(wait=0)
+    assert admit(c, req("other", history[:40] + [5] * 20)).route.nodes == ("y",)
+    d = admit(c, req("turn", history + [7] * 8))
+    assert d.route.nodes == ("x",) and d.cached_tokens == 0
+
+    c = setup(wait=16, capacity_y=70)  # y could never hold the turn: no wait
+    d = admit(c, req("turn", history + [7] * 8))
+    assert d.route.nodes == ("x",) and d.cached_tokens == 0
+
+
 def test_without_prefix_traffic_the_flow_term_changes_nothing() -> None:
     """Requests whose tokens are unknown, or that nothing cached matches: the same
     decisions, whatever the flow weight."""
