@@ -350,7 +350,7 @@ def _pct(x: float | None) -> str:
 def format_table(runs: dict[str, SetupRun], targets: dict[str, Any]) -> str:
     lines = [f"{'setup':<6} {'status':<10} {'ok/sent':>7} {'out tok/s':>9} {'req/s':>6} "
              f"{'TTFT p50':>9} {'TTFT p90':>9} {'hit resp':>8} {'hit /metrics':>12}"
-             "  (TTFT in ms)"]  # fmt: skip
+             f" {'history found':>13}  (TTFT in ms)"]  # fmt: skip
     notes = []
     for name, r in runs.items():
         s = r.summary
@@ -361,7 +361,7 @@ def format_table(runs: dict[str, SetupRun], targets: dict[str, Any]) -> str:
                 f"{name:<6} {'ok':<10} {f'{s.completed}/{s.requests}':>7} "
                 f"{s.output_tokens_per_s:>9.1f} {s.requests_per_s:>6.2f} {s.ttft_p50_ms:>9.0f} "
                 f"{s.ttft_p90_ms:>9.0f} {_pct(s.hit_rate_responses):>8} "
-                f"{_pct(s.hit_rate_metrics):>12}")  # fmt: skip
+                f"{_pct(s.hit_rate_metrics):>12} {_pct(s.history_found):>13}")  # fmt: skip
             notes += [f"{name}: error: {e}" for e in s.errors]
         if r.note:
             notes.append(f"{name}: {r.note}")
