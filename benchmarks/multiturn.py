@@ -155,6 +155,7 @@ def start_server(setup: str, extra: list[str], port: int, workdir: Path,
         cmd = [sys.executable, "-m", "helixserve", "demo", "--engine", args.engine,
                "--port", str(port), "--workdir", str(workdir / "demo"),
                "--worker-kv-cache-mb", str(args.worker_kv_cache_mb),
+               *(["--memory-gb", args.memory_gb] if args.memory_gb else []),
                *extra, *args.demo_arg]  # fmt: skip
     log = (workdir / f"{setup}.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -410,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the demo workers' engine")
     ap.add_argument("--worker-kv-cache-mb", type=int, default=128,
                     help="demo KV per worker; the vLLM server gets 3x")
+    ap.add_argument("--memory-gb", default=None,
+                    help="the demos' --memory-gb (the workers' budgets the MILP plans for; "
+                    "1,1,1: two routes of 50%%, docs/benchmarks.md)")
     ap.add_argument("--demo-arg", action="append", default=[],
                     help="one more argument for every demo (repeat: --demo-arg=--worker-threads "
                     "--demo-arg=2)")
