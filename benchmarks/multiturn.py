@@ -155,6 +155,7 @@ def start_server(setup: str, extra: list[str], port: int, workdir: Path,
         cmd = [sys.executable, "-m", "helixserve", "demo", "--engine", args.engine,
                "--port", str(port), "--workdir", str(workdir / "demo"),
                "--worker-kv-cache-mb", str(args.worker_kv_cache_mb),
+               *(["--memory-gb", args.memory_gb] if args.memory_gb else []),
                *extra, *args.demo_arg]  # fmt: skip
     log = (workdir / f"{setup}.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -350,7 +351,7 @@ def _pct(x: float | None) -> str:
 def format_table(runs: dict[str, SetupRun], targets: dict[str, Any]) -> str:
     lines = [f"{'setup':<6} {'status':<10} {'ok/sent':>7} {'out tok/s':>9} {'req/s':>6} "
              f"{'TTFT p50':>9} {'TTFT p90':>9} {'hit resp':>8} {'hit /metrics':>12}"
-             "  (TTFT in ms)"]  # fmt: skip
+             f" {'history found':>13}  (TTFT in ms)"]  # fmt: skip
     notes = []
     for name, r in runs.items():
         s = r.summary
@@ -361,7 +362,7 @@ def format_table(runs: dict[str, SetupRun], targets: dict[str, Any]) -> str:
                 f"{name:<6} {'ok':<10} {f'{s.completed}/{s.requests}':>7} "
                 f"{s.output_tokens_per_s:>9.1f} {s.requests_per_s:>6.2f} {s.ttft_p50_ms:>9.0f} "
                 f"{s.ttft_p90_ms:>9.0f} {_pct(s.hit_rate_responses):>8} "
-                f"{_pct(s.hit_rate_metrics):>12}")  # fmt: skip
+                f"{_pct(s.hit_rate_metrics):>12} {_pct(s.history_found):>13}")  # fmt: skip
             notes += [f"{name}: error: {e}" for e in s.errors]
         if r.note:
             notes.append(f"{name}: {r.note}")
@@ -410,6 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the demo workers' engine")
     ap.add_argument("--worker-kv-cache-mb", type=int, default=128,
                     help="demo KV per worker; the vLLM server gets 3x")
+    ap.add_argument("--memory-gb", default=None,
+                    help="the demos' --memory-gb (the workers' budgets the MILP plans for; "
+                    "1,1,1: two routes of 50%%, docs/benchmarks.md)")
     ap.add_argument("--demo-arg", action="append", default=[],
                     help="one more argument for every demo (repeat: --demo-arg=--worker-threads "
                     "--demo-arg=2)")

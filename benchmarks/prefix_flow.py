@@ -24,7 +24,8 @@ PROFILES = ROOT / "examples/profiles/helix-measured.csv"
 PLACEMENT = ROOT / "benchmarks/helix-placements/helix-single-24-llama-2-70b.json"
 
 
-def run(weight: float, gap_s: float, duration_s: float) -> dict[str, Any]:
+def run(weight: float, gap_s: float, duration_s: float,
+        wait_tokens: float | None = None) -> dict[str, Any]:
     from helixserve.costmodel import CostModel
     from helixserve.planner import evaluate, load_placement
     from helixserve.simulator.metrics import latencies, percentiles, prefix_summary
@@ -42,12 +43,14 @@ def run(weight: float, gap_s: float, duration_s: float) -> dict[str, Any]:
         placement.flows = evaluate(cluster, model, cost, placement).flows
     requests = multi_turn(200, 6, system_prompt_tokens=1000, user_tokens=100,
                           output_tokens=100, conversation_gap_s=gap_s, turn_gap_s=20.0, seed=0)
+    wait = {} if wait_tokens is None else {"prefix_wait_tokens": wait_tokens}
     config = SimConfig(duration_s=duration_s, scheduler="maxflow", seed=0,
-                       prefix_flow_weight=weight, **engine_config("vllm"))
+                       prefix_flow_weight=weight, **wait, **engine_config("vllm"))
     result = Simulation(cluster, model, cost, placement, requests, config).run()
     lat = latencies(result)
     ttft, e2e = percentiles(lat["ttft_s"]), percentiles(lat["e2e_s"])
     return {"prefix_flow_weight": weight, "conversation_gap_s": gap_s,
+            "prefix_wait_tokens": config.prefix_wait_tokens,
             "hit_rate": prefix_summary(result)["hit_rate"], "ttft_p50_s": ttft.get("p50"),
             "e2e_p50_s": e2e.get("p50"), "e2e_p90_s": e2e.get("p90"),
             "finished": len(result.finished)}
@@ -58,14 +61,18 @@ def main() -> None:
     ap.add_argument("--weights", type=float, nargs="+", default=[0.0, 0.25])
     ap.add_argument("--gaps", type=float, nargs="+", default=[4.0, 1.0],
                     help="seconds between new conversations (4: sustainable; 1: overloaded)")
+    ap.add_argument("--wait-tokens", type=float, nargs="+", default=[None],
+                    help="SimConfig.prefix_wait_tokens values to run (default: the core's)")
     ap.add_argument("--duration", type=float, default=600.0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    rows = [run(w, g, args.duration) for g in args.gaps for w in args.weights]
-    print(f"{'gap s':>6} {'weight':>7} {'hit rate':>9} {'TTFT p50 s':>11} {'e2e p50 s':>10} "
-          f"{'e2e p90 s':>10} {'finished':>9}")
+    rows = [run(w, g, args.duration, wt) for g in args.gaps for w in args.weights
+            for wt in args.wait_tokens]
+    print(f"{'gap s':>6} {'weight':>7} {'wait':>6} {'hit rate':>9} {'TTFT p50 s':>11} "
+          f"{'e2e p50 s':>10} {'e2e p90 s':>10} {'finished':>9}")
     for r in rows:
-        print(f"{r['conversation_gap_s']:>6g} {r['prefix_flow_weight']:>7g} {r['hit_rate']:>9.3f} "
+        print(f"{r['conversation_gap_s']:>6g} {r['prefix_flow_weight']:>7g} "
+              f"{r['prefix_wait_tokens']:>6g} {r['hit_rate']:>9.3f} "
               f"{r['ttft_p50_s'] or 0:>11.2f} {r['e2e_p50_s'] or 0:>10.1f} "
               f"{r['e2e_p90_s'] or 0:>10.1f} {r['finished']:>9}")
     if args.json is not None:

@@ -10,11 +10,14 @@ a request's tail evicted before its head), runs `workload.multi_turn` conversati
 plain routes (`cache_aware=False`) and with cache-aware ones, and reports per setting and
 seed the hit rate of each, and the mechanism: how often a conversation's turn ran on the
 route of its previous turn, the most blocks each node's cache held, and how many it evicted.
-`--topology three` gives each of three nodes the whole model (three one-hop routes).
+`--topology three` gives each of three nodes the whole model (three one-hop routes);
+`--topology equal` is `helixserve demo --memory-gb 1,1,1` (n3 [0, 10) -> n1 or n2 [10, 30),
+half and half).
 
 Timing is a stand-in for the 2-core VM (prefill 1 ms a token, a decode step 100 ms, for
 the whole model; split by layers): the hit rates depend on it only through the order of
-events. Conversations start together (`--conversation-gap-s` staggers them); their later
+events, which `--prompt-ms-per-token` changes (slower prefills overlap more: two turns on
+one route at once, as on the loaded demo, leave a route short of KV). Conversations start together (`--conversation-gap-s` staggers them); their later
 turns arrive `--turn-gap-s` apart plus a uniform jitter of up to `--jitter-s` (so turns
 interleave as in the closed-loop benchmark, not in lock step with the router's rotation).
 
@@ -39,6 +42,9 @@ KV_BYTES_PER_TOKEN_PER_LAYER = 2 * 3 * 64 * 4
 TOPOLOGIES = {
     "demo": [("n1", "T4", 0, 9), ("n2", "L4", 9, 30), ("n3", "A10", 9, 30)],
     "three": [("n1", "T4", 0, 30), ("n2", "L4", 0, 30), ("n3", "A10", 0, 30)],
+    # `helixserve demo --memory-gb 1,1,1`: three equal workers, which the demo's MILP
+    # plans as n3 [0, 10) -> n1 or n2 [10, 30), 50% / 50%
+    "equal": [("n3", "T4", 0, 10), ("n1", "L4", 10, 30), ("n2", "A10", 10, 30)],
 }
 PROMPT_MS_PER_TOKEN = 1.0
 DECODE_MS_PER_STEP = 100.0
@@ -49,7 +55,8 @@ def kv_tokens(kv_mib: float, layers: int) -> int:
     return int(kv_mib * 2**20 // (layers * KV_BYTES_PER_TOKEN_PER_LAYER))
 
 
-def build(topology: str, kv_mib: float, n3_share: float = 0.5) -> tuple[Any, Any, Any, Any]:
+def build(topology: str, kv_mib: float, n3_share: float = 0.5,
+          prompt_ms_per_token: float = PROMPT_MS_PER_TOKEN) -> tuple[Any, Any, Any, Any]:
     """(cluster, model, cost model, placement with flows) of the topology, each node's
     memory chosen so that the cost model's KV capacity is `kv_tokens(kv_mib, layers)`.
     `n3_share` (demo only): the max flow's share of route n1 -> n3 (the demo's MILP plans
@@ -66,7 +73,7 @@ def build(topology: str, kv_mib: float, n3_share: float = 0.5) -> tuple[Any, Any
     curves, heads = {}, {}
     for node, gpu, _, _ in nodes:
         slow = n3_share / (1 - n3_share) if node == "n2" and topology == "demo" else 1.0
-        per_layer = slow * PROMPT_MS_PER_TOKEN / 30
+        per_layer = slow * prompt_ms_per_token / 30
         curves["smollm2", gpu, 1, "prompt"] = Curve((1, 100_000), (per_layer, per_layer * 1e5))
         step = slow * DECODE_MS_PER_STEP / 30
         curves["smollm2", gpu, 1, "decode"] = Curve((1, 64), (step, step))
@@ -99,12 +106,13 @@ def build(topology: str, kv_mib: float, n3_share: float = 0.5) -> tuple[Any, Any
 def run(topology: str, kv_mib: float, conversations: int, turns: int, user_tokens: int,
         output_tokens: int, system_tokens: int, seed: int, aware: bool, turn_gap_s: float,
         jitter_s: float, n3_share: float = 0.5, conversation_gap_s: float = 0.0,
-        flow_weight: float | None = None) -> dict[str, Any]:
+        flow_weight: float | None = None, wait_tokens: float | None = None,
+        prompt_ms_per_token: float = PROMPT_MS_PER_TOKEN) -> dict[str, Any]:
     from helixserve.simulator.metrics import latencies, percentiles, prefix_summary
     from helixserve.simulator.sim import SimConfig, Simulation
     from helixserve.simulator.workload import multi_turn
 
-    cluster, model, cost, placement = build(topology, kv_mib, n3_share)
+    cluster, model, cost, placement = build(topology, kv_mib, n3_share, prompt_ms_per_token)
     reqs = multi_turn(conversations, turns, system_prompt_tokens=system_tokens,
                       user_tokens=user_tokens, output_tokens=output_tokens,
                       conversation_gap_s=conversation_gap_s, turn_gap_s=turn_gap_s,
@@ -113,7 +121,9 @@ def run(topology: str, kv_mib: float, conversations: int, turns: int, user_token
     reqs = sorted((replace(r, arrival_s=r.arrival_s + (0.0 if r.request_id.endswith("-turn0")
                                                         else rng.uniform(0, jitter_s)))
                    for r in reqs), key=lambda r: r.arrival_s)
-    flow = {} if flow_weight is None else {"prefix_flow_weight": flow_weight}
+    flow: dict[str, float] = {} if flow_weight is None else {"prefix_flow_weight": flow_weight}
+    if wait_tokens is not None:
+        flow["prefix_wait_tokens"] = wait_tokens
     config = SimConfig(duration_s=conversations * conversation_gap_s + turns * turn_gap_s
                        + jitter_s + 600.0, scheduler="maxflow", seed=seed,
                        kv_allocation="on-demand", cache_aware=aware, **flow)
@@ -160,6 +170,13 @@ def main() -> None:
                     help="seconds between conversations' first turns (0: all start together)")
     ap.add_argument("--flow-weight", type=float, default=None,
                     help="SimConfig.prefix_flow_weight (default: the core's, 0.25)")
+    ap.add_argument("--wait-tokens", type=float, default=None,
+                    help="SimConfig.prefix_wait_tokens (default: the core's, 1024; 0: a "
+                    "request never waits for the route holding its history)")
+    ap.add_argument("--prompt-ms-per-token", type=float, default=PROMPT_MS_PER_TOKEN,
+                    help="prefill time per token of the whole model (default 1; the demo "
+                    "on the loaded 2-core VM is several times slower: 8 puts two "
+                    "conversations' prefills on one route at once, as there)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rows = []
@@ -170,7 +187,8 @@ def main() -> None:
                             for sd in args.seeds):
         p, a = (run(args.topology, kv, args.conversations, args.turns, args.user_tokens,
                     args.output_tokens, args.system_tokens, seed, aware, args.turn_gap_s,
-                    args.jitter_s, share, args.conversation_gap_s, args.flow_weight)
+                    args.jitter_s, share, args.conversation_gap_s, args.flow_weight,
+                    args.wait_tokens, args.prompt_ms_per_token)
                 for aware in (False, True))
         ratio = a["hit_rate"] / p["hit_rate"] if p["hit_rate"] else 0.0
         rows.append({"n3_share": share, "kv_mib": kv, "seed": seed, "ratio": ratio,

@@ -210,6 +210,14 @@ class MultiTurnSummary:
     metrics_hits: float | None = None
     hit_rate_metrics: float | None = None
     errors: list[str] = field(default_factory=list)
+    #: of the turns after a conversation's first (whose previous turn succeeded and both
+    #: reported cached tokens), the share that took at least the previous turn's prompt
+    #: from cache, whole blocks of 16 (its history as of its last turn: where a
+    #: cache-aware route sends it); None: no such turn
+    history_found: float | None = None
+    #: per request: [conversation, turn, prompt tokens, cached tokens (-1: not reported),
+    #: TTFT ms], in send order within each conversation
+    turns: list[list[float]] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float | None:
@@ -249,6 +257,17 @@ def summarize(results: list[TurnResult], duration_s: float, num_conversations: i
                             if cached is not None and reported_prompt > 0 else None),
         errors=sorted({r.error for r in results if not r.success})[:10],
     )
+    by_conv: dict[int, dict[int, TurnResult]] = {}
+    for r in ok:
+        by_conv.setdefault(r.conversation, {})[r.turn] = r
+    found = [r.cached_tokens >= prev.prompt_tokens // 16 * 16
+             for turns_of in by_conv.values() for k, r in turns_of.items()
+             if (prev := turns_of.get(k - 1)) is not None
+             and r.cached_tokens is not None and prev.cached_tokens is not None]
+    out.history_found = sum(found) / len(found) if found else None
+    out.turns = [[r.conversation, r.turn, r.prompt_tokens,
+                  -1 if r.cached_tokens is None else r.cached_tokens, round(r.ttft_s * 1000.0, 1)]
+                 for r in sorted(ok, key=lambda r: (r.conversation, r.turn))]
     if counters is not None:
         out.metrics_queries = counters.queries
         out.metrics_hits = counters.hits

@@ -88,6 +88,11 @@ class SchedulerCore:
         self._fresh: list[str] = []
         #: what each node's prefix cache holds, request names, recent routes, counters
         self.prefix = PrefixRouting(policy.prefix_recent_routes)
+        #: requests whose prefix-cache lookup is counted (once per request, as vLLM counts
+        #: only a request's first scheduling in its queries / hits): (route, prompt, cached)
+        #: while the admission counted may still be refused by a hop (`prefix_miss` takes it
+        #: back and the next admission counts instead), None once it ran
+        self._lookups: dict[str, tuple[Route, int, int] | None] = {}
         #: when a list: the decisions in order (the end-to-end check of the two loops):
         #: ("arrive", id, prompt, output), ("wake",) when admission runs, ("admit", id,
         #: route nodes, {node: kv_free_tokens the router saw}, prompt, output left, resumed,
@@ -150,11 +155,24 @@ class SchedulerCore:
                     dropped = self.prefix.names_of(request_id, tokens, cached // bs, bs,
                                                    h.start_layer, h.end_layer)
         self.prefix.index.drop(node, dropped)
+        lookup = self._lookups.get(request_id)
+        if lookup is not None:  # the admission never ran: its lookup is not counted
+            self.prefix.count(*lookup, sign=-1)
+            del self._lookups[request_id]
         self.reroute(request_id, counted=False)
 
     def prefix_stats(self) -> dict[str, tuple[int, int]]:
-        """Per node: (prompt tokens looked up, tokens taken from cache), over admissions."""
+        """Per node: (prompt tokens looked up, tokens taken from cache) of the requests
+        routed over it, each request counted once (`prefix_totals`)."""
         return {node: (c[0], c[1]) for node, c in self.prefix.stats.items()}
+
+    def prefix_totals(self) -> tuple[int, int]:
+        """(prompt tokens looked up, tokens taken from cache) over requests, once each, as
+        vLLM's `prefix_cache_queries` / `prefix_cache_hits` count them: at the admission that
+        ran, not at one a hop refused (`prefix_miss`: counted at the next), and not again
+        when a preempted or re-routed request is admitted again (vLLM counts those apart,
+        as `preempted_queries` / `preempted_hits`, in no exported counter)."""
+        return self.prefix.total[0], self.prefix.total[1]
 
     def node_down(self, node: str) -> None:
         self.down.add(node)
@@ -304,6 +322,7 @@ class SchedulerCore:
             self.queue.remove(request_id)
         self._routes.pop(request_id, None)
         self._cached.pop(request_id, None)
+        self._lookups.pop(request_id, None)
         self.prefix.forget_request(request_id)
         self._wake = True
 
@@ -334,6 +353,8 @@ class SchedulerCore:
         req.request_id = new
         self.requests[new] = req
         self.prefix.rename(old, new)
+        if old in self._lookups:
+            self._lookups[new] = self._lookups.pop(old)
         if old in self.queue:
             self.queue[self.queue.index(old)] = new
 
@@ -417,8 +438,16 @@ class SchedulerCore:
         cached = 0
         tokens = req.token_ids() if self.policy.prefix_caching else None
         if tokens is not None:
-            route, cached = self._prefix_route(req.request_id, tokens, info, route)
-            self.prefix.count(route, info.prompt_tokens, cached)
+            chosen = self._prefix_route(req.request_id, tokens, info, route)
+            if chosen is None:  # waits for the route holding its prefix
+                cancel = getattr(self.router, "cancel", None)
+                if cancel is not None:
+                    cancel()
+                return None
+            route, cached = chosen
+            if req.request_id not in self._lookups:
+                self.prefix.count(route, info.prompt_tokens, cached)
+                self._lookups[req.request_id] = (route, info.prompt_tokens, cached)
         self.kv.admit(info, [(h.name, h.end_layer - h.start_layer) for h in route.hops], now_s)
         self._routes[req.request_id] = route
         if cached:
@@ -431,7 +460,7 @@ class SchedulerCore:
         return Admission(req.request_id, route, info, req.resumed, cached)
 
     def _prefix_route(self, request_id: str, tokens: Sequence[int], info: RequestInfo,
-                      pick: Route) -> tuple[Route, int]:
+                      pick: Route) -> tuple[Route, int] | None:
         """The route to admit on and its cached tokens (scheduler/prefix.py's rule)."""
         p = self.policy
         if not p.cache_aware:
@@ -441,7 +470,7 @@ class SchedulerCore:
         return self.prefix.route(
             request_id, tokens, info, pick, self.router, self.view, self.prefix_block_size,
             RouteWeights(p.prefix_prefill_weight, p.prefix_load_weight_tokens,
-                         p.prefix_flow_weight),
+                         p.prefix_flow_weight, p.prefix_wait_tokens),
             (lambda r: self.kv.fits(info, r.nodes)) if check_fit else None)
 
     def _drop_head(self, rid: str, reason: str) -> Rejection:
@@ -468,6 +497,8 @@ class SchedulerCore:
         self.kv.release(request_id, now_s)
         self._routes.pop(request_id, None)
         self._cached.pop(request_id, None)
+        if request_id in self._lookups:
+            self._lookups[request_id] = None  # it ran: admitted again, it is not counted
         req.resumed = True
         self.queue.requeue_preempted(request_id)
         if count:

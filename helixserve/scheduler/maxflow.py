@@ -224,6 +224,15 @@ class MaxFlowRouter(GraphRouter):
             prev, layer = h.name, h.end_layer
         self._commit(route, req, state)
 
+    def cancel(self) -> None:
+        """The route just returned is not taken (the request waits): undo its credits."""
+        for key, value in reversed(self._undo):
+            if value is None:
+                self.credit.pop(key, None)
+            else:
+                self.credit[key] = value
+        self._undo = []
+
     def flow_excess(self, route: Route) -> float:
         """Work (tokens) that the flow edge of `route` furthest over its flow share has
         already carried beyond that share: max over the route's flow hops of `-credit`, 0

@@ -55,6 +55,11 @@ class SchedulerPolicy:
     #: route saving S prompt tokens stays chosen until it is S / this many tokens of work
     #: over its share, then the flow sends requests elsewhere (scheduler/prefix.py)
     prefix_flow_weight: float = 0.25
+    #: cache-aware: a request waits at the head of the queue, rather than be admitted on
+    #: another route, while a recent route that would take at least this many more of its
+    #: prompt tokens from cache is short of KV only because of requests running there (it
+    #: is admitted there when one ends); 0: never waits (scheduler/prefix.py "Waiting")
+    prefix_wait_tokens: float = 1024.0
     #: distinct recent routes kept as cache-aware candidates besides the router's pick
     prefix_recent_routes: int = 32
     #: tokens per named block (helixserve/prefix.py); None: the engines' KV block size
@@ -70,7 +75,7 @@ class SchedulerPolicy:
         if self.max_prefilling == 0:
             raise UserError("scheduler: max_prefilling: must be >= 1 or None, got 0")
         for name in ("prefix_prefill_weight", "prefix_load_weight_tokens",
-                     "prefix_flow_weight", "prefix_recent_routes"):
+                     "prefix_flow_weight", "prefix_wait_tokens", "prefix_recent_routes"):
             if getattr(self, name) < 0:
                 raise UserError(f"scheduler: {name}: must be >= 0, got {getattr(self, name)}")
         if self.prefix_block_size is not None and self.prefix_block_size < 1:

@@ -91,6 +91,9 @@ class SimConfig:
     #: the cache-aware cost per token of work a route carried beyond its max-flow share
     #: (SchedulerPolicy.prefix_flow_weight, whose default this is; 0: no flow term)
     prefix_flow_weight: float = SchedulerPolicy.prefix_flow_weight
+    #: cache-aware: wait for a busy route holding at least this many more of a prompt's
+    #: tokens (SchedulerPolicy.prefix_wait_tokens, whose default this is; 0: never wait)
+    prefix_wait_tokens: float = SchedulerPolicy.prefix_wait_tokens
     #: tokens per named block of the simulated prefix caches (the engines' KV block size;
     #: the KV ledger still counts single slots)
     prefix_block_size: int = 16
@@ -132,4 +135,5 @@ class SimConfig:
                                reject_unroutable_when_idle=True,
                                prefix_caching=self.prefix_caching, cache_aware=self.cache_aware,
                                prefix_flow_weight=self.prefix_flow_weight,
+                               prefix_wait_tokens=self.prefix_wait_tokens,
                                prefix_block_size=self.prefix_block_size).check()

@@ -217,6 +217,7 @@ class Simulation:
             max_flow_tokens_per_s=self.placement.throughput_tokens_per_s,
             extra={"kv_allocation": self.cfg.kv_allocation, "preemptions": self.core.preemptions,
                    "prefix_stats": self.core.prefix_stats(),
+                   "prefix_totals": self.core.prefix_totals(),
                    **({"feed_dropped": self.offline.dropped}
                       if self.offline is not None and not self.offline.saturate else {})},
         )

@@ -227,3 +227,24 @@ def test_the_vllm_context_holds_the_longest_conversation() -> None:
     assert n % 1024 == 0 and 2048 <= n <= 8192
     assert n >= 1000 + 8 * (96 + 32)
     assert multiturn.max_model_len(ConversationConfig(system_prompt_tokens=20000), 16) == 8192
+
+
+def test_history_found_counts_later_turns_that_took_the_previous_prompt_from_cache() -> None:
+    from helixserve.bench.multiturn import TurnResult, summarize
+
+    def turn(conv: int, k: int, prompt: int, cached: int | None, ok: bool = True) -> TurnResult:
+        return TurnResult(conv, k, success=ok, ttft_s=0.5, prompt_tokens=prompt,
+                          output_tokens=4, cached_tokens=cached)
+
+    results = [
+        turn(0, 0, 100, 0), turn(0, 1, 200, 96),  # 96 = 100 in whole blocks of 16: found
+        turn(0, 2, 300, 80),  # less than turn 1's 200 (192 in blocks): lost
+        turn(1, 0, 100, 0), turn(1, 1, 200, None),  # not reported: not counted
+        turn(1, 2, 300, 300),  # its previous turn reported nothing: not counted
+        turn(2, 0, 100, 0, ok=False), turn(2, 1, 200, 112),  # previous turn failed
+    ]
+    s = summarize(results, 10.0, 3)
+    assert s.history_found == 0.5
+    assert s.turns[:3] == [[0, 0, 100, 0, 500.0], [0, 1, 200, 96, 500.0], [0, 2, 300, 80, 500.0]]
+    assert [t[3] for t in s.turns if t[0] == 1] == [0, -1, 300]
+    assert summarize(results[:1], 10.0, 1).history_found is None

@@ -207,6 +207,41 @@ def test_prefix_miss_drops_the_listed_names_and_requeues_uncounted() -> None:
     assert admit(c, req("r2", prompt)).cached_tokens == 0
 
 
+def test_each_request_is_counted_once_at_the_admission_that_ran() -> None:
+    """vLLM's queries / hits: a request counts once. An admission a hop refused (prefix
+    miss) is taken back and the next one counts; a preempted or re-routed request admitted
+    again is not counted again (vLLM counts those apart, in no exported counter)."""
+    c = make_core({"a": (0, 4), "b": (4, 8)}, kv=KvPolicy("on-demand", watermark=0.0))
+    prompt = SYSTEM + [9] * 8  # 32 tokens, 8 blocks
+    holds(c, "a", prompt, 0, 4, reset=True)
+    holds(c, "b", prompt, 4, 8, reset=True)
+    assert admit(c, req("r1", prompt)).cached_tokens == 7 * BS
+    assert c.prefix_totals() == (32, 28)
+    c.prefix_miss("r1", "b", block_hashes(prompt, BS, 4, 8)[2:])
+    assert c.prefix_totals() == (0, 0) and c.prefix_stats() == {"a": (0, 0), "b": (0, 0)}
+    (d,) = c.schedule()  # admitted again: this one runs, and counts
+    assert isinstance(d, Admission) and d.cached_tokens == 2 * BS
+    assert c.prefix_totals() == (32, 8) and c.prefix_stats() == {"a": (32, 8), "b": (32, 8)}
+    c.on_token("r1")
+    c.reroute("r1")  # a fault: replayed from its admission, not counted again
+    c.rename("r1", "r1b")  # under the replay's fresh id, which keeps its count
+    (d,) = c.schedule()
+    assert isinstance(d, Admission) and d.resumed and d.info.prompt_tokens == 33
+    assert c.prefix_totals() == (32, 8)
+    c.prefix_miss("r1b", "b")  # refused again: nothing counted for it to take back
+    (d,) = c.schedule()
+    assert isinstance(d, Admission) and c.prefix_totals() == (32, 8)
+    c.finish("r1b")
+    # another request: counted, and after a miss counted at its next admission
+    holds(c, "b", prompt, 4, 8, reset=True)
+    assert admit(c, req("r2", prompt)).cached_tokens == 7 * BS
+    assert c.prefix_totals() == (64, 36)
+    c.prefix_miss("r2", "a")
+    (d,) = c.schedule()
+    assert isinstance(d, Admission) and d.cached_tokens == 0
+    assert c.prefix_totals() == (64, 8)
+
+
 def test_prefix_miss_without_names_drops_the_admissions_blocks_on_that_hop_only() -> None:
     c = make_core({"a": (0, 4), "b": (4, 8)})
     prompt = SYSTEM + [9] * 8
@@ -493,6 +528,50 @@ def test_a_conversation_sticks_to_its_route_while_the_flow_allows() -> None:
         c.finish(f"other{turn}")
     assert overridden >= 3  # the flow wanted some turns on x
     assert others["x"] >= 10
+
+
+def test_a_turn_waits_for_its_busy_route_rather_than_compute_its_history_elsewhere() -> None:
+    """y holds the conversation's history but has no KV room while another request runs
+    there: the turn waits (nobody's credits change) and runs on y once that request ends;
+    with `prefix_wait_tokens` 0, or when y's room is short with nothing running there, it
+    is admitted on x at once and computes its whole prompt."""
+    history = SYSTEM + list(range(40))  # 64 tokens, 16 blocks
+
+    def setup(wait: float, capacity_y: int = 100) -> SchedulerCore:
+        flows = [Flow(C, "x", 1.0), Flow("x", C, 1.0), Flow(C, "y", 1.0), Flow("y", C, 1.0)]
+        p = Placement(model="m", cluster="c", num_layers=8, planner="hand",
+                      nodes=[NodeRange("x", 0, 8), NodeRange("y", 0, 8)], flows=flows)
+        c = SchedulerCore(make_router("maxflow", p),
+                          SchedulerPolicy(kv=KvPolicy("on-demand", watermark=0.0),
+                                          prefix_flow_weight=0.0, prefix_wait_tokens=wait),
+                          {"x": 100, "y": capacity_y})
+        c.set_block_size(BS)
+        admit(c, req("warm-x", [1] * 8))
+        admit(c, req("warm-y", [2] * 8))  # both routes recent
+        c.finish("warm-x")
+        c.finish("warm-y")
+        holds(c, "y", history, 0, 8, reset=True)
+        return c
+
+    c = setup(wait=16)
+    other = admit(c, req("other", history[:40] + [5] * 20))  # 60 tokens, on y for its cache
+    assert other.route.nodes == ("y",) and c.view["y"].kv_free_tokens < 72
+    credits = dict(c.router.credit)  # type: ignore[attr-defined]
+    c.arrive(req("turn", history + [7] * 8))  # 72 tokens: no room on y now
+    assert c.schedule() == [] and c.waiting == 1
+    assert c.router.credit == credits  # type: ignore[attr-defined]
+    c.finish("other")
+    (d,) = c.schedule()
+    assert isinstance(d, Admission) and d.route.nodes == ("y",) and d.cached_tokens == 64
+
+    c = setup(wait=0)
+    assert admit(c, req("other", history[:40] + [5] * 20)).route.nodes == ("y",)
+    d = admit(c, req("turn", history + [7] * 8))
+    assert d.route.nodes == ("x",) and d.cached_tokens == 0
+
+    c = setup(wait=16, capacity_y=70)  # y could never hold the turn: no wait
+    d = admit(c, req("turn", history + [7] * 8))
+    assert d.route.nodes == ("x",) and d.cached_tokens == 0
 
 
 def test_without_prefix_traffic_the_flow_term_changes_nothing() -> None:
