@@ -153,7 +153,7 @@ class Scoring:
             for name, value in (("vllm", primary), ("helix-prototype", also)):
                 memo[name] = {"decode_tokens_per_s": None if value is None else round(value, 1),
                               "window": "its own (planner/window.py)",
-                              "requests": "4,000 drawn from the conversation mix, seed 0",
+                              "requests": "4,000 drawn from the conversation mix (planner/lengths.py), seed 0",
                               "wall_s_both": wall}
         return memo[engine]
 

@@ -16,8 +16,8 @@ from helixserve.commands.served import (
     FLOW_SHARE,
     REFERENCES,
     REPLAY_HORIZON_S,
+    drawn_requests,
     plan_served,
-    workload_requests,
 )
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "example"
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         placement = _replan(args, cluster, model, cost, current, progress, partial)
     elif served:
         if requests is None:
-            requests = workload_requests(cost.workload, args.seed)
+            requests, _ = drawn_requests(args.workload, cost.workload, args.seed)
         placement, served_line = _plan_served(args, cluster, model, cost, requests, progress,
                                               partial, started)
     else:
