@@ -398,5 +398,6 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
             f"the max-flow answer {first.served_tokens_per_s:,.1f}"
             + (f" and {first.also_tokens_per_s or 0.0:,.1f}" if both else "")
             + f"; {outcome.evaluations} placements simulated"
-            + (f" ({outcome.also_evaluations} with {out.also}, the screen)" if both else ""))
+            + (f" ({outcome.also_evaluations} with {out.also}, the screen)" if both else "")
+            + f", {out.sim_units:,.0f} work units of simulation")
     return out.placement, line

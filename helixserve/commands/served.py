@@ -232,6 +232,9 @@ class ServedPlan:
     """The second engine model every placement was also simulated with (None: none)."""
     also_tokens_per_s: float | None = None
     """What the placement serves in it."""
+    sim_units: float = 0.0
+    """Work units the simulations cost (SIM_EVENT_UNITS an event, on either clock: what
+    `--work-limit` would charge them)."""
 
 
 def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
@@ -344,6 +347,7 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
     placement = to_placement(net, "milp", best.ranges, bound, partial)
     placement.route_within_regions = regions
     placement.solve_time_s = time.perf_counter() - started
+    events = scorer.events + (also_scorer.events if also_scorer is not None else 0)
     return ServedPlan(placement, flow, outcome, config, served,
                       also if also_scorer is not None else None,
-                      served_also)
+                      served_also, events * SIM_EVENT_UNITS)
