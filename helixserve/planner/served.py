@@ -546,16 +546,18 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
     kmax = np.asarray(net.max_layers, dtype=np.int64)
     kind = [f"{x.gpu}x{x.num_gpus}" for x in net.cluster.nodes]
     rng = random.Random(seed)
-    stall = 0
+    stall = climbed = 0
     # first, the best start's block orders (`block_orders`), a batch at a time while the
     # next fits: where prompts prefill whole at every hop the order of the stages matters
     # (the T4 triples first on helix-single-24), and a random draw reaches them late
     orders = block_orders(cur.ranges, kind, L) if order_step else []
     threshold = cur.value * (1 + MIN_GAIN)
     top: Scored | None = None
+    tried = 0
     for b in range(0, len(orders), batch):
         if clock.now() + step_cost > deadline_s:
             break
+        tried += len(orders[b : b + batch])
         started = clock.now()
         cap = (1 + SCREEN_SLACK) * objective.ratios(cur.served_tokens_per_s,
                                                     cur.also_tokens_per_s or 0.0)[0]
@@ -569,6 +571,9 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         say(f"served block order: {top.served_tokens_per_s:,.1f} decode tokens/s"
             + ("" if top.also_tokens_per_s is None else
                f", {top.also_tokens_per_s:,.1f} in the second (value {top.value:.3f})"))
+    elif orders:
+        say(f"served: {tried} of the best start's {len(orders)} block orders scored, none "
+            f"worth {MIN_GAIN:.1%} more")
     while stall < max_stall and clock.now() + step_cost <= deadline_s:
         started = clock.now()
         cands = neighbours(cur.ranges, kmax, L, rng, batch,
@@ -576,6 +581,7 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
                            _pressure(cur.ranges, scorer, also), kind)
         if not cands:
             break
+        climbed += len(cands)
         threshold = cur.value * (1 + MIN_GAIN)
         cap = (1 + SCREEN_SLACK) * objective.ratios(cur.served_tokens_per_s,
                                                     cur.also_tokens_per_s or 0.0)[0]
@@ -593,6 +599,9 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
                 + f" ({cache.evaluations} placements scored)")
         else:
             stall += 1
+    say(f"served: the climb ended after {climbed} neighbours"
+        + (" (no neighbour left)" if stall < max_stall and clock.now() + step_cost <= deadline_s
+           else f" ({stall} batches without a gain)" if stall >= max_stall else " (budget)"))
     if cur.value > out.best.value:
         out.best = cur
     out.evaluations = cache.evaluations
