@@ -79,6 +79,12 @@ SCORERS = ["evaluator", "estimate-vllm", "estimate-helix-prototype", "vllm", "he
 #: the served objective's own estimate (`helixserve evaluate --served`, what `plan` prints):
 #: scorer -> the engine model it estimates, the simulated scorer it predicts
 ESTIMATES = {"estimate-vllm": "vllm", "estimate-helix-prototype": "helix-prototype"}
+#: --estimate-lengths: where the served estimate's 4,000 requests' lengths come from
+ESTIMATE_LENGTHS = {
+    "held-out": "plan's draw: the conversation mix from the trace's second half",
+    "scored-part": "the same sample of the trace's first half, which the simulator scorers run",
+    "exponential": "exponential with the conversation mix's means, plan's draw before 2026-12-06",
+}
 #: (duration s, warmup s) of each simulated engine, as docs/calibration.md runs them
 WINDOWS = {"vllm": (600.0, 60.0), "helix-prototype": (300.0, 60.0)}
 FORMAT = "helixserve.benchmarks.planner_served/v1"
@@ -87,7 +93,9 @@ FORMAT = "helixserve.benchmarks.planner_served/v1"
 class Scoring:
     """The model, profiles, trace and clusters every scorer shares."""
 
-    def __init__(self) -> None:
+    def __init__(self, estimate_lengths: str = "held-out") -> None:
+        #: ESTIMATE_LENGTHS: the lengths the served estimate draws its requests from
+        self.estimate_lengths = estimate_lengths
         self.model: ModelSpec = load_model(full_size.MODEL)
         self.profiles: ProfileTable = load_profiles(full_size.PROFILES)
         self.trace: list[TraceRequest] = prepare_trace(load_azure_trace(full_size.TRACE))
@@ -138,14 +146,14 @@ class Scoring:
         call, kept for the other column."""
         memo = self.estimates.setdefault((key, id(placement)), {})
         if engine not in memo:
-            from helixserve.commands.served import served_estimate, workload_requests
+            from helixserve.commands.served import served_estimate
 
             cost = CostModel(self.model, self.profiles, reserved_gb_per_gpu=(
                 engine_gpu_reserve_gb("vllm") if reserve_gb is None else reserve_gb))
             started = time.perf_counter()
             try:
                 primary, also, _ = served_estimate(
-                    self.cluster(key), self.model, cost, placement, workload_requests(None, 0),
+                    self.cluster(key), self.model, cost, placement, self.estimate_requests(),
                     engine="vllm", also="helix-prototype", jobs=1)
             except UserError as exc:
                 return {"error": str(exc)}
@@ -153,9 +161,31 @@ class Scoring:
             for name, value in (("vllm", primary), ("helix-prototype", also)):
                 memo[name] = {"decode_tokens_per_s": None if value is None else round(value, 1),
                               "window": "its own (planner/window.py)",
-                              "requests": "4,000 drawn from the conversation mix, seed 0",
+                              "requests": f"4,000 drawn, seed 0: {self.estimate_lengths} "
+                                          f"({ESTIMATE_LENGTHS[self.estimate_lengths]})",
                               "wall_s_both": wall}
         return memo[engine]
+
+
+    def estimate_requests(self) -> list[TraceRequest]:
+        """The served estimate's requests: plan's (`held-out`, the conversation mix drawn
+        from the trace's second half, planner/lengths.py), or for comparison the same sample
+        of the part of the trace the simulator scorers run (`scored-part`, its first half:
+        the long windows use fewer requests than it holds), or the draw before 2026-12-06
+        (`exponential`, the conversation mix's means)."""
+        from helixserve.commands.served import workload_requests
+        from helixserve.costmodel.workload import Workload
+        from helixserve.planner.lengths import SAMPLE_SIZE, systematic_sample
+
+        if self.estimate_lengths == "scored-part":
+            first = self.trace[: len(self.trace) // 2]
+            pairs = [(r.prompt_tokens, r.output_tokens) for r in first]
+            return workload_requests(None, 0, systematic_sample(pairs, SAMPLE_SIZE))
+        if self.estimate_lengths == "exponential":
+            conv = Workload.conversation()
+            return workload_requests(Workload(conv.prompt_tokens, conv.output_tokens,
+                                              "conversation means"), 0)
+        return workload_requests(None, 0)
 
 
 def predictions(case: dict[str, Any]) -> dict[str, Any]:
@@ -406,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                         metavar=("DURATION", "WARMUP"),
                         help=f"simulated seconds and warmup of the {engine} scorer "
                         f"(default {duration:g} {warmup:g})")
+    ap.add_argument("--estimate-lengths", choices=ESTIMATE_LENGTHS, default="held-out",
+                    help="the served estimate's requests: " + "; ".join(
+                        f"{k}: {v}" for k, v in ESTIMATE_LENGTHS.items()))
     ap.add_argument("--helix-artifact", type=Path, default=None, metavar="PATH",
                     help="a local checkout of Thesys-lab/Helix-ASPLOS25 (benchmarks/helix_sim.py "
                     "says how to get it); without it the helix-sim column is skipped")
@@ -492,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         report["merged_commands"] = [c for old in priors
                                      for c in old.get("merged_commands", [old.get("command")])]
     started = time.perf_counter()
-    scoring = Scoring()
+    scoring = Scoring(args.estimate_lengths)
     with tempfile.TemporaryDirectory(prefix="planner-served-") as tmp_name:
         tmp = Path(tmp_name)
         for key in args.clusters:

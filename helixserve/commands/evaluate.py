@@ -131,15 +131,13 @@ def _served(args: argparse.Namespace, placement: Any) -> ServedEstimate:
     """The served estimate of `placement` with the flags' engine models, memory and
     requests (commands/served.py, `served_estimate`)."""
     from helixserve.commands.plan import _serve_requests, load_inputs
-    from helixserve.commands.served import served_estimate, workload_requests
+    from helixserve.commands.served import drawn_requests, served_estimate
 
     cluster, model, cost = load_inputs(args, engine=args.serve_engine)
     if args.serve_trace:
         requests, source = _serve_requests(args.serve_trace), f"the trace {args.serve_trace}"
     else:
-        requests = workload_requests(cost.workload, args.seed)
-        source = (f"{len(requests):,} requests drawn from "
-                  f"{cost.workload.describe() if cost.workload else 'the conversation mix'}")
+        requests, source = drawn_requests(args.workload, cost.workload, args.seed)
     also = None if args.serve_also == "none" else args.serve_also
     served, served_also, _ = served_estimate(
         cluster, model, cost, placement, requests, engine=args.serve_engine, also=also,

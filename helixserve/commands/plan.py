@@ -16,8 +16,8 @@ from helixserve.commands.served import (
     FLOW_SHARE,
     REFERENCES,
     REPLAY_HORIZON_S,
+    drawn_requests,
     plan_served,
-    workload_requests,
 )
 
 EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "example"
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         placement = _replan(args, cluster, model, cost, current, progress, partial)
     elif served:
         if requests is None:
-            requests = workload_requests(cost.workload, args.seed)
+            requests, _ = drawn_requests(args.workload, cost.workload, args.seed)
         placement, served_line = _plan_served(args, cluster, model, cost, requests, progress,
                                               partial, started)
     else:
@@ -398,5 +398,6 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
             f"the max-flow answer {first.served_tokens_per_s:,.1f}"
             + (f" and {first.also_tokens_per_s or 0.0:,.1f}" if both else "")
             + f"; {outcome.evaluations} placements simulated"
-            + (f" ({outcome.also_evaluations} with {out.also}, the screen)" if both else ""))
+            + (f" ({outcome.also_evaluations} with {out.also}, the screen)" if both else "")
+            + f", {out.sim_units:,.0f} work units of simulation")
     return out.placement, line

@@ -7,6 +7,7 @@ search over simulated placements (planner/served.py). docs/planner.md, "The serv
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,19 +45,30 @@ SIM_EVENT_UNITS = 1 / 60_000
 WORKLOAD_REQUESTS = 4000
 
 
-def workload_requests(mix: Any, seed: int = 0) -> list[Any]:
-    """Requests for the served objective without a trace: prompt and output lengths drawn
-    (seeded) from exponential distributions with the --workload mix's means (the Azure
-    conversation trace's without one: prompt 763, output 232 tokens), within the
-    simulator's default length filter (4-2,048 prompt and 4-1,024 output tokens)."""
+def workload_requests(mix: Any, seed: int = 0,
+                      lengths: Sequence[tuple[int, int]] | None = None) -> list[Any]:
+    """Requests for the served objective without a trace, WORKLOAD_REQUESTS of them, seeded:
+    (prompt, output) pairs drawn uniformly with replacement from `lengths` (a --workload
+    trace's own requests); without `lengths`, for the conversation mix (the default, and
+    the decode-only `mix` None) from planner/lengths.py's table of the Azure conversation
+    trace's held-out second half, and for any other mix (a "P:O" pair) exponential lengths
+    with its means within the simulator's default length filter (4-2,048 prompt and
+    4-1,024 output tokens)."""
     import random
 
     from helixserve.costmodel.workload import Workload
+    from helixserve.planner.lengths import CONVERSATION_LENGTHS
     from helixserve.simulator.workload import LengthFilter, TraceRequest
 
-    mix = mix or Workload.conversation()
-    bounds = LengthFilter()
     rng = random.Random(seed)
+    mix = mix or Workload.conversation()
+    if lengths is None and mix.source == "conversation":
+        lengths = CONVERSATION_LENGTHS
+    if lengths:
+        pool = list(lengths)
+        return [TraceRequest(f"w{i}", 0.0, *pool[rng.randrange(len(pool))])
+                for i in range(WORKLOAD_REQUESTS)]
+    bounds = LengthFilter()
 
     def draw(mean: float, most: int) -> int:
         return min(most, max(bounds.min_tokens, round(rng.expovariate(1.0 / mean))))
@@ -64,6 +76,30 @@ def workload_requests(mix: Any, seed: int = 0) -> list[Any]:
     return [TraceRequest(f"w{i}", 0.0, draw(mix.prompt_tokens, bounds.max_prompt_tokens),
                          draw(mix.output_tokens, bounds.max_output_tokens))
             for i in range(WORKLOAD_REQUESTS)]
+
+
+def drawn_requests(workload_flag: str | None, mix: Any, seed: int = 0) -> tuple[list[Any], str]:
+    """`plan`'s and `evaluate --served`'s requests without --serve-trace, and what they are
+    (for the printed lines): drawn as `workload_requests` draws them, from the trace's own
+    lengths when --workload (`workload_flag`) names a trace CSV."""
+    from pathlib import Path
+
+    from helixserve.planner.lengths import SAMPLE_SIZE
+
+    if workload_flag and Path(workload_flag).is_file():
+        from helixserve.simulator.workload import load_azure_trace, prepare_trace
+
+        trace = prepare_trace(load_azure_trace(workload_flag))
+        lengths = [(r.prompt_tokens, r.output_tokens) for r in trace]
+        return (workload_requests(mix, seed, lengths),
+                f"{WORKLOAD_REQUESTS:,} requests drawn from {Path(workload_flag).name}'s "
+                f"lengths")
+    requests = workload_requests(mix, seed)
+    if mix is None or mix.source == "conversation":
+        return requests, (f"{WORKLOAD_REQUESTS:,} requests drawn from the conversation mix "
+                          f"(the Azure trace's held-out lengths, {SAMPLE_SIZE} pairs)")
+    return requests, (f"{WORKLOAD_REQUESTS:,} requests drawn from {mix.describe()} "
+                      f"(exponential lengths with its means)")
 
 
 def _simulate(cluster: Any, model: Any, cost: Any, placement: Any, requests: list[Any],
@@ -196,6 +232,9 @@ class ServedPlan:
     """The second engine model every placement was also simulated with (None: none)."""
     also_tokens_per_s: float | None = None
     """What the placement serves in it."""
+    sim_units: float = 0.0
+    """Work units the simulations cost (SIM_EVENT_UNITS an event, on either clock: what
+    `--work-limit` would charge them)."""
 
 
 def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
@@ -308,6 +347,7 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
     placement = to_placement(net, "milp", best.ranges, bound, partial)
     placement.route_within_regions = regions
     placement.solve_time_s = time.perf_counter() - started
+    events = scorer.events + (also_scorer.events if also_scorer is not None else 0)
     return ServedPlan(placement, flow, outcome, config, served,
                       also if also_scorer is not None else None,
-                      served_also)
+                      served_also, events * SIM_EVENT_UNITS)

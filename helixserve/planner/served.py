@@ -40,8 +40,9 @@ Search (`served_search`), on the planner clock (clock.py: seconds, or counted wo
   1. starts, in the caller's order of priority (the command's: the max flow's answer,
      petals' and swarm's, across regions the regional pipelines, with a second model the
      best stacked tilings, the portfolio's other answers; commands/served.py,
-     `plan_served`), scored a batch at a time while the next batch fits in what is left;
-     duplicates once;
+     `plan_served`), scored a batch at a time while the next batch fits in what is left
+     (by the last batch's cost; then one at a time while one fits, by the last batch's mean,
+     so the end of the budget is not left idle); duplicates once;
   2. block orders: when the best start is stage-structured, its stages in the orders that
      move one machine kind's block to the front or the end (`block_orders`), a batch at a
      time while the next fits, the best taken when it is worth MIN_GAIN more (a random
@@ -508,13 +509,26 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
     # scored by both, sets the objective's references, and the others are screened
     # against the best start so far
     scored: list[Scored] = []
-    step_cost = 0.0
-    for b in range(0, len(unique), batch):
-        if scored and clock.now() + step_cost > deadline_s:
+    step_cost, step_len = 0.0, 1
+
+    def fits() -> int:
+        """Candidates the next batch may hold: `batch` while a batch costing the last one's
+        fits in what is left, else 1 while one costing the last batch's mean fits (the end of
+        the budget is not left idle: on helix-mix-42 a batch costs up to 290 units), else 0."""
+        left = deadline_s - clock.now()
+        if step_cost <= left:
+            return batch
+        return 1 if step_cost / max(1, step_len) <= left else 0
+
+    b = 0
+    while b < len(unique):
+        take = fits() if scored else batch
+        if not take:
             say(f"served: {len(unique) - b} starts left unscored (budget)")
             break
         started = clock.now()
-        chunk = unique[b : b + batch]
+        chunk = unique[b : b + take]
+        b += len(chunk)
         best_value = max((c.value for c in scored), default=-1.0)
         cap = (1 + SCREEN_SLACK) * max((objective.ratios(c.served_tokens_per_s,
                                                          c.also_tokens_per_s or 0.0)[0]
@@ -529,7 +543,7 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
             elif also_cache is not None:
                 say(f"served: {source} serves {also_cache.values[key(ranges)]:,.1f} in the "
                     "second engine model: screened out")
-        step_cost = clock.now() - started
+        step_cost, step_len = clock.now() - started, len(chunk)
     if reference == "best" and also_cache is not None:
         # each model's reference: the best any start reached in it (screened-out starts
         # count in the second model), so the best placement in each model is 1.0 in it
@@ -546,42 +560,50 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
     kmax = np.asarray(net.max_layers, dtype=np.int64)
     kind = [f"{x.gpu}x{x.num_gpus}" for x in net.cluster.nodes]
     rng = random.Random(seed)
-    stall = 0
+    stall = climbed = 0
     # first, the best start's block orders (`block_orders`), a batch at a time while the
     # next fits: where prompts prefill whole at every hop the order of the stages matters
     # (the T4 triples first on helix-single-24), and a random draw reaches them late
     orders = block_orders(cur.ranges, kind, L) if order_step else []
     threshold = cur.value * (1 + MIN_GAIN)
     top: Scored | None = None
-    for b in range(0, len(orders), batch):
-        if clock.now() + step_cost > deadline_s:
+    tried = 0
+    while tried < len(orders):
+        take = fits()
+        if not take:
             break
+        chunk_orders = orders[tried : tried + take]
+        tried += len(chunk_orders)
         started = clock.now()
         cap = (1 + SCREEN_SLACK) * objective.ratios(cur.served_tokens_per_s,
                                                     cur.also_tokens_per_s or 0.0)[0]
-        for c in score([("block order", r) for r in orders[b : b + batch]], threshold, cap):
+        for c in score([("block order", r) for r in chunk_orders], threshold, cap):
             if c is not None and c.value > (threshold if top is None else top.value):
                 top = c
-        step_cost = clock.now() - started
+        step_cost, step_len = clock.now() - started, len(chunk_orders)
     if top is not None:
         cur = top
         out.steps.append(cur)
         say(f"served block order: {top.served_tokens_per_s:,.1f} decode tokens/s"
             + ("" if top.also_tokens_per_s is None else
                f", {top.also_tokens_per_s:,.1f} in the second (value {top.value:.3f})"))
-    while stall < max_stall and clock.now() + step_cost <= deadline_s:
+    elif orders:
+        say(f"served: {tried} of the best start's {len(orders)} block orders scored, none "
+            f"worth {MIN_GAIN:.1%} more")
+    while stall < max_stall and (take := fits()):
         started = clock.now()
-        cands = neighbours(cur.ranges, kmax, L, rng, batch,
+        cands = neighbours(cur.ranges, kmax, L, rng, take,
                            set(cache.values) | (set(also_cache.values) if also_cache else set()),
                            _pressure(cur.ranges, scorer, also), kind)
         if not cands:
             break
+        climbed += len(cands)
         threshold = cur.value * (1 + MIN_GAIN)
         cap = (1 + SCREEN_SLACK) * objective.ratios(cur.served_tokens_per_s,
                                                     cur.also_tokens_per_s or 0.0)[0]
         found = [c for c in score([("climb", r) for r in cands], threshold, cap)
                  if c is not None]
-        step_cost = clock.now() - started
+        step_cost, step_len = clock.now() - started, len(cands)
         top = max(found, key=lambda c: c.value, default=None)
         if top is not None and top.value > threshold:
             cur = top
@@ -593,6 +615,9 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
                 + f" ({cache.evaluations} placements scored)")
         else:
             stall += 1
+    say(f"served: the climb ended after {climbed} neighbours"
+        + (f" ({stall} batches without a gain)" if stall >= max_stall
+           else " (budget)" if not fits() else " (no neighbour left)"))
     if cur.value > out.best.value:
         out.best = cur
     out.evaluations = cache.evaluations

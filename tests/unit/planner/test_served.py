@@ -99,6 +99,21 @@ def test_starts_are_scored_in_order_until_the_budget(net, counted):  # noqa: F81
     assert scorer.calls == [key(petals), key(other)]
 
 
+def test_the_budget_left_after_the_last_batch_scores_one_more(net, counted):  # noqa: F811
+    scorer = KVScorer(net)
+    petals = BASELINES["petals"](net)
+    rng, kmax, L = random.Random(1), np.asarray(net.max_layers), net.model.num_layers
+    other = neighbours(petals, kmax, L, rng, 1, {key(petals)})[0]
+    third = neighbours(other, kmax, L, rng, 1, {key(petals), key(other)})[0]
+    fourth = neighbours(third, kmax, L, rng, 1, {key(petals), key(other), key(third)})[0]
+    starts = [("a", petals), ("b", other), ("c", third), ("d", fourth)]
+    # 3.5 placements' work: the first batch (two) leaves room for one, not for a batch of
+    # two, so one more start is scored, alone, and the last is left unscored
+    out = served_search(net, starts, scorer, work(3.5 * UNITS), seed=0, max_stall=0)
+    assert [s.source for s in out.starts] == ["a", "b", "c"]
+    assert scorer.calls == [key(petals), key(other), key(third)]
+
+
 def test_node_move_keeps_layers_held_and_caps():
     rng = random.Random(0)
     kmax = np.array([3, 3, 2])
