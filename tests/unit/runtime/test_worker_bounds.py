@@ -15,7 +15,8 @@ from test_worker_messages import CID, _coordinator_stream, _full, _worker
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime import worker as worker_mod
-from helixserve.runtime.worker import OUT_PAUSE, _Peer, _Stream
+from helixserve.runtime.peers import GrpcPeer
+from helixserve.runtime.worker import OUT_PAUSE, _Stream
 
 
 def test_the_engine_queue_refuses_past_its_bound_and_keeps_what_it_admitted() -> None:
@@ -68,7 +69,7 @@ def test_a_next_hops_backlog_is_bounded_and_its_items_replayed() -> None:
         stream = _coordinator_stream()
         w.coordinators[CID] = stream
         jobs = [w._accept(_full(f"r{i}"), stream, "i", 100) for i in range(3)]
-        peer = _Peer.__new__(_Peer)  # a next hop that reads nothing
+        peer = GrpcPeer.__new__(GrpcPeer)  # a next hop that reads nothing
         peer.worker, peer.address, peer.queue = w, "h:2", asyncio.Queue()
         peer.sent, peer._getter, peer.queued_tokens = deque(), None, 0
         peer.task = asyncio.get_running_loop().create_future()  # running
