@@ -19,7 +19,7 @@ TLS end to end (the splice sees ciphertext). So next hops keep their addresses, 
 rehearsal's link proxy (rehearse/links.py), which forwards a worker's address as TCP bytes,
 carries both.
 
-Frames: 4-byte big-endian length, 1-byte kind, body. Sender -> receiver: DATA (a WorkBatch,
+The sender waits for READY after MAGIC before its TLS handshake. Frames: 4-byte big-endian length, 1-byte kind, body. Sender -> receiver: DATA (a WorkBatch,
 its first carrying the hello with the sender's node), PING. Receiver -> sender: DATA (a
 ResultBatch: per-item errors the receiver could not hand to a coordinator), PONG, CLOSE
 (why the stream was refused, utf-8) before it closes.
@@ -64,6 +64,10 @@ DATAPLANES = ("grpc", "stream")
 #: the first bytes of a data-plane connection: neither a TLS record (0x16 0x03 ...) nor
 #: HTTP/2's preface ("PRI * HTTP/2.0")
 MAGIC = b"HXDP/1\r\n"
+#: the receiver's answer to MAGIC, before TLS starts: the sender starts its handshake only
+#: then, so that no TLS byte arrives with MAGIC (a proxy may deliver both in one read, and
+#: what the receiver's stream had buffered would never reach its TLS layer)
+READY = b"HXDP/ok\n"
 HEADER = struct.Struct("!IB")
 DATA, PING, PONG, CLOSE = 0, 1, 2, 3
 #: seconds a connection has to send its first bytes, and a data-plane one its TLS handshake
@@ -157,6 +161,9 @@ class StreamPeer(Peer):
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), HANDSHAKE_S)
         writer.write(MAGIC)
         tls = self.worker.tls
+        ready = await asyncio.wait_for(reader.readexactly(len(READY)), HANDSHAKE_S)
+        if ready != READY:
+            raise DataPlaneError(f"not a data-plane port (it answered {ready!r})")
         if tls is not None:
             await asyncio.wait_for(writer.start_tls(ssl_context(tls, server=False),
                                                     server_hostname=host), HANDSHAKE_S)
@@ -256,6 +263,8 @@ class Front:
                 await self._splice(head, reader, writer)
         except (OSError, ssl.SSLError, TimeoutError, asyncio.IncompleteReadError) as exc:
             log.debug("connection ended: %s", exc)
+        except asyncio.CancelledError:
+            pass  # the worker stops (Front.stop)
         finally:
             self._conns.discard(task)
             writer.close()
@@ -284,6 +293,7 @@ class Front:
                             writer: asyncio.StreamWriter) -> None:
         w = self.worker
         identity: security.PeerIdentity | None = None
+        writer.write(READY)
         if self.tls is not None:
             await asyncio.wait_for(writer.start_tls(ssl_context(self.tls, server=True)),
                                    HANDSHAKE_S)

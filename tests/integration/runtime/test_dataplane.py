@@ -126,6 +126,7 @@ async def open_stream(address: str, ctx: ssl.SSLContext | None) -> Any:
     host, port = dataplane.split_address(address)
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(dataplane.MAGIC)
+    assert await asyncio.wait_for(reader.readexactly(len(dataplane.READY)), 10) == dataplane.READY
     if ctx is not None:
         await asyncio.wait_for(writer.start_tls(ctx, server_hostname=host), 10)
     return reader, writer
