@@ -12,7 +12,7 @@ messages/s (0: as fast as it can), a receiver process parses them; each side's p
 Transports (`--transports`, each run in turn, alternating `--rounds` times, so a loaded host
 hits all alike):
 - `grpc-gen`: today's worker, grpc.aio `Work` with an async-generator request iterator fed
-  from a queue (runtime/worker.py `_Peer`), the server reading with `async for`;
+  from a queue (runtime/peers.py `GrpcPeer`), the server reading with `async for`;
 - `grpc-write`: grpc.aio, `call.write()` and `context.read()` (no request iterator task);
 - `tls-stream`: an asyncio TLS connection (ssl.SSLContext from the same files, CA required
   both ways) carrying 4-byte length-prefixed WorkBatch frames;

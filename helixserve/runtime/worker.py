@@ -71,7 +71,7 @@ never drops what was admitted before it.
   KV capacity, at least QUEUE_MIN_TOKENS); an item past it is answered RESOURCE_EXHAUSTED
   "engine queue full" at once. A message may carry at most that many items (else the stream
   is refused).
-- A next hop's backlog (`_Peer.queue`) is bounded the same way; an output past it is answered
+- A next hop's backlog (`peers.Peer.queue`) is bounded the same way; an output past it is answered
   UNAVAILABLE (its coordinator replays the request), as for an unreachable next hop.
 - A stream's results wait in its `out` queue: past OUT_PAUSE the worker stops reading that
   stream's items (its sender is held back by gRPC flow control), and a caller that lets
