@@ -543,9 +543,15 @@ class Worker(pb_grpc.HelixWorkerServicer):
         heads: list[_Job] = []
         seen: set[str] = set()
         live: list[_Job] = []
+        # tokens leaving the queue: the dropped jobs' here, the step's below (a backlog's
+        # tokens are not summed at every step: it may hold thousands of jobs)
+        taken = 0
+        released = self.released
         for job in pending:
-            rid = job.item.request_id
-            if (job.item.coordinator_id, rid) in self.released:
+            item = job.item
+            rid = item.request_id
+            if (item.coordinator_id, rid) in released:
+                taken += len(item.token_ids)
                 continue
             live.append(job)
             if rid not in seen:
@@ -557,8 +563,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
         chosen = {id(j) for j in plan.decode}
         chosen.update(id(j) for j, _ in plan.prompts)
         batch = [j for j in heads if id(j) in chosen]
-        rest = deque(j for j in live if id(j) not in chosen)
-        self.taken_tokens += sum(map(_job_tokens, pending)) - sum(map(_job_tokens, rest))
+        rest = deque(j for j in live if id(j) not in chosen) if len(batch) < len(live) else deque()
+        self.taken_tokens += taken + sum(map(_job_tokens, batch))
         return batch, rest
 
     def _run_step(self, batch: list[_Job]) -> None:

@@ -37,6 +37,20 @@ def test_the_engine_queue_refuses_past_its_bound_and_keeps_what_it_admitted() ->
     assert w._accept(_full("late"), stream, "items[0]", limit) is not None
 
 
+def test_a_step_takes_its_tokens_and_a_released_requests_off_the_queue() -> None:
+    """What is queued stays counted exactly: a step takes its items' tokens, the jobs of a
+    released request are dropped with theirs, and the rest stays queued (one item per
+    request per step: r0's second item waits)."""
+    w = _worker()
+    stream = _coordinator_stream()
+    jobs = [w._accept(_full(rid), stream, "items[0]", 100) for rid in ("r0", "r0", "r1", "r2")]
+    assert all(j is not None for j in jobs) and w.queued_tokens == 12
+    w.released.put((CID, "r1"), CID, None)
+    step, rest = w._next_batch(deque(j for j in jobs if j is not None))
+    assert [j.item.request_id for j in step] == ["r0", "r2"]
+    assert [j.item.request_id for j in rest] == ["r0"] and w.queued_tokens == 3
+
+
 def test_released_ids_of_a_connected_coordinator_survive_a_flood_of_releases() -> None:
     victim, _ = security.new_coordinator_identity()
     connected = {victim}
