@@ -33,7 +33,7 @@ and `Peer.broke` reports its sent and queued items UNAVAILABLE. A hung next hop 
 stopped: the kernel still accepts bytes) is found by PINGs every KEEPALIVE_S: no frame for
 KEEPALIVE_S + KEEPALIVE_TIMEOUT_S breaks the stream. Back-pressure: the sender waits for its
 socket buffer to drain (`StreamWriter.drain`), the receiver stops reading a stream whose
-results pile up (OUT_PAUSE), as with gRPC's flow control.
+results pile up (OUT_PAUSE), as with gRPC's flow control, and sends PONGs meanwhile.
 """
 
 from __future__ import annotations
@@ -223,6 +223,18 @@ class StreamPeer(Peer):
 # ---- receiver ---------------------------------------------------------------------------------
 
 
+async def wait_for_room(stream: Any, writer: asyncio.StreamWriter) -> None:
+    """Hold a stream's items back until its results have room (OUT_PAUSE), answering for
+    the PINGs it does not read meanwhile: the sender hears PONGs, so a receiver that is only
+    holding back is not taken for a hung one (gRPC answers HTTP/2 PINGs whatever its flow
+    control holds back, too)."""
+    while not stream.room.is_set():
+        try:
+            await asyncio.wait_for(stream.room.wait(), tp.KEEPALIVE_S)
+        except TimeoutError:
+            writer.write(frame(PONG))
+
+
 class Front:
     """A `stream` worker's listener (module doc): data-plane connections served here, the
     rest spliced to the gRPC server at `grpc_port` on 127.0.0.1."""
@@ -314,7 +326,8 @@ class Front:
                 if kind != DATA:
                     continue
                 # a caller that does not read its results gets no more of its items read
-                await stream.room.wait()
+                if not stream.room.is_set():
+                    await wait_for_room(stream, writer)
                 batch = pb.WorkBatch()
                 try:
                     batch.ParseFromString(body)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 
@@ -134,3 +135,30 @@ def test_a_stream_peer_sends_batches_and_reports_its_items_when_the_next_hop_clo
     assert [r.request_id for r in worker.delivered] == ["r0"]
     assert sorted(e[0] for e in worker.errors) == ["r0", "r1", "r2"]
     assert all(e[1] == tp.UNAVAILABLE and "fate unknown" in e[2] for e in worker.errors)
+
+
+def test_a_receiver_holding_a_stream_back_still_answers_for_it(monkeypatch) -> None:
+    """While a stream's results have no room its items are not read, and neither are its
+    PINGs: the receiver sends PONGs every keepalive instead, and reads again once there is
+    room."""
+    monkeypatch.setattr(tp, "KEEPALIVE_S", 0.02)
+
+    class Writer:
+        def __init__(self) -> None:
+            self.frames: list[bytes] = []
+
+        def write(self, data: bytes) -> None:
+            self.frames.append(data)
+
+    async def main() -> list[bytes]:
+        stream = SimpleNamespace(room=asyncio.Event())
+        writer = Writer()
+        waiting = asyncio.ensure_future(dataplane.wait_for_room(stream, writer))  # type: ignore[arg-type]
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        stream.room.set()
+        await asyncio.wait_for(waiting, 5)
+        return writer.frames
+
+    frames = asyncio.run(main())
+    assert len(frames) >= 2 and set(frames) == {dataplane.frame(dataplane.PONG)}
