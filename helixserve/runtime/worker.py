@@ -71,7 +71,7 @@ never drops what was admitted before it.
   KV capacity, at least QUEUE_MIN_TOKENS); an item past it is answered RESOURCE_EXHAUSTED
   "engine queue full" at once. A message may carry at most that many items (else the stream
   is refused).
-- A next hop's backlog (`_Peer.queue`) is bounded the same way; an output past it is answered
+- A next hop's backlog (`peers.Peer.queue`) is bounded the same way; an output past it is answered
   UNAVAILABLE (its coordinator replays the request), as for an unreachable next hop.
 - A stream's results wait in its `out` queue: past OUT_PAUSE the worker stops reading that
   stream's items (its sender is held back by gRPC flow control), and a caller that lets
@@ -113,22 +113,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from helixserve.engine.errors import EngineError, KvExhaustedError, PrefixMissError
-from helixserve.engine.protocol import RawHidden
+from helixserve.errors import UserError
 from helixserve.planner.placement import NodeRange
 from helixserve.prefix import BlockHash, CacheEvents
-from helixserve.runtime import security
+from helixserve.runtime import dataplane, security
 from helixserve.runtime import transport as tp
+from helixserve.runtime.peers import (  # noqa: F401 (tests and benchmarks import them here)
+    BATCH_BYTES,
+    SENT_MEMORY,
+    GrpcPeer,
+    Outgoing,
+    Peer,
+)
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
+
+# the process around a Worker (gRPC server, health, drain): importable from here too
+from helixserve.runtime.worker_server import ENGINE_STALL_S, SERVICE_NAME, serve  # noqa: F401
 from helixserve.scheduler.batch import StepBudget, plan_step
 from helixserve.spec.scheduling import DEFAULT_STEP_PROMPT_TOKENS
 
 log = logging.getLogger("helixserve.worker")
 
-SERVICE_NAME = "helixserve.v1.HelixWorker"
 #: Remember this many released request ids, all coordinators together (module doc, Flooding).
 RELEASED_MEMORY = 100_000
 #: Window of the busy-fraction estimate reported by Info.
@@ -150,10 +158,6 @@ OUT_PAUSE = 4_096
 MAX_STREAMS = 256
 #: ... of which coordinator streams (one per coordinator; a restarted one briefly has two).
 MAX_COORDINATOR_STREAMS = 8
-#: Items remembered per next-hop stream, to report when the stream breaks (see _Peer).
-SENT_MEMORY = 10_000
-#: Default bound on an engine that makes no progress while work waits (module doc).
-ENGINE_STALL_S = 20.0
 #: Weight of the last step in the moving average of the step time.
 STEP_EMA_WEIGHT = 0.2
 #: Default `Worker.batch_wait` (module doc, Batching): off.
@@ -164,6 +168,13 @@ BATCH_WAIT_ENV = "HELIXSERVE_BATCH_WAIT"
 BATCH_WAIT_STEPS = 2
 #: Test-only hang injection (module doc); never set in deployments.
 HANG_ENV = "HELIXSERVE_TEST_ENGINE_HANG"
+
+
+def _dataplane_kind() -> str:
+    try:
+        return dataplane.dataplane_kind()
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _batch_wait_default() -> float:
@@ -282,203 +293,6 @@ class _Switch:
     done: Future[tuple[int, float]]
 
 
-#: bytes of items one message to the next hop carries before the rest waits for the next
-#: message: with one item of at most MAX_MESSAGE_BYTES / 2 more, a message stays under the limit.
-#: Each message exists ~3 times on each side while it crosses (protobuf, serialized, gRPC's
-#: buffers), per stream: 4 MiB keeps that small (a 512-token LLaMA-2-70B prefill chunk, 8 MiB,
-#: goes alone) and still carries a step's decode items (16 KiB each) in one message
-BATCH_BYTES = 4 * 1024 * 1024
-#: a bound on what an item carries beside its hidden states, token ids and route (ids,
-#: sampling); only BATCH_BYTES uses it, which has room to spare
-ITEM_OVERHEAD_BYTES = 512
-
-
-@dataclass
-class _Outgoing:
-    """An item for a next hop, waiting in its `_Peer` queue. Raw hidden states (the emulated
-    engine's, which hold only their size until asked for their bytes) become the message
-    when it is written, so a backlog behind a slow hop holds no activations; a tensor becomes
-    its bytes at once (a GPU tensor must not wait in a queue), written into the batch later."""
-
-    msg: pb.WorkItem | tp.Continuation
-    """The message to send; with `hidden`, the item as it came here (without its hidden
-    states; a continuation item's fields only), turned into the next hop's by
-    `write_into`."""
-    coordinator_id: str
-    hidden: RawHidden | None = None
-    compute_s: float = 0.0
-    #: bytes of the hidden states; batching counts these rather than asking protobuf for the
-    #: message's size (upb's ByteSize encodes the whole message: a copy of the activations)
-    hidden_bytes: int = 0
-
-    @staticmethod
-    def of(msg: pb.WorkItem | tp.Continuation, hidden: Any, compute_s: float,
-           coordinator_id: str) -> _Outgoing:
-        if isinstance(hidden, RawHidden):
-            size = getattr(hidden, "nbytes", None)
-            return _Outgoing(msg, coordinator_id, hidden, compute_s,
-                             len(hidden.data) if size is None else int(size))
-        # hidden: a tensor [num_tokens, hidden_size]
-        raw = tp.raw_hidden(hidden)
-        return _Outgoing(msg, coordinator_id, raw, compute_s, len(raw.data))
-
-    def size_bytes(self) -> int:
-        """A bound on the bytes the item adds to a message (hidden states, token ids, route
-        hops of at most 128 bytes, the rest), without encoding the message."""
-        return (self.hidden_bytes + ITEM_OVERHEAD_BYTES
-                + 8 * (len(self.msg.token_ids) + len(self.msg.prefix_token_ids))
-                + 128 * len(self.msg.route))
-
-    @property
-    def tokens(self) -> int:
-        return len(self.msg.token_ids)
-
-    @property
-    def request_id(self) -> str:
-        return self.msg.request_id
-
-    @property
-    def step_id(self) -> int:
-        return self.msg.step_id
-
-    def write_into(self, dst: pb.WorkItem) -> None:
-        """Write the next hop's message into `dst` (an item of the outgoing batch): the
-        hidden states' bytes are copied once, into the batch itself (through a pb.Tensor and
-        a standalone item they would be copied three times, and each 512-token prefill chunk
-        of LLaMA-2-70B is 8 MiB)."""
-        if self.hidden is None and isinstance(self.msg, pb.WorkItem):
-            dst.CopyFrom(self.msg)
-        else:
-            tp.forward_item_into(dst, self.msg, self.hidden, self.compute_s)
-
-
-class _Peer:
-    """A persistent Work stream to one next-hop worker; all items for it go out in batches.
-
-    When the stream breaks, the items written to it may or may not have reached the next
-    hop, and no result will say which. So every item sent on the broken stream (the last
-    SENT_MEMORY of them) is reported to its coordinator as UNAVAILABLE, like the items still
-    queued. A coordinator ignores a report for a step it already has the result of, and
-    re-routes a request whose pending step was on the stream, instead of waiting for its
-    step timeout.
-    """
-
-    def __init__(self, worker: Worker, address: str) -> None:
-        self.worker = worker
-        self.address = address
-        #: items for the next hop with their coordinator's id (a continuation item names none)
-        self.queue: asyncio.Queue[_Outgoing] = asyncio.Queue()
-        #: tokens of the items in `queue` (bounded like the engine's queue: `Worker.forward`)
-        self.queued_tokens = 0
-        #: (request id, step id, coordinator id) of items written to the current stream
-        self.sent: deque[tuple[str, int, str]] = deque(maxlen=SENT_MEMORY)
-        # The current stream's wait for its next item. A broken stream's request iterator
-        # is left suspended by gRPC; cancelling this wait keeps it from taking (and losing)
-        # an item meant for the next stream.
-        self._getter: asyncio.Future[_Outgoing] | None = None
-        self.task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            first = await self._get()
-            self.sent.clear()
-            channel = security.aio_channel(self.address, self.worker.tls, tp.CHANNEL_OPTIONS)
-            try:
-                call = pb_grpc.HelixWorkerStub(channel).Work(self._requests(first))
-                await self._read(call)
-            except grpc.aio.AioRpcError as exc:
-                log.warning("stream to %s broke: %s", self.address, exc.code().name)
-                message = f"next hop {self.address} unreachable: {exc.code().name}"
-                taken = self._stop_getter()
-                if taken is not None:
-                    self.sent.append((taken.request_id, taken.step_id, taken.coordinator_id))
-                self._fail_sent(message)
-                self._fail_queued(message)
-            finally:
-                taken = self._stop_getter()
-                if taken is not None:  # the stream ended normally after taking it
-                    self.worker.report_error(taken.request_id, taken.step_id,
-                                             taken.coordinator_id,
-                                             tp.UNAVAILABLE,
-                                             f"stream to next hop {self.address} ended")
-                await channel.close()
-
-    async def _get(self) -> _Outgoing:
-        out = await self.queue.get()
-        self.queued_tokens -= out.tokens  # at once: no cancellation between the two
-        return out
-
-    def _stop_getter(self) -> _Outgoing | None:
-        """End the current stream's wait; the item it took and never wrote, if any."""
-        getter, self._getter = self._getter, None
-        if getter is None:
-            return None
-        if not getter.done():
-            getter.cancel()
-            return None
-        if getter.cancelled() or getter.exception() is not None:
-            return None
-        return getter.result()
-
-    async def _requests(self, first: _Outgoing) -> AsyncIterator[pb.WorkBatch]:
-        items = [first]
-        hello = True
-        while True:
-            # everything queued since the last write (at least one engine step's items), up
-            # to BATCH_BYTES: a backlog of prefill chunks behind a slow link must not make one
-            # message past gRPC's limit (each item is at most half of it: prefill chunks are
-            # cut so), the rest goes in the next message at once
-            batch = tp.work_batch_pb([], sender=self.worker.node if hello else "")
-            first.write_into(batch.items.add())
-            size = first.size_bytes()
-            while size < BATCH_BYTES and not self.queue.empty():
-                item = self.queue.get_nowait()
-                self.queued_tokens -= item.tokens
-                items.append(item)
-                item.write_into(batch.items.add())
-                size += item.size_bytes()
-            self.sent.extend((o.request_id, o.step_id, o.coordinator_id) for o in items)
-            self.worker.count_sent(len(items))
-            # an emulated payload's bytes left out, charged by the link emulation (transport)
-            tp.declare_unsent(self.worker.node, self.address, [o.hidden for o in items])
-            yield batch
-            del batch  # not kept while the stream waits for the next item
-            hello = False
-            if not self.queue.empty():
-                # what queued while the last batch was written: taken at once, without a
-                # task and a loop turn of its own (the wait below is for an idle stream)
-                first = self.queue.get_nowait()
-                self.queued_tokens -= first.tokens
-            else:
-                getter = self._getter = asyncio.ensure_future(self._get())
-                first = await getter
-                if self._getter is getter:
-                    self._getter = None
-            items = [first]
-
-    async def _read(self, call: Any) -> None:
-        # Downstream normally reports to the coordinator directly; anything arriving here is a
-        # per-item error that could not be delivered there.
-        async for batch in call:
-            for r in batch.results:
-                kept = self.worker.kept.get(r.request_id)
-                self.worker.deliver(r, coordinator_id=kept.coordinator_id if kept else "",
-                                    origin=None)
-
-    def _fail_sent(self, message: str) -> None:
-        for request_id, step_id, coordinator_id in self.sent:
-            self.worker.report_error(request_id, step_id, coordinator_id, tp.UNAVAILABLE,
-                                     f"{message} (item sent, fate unknown)")
-        self.sent.clear()
-
-    def _fail_queued(self, message: str) -> None:
-        while not self.queue.empty():
-            out = self.queue.get_nowait()
-            self.queued_tokens -= out.tokens
-            self.worker.report_error(out.request_id, out.step_id, out.coordinator_id,
-                                     tp.UNAVAILABLE, message)
-
-
 class Worker(pb_grpc.HelixWorkerServicer):
     """Serve one engine's layer range; see the module doc for threads and message flow."""
 
@@ -497,6 +311,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.budget = StepBudget(max_prompt_tokens=step_prompt_tokens).check()
         #: credentials for the streams to next hops (None: plaintext)
         self.tls = tls
+        #: what carries items to next hops: "grpc" or "stream" (runtime/dataplane.py)
+        self.dataplane = _dataplane_kind()
         #: where items may be forwarded; None or empty: nowhere (module doc)
         self.peer_policy = peers or security.PeerPolicy()
         #: (engine, start, end) -> (engine of [start, end) loaded beside it, layers read);
@@ -537,7 +353,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self.inbox: queue.SimpleQueue[list[_Job] | _Release | _Switch | None] = queue.SimpleQueue()
         self.coordinators: dict[str, _Stream] = {}
         self.streams: set[_Stream] = set()  # every open incoming Work stream
-        self.peers: dict[str, _Peer] = {}
+        self.peers: dict[str, Peer] = {}
         self.draining = False
         # Engine-thread state (read approximately by Info from the loop thread).
         self.active: dict[str, str] = {}  # request id -> coordinator id, holding KV here
@@ -726,9 +542,15 @@ class Worker(pb_grpc.HelixWorkerServicer):
         heads: list[_Job] = []
         seen: set[str] = set()
         live: list[_Job] = []
+        # tokens leaving the queue: the dropped jobs' here, the step's below (a backlog's
+        # tokens are not summed at every step: it may hold thousands of jobs)
+        taken = 0
+        released = self.released
         for job in pending:
-            rid = job.item.request_id
-            if (job.item.coordinator_id, rid) in self.released:
+            item = job.item
+            rid = item.request_id
+            if (item.coordinator_id, rid) in released:
+                taken += len(item.token_ids)
                 continue
             live.append(job)
             if rid not in seen:
@@ -740,8 +562,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
         chosen = {id(j) for j in plan.decode}
         chosen.update(id(j) for j, _ in plan.prompts)
         batch = [j for j in heads if id(j) in chosen]
-        rest = deque(j for j in live if id(j) not in chosen)
-        self.taken_tokens += sum(map(_job_tokens, pending)) - sum(map(_job_tokens, rest))
+        rest = deque(j for j in live if id(j) not in chosen) if len(batch) < len(live) else deque()
+        self.taken_tokens += taken + sum(map(_job_tokens, batch))
         return batch, rest
 
     def _run_step(self, batch: list[_Job]) -> None:
@@ -851,6 +673,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
         if kept is not None and kept.coordinator_id == coordinator_id:
             self.kept.pop(request_id)
 
+    def _new_peer(self, address: str) -> Peer:
+        return dataplane.new_peer(self, address)
+
     def count_sent(self, items: int) -> None:
         self.messages_out += 1
         self.items_out += items
@@ -924,7 +749,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 # hidden: [num_tokens, hidden_size] leaves for the next hop
                 peer = self.peers.get(nxt)
                 if peer is None or peer.task.done():
-                    peer = self.peers[nxt] = _Peer(self, nxt)
+                    peer = self.peers[nxt] = self._new_peer(nxt)
                 limit = self._queue_limit
                 if peer.queued_tokens + len(item.token_ids) > limit:
                     # a next hop that does not keep up (or is stopped): its backlog stays
@@ -937,7 +762,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                                       f"{limit}; replay the request", job.origin)
                     continue
                 peer.queued_tokens += len(item.token_ids)
-                peer.queue.put_nowait(_Outgoing.of(job.msg, out.hidden, compute_s,
+                peer.queue.put_nowait(Outgoing.of(job.msg, out.hidden, compute_s,
                                                    item.coordinator_id))
 
     def deliver(self, result: pb.WorkResult, coordinator_id: str, origin: _Stream | None) -> None:
@@ -988,55 +813,75 @@ class Worker(pb_grpc.HelixWorkerServicer):
         self, request_iterator: AsyncIterator[pb.WorkBatch], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ResultBatch]:
         peer = self._peer(context)
-        if len(self.streams) >= MAX_STREAMS:
-            self.refused_full += 1
-            log.warning("refused a stream: %d open, limit %d", len(self.streams), MAX_STREAMS)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"node {self.node}: {len(self.streams)} Work streams open, "
-                                f"limit {MAX_STREAMS}; stream refused")
-        stream = _Stream(coordinator_id="", sender=peer.node if peer is not None else "",
-                         peer=peer, task=asyncio.current_task())
-        self.streams.add(stream)
+        refusal = self.stream_refusal()
+        if refusal:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        stream = self.open_stream(peer.node if peer is not None else "", peer)
         reader = asyncio.create_task(self._read_stream(request_iterator, stream))
         try:
-            while True:
-                first = await stream.out.get()
-                if first is None:
-                    break
-                results: list[pb.WorkResult] = []
-                cache: pb.CacheEvents | None = None
-                nxt: pb.WorkResult | pb.CacheEvents | None = first
-                while nxt is not None:
-                    if isinstance(nxt, pb.CacheEvents):
-                        cache = nxt if cache is None else tp.merge_cache_events(cache, nxt)
-                    else:
-                        results.append(nxt)
-                    if stream.out.empty():
-                        break
-                    nxt = stream.out.get_nowait()
-                    if nxt is None:
-                        stream.out.put_nowait(None)
-                self.count_sent(len(results))
-                yield tp.result_batch_pb(results, cache)
-                if stream.out.qsize() < OUT_PAUSE:
-                    stream.room.set()
+            async for batch in self.result_batches(stream):
+                yield batch
             if stream.refused:
                 await context.abort(stream.refused_code, stream.refused)
         finally:
             reader.cancel()
-            self.streams.discard(stream)
-            if stream.coordinator_id and self.coordinators.get(stream.coordinator_id) is stream:
-                del self.coordinators[stream.coordinator_id]
-                # The coordinator is gone (crashed, or it re-routed our requests when its stream
-                # broke): nobody will release its requests here, so free them now.
-                orphans = [(cid, rid) for rid, cid in list(self.active.items())
-                           if cid == stream.coordinator_id]
-                for rid in self.kept.keys_of(stream.coordinator_id):
-                    self.kept.pop(rid)
-                if orphans:
-                    log.warning("coordinator %s left; freeing %d requests",
-                                stream.coordinator_id, len(orphans))
-                    self.inbox.put(_Release(orphans, Future()))
+            self.close_stream(stream)
+
+    def stream_refusal(self) -> str:
+        """Why a new incoming stream is refused ("" when it is not): MAX_STREAMS."""
+        if len(self.streams) < MAX_STREAMS:
+            return ""
+        self.refused_full += 1
+        log.warning("refused a stream: %d open, limit %d", len(self.streams), MAX_STREAMS)
+        return (f"node {self.node}: {len(self.streams)} Work streams open, "
+                f"limit {MAX_STREAMS}; stream refused")
+
+    def open_stream(self, sender: str, peer: security.PeerIdentity | None) -> _Stream:
+        """An incoming stream (gRPC's Work, or the data plane's), from `sender` (the node
+        of the caller's certificate; "" on a plaintext port until its hello says)."""
+        stream = _Stream(coordinator_id="", sender=sender, peer=peer,
+                         task=asyncio.current_task())
+        self.streams.add(stream)
+        return stream
+
+    async def result_batches(self, stream: _Stream) -> AsyncIterator[pb.ResultBatch]:
+        """The stream's results, everything queued at once in one message, until it ends."""
+        while True:
+            first = await stream.out.get()
+            if first is None:
+                return
+            results: list[pb.WorkResult] = []
+            cache: pb.CacheEvents | None = None
+            nxt: pb.WorkResult | pb.CacheEvents | None = first
+            while nxt is not None:
+                if isinstance(nxt, pb.CacheEvents):
+                    cache = nxt if cache is None else tp.merge_cache_events(cache, nxt)
+                else:
+                    results.append(nxt)
+                if stream.out.empty():
+                    break
+                nxt = stream.out.get_nowait()
+                if nxt is None:
+                    stream.out.put_nowait(None)
+            self.count_sent(len(results))
+            yield tp.result_batch_pb(results, cache)
+            if stream.out.qsize() < OUT_PAUSE:
+                stream.room.set()
+
+    def close_stream(self, stream: _Stream) -> None:
+        self.streams.discard(stream)
+        if stream.coordinator_id and self.coordinators.get(stream.coordinator_id) is stream:
+            del self.coordinators[stream.coordinator_id]
+            # The coordinator is gone (crashed, or it re-routed our requests when its stream
+            # broke): nobody will release its requests here, so free them now.
+            orphans = [(cid, rid) for rid, cid in list(self.active.items())
+                       if cid == stream.coordinator_id]
+            for rid in self.kept.keys_of(stream.coordinator_id):
+                self.kept.pop(rid)
+            if orphans:
+                log.warning("coordinator %s left; freeing %d requests",
+                            stream.coordinator_id, len(orphans))
+                self.inbox.put(_Release(orphans, Future()))
 
     async def _read_stream(self, request_iterator: AsyncIterator[pb.WorkBatch],
                            stream: _Stream) -> None:
@@ -1044,45 +889,52 @@ class Worker(pb_grpc.HelixWorkerServicer):
             async for batch in request_iterator:
                 # a caller that does not read its results gets no more of its items read
                 await stream.room.wait()
-                self._queue_limit = limit = self.queue_limit_tokens()
-                if len(batch.items) > limit:
-                    self.refused_full += 1
-                    stream.refused_code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                    stream.refused = (f"node {self.node}: {len(batch.items)} items in one "
-                                      f"message, limit {limit}; stream refused")
-                    log.warning("refused a stream: %s", stream.refused)
+                if not self.receive(batch, stream):
                     return
-                hello = tp.hello_of(batch)
-                if hello is not None:
-                    cid, claimed = hello
-                    refusal = self._hello_refusal(cid, tp.hello_token(batch), stream)
-                    if (not refusal and cid and cid not in self.coordinators
-                            and len(self.coordinators) >= MAX_COORDINATOR_STREAMS):
-                        self.refused_full += 1
-                        stream.refused_code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                        refusal = (f"{len(self.coordinators)} coordinator streams open, limit "
-                                   f"{MAX_COORDINATOR_STREAMS}")
-                    if refusal:
-                        log.warning("refused a stream: %s", refusal)
-                        stream.refused = f"node {self.node}: {refusal}; stream refused"
-                        return
-                    if stream.peer is None:  # plaintext: the sender is what it declares
-                        stream.sender = claimed
-                    stream.coordinator_id = cid
-                    if cid:
-                        self.coordinators[cid] = stream
-                        if hasattr(self.engine, "take_cache_events"):
-                            # everything the cache holds, first (module doc)
-                            self._put(stream, tp.cache_events_to_pb(
-                                self.node, CacheEvents(list(self.cache_held), [], reset=True)))
-                jobs = [job for i, msg in enumerate(batch.items)
-                        if (job := self._accept(msg, stream, f"items[{i}]", limit)) is not None]
-                if jobs:
-                    self.inbox.put(jobs)
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
         finally:
             stream.out.put_nowait(None)
+
+    def receive(self, batch: pb.WorkBatch, stream: _Stream) -> bool:
+        """One incoming message: its hello checked, its items admitted to the engine's
+        queue. False when the stream is refused (`stream.refused` says why)."""
+        self._queue_limit = limit = self.queue_limit_tokens()
+        if len(batch.items) > limit:
+            self.refused_full += 1
+            stream.refused_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            stream.refused = (f"node {self.node}: {len(batch.items)} items in one "
+                              f"message, limit {limit}; stream refused")
+            log.warning("refused a stream: %s", stream.refused)
+            return False
+        hello = tp.hello_of(batch)
+        if hello is not None:
+            cid, claimed = hello
+            refusal = self._hello_refusal(cid, tp.hello_token(batch), stream)
+            if (not refusal and cid and cid not in self.coordinators
+                    and len(self.coordinators) >= MAX_COORDINATOR_STREAMS):
+                self.refused_full += 1
+                stream.refused_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                refusal = (f"{len(self.coordinators)} coordinator streams open, limit "
+                           f"{MAX_COORDINATOR_STREAMS}")
+            if refusal:
+                log.warning("refused a stream: %s", refusal)
+                stream.refused = f"node {self.node}: {refusal}; stream refused"
+                return False
+            if stream.peer is None:  # plaintext: the sender is what it declares
+                stream.sender = claimed
+            stream.coordinator_id = cid
+            if cid:
+                self.coordinators[cid] = stream
+                if hasattr(self.engine, "take_cache_events"):
+                    # everything the cache holds, first (module doc)
+                    self._put(stream, tp.cache_events_to_pb(
+                        self.node, CacheEvents(list(self.cache_held), [], reset=True)))
+        jobs = [job for i, msg in enumerate(batch.items)
+                if (job := self._accept(msg, stream, f"items[{i}]", limit)) is not None]
+        if jobs:
+            self.inbox.put(jobs)
+        return True
 
     def _peer(self, context: grpc.aio.ServicerContext) -> security.PeerIdentity | None:
         """The caller's certificate identity; None on a plaintext worker. With TLS a caller
@@ -1338,96 +1190,3 @@ class Worker(pb_grpc.HelixWorkerServicer):
             work_messages_out=self.messages_out,
             work_items_out=self.items_out,
         )
-
-
-async def _watch_engine(worker: Worker, health_servicer: Any, stall_timeout_s: float) -> None:
-    """Loop thread: health follows the engine's progress (module doc, Liveness)."""
-    seen, since = worker.beats, time.monotonic()
-    while True:
-        await asyncio.sleep(min(1.0, stall_timeout_s / 4))
-        now = time.monotonic()
-        if worker.beats != seen or not worker.work_waiting():
-            seen, since = worker.beats, now
-            if worker.stalled_s:
-                log.warning("node %s: engine moves again after %.1f s", worker.node,
-                            worker.stalled_s)
-                worker.stalled_s = 0.0
-                if not worker.draining:
-                    for name in ("", SERVICE_NAME):
-                        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-            continue
-        if now - since >= stall_timeout_s:
-            first = not worker.stalled_s
-            worker.stalled_s = now - since
-            if first:
-                log.error("%s", worker.stall_message())
-                print(f"helixserve worker {worker.node}: {worker.stall_message()}", flush=True)
-                for name in ("", SERVICE_NAME):
-                    await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-
-async def serve(
-    worker: Worker,
-    host: str,
-    port: int,
-    drain_timeout_s: float = 30.0,
-    ready: asyncio.Event | None = None,
-    stop: asyncio.Event | None = None,
-    tls: security.TlsConfig | None = None,
-    stall_timeout_s: float = ENGINE_STALL_S,
-) -> int:
-    """Run the worker's gRPC server until `stop` is set (SIGTERM), then drain and exit.
-
-    Shutdown: health goes NOT_SERVING and new requests are refused; requests already holding KV
-    here keep being served until the coordinator releases them or `drain_timeout_s` passes;
-    whatever is left then is failed explicitly (UNAVAILABLE to its coordinator) and freed.
-    With `tls`, the only port is mutual TLS (a client without a certificate from the CA is
-    refused at the handshake). An engine stalled for `stall_timeout_s` with work waiting
-    turns health NOT_SERVING until it moves again (module doc). Returns the bound port.
-    """
-    server = grpc.aio.server(options=tp.SERVER_OPTIONS)
-    pb_grpc.add_HelixWorkerServicer_to_server(worker, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if tls is not None:
-        security.check_own_identity(tls, worker.node)
-    bound = security.add_port(server, f"{host}:{port}", tls)
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    worker.start()
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    watchdog = asyncio.get_running_loop().create_task(
-        _watch_engine(worker, health_servicer, stall_timeout_s))
-    info = worker.info()
-    print(
-        f"helixserve worker {worker.node}: layers [{info.start_layer}, {info.end_layer}) of "
-        f"{info.num_model_layers}, {info.backend} on {info.device} ({info.dtype}), "
-        f"KV {info.kv_capacity_tokens} tokens, listening on {host}:{bound} "
-        f"({'mutual TLS' if tls else 'plaintext, no authentication'}; "
-        f"forwards to: {worker.peer_policy.describe()})",
-        flush=True,
-    )
-    if ready is not None:
-        ready.set()
-    stop = stop or asyncio.Event()
-    await stop.wait()
-    t_stop = time.monotonic()
-    worker.draining = True
-    watchdog.cancel()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    deadline = time.monotonic() + drain_timeout_s
-    while worker.active and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    lost = worker.fail_active(f"node {worker.node}: shut down before the request finished")
-    if lost:
-        log.warning("failed %d requests still active after %.1f s drain", lost, drain_timeout_s)
-    if lost:
-        await asyncio.sleep(0.1)  # let the error results reach their streams
-    await worker.stop()
-    await server.stop(grace=1.0)
-    print(f"helixserve worker {worker.node}: stopped ({lost} requests failed at shutdown) "
-          f"in {time.monotonic() - t_stop:.2f} s", flush=True)
-    return bound

@@ -15,7 +15,8 @@ from test_worker_messages import CID, _coordinator_stream, _full, _worker
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime import worker as worker_mod
-from helixserve.runtime.worker import OUT_PAUSE, _Peer, _Stream
+from helixserve.runtime.peers import GrpcPeer
+from helixserve.runtime.worker import OUT_PAUSE, _Stream
 
 
 def test_the_engine_queue_refuses_past_its_bound_and_keeps_what_it_admitted() -> None:
@@ -34,6 +35,20 @@ def test_the_engine_queue_refuses_past_its_bound_and_keeps_what_it_admitted() ->
     assert [j.item.request_id for j in step] == [f"r{i}" for i in range(10)] and not rest
     assert w.queued_tokens == 0
     assert w._accept(_full("late"), stream, "items[0]", limit) is not None
+
+
+def test_a_step_takes_its_tokens_and_a_released_requests_off_the_queue() -> None:
+    """What is queued stays counted exactly: a step takes its items' tokens, the jobs of a
+    released request are dropped with theirs, and the rest stays queued (one item per
+    request per step: r0's second item waits)."""
+    w = _worker()
+    stream = _coordinator_stream()
+    jobs = [w._accept(_full(rid), stream, "items[0]", 100) for rid in ("r0", "r0", "r1", "r2")]
+    assert all(j is not None for j in jobs) and w.queued_tokens == 12
+    w.released.put((CID, "r1"), CID, None)
+    step, rest = w._next_batch(deque(j for j in jobs if j is not None))
+    assert [j.item.request_id for j in step] == ["r0", "r2"]
+    assert [j.item.request_id for j in rest] == ["r0"] and w.queued_tokens == 3
 
 
 def test_released_ids_of_a_connected_coordinator_survive_a_flood_of_releases() -> None:
@@ -68,7 +83,7 @@ def test_a_next_hops_backlog_is_bounded_and_its_items_replayed() -> None:
         stream = _coordinator_stream()
         w.coordinators[CID] = stream
         jobs = [w._accept(_full(f"r{i}"), stream, "i", 100) for i in range(3)]
-        peer = _Peer.__new__(_Peer)  # a next hop that reads nothing
+        peer = GrpcPeer.__new__(GrpcPeer)  # a next hop that reads nothing
         peer.worker, peer.address, peer.queue = w, "h:2", asyncio.Queue()
         peer.sent, peer._getter, peer.queued_tokens = deque(), None, 0
         peer.task = asyncio.get_running_loop().create_future()  # running

@@ -17,8 +17,9 @@ from helixserve.planner.placement import NodeRange
 from helixserve.request import SamplingParams
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
+from helixserve.runtime.peers import GrpcPeer, Outgoing
 from helixserve.runtime.proto import helix_pb2 as pb
-from helixserve.runtime.worker import Worker, _Job, _Outgoing, _Peer, _Stream
+from helixserve.runtime.worker import Worker, _Job, _Stream
 
 ROUTE = (NodeRange("a", 0, 2), NodeRange("b", 2, 4))
 ADDRESSES = ("h:1", "h:2")
@@ -96,7 +97,7 @@ def test_one_message_per_step_to_the_next_hop() -> None:
         prefill = [w._accept(_full(f"r{i}"), stream, "i") for i in range(16)]
         decode = [w._accept(tp.continuation_to_pb(f"r{i}", 100 + i, 3, [5]), stream, "i")
                   for i in range(16)]
-        peer = _Peer.__new__(_Peer)  # the stream to the next hop, not connected
+        peer = GrpcPeer.__new__(GrpcPeer)  # the stream to the next hop, not connected
         peer.worker, peer.address, peer.queue = w, "h:2", asyncio.Queue()
         peer.sent, peer._getter, peer.queued_tokens = deque(), None, 0
         peer.task = asyncio.get_running_loop().create_future()  # running
@@ -168,19 +169,19 @@ def test_a_backlog_for_the_next_hop_is_split_under_the_message_limit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Items queued behind a slow link go out in as many messages as keep each one under
     gRPC's limit (a stream broke with RESOURCE_EXHAUSTED at 42 emulated workers)."""
-    import helixserve.runtime.worker as worker_mod
+    import helixserve.runtime.peers as peers_mod
 
-    monkeypatch.setattr(worker_mod, "BATCH_BYTES", 2_000)
+    monkeypatch.setattr(peers_mod, "BATCH_BYTES", 2_000)
 
     async def main() -> None:
         w = _worker()
-        peer = _Peer.__new__(_Peer)  # the stream to the next hop, not connected
+        peer = GrpcPeer.__new__(GrpcPeer)  # the stream to the next hop, not connected
         peer.worker, peer.address, peer.queue = w, "h:2", asyncio.Queue()
         peer.sent, peer._getter, peer.queued_tokens = deque(), None, 0
         item = _full("r0", hop=1)
         for i in range(10):
             msg = _full(f"r{i}", hop=1)
-            peer.queue.put_nowait(_Outgoing(msg, CID, hidden_bytes=len(msg.hidden.data)))
+            peer.queue.put_nowait(Outgoing(msg, CID, hidden_bytes=len(msg.hidden.data)))
         requests = peer._requests(peer.queue.get_nowait())
         sent = [await requests.__anext__()]
         while not peer.queue.empty():
@@ -190,7 +191,7 @@ def test_a_backlog_for_the_next_hop_is_split_under_the_message_limit(
         # each message: under the cap plus at most one item
         assert all(m.ByteSize() <= 2_000 + item.ByteSize() + 64 for m in sent)
         # the size counted is a bound on the encoded one, without encoding it
-        out = _Outgoing(item, CID, hidden_bytes=len(item.hidden.data))
+        out = Outgoing(item, CID, hidden_bytes=len(item.hidden.data))
         assert item.ByteSize() <= out.size_bytes() <= item.ByteSize() + 1024
         assert [m.request_id for b in sent for m in b.items] == [f"r{i}" for i in range(10)]
 
@@ -205,7 +206,7 @@ def test_raw_hidden_states_for_the_next_hop_become_bytes_only_when_written() -> 
 
     came = _full("r", hop=1)
     came.ClearField("hidden")
-    out = _Outgoing.of(came, ZeroHidden("float16", (3, 8), 48), 0.5, CID)
+    out = Outgoing.of(came, ZeroHidden("float16", (3, 8), 48), 0.5, CID)
     assert out.hidden is not None and out.request_id == "r" and out.step_id == 1
     assert out.hidden_bytes == 48
     msg = pb.WorkItem()
@@ -214,14 +215,14 @@ def test_raw_hidden_states_for_the_next_hop_become_bytes_only_when_written() -> 
     assert msg.hop_index == 2 and len(msg.hidden.data) == 48 and not came.HasField("hidden")
     # a continuation item stays one (no hop index, no route), as forward_item_pb makes it
     cont = tp.continuation_to_pb("r", 2, 3, [9])
-    out = _Outgoing.of(cont, RawHidden("float16", (1, 8), bytes(16)), 0.25, CID)
+    out = Outgoing.of(cont, RawHidden("float16", (1, 8), bytes(16)), 0.25, CID)
     msg = pb.WorkItem()
     out.write_into(msg)
     assert msg == tp.forward_item_pb(cont, RawHidden("float16", (1, 8), bytes(16)), 0.25)
     # a tensor becomes its bytes at once (a GPU tensor must not wait in a queue) and is
     # written like raw hidden states, into the batch
     t = torch.arange(24, dtype=torch.float32).view(3, 8)
-    now = _Outgoing.of(came, t, 0.5, CID)
+    now = Outgoing.of(came, t, 0.5, CID)
     assert now.hidden is not None and now.hidden_bytes == 3 * 8 * 4
     t.zero_()  # later changes to the engine's tensor do not reach the queued item
     msg = pb.WorkItem()
@@ -241,7 +242,7 @@ def test_a_continuation_item_is_kept_as_its_fields_and_forwarded_as_it_came() ->
     job = w._accept(came, stream, "items[0]")
     assert job is not None and isinstance(job.msg, tp.Continuation)
     hidden = torch.arange(8, dtype=torch.float32).view(1, 8)
-    out = _Outgoing.of(job.msg, hidden, 0.25, CID)
+    out = Outgoing.of(job.msg, hidden, 0.25, CID)
     assert (out.request_id, out.step_id, out.tokens) == ("r", 2, 1)
     msg = pb.WorkItem()
     out.write_into(msg)
