@@ -251,7 +251,8 @@ class Coordinator:
         return self.counts.snapshot(
             self.nodes, self.placement,
             self.process_stats() if self.process_stats is not None else {},
-            self.core.prefix_stats(), running=len(self.active), waiting=self.core.waiting,
+            self.core.prefix_stats(), self.core.prefix_totals(), running=len(self.active),
+            waiting=self.core.waiting,
             preemptions=self.preemptions, kv_allocation=self.kv_allocation,
             dropped_results=self.inbox.dropped,
             recovery=None if self.recovery is None else self.recovery.snapshot())
@@ -360,9 +361,7 @@ class Coordinator:
             self.admission_timeout_s)
         fl.admitted(d.route, tuple(self.nodes[h.name].address for h in d.route.hops),
                     self.epoch, d.cached_tokens)
-        self.counts.admitted(d.route.nodes,
-                             self.core.policy.prefix_caching and fl.token_ids() is not None,
-                             d.info.prompt_tokens, d.cached_tokens)
+        self.counts.admitted(d.route.nodes)
         self.active[fl.internal_id] = fl
 
     def _check_recovering(self, uncovered_since: float, replay: bool) -> None:

@@ -29,21 +29,13 @@ class CoordinatorCounts:
     down_reasons: dict[str, str] = field(default_factory=dict)
     #: admissions per route (its nodes, in order)
     routes: dict[tuple[str, ...], int] = field(default_factory=dict)
-    #: prompt tokens of admitted requests looked up in the prefix caches, and those taken
-    #: from them (once per admission, as one vLLM server counts; the core counts per hop)
-    prefix_queries: int = 0
-    prefix_hits: int = 0
     #: requests run again because a hop no longer held their cached prefix
     prefix_misses: int = 0
 
-    def admitted(self, route: tuple[str, ...], looked_up: bool, prompt_tokens: int,
-                 cached_tokens: int) -> None:
-        """A request was admitted on `route`; `looked_up`: its prompt was looked up in the
-        prefix caches, and `cached_tokens` of it found on every hop."""
+    def admitted(self, route: tuple[str, ...]) -> None:
+        """A request was admitted on `route` (its prefix-cache lookup is counted by the
+        scheduling core, once per request: `SchedulerCore.prefix_totals`)."""
         self.routes[route] = self.routes.get(route, 0) + 1
-        if looked_up:
-            self.prefix_queries += prompt_tokens
-            self.prefix_hits += cached_tokens
 
     def node_down(self, node: str, reason: str) -> None:
         self.down_events += 1
@@ -51,12 +43,14 @@ class CoordinatorCounts:
 
     def snapshot(self, nodes: Mapping[str, NodeClient], placement: Placement,
                  processes: Mapping[str, Mapping[str, Any]],
-                 prefix: Mapping[str, tuple[int, int]], *, running: int, waiting: int,
+                 prefix: Mapping[str, tuple[int, int]], prefix_totals: tuple[int, int], *,
+                 running: int, waiting: int,
                  preemptions: int, kv_allocation: str, dropped_results: int,
                  recovery: dict[str, Any] | None) -> CoordinatorStats:
         """These counts with the live state: per node its client's view, whether the placement
         has a range on it, its supervisor's `processes` entry and the core's `prefix`
-        (queried, hit) tokens; requests running and waiting, and the rest as given."""
+        (queried, hit) tokens; `prefix_totals` the core's (queried, hit) prompt tokens, each
+        request counted once as one vLLM server counts; requests running and waiting, and the rest as given."""
         per_node = {name: node_stats(n, placement.range_of(name) is not None,
                                      self.down_reasons.get(name, ""),
                                      ProcessStats(**processes[name]) if name in processes
@@ -68,5 +62,5 @@ class CoordinatorCounts:
             reroutes=self.reroutes, preemptions=preemptions, kv_allocation=kv_allocation,
             nodes=per_node, routes={"->".join(r): c for r, c in self.routes.items()},
             down_events=self.down_events, dropped_results=dropped_results, recovery=recovery,
-            prefix_cache_queries=self.prefix_queries, prefix_cache_hits=self.prefix_hits,
+            prefix_cache_queries=prefix_totals[0], prefix_cache_hits=prefix_totals[1],
             prefix_misses=self.prefix_misses)

@@ -87,7 +87,7 @@ class CoordinatorStats:
     #: (runtime/results.py)
     dropped_results: int = 0
     #: prompt tokens of admitted requests looked up in the prefix caches, and those taken
-    #: from the caches of every hop of their route (once per admission)
+    #: from the caches of every hop of their route (once per request, as vLLM counts)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     #: requests run again because a hop no longer held their cached prefix

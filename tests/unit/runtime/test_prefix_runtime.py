@@ -189,7 +189,7 @@ def test_prefill_starts_at_the_cached_tokens_with_the_prefix_on_its_first_item()
     items = coord.nodes["a"].items  # type: ignore[attr-defined]
     assert items[:2] == [(8, [9], PROMPT[:8]), (9, [10], None)]
     assert events[0].cached_tokens == 8 and all(e.cached_tokens is None for e in events[1:])
-    assert (coord.counts.prefix_queries, coord.counts.prefix_hits, coord.counts.prefix_misses) == (10, 8, 0)
+    assert coord.core.prefix_totals() == (10, 8) and coord.counts.prefix_misses == 0
 
 
 def test_no_prefix_caching_prefills_everything() -> None:
@@ -198,7 +198,7 @@ def test_no_prefix_caching_prefills_everything() -> None:
     events = _generate(coord)
     assert coord.nodes["a"].items[0] == (0, PROMPT[:4], None)  # type: ignore[attr-defined]
     assert events[0].cached_tokens == 0
-    assert (coord.counts.prefix_queries, coord.counts.prefix_hits) == (0, 0)
+    assert coord.core.prefix_totals() == (0, 0)
 
 
 def test_a_prefix_miss_forgets_the_blocks_and_runs_the_request_again_uncounted() -> None:
@@ -211,7 +211,7 @@ def test_a_prefix_miss_forgets_the_blocks_and_runs_the_request_again_uncounted()
     assert items[1] == (0, PROMPT[:4], None)
     assert [e.token_id for e in events] == [5, 5, 5] and events[0].cached_tokens == 0
     assert coord.counts.prefix_misses == 1 and coord.counts.reroutes == 0
-    assert (coord.counts.prefix_queries, coord.counts.prefix_hits) == (20, 8)
+    assert coord.core.prefix_totals() == (10, 0)  # counted once: the admission that ran
     # the old attempt's KV was released on both hops
     assert all(n.released for n in coord.nodes.values())  # type: ignore[attr-defined]
     # b's blocks of the prefix are forgotten: the next request computes it all again
