@@ -93,6 +93,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="before a step, wait up to X x the recent step time for the rest of "
                    "a request group's tokens (runtime/worker.py, Batching; for workers that "
                    "share CPU cores; default: $HELIXSERVE_BATCH_WAIT, else 0, off)")
+    p.add_argument("--dataplane", choices=("grpc", "stream"), default=None,
+                   help="what carries activations to next hops: grpc (the Work stream) or "
+                   "stream (length-prefixed frames on mutual TLS, runtime/dataplane.py); every "
+                   "worker of a cluster must agree (default: $HELIXSERVE_DATAPLANE, else grpc)")
     p.add_argument("--slowdown", type=finite_float, default=1.0, metavar="F",
                    help="emulate a slower device: stretch each engine step to F x its compute "
                    "time by sleeping (benchmarks/rig; default 1, off)")
@@ -192,6 +196,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--step-prompt-tokens: bad value {args.step_prompt_tokens}; need >= 0")
     if args.batch_wait is not None and not 0 <= args.batch_wait <= 10:
         raise UserError(f"--batch-wait: bad value {args.batch_wait:g}; need a number in [0, 10]")
+    if args.dataplane is not None:
+        # the worker reads its data plane from its environment (runtime/dataplane.py), so the
+        # flag and the variable are one setting on both engine paths below
+        import os
+
+        from helixserve.runtime.dataplane import DATAPLANE_ENV
+
+        os.environ[DATAPLANE_ENV] = args.dataplane
     from helixserve.engine.registry import default_device, engine_version, resolve_engine
 
     engine_name = resolve_engine(args.engine)

@@ -250,6 +250,10 @@ def test_safe_defaults_of_demo_and_worker(tmp_path):
                       "--insecure", "--batch-wait", "11")
     assert proc.returncode == 2 and "--batch-wait: bad value 11" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    proc = helixserve("worker", "--model", str(model), "--layers", "0:2", "--port", "0",
+                      "--insecure", "--dataplane", "udp")
+    assert proc.returncode == 2 and "--dataplane: invalid choice: 'udp'" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_security_imports_without_torch_or_grpc():
