@@ -37,7 +37,16 @@ size on the wire. The proxy names the destination by the address (the route list
 there). A declaration with W is a debt of K bytes spread over the next W bytes the link
 reads (`Link.debts`, oldest first): each chunk carries the declared bytes of the messages,
 or the parts of them, it holds, so a message leaves after its own real size, however many
-messages the sender wrote ahead of the proxy. One without W adds K to the link's pending
+messages the sender wrote ahead of the proxy. That holds only while the W named add up to
+the bytes read: a W short of the message (its payloads alone, without its ids, route and
+gRPC / HTTP/2 / TLS framing) lets each message's bytes pay debts of messages written after
+it, and on a link that never drains a decode step's message waits for the next prefill
+chunk's megabytes, which the simulator (one FIFO transfer per message) never makes it wait
+for (issue 27, helix-geo-24). The workers name the serialized batch with its framing
+(runtime/transport.py `_wire_bytes`): exactly what this proxy reads for a message written
+whole (tests/integration/rehearse/test_declared_sizes.py); what no declaration names is a
+stream's HEADERS (~250 bytes, once) and a frame and a TLS record more (31 bytes) when flow
+control splits a message. One without W adds K to the link's pending
 debt, all of which rides on the next chunk read: right when the proxy reads each batch as
 it comes (the datagram is queued before the worker writes the batch, and one loop pass
 handles it before the pump it wakes), but a sender that runs ahead lumps the debts of all
