@@ -58,11 +58,20 @@ link's total is the same. Stats: `bytes` are charged (on the wire + declared), `
 and `declared_bytes` apart. A unix datagram socket does not drop; a declaration naming no
 route is counted in the stats file's "undeclared" section, never on a link.
 
-Delivery in pieces. A chunk whose serialization takes over PIECE_GAP_S (its declared bytes
-included) arrives in pieces of at least PIECE_MIN_BYTES (a TLS record is read whole) spread
-evenly over it, its last byte when the whole chunk would have (`Link.pieces`): a real link
-delivers bytes as they come off the wire, and gRPC counts any bytes read as the peer being
-alive, so a receiver must not hear nothing for the whole of a long chunk.
+Delivery in pieces. A chunk (one read of a socket, up to CHUNK_BYTES: with a smaller payload,
+often several messages) arrives message by message (`Link.pieces`): the bytes of each sized
+declaration's message arrive once they and their own declared bytes have been serialized,
+as the simulator's FIFO delivers each transfer, so a decode step's small message read with
+the next prefill chunk's does not wait for that one's megabytes. A message ends with the TLS
+record that holds the last byte its declaration names (`TlsRecords`: a record's 5-byte
+header is in the clear; gRPC ends a record with each message it writes), so the bytes no
+declaration names (a stream's HEADERS, a frame and record more where flow control split a
+message) stay with their message rather than waiting with the next one. A message (or the
+unsized rest of a chunk) whose serialization takes over PIECE_GAP_S arrives in pieces of at
+least PIECE_MIN_BYTES (a TLS record is read whole) spread evenly over it, its last byte when
+it is serialized: a real link delivers bytes as they come off the wire, and gRPC counts any
+bytes read as the peer being alive, so a receiver must not hear nothing for the whole of a
+long message.
 
 Backpressure (the link's window, `ProxyConfig.window_bytes`). A real link does not queue
 what its senders write for minutes: the sender's socket buffer and flow control hold it back
