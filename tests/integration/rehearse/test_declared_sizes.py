@@ -27,7 +27,15 @@ import pytest
 
 from helixserve.engine.emulated import ZeroHidden
 from helixserve.planner.placement import NodeRange
-from helixserve.rehearse.links import Link, LinkProxy, LinkShape, ProxyConfig, ProxyRoute
+from helixserve.rehearse.links import (
+    Link,
+    LinkProxy,
+    LinkShape,
+    ProxyConfig,
+    ProxyRoute,
+    TlsRecordEnds,
+    TlsRecords,
+)
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
@@ -103,6 +111,14 @@ def test_each_message_carries_exactly_the_bytes_its_declaration_names(tmp_path, 
         declare(link, num_bytes, wire_bytes)
 
     monkeypatch.setattr(Link, "declare", spy)
+    framing: list[TlsRecordEnds | None] = []  # what the proxy saw of the TLS records
+    feed = TlsRecords.feed
+
+    def records_spy(tracker: TlsRecords, data: bytes) -> TlsRecordEnds | None:
+        framing.append(feed(tracker, data))
+        return framing[-1]
+
+    monkeypatch.setattr(TlsRecords, "feed", records_spy)
 
     async def main() -> list[tuple[int, ...]]:
         creds = security.create_dev_credentials(tmp_path / "tls", ["n0", "n1"])
@@ -138,14 +154,16 @@ def test_each_message_carries_exactly_the_bytes_its_declaration_names(tmp_path, 
             link = proxy.link("n1", "n0")
             call = pb_grpc.HelixWorkerStub(channel).Work(requests())
             reading = asyncio.ensure_future(call.read())
-            counts = []  # per message: wire bytes, declared bytes, debts left, their bytes
+            counts = []  # per message: wire bytes, declared bytes, debts left, their bytes,
+            # bytes of the message's last TLS record still to come
             for tokens in MESSAGES:
                 wire0, declared0 = link.bytes_sent, link.bytes_declared
                 await queue.put(tokens)
                 assert await asyncio.wait_for(sink.got.get(), 30) == sent[-1][0]
                 # the server has the whole message: the proxy has read all its bytes
                 counts.append((link.bytes_sent - wire0, link.bytes_declared - declared0,
-                               len(link.debts), sum(d[0] for d in link.debts)))
+                               len(link.debts), sum(d[0] for d in link.debts),
+                               link.record_rest))
             await queue.put(None)
             reading.cancel()
             return [(*c, w, *s) for c, w, s in zip(counts, named, sent, strict=True)]
@@ -156,7 +174,8 @@ def test_each_message_carries_exactly_the_bytes_its_declaration_names(tmp_path, 
 
     results = asyncio.run(main())
     assert len(results) == len(MESSAGES)
-    for k, (wire, declared, debts, debt_bytes, named, serialized, payload,
+    assert framing and None not in framing  # every chunk's TLS records were followed
+    for k, (wire, declared, debts, debt_bytes, record_rest, named, serialized, payload,
             simulated) in enumerate(results):
         tokens = MESSAGES[k]
         # the message's bytes on the wire are exactly what its declaration named; the first
@@ -168,6 +187,9 @@ def test_each_message_carries_exactly_the_bytes_its_declaration_names(tmp_path, 
             assert 0 < wire - named <= HEADERS_MAX, (wire, named)
         # every declared byte of this message rode on its own bytes: nothing left for the next
         assert (debts, debt_bytes) == (0, 0), (k, tokens, debts, debt_bytes)
+        # and the message ended with a TLS record (links.py `TlsRecords`): its last bytes
+        # were delivered with it, none left to the next message
+        assert record_rest == 0, (k, tokens, record_rest)
         # what the proxy charged for it = the simulator's bytes for the same tokens + what the
         # runtime's message adds (ids, route, gRPC / HTTP/2 / TLS framing): under 2%
         assert declared == simulated - payload
