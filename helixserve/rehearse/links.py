@@ -37,7 +37,16 @@ size on the wire. The proxy names the destination by the address (the route list
 there). A declaration with W is a debt of K bytes spread over the next W bytes the link
 reads (`Link.debts`, oldest first): each chunk carries the declared bytes of the messages,
 or the parts of them, it holds, so a message leaves after its own real size, however many
-messages the sender wrote ahead of the proxy. One without W adds K to the link's pending
+messages the sender wrote ahead of the proxy. That holds only while the W named add up to
+the bytes read: a W short of the message (its payloads alone, without its ids, route and
+gRPC / HTTP/2 / TLS framing) lets each message's bytes pay debts of messages written after
+it, and on a link that never drains a decode step's message waits for the next prefill
+chunk's megabytes, which the simulator (one FIFO transfer per message) never makes it wait
+for (issue 27, helix-geo-24). The workers name the serialized batch with its framing
+(runtime/transport.py `_wire_bytes`): exactly what this proxy reads for a message written
+whole (tests/integration/rehearse/test_declared_sizes.py); what no declaration names is a
+stream's HEADERS (~250 bytes, once) and a frame and a TLS record more (31 bytes) when flow
+control splits a message. One without W adds K to the link's pending
 debt, all of which rides on the next chunk read: right when the proxy reads each batch as
 it comes (the datagram is queued before the worker writes the batch, and one loop pass
 handles it before the pump it wakes), but a sender that runs ahead lumps the debts of all
@@ -49,11 +58,20 @@ link's total is the same. Stats: `bytes` are charged (on the wire + declared), `
 and `declared_bytes` apart. A unix datagram socket does not drop; a declaration naming no
 route is counted in the stats file's "undeclared" section, never on a link.
 
-Delivery in pieces. A chunk whose serialization takes over PIECE_GAP_S (its declared bytes
-included) arrives in pieces of at least PIECE_MIN_BYTES (a TLS record is read whole) spread
-evenly over it, its last byte when the whole chunk would have (`Link.pieces`): a real link
-delivers bytes as they come off the wire, and gRPC counts any bytes read as the peer being
-alive, so a receiver must not hear nothing for the whole of a long chunk.
+Delivery in pieces. A chunk (one read of a socket, up to CHUNK_BYTES: with a smaller payload,
+often several messages) arrives message by message (`Link.pieces`): the bytes of each sized
+declaration's message arrive once they and their own declared bytes have been serialized,
+as the simulator's FIFO delivers each transfer, so a decode step's small message read with
+the next prefill chunk's does not wait for that one's megabytes. A message ends with the TLS
+record that holds the last byte its declaration names (`TlsRecords`: a record's 5-byte
+header is in the clear; gRPC ends a record with each message it writes), so the bytes no
+declaration names (a stream's HEADERS, a frame and record more where flow control split a
+message) stay with their message rather than waiting with the next one. A message (or the
+unsized rest of a chunk) whose serialization takes over PIECE_GAP_S arrives in pieces of at
+least PIECE_MIN_BYTES (a TLS record is read whole) spread evenly over it, its last byte when
+it is serialized: a real link delivers bytes as they come off the wire, and gRPC counts any
+bytes read as the peer being alive, so a receiver must not hear nothing for the whole of a
+long message.
 
 Backpressure (the link's window, `ProxyConfig.window_bytes`). A real link does not queue
 what its senders write for minutes: the sender's socket buffer and flow control hold it back
@@ -175,6 +193,13 @@ class Link:
         self.chunks = 0
         #: seconds the last chunk scheduled took to serialize, its declared bytes included
         self.last_serialize_s = 0.0
+        #: (bytes on the wire, when serialized) of each segment of the last chunk scheduled
+        #: (`_segments`), for `pieces`
+        self.last_segments: list[tuple[int, float]] = []
+        #: bytes still to come of the last TLS record of a message whose debt is paid (its
+        #: named size ended in a record that went on past the chunk): they are that
+        #: message's, not the next one's (module doc, Delivery in pieces)
+        self.record_rest = 0
         #: set by an unsized declaration: a connection held back takes its next chunk now
         self.declared_event = asyncio.Event()
 
@@ -190,23 +215,43 @@ class Link:
             self.pending_bytes += num_bytes
             self.declared_event.set()
 
-    def _debt_of(self, num_bytes: int) -> int:
-        """The declared bytes due with a chunk of `num_bytes` on the wire: what the sender
-        left out of the messages (or the parts of them) the chunk holds, if they are sized."""
-        due = 0
-        while num_bytes > 0 and self.debts:
+    def _segments(self, num_bytes: int,
+                  records: TlsRecordEnds | None = None) -> list[list[int]]:
+        """A chunk of `num_bytes` on the wire as [bytes on the wire, declared bytes due with
+        them] segments, in order: one per sized declaration (or part of one) the chunk's
+        bytes carry (module doc, Declared bytes), the rest with none. With the chunk's TLS
+        record ends (`records`), a message ends where the record holding the last byte its
+        declaration names ends: a message written whole ends a record, and what no
+        declaration names (a stream's HEADERS, a frame and record more where flow control
+        split a message) would otherwise put a message's last bytes in the next one's
+        segment, to wait for that one's declared bytes."""
+        out: list[list[int]] = []
+        pos = 0
+        if self.record_rest:  # the last record of a message whose debt was paid
+            take = min(self.record_rest, num_bytes)
+            out.append([take, 0])
+            pos, self.record_rest = take, self.record_rest - take
+        while pos < num_bytes and self.debts:
             debt = self.debts[0]
-            if num_bytes >= debt[1]:
-                due += debt[0]
-                num_bytes -= debt[1]
-                self.debts.popleft()
-            else:
-                part = debt[0] * num_bytes // debt[1]
-                due += part
+            if num_bytes - pos < debt[1]:  # the message goes on in the next chunk
+                part = debt[0] * (num_bytes - pos) // debt[1]
+                out.append([num_bytes - pos, part])
                 debt[0] -= part
-                debt[1] -= num_bytes
-                num_bytes = 0
-        return due
+                debt[1] -= num_bytes - pos
+                pos = num_bytes
+                break
+            end = pos + debt[1]
+            if records is not None:
+                snapped = next((e for e in records.ends if e >= end), None)
+                if snapped is None:  # its last record goes on past the chunk
+                    snapped, self.record_rest = num_bytes, records.rest
+                end = snapped
+            out.append([end - pos, debt[0]])
+            self.debts.popleft()
+            pos = end
+        if pos < num_bytes:
+            out.append([num_bytes - pos, 0])
+        return out
 
     @property
     def bytes_per_s(self) -> float:
@@ -229,36 +274,115 @@ class Link:
             return now_s  # unsized declared bytes wait for a chunk: take it at once
         return max(now_s, self.free_at_s - self.window_bytes / self.bytes_per_s)
 
-    def schedule(self, num_bytes: int, now_s: float) -> float:
+    def schedule(self, num_bytes: int, now_s: float,
+                 records: TlsRecordEnds | None = None) -> float:
         """Arrival time of `num_bytes` handed to the link at `now_s` (after any declared
-        bytes pending)."""
+        bytes pending). Each segment's serialization (`_segments`: a message's bytes with
+        its declared ones) is kept in `last_segments` for `pieces`."""
         self.bytes_sent += num_bytes
         self.chunks += 1
-        charged = num_bytes + self.pending_bytes + self._debt_of(num_bytes)
-        self.pending_bytes = 0
+        segments = self._segments(num_bytes, records) if num_bytes else [[0, 0]]
+        if self.pending_bytes:  # unsized declarations ride on the chunk's first bytes
+            segments[0][1] += self.pending_bytes
+            self.pending_bytes = 0
+        charged = num_bytes + sum(declared for _, declared in segments)
         if not self.shape.limited:
+            self.last_segments = [(num_bytes, now_s)]
             return now_s
         start = max(now_s, self.free_at_s)
         self.last_serialize_s = charged / self.bytes_per_s
         self.free_at_s = start + self.last_serialize_s
+        ends, done = [], 0
+        for wire, declared in segments:
+            done += wire + declared
+            ends.append((wire, start + done / self.bytes_per_s))
+        ends[-1] = (ends[-1][0], self.free_at_s)
+        self.last_segments = ends
         return self.free_at_s + self.shape.latency_ms / 1000.0
 
-    def pieces(self, data: bytes, now_s: float) -> list[tuple[float, bytes]]:
-        """`data` handed to the link at `now_s` as (arrival time, bytes) pieces: the last
-        byte arrives when `schedule` says; a chunk whose serialization (declared bytes
-        included) takes over PIECE_GAP_S is cut into pieces of at least PIECE_MIN_BYTES that
-        arrive evenly over it (module doc, Backpressure), so the receiver reads as a real
-        link's would, not nothing for seconds and then all at once."""
-        arrive_s = self.schedule(len(data), now_s)
+    def pieces(self, data: bytes, now_s: float,
+               records: TlsRecordEnds | None = None) -> list[tuple[float, bytes]]:
+        """`data` handed to the link at `now_s` as (arrival time, bytes) pieces, in order: the
+        bytes of each message the chunk carries (`_segments`) arrive when they, with their
+        own declared bytes, have been serialized, as the simulator's FIFO delivers each
+        transfer, not with the chunk's last byte: a decode step's small message read in one
+        chunk with the next prefill chunk's message must not wait for that one's megabytes.
+        A segment whose serialization takes over PIECE_GAP_S is cut into pieces of at least
+        PIECE_MIN_BYTES that arrive evenly over it (module doc, Delivery in pieces), so the
+        receiver reads as a real link's would, not nothing for seconds and then all at once.
+        The last byte arrives when `schedule` says."""
+        arrive_s = self.schedule(len(data), now_s, records)
         if not self.shape.limited:
             return [(arrive_s, data)]
-        serialize_s = self.last_serialize_s
-        count = min(len(data) // PIECE_MIN_BYTES, math.ceil(serialize_s / PIECE_GAP_S))
-        if count <= 1:
-            return [(arrive_s, data)]
-        cuts = [len(data) * i // count for i in range(count + 1)]
-        return [(arrive_s - serialize_s * (count - i) / count, data[cuts[i - 1]:cuts[i]])
-                for i in range(1, count + 1)]
+        latency_s = arrive_s - self.free_at_s
+        out: list[tuple[float, bytes]] = []
+        pos, begin_s = 0, self.free_at_s - self.last_serialize_s
+        for wire, end_s in self.last_segments:
+            serialize_s = end_s - begin_s
+            count = min(wire // PIECE_MIN_BYTES, math.ceil(serialize_s / PIECE_GAP_S))
+            if count <= 1:
+                out.append((end_s + latency_s, data[pos:pos + wire]))
+            else:
+                cuts = [pos + wire * i // count for i in range(count + 1)]
+                out.extend((end_s - serialize_s * (count - i) / count + latency_s,
+                            data[cuts[i - 1]:cuts[i]]) for i in range(1, count + 1))
+            pos, begin_s = pos + wire, end_s
+        return out
+
+
+#: TLS record content types (change_cipher_spec, alert, handshake, application_data)
+TLS_CONTENT_TYPES = frozenset((20, 21, 22, 23))
+TLS_HEADER_BYTES = 5
+
+
+@dataclass(frozen=True)
+class TlsRecordEnds:
+    """Where TLS records end in one chunk read from a connection: offsets in the chunk
+    (after the record's last byte), and the bytes still to come of the record the chunk ends
+    in (0: it ends at a record's end)."""
+
+    ends: tuple[int, ...]
+    rest: int
+
+
+class TlsRecords:
+    """Follows the TLS records of one direction of a connection through the chunks read from
+    it. A record's 5-byte header (type, version, length) is sent in the clear, so the proxy
+    sees where each ends without decrypting anything. A stream that is not TLS (a test's
+    plain bytes, a cluster without mutual TLS) gives None from the first header that is not
+    a record's, for good."""
+
+    def __init__(self) -> None:
+        self.body_left = 0  # bytes of the current record's body still to come
+        self.header = bytearray()  # the part of a record header read so far
+        self.tls = True
+
+    def feed(self, data: bytes) -> TlsRecordEnds | None:
+        if not self.tls:
+            return None
+        ends: list[int] = []
+        i, n = 0, len(data)
+        while i < n:
+            if self.body_left:
+                take = min(self.body_left, n - i)
+                i += take
+                self.body_left -= take
+                if not self.body_left:
+                    ends.append(i)
+                continue
+            take = min(TLS_HEADER_BYTES - len(self.header), n - i)
+            self.header += data[i:i + take]
+            i += take
+            if len(self.header) == TLS_HEADER_BYTES:
+                if self.header[0] not in TLS_CONTENT_TYPES or self.header[1] != 3:
+                    self.tls = False
+                    return None
+                self.body_left = int.from_bytes(self.header[3:5], "big")
+                self.header.clear()
+                if not self.body_left:
+                    ends.append(i)
+        rest = self.body_left + (TLS_HEADER_BYTES - len(self.header) if self.header else 0)
+        return TlsRecordEnds(tuple(ends), rest)
 
 
 @dataclass(frozen=True)
@@ -562,6 +686,7 @@ class LinkProxy:
                 writer.write_eof()
 
         sender = asyncio.ensure_future(deliver())
+        records = TlsRecords()
         try:
             while True:
                 # the link's window: no read (so the sender's socket and HTTP/2 window fill
@@ -573,7 +698,7 @@ class LinkProxy:
                 data = await reader.read(CHUNK_BYTES)
                 if not data:
                     break
-                for piece in link.pieces(data, loop.time()):
+                for piece in link.pieces(data, loop.time(), records.feed(data)):
                     await chunks.put(piece)
             await chunks.put((loop.time(), b""))
             await sender

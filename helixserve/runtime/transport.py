@@ -332,11 +332,44 @@ class LinkLedger:
 _ledger: LinkLedger | bool | None = None
 
 
-def declare_unsent(src: str, address: str, hiddens: Iterable[Any]) -> None:
+#: what gRPC over mutual TLS adds to a serialized message on the wire, as the link proxy
+#: counts it (measured through the proxy, tests/integration/rehearse/test_declared_sizes.py):
+#: gRPC's length prefix, one HTTP/2 DATA frame header per 16 KiB of the prefixed message, and
+#: one TLS 1.3 record (5 bytes of header, 16 of AEAD tag, 1 of inner content type) per 16,284
+#: bytes of frames (gRPC's TLS frame protector: 16 KiB less 100 bytes of overhead a record)
+_GRPC_PREFIX_BYTES = 5
+_HTTP2_FRAME_HEADER_BYTES = 9
+_HTTP2_FRAME_PAYLOAD_BYTES = 16384
+_TLS_RECORD_OVERHEAD_BYTES = 22
+_TLS_RECORD_PLAINTEXT_BYTES = 16284
+
+
+def _wire_bytes(message_bytes: int) -> int:
+    """Bytes on the wire of one gRPC message of `message_bytes` (its protobuf `ByteSize()`)
+    written alone on a stream over mutual TLS: what the link proxy reads for it. A message
+    that flow control splits pays one more frame and record per split (~31 bytes), and a
+    stream's first message follows its HEADERS (~250 bytes); neither is counted here."""
+    framed = message_bytes + _GRPC_PREFIX_BYTES
+    frames = -(-framed // _HTTP2_FRAME_PAYLOAD_BYTES)
+    plaintext = framed + frames * _HTTP2_FRAME_HEADER_BYTES
+    records = -(-plaintext // _TLS_RECORD_PLAINTEXT_BYTES)
+    return plaintext + records * _TLS_RECORD_OVERHEAD_BYTES
+
+
+def declare_unsent(src: str, address: str, hiddens: Iterable[Any],
+                   message: Any | None = None) -> None:
     """Declare the bytes that `hiddens` (the activations of one batch for `address`, the next
     hop) left out of their payload (`unsent_nbytes`, engine/emulated.py's ZeroHidden) on the
     link src -> address, just before the batch is written (module doc). Real activations
-    leave nothing out: nothing is sent."""
+    leave nothing out: nothing is sent.
+
+    `message` is the batch itself (`pb.WorkBatch`): the declaration then names its size on
+    the wire (`_wire_bytes`), and the link proxy charges the declared bytes with exactly the
+    bytes it reads for that message (rehearse/links.py, Declared bytes). Without it the size
+    named is the payloads' alone, less than the message on the wire (ids, route, framing: a
+    decode item's 64 bytes of payload are ~180 on the wire): on a link that never drains the
+    proxy then charges each message with debts of messages written after it, and a decode
+    step's message waits for the next prefill chunk's megabytes (docs/rehearse.md)."""
     global _ledger
     hiddens = list(hiddens)
     num_bytes = sum(getattr(h, "unsent_nbytes", 0) for h in hiddens)
@@ -349,8 +382,10 @@ def declare_unsent(src: str, address: str, hiddens: Iterable[Any]) -> None:
             log.warning("activations are sent as a smaller payload but %s names no link "
                         "ledger: the bytes left out are charged by no link", LINK_LEDGER_ENV)
     if isinstance(_ledger, LinkLedger):
-        # the payloads' size on the wire: the proxy charges the declared bytes with them
-        wire_bytes = sum(getattr(h, "payload_nbytes", 0) for h in hiddens if h is not None)
+        if message is not None:
+            wire_bytes = _wire_bytes(message.ByteSize())
+        else:  # the payloads' size only (docstring)
+            wire_bytes = sum(getattr(h, "payload_nbytes", 0) for h in hiddens if h is not None)
         _ledger.declare(src, address, num_bytes, wire_bytes)
 
 

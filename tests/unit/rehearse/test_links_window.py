@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,8 @@ from helixserve.rehearse.links import (
     LinkShape,
     ProxyConfig,
     ProxyRoute,
+    TlsRecordEnds,
+    TlsRecords,
     read_stats,
 )
 from helixserve.runtime import transport as tp
@@ -108,11 +111,11 @@ async def _flood(window_bytes: int | None, total: int, declare_each: int,
     found: list[int] = []
     real_schedule = Link.schedule
 
-    def schedule(link: Link, num_bytes: int, now_s: float) -> float:
+    def schedule(link: Link, num_bytes: int, now_s: float, records: Any = None) -> float:
         if link.shape.limited:
             # queued to serialize (declared bytes not yet on a chunk are not queued yet)
             found.append(round(max(0.0, link.free_at_s - now_s) * link.bytes_per_s))
-        return real_schedule(link, num_bytes, now_s)
+        return real_schedule(link, num_bytes, now_s, records)
 
     await proxy.start()
     sender = tp.LinkLedger(ledger)
@@ -321,3 +324,86 @@ def test_a_slow_caller_lookup_does_not_hold_back_the_other_links(tmp_path):
 
     asyncio.run(main())
     assert outcome == {"released": True}
+
+
+def test_a_small_message_read_with_a_large_one_arrives_when_its_own_bytes_have_crossed():
+    """A decode step's small message and the next prefill chunk's message, read from the
+    socket in one chunk: the small one's bytes arrive once they and their own declared bytes
+    are serialized (the simulator's FIFO), the large one's later; the whole chunk arriving
+    with its last byte made every decode message on a busy slow link wait for the megabytes
+    read with it (helix-geo-24)."""
+    link = Link(MB_PER_S)  # 1 MB/s, no latency
+    link.declare(100_000, 100)  # a decode message: 100 bytes on the wire, 0.1 MB declared
+    link.declare(8_000_000, 40_000)  # a prefill chunk's: 40 kB on the wire, 8 MB declared
+    pieces = link.pieces(b"d" * 100 + b"p" * 40_000, now_s=0.0)
+    assert pieces[0] == (pytest.approx(0.1001), b"d" * 100)
+    assert b"".join(data for _, data in pieces) == b"d" * 100 + b"p" * 40_000
+    assert pieces[-1][0] == pytest.approx(8.1401)  # the chunk's last byte: as before
+    # the prefill message's bytes arrive over its own serialization, in pieces no smaller
+    # than a TLS record
+    assert [at for at, _ in pieces[1:]] == pytest.approx([0.1001 + 8.04 / 2, 8.1401])
+    assert all(len(data) >= PIECE_MIN_BYTES for _, data in pieces[1:])
+
+
+def _records(*lengths: int) -> bytes:
+    """TLS application-data records with bodies of `lengths` bytes."""
+    return b"".join(bytes([23, 3, 3]) + n.to_bytes(2, "big") + b"r" * n for n in lengths)
+
+
+def test_tls_records_are_followed_across_chunks_and_plain_bytes_are_not_taken_for_them():
+    stream = _records(100, 40, 300)  # ends at 105, 150, 455
+    tracker = TlsRecords()
+    first = tracker.feed(stream[:103])
+    assert first == TlsRecordEnds((), 2)  # the first record's last 2 bytes are still to come
+    assert tracker.feed(stream[103:152]) == TlsRecordEnds((2, 47), 3)  # and 2 of a header
+    assert tracker.feed(stream[152:]) == TlsRecordEnds((303,), 0)
+    cut = TlsRecords()
+    assert cut.feed(stream[:107]) == TlsRecordEnds((105,), 3)  # 2 of a header: 3 more at least
+    plain = TlsRecords()
+    assert plain.feed(b"GET / HTTP/1.1\r\n") is None and plain.feed(stream) is None
+
+
+def test_a_message_ends_with_its_last_tls_record_whatever_its_declaration_left_out():
+    """A decode message that flow control split (a frame and a TLS record more, 31 bytes its
+    declaration does not name) read in one chunk with the next prefill chunk's message: with
+    the chunk's record ends, its last bytes arrive with it; by the named sizes alone they
+    would wait for the prefill chunk's declared megabytes, and the receiver cannot use the
+    message before its last byte."""
+    decode = _records(40, 86)  # split in two records: 136 bytes, declared as 105
+    prefill = _records(16_000, 16_000, 8_000)
+    for with_records, decode_done_s in ((True, 0.100136), (False, None)):
+        link = Link(MB_PER_S)
+        link.declare(100_000, 105)
+        link.declare(8_000_000, len(prefill))
+        data = decode + prefill
+        records = TlsRecords().feed(data) if with_records else None
+        pieces = link.pieces(data, now_s=0.0, records=records)
+        assert b"".join(p for _, p in pieces) == data
+        arrived, at_s = 0, 0.0
+        for piece_s, piece in pieces:  # when the decode message's last byte arrives
+            arrived += len(piece)
+            at_s = piece_s
+            if arrived >= len(decode):
+                break
+        if decode_done_s is not None:
+            assert at_s == pytest.approx(decode_done_s)  # its own bytes and debt: 0.1 s
+        else:
+            assert at_s > 1.0  # with part of the prefill chunk's 8 MB
+        # either way the link charges the same, and the chunk's last byte is on time
+        assert pieces[-1][0] == pytest.approx((len(data) + 8_100_000) / 1e6)
+        assert not link.debts
+
+
+def test_the_rest_of_a_messages_last_record_in_the_next_chunk_is_still_that_messages():
+    link = Link(MB_PER_S)
+    message = _records(16_000, 500)  # 16,510 bytes, named as 16,400: the last record runs on
+    link.declare(1_000_000, 16_400)
+    link.declare(2_000_000, 105)
+    tracker = TlsRecords()
+    link.pieces(message[:16_450], 0.0, tracker.feed(message[:16_450]))
+    assert link.record_rest == 60 and len(link.debts) == 1  # the first debt paid
+    rest = message[16_450:] + _records(100)
+    pieces = link.pieces(rest, 0.0, tracker.feed(rest))
+    # the first 60 bytes finish the first message: they carry no declared bytes
+    assert pieces[0][1] == rest[:60] and pieces[0][0] < 1.1
+    assert pieces[-1][0] == pytest.approx((16_450 + 1_000_000 + 60 + 105 + 2_000_000) / 1e6)

@@ -73,6 +73,49 @@ def test_declare_unsent_sends_one_datagram_a_batch_with_what_was_left_out(monkey
         sock.close()
 
 
+def test_a_declaration_with_its_message_names_the_messages_size_on_the_wire(monkeypatch):
+    name = f"helixserve-test-{uuid.uuid4().hex}"
+    sock = listen(name)
+    monkeypatch.setenv(tp.LINK_LEDGER_ENV, name)
+    monkeypatch.setattr(tp, "_ledger", None)
+    try:
+        hiddens = [ZeroHidden("float16", (3, 8), 3 * ROW, 6)]
+        batch = tp.work_batch_pb([], sender="t0")
+        tp.set_tensor_pb(batch.items.add(request_id="r", step_id=1).hidden, hiddens[0])
+        tp.declare_unsent("t0", "127.0.0.1:4100", hiddens, message=batch)
+        wire = batch.ByteSize() + 5 + 9 + 22  # gRPC prefix, one HTTP/2 frame, one TLS record
+        assert sock.recv(1000) == tp.ledger_message("t0", "127.0.0.1:4100", 42, wire)
+    finally:
+        sock.close()
+
+
+def test_wire_bytes_count_a_frame_per_16_kib_and_a_tls_record_per_16284_bytes():
+    assert tp._wire_bytes(100) == 100 + 5 + 9 + 22
+    assert tp._wire_bytes(16379) == 16379 + 5 + 9 + 2 * 22  # 16,384 framed: one frame
+    assert tp._wire_bytes(16380) == 16380 + 5 + 2 * 9 + 2 * 22  # a second frame
+    assert tp._wire_bytes(16270) == 16270 + 5 + 9 + 22  # 16,284 of plaintext: one record
+    assert tp._wire_bytes(16271) == 16271 + 5 + 9 + 2 * 22
+    assert tp._wire_bytes(34829) == 34829 + 5 + 3 * 9 + 3 * 22  # a 512-token prefill chunk
+
+
+def test_a_decode_message_carries_only_its_own_debt_when_every_message_is_sized():
+    """A sender ahead of the proxy has declared a prefill chunk's message, a decode message
+    and the next prefill chunk's before the proxy reads the first. Sized as on the wire, each
+    message leaves after its own bytes (the simulator's FIFO: the decode after the first chunk
+    alone); sized by its payloads only (smaller than on the wire), the first message's bytes
+    pay the next debts too, and the decode message waits for part of the second chunk."""
+    def decode_arrival(names: tuple[int, int, int]) -> float:
+        link = Link(LinkShape(bandwidth_gbps=8e-6, latency_ms=0.0))  # 1,000 bytes/s
+        for declared, named in zip((8000, 160, 8000), names, strict=True):
+            link.declare(declared, named)
+        link.schedule(340, 0.0)  # the first chunk's message: 340 bytes on the wire
+        return link.schedule(40, 0.0)  # the decode message: 40 bytes
+
+    fifo = (340 + 8000 + 40 + 160) / 1000
+    assert decode_arrival((340, 40, 340)) == pytest.approx(fifo)
+    assert decode_arrival((320, 20, 320)) > fifo + 0.5  # 20 bytes short: 500 declared early
+
+
 def test_declared_bytes_are_charged_ahead_of_the_next_chunk_on_the_link():
     link = Link(LinkShape(bandwidth_gbps=8e-6, latency_ms=1000.0))  # 1,000 bytes/s, 1 s
     assert link.schedule(100, 0.0) == pytest.approx(0.1 + 1.0)
