@@ -34,9 +34,10 @@ coordinator, API) is the real one. The engine does what the real engines do exce
     `unsent_nbytes` what the payload leaves out). Just before a worker writes a batch to its
     next hop, it declares the batch's unsent bytes for the directed link (itself -> that
     hop's address) to the rehearsal's link proxy over a local datagram socket
-    (`transport.declare_unsent`); the proxy adds them to that link's FIFO ahead of the
-    next bytes it reads on it (the message they belong to), so the message takes the real
-    size's serialization time, and counts them in the link's bytes (wire and declared apart);
+    (`transport.declare_unsent`, naming the message's size on the wire); the proxy charges
+    them with exactly that message's bytes on that link's FIFO, so the message takes the
+    real size's serialization time, and counts them in the link's bytes (wire and declared
+    apart; docs/rehearse.md, "Delivery message by message");
   - on arrival an emulated worker accepts a payload of whole bytes a token smaller than a
     row (`transport.hidden_from_pb`: it computes nothing on the values); a torch or vllm
     worker accepts only the real size;

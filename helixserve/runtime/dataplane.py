@@ -135,8 +135,24 @@ def split_address(address: str) -> tuple[str, int]:
 # ---- sender -----------------------------------------------------------------------------------
 
 
+#: the most plaintext one TLS record carries (Python's ssl, as asyncio's TLS transport
+#: writes: each write its own records of up to this many bytes)
+TLS_RECORD_PLAINTEXT_BYTES = 16384
+
+
+def frame_wire_bytes(message_bytes: int) -> int:
+    """Bytes on the wire of one DATA frame carrying a message of `message_bytes` over mutual
+    TLS, written as `StreamPeer` writes it: the header and the body, each a write of its own
+    and so its own TLS records (what the rehearsal's link proxy reads for it; gRPC's
+    counterpart: transport `_wire_bytes`)."""
+    records = 1 + -(-message_bytes // TLS_RECORD_PLAINTEXT_BYTES)
+    return HEADER.size + message_bytes + records * tp.TLS_RECORD_OVERHEAD_BYTES
+
+
 class StreamPeer(Peer):
     """The next hop's data-plane stream (module doc): batches as DATA frames, PINGs."""
+
+    framing = staticmethod(frame_wire_bytes)
 
     async def _run(self) -> None:
         while True:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +111,10 @@ class Outgoing:
 class Peer:
     """A persistent stream to one next-hop worker (module doc); `_run` is the transport's."""
 
+    #: bytes on the wire of a message of n serialized bytes, as this transport frames it
+    #: (what a declaration names to the rehearsal's link emulation; None: gRPC's)
+    framing: Callable[[int], int] | None = None
+
     def __init__(self, worker: Worker, address: str) -> None:
         self.worker = worker
         self.address = address
@@ -166,7 +170,8 @@ class Peer:
         self.sent.extend((o.request_id, o.step_id, o.coordinator_id) for o in items)
         self.worker.count_sent(len(items))
         # an emulated payload's bytes left out, charged by the link emulation (transport)
-        tp.declare_unsent(self.worker.node, self.address, [o.hidden for o in items])
+        tp.declare_unsent(self.worker.node, self.address, [o.hidden for o in items],
+                          message=batch, framing=self.framing)
         return batch
 
     async def next_item(self) -> Outgoing:

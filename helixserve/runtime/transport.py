@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -340,7 +340,7 @@ _ledger: LinkLedger | bool | None = None
 _GRPC_PREFIX_BYTES = 5
 _HTTP2_FRAME_HEADER_BYTES = 9
 _HTTP2_FRAME_PAYLOAD_BYTES = 16384
-_TLS_RECORD_OVERHEAD_BYTES = 22
+TLS_RECORD_OVERHEAD_BYTES = 22
 _TLS_RECORD_PLAINTEXT_BYTES = 16284
 
 
@@ -353,11 +353,12 @@ def _wire_bytes(message_bytes: int) -> int:
     frames = -(-framed // _HTTP2_FRAME_PAYLOAD_BYTES)
     plaintext = framed + frames * _HTTP2_FRAME_HEADER_BYTES
     records = -(-plaintext // _TLS_RECORD_PLAINTEXT_BYTES)
-    return plaintext + records * _TLS_RECORD_OVERHEAD_BYTES
+    return plaintext + records * TLS_RECORD_OVERHEAD_BYTES
 
 
 def declare_unsent(src: str, address: str, hiddens: Iterable[Any],
-                   message: Any | None = None) -> None:
+                   message: Any | None = None,
+                   framing: Callable[[int], int] | None = None) -> None:
     """Declare the bytes that `hiddens` (the activations of one batch for `address`, the next
     hop) left out of their payload (`unsent_nbytes`, engine/emulated.py's ZeroHidden) on the
     link src -> address, just before the batch is written (module doc). Real activations
@@ -369,7 +370,10 @@ def declare_unsent(src: str, address: str, hiddens: Iterable[Any],
     named is the payloads' alone, less than the message on the wire (ids, route, framing: a
     decode item's 64 bytes of payload are ~180 on the wire): on a link that never drains the
     proxy then charges each message with debts of messages written after it, and a decode
-    step's message waits for the next prefill chunk's megabytes (docs/rehearse.md)."""
+    step's message waits for the next prefill chunk's megabytes (docs/rehearse.md).
+    `framing` gives the wire size of a message of n serialized bytes for the data plane that
+    writes it (default gRPC's, `_wire_bytes`; the stream data plane's: runtime/dataplane.py
+    `frame_wire_bytes`)."""
     global _ledger
     hiddens = list(hiddens)
     num_bytes = sum(getattr(h, "unsent_nbytes", 0) for h in hiddens)
@@ -383,7 +387,7 @@ def declare_unsent(src: str, address: str, hiddens: Iterable[Any],
                         "ledger: the bytes left out are charged by no link", LINK_LEDGER_ENV)
     if isinstance(_ledger, LinkLedger):
         if message is not None:
-            wire_bytes = _wire_bytes(message.ByteSize())
+            wire_bytes = (framing or _wire_bytes)(message.ByteSize())
         else:  # the payloads' size only (docstring)
             wire_bytes = sum(getattr(h, "payload_nbytes", 0) for h in hiddens if h is not None)
         _ledger.declare(src, address, num_bytes, wire_bytes)

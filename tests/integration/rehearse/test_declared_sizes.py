@@ -67,7 +67,7 @@ def _port() -> int:
 
 
 def _batch(tokens: list[int], hello: bool) -> tuple[pb.WorkBatch, list[ZeroHidden]]:
-    """A worker's message to its next hop, as `_Peer` writes it: prefill chunks as full items
+    """A worker's message to its next hop, as `peers.GrpcPeer` writes it: prefill chunks as full items
     of a 13-hop route (helix-geo-24), decode tokens (1 token) as continuation items, each with
     its hidden states as the emulated engine makes them."""
     route = tuple(NodeRange(f"n{i}", i * 6, i * 6 + 6) for i in range(13))
@@ -146,7 +146,7 @@ def test_each_message_carries_exactly_the_bytes_its_declaration_names(tmp_path, 
                 hello = False
                 sent.append((batch.ByteSize(), sum(h.payload_nbytes for h in hiddens),
                              sum(tokens) * ROW))
-                tp.declare_unsent("n1", address, hiddens, message=batch)  # as _Peer does
+                tp.declare_unsent("n1", address, hiddens, message=batch)  # as peers.Peer.next_batch does
                 yield batch
 
         try:

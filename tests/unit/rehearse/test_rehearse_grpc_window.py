@@ -21,7 +21,7 @@ PAYLOAD = 64  # rehearse's default bytes a token on the wire
 
 def prefill_chunk_message(payload: int) -> pb.WorkBatch:
     """A worker's message to its next hop with one prefill chunk of the largest size, as
-    `_Peer` writes it: a 13-hop route (helix-geo-24), token ids near the top of the vocabulary
+    `peers.GrpcPeer` writes it: a 13-hop route (helix-geo-24), token ids near the top of the vocabulary
     (the longest varints), the hidden states' rows `payload` bytes each."""
     tokens = tp.prefill_chunk_tokens(HIDDEN, "float16", DEFAULT_PREFILL_CHUNK_TOKENS)
     route = tuple(NodeRange(f"n{i}", i * 6, i * 6 + 6) for i in range(13))
