@@ -203,12 +203,7 @@ class MaxFlowRouter(GraphRouter):
         """Undo the credits `pick` took (the last `_commit`) and credit `route` as if the
         search had chosen it: at each vertex, the admissible flow successors (alive, holding
         the layer, KV room for the request) share the work, the hop taken pays it."""
-        for key, value in reversed(self._undo):
-            if value is None:
-                self.credit.pop(key, None)
-            else:
-                self.credit[key] = value
-        self._undo = []
+        self.cancel()
         need = req.promise_tokens
         self._seen = {}
         prev, layer = COORDINATOR, 0
