@@ -350,7 +350,9 @@ def planner_point(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """This script's options (also what benchmarks/planner_served.py's `--rehearse` passes to
+    `rehearse`, so a new option here reaches it with its default)."""
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.full_size",
         description="helixserve rehearse of Helix's clusters at full size (EMULATED GPUs and "
@@ -381,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", action="store_true",
                     help="keep OUT's runs of other (cluster, placement, setting) and replace "
                     "those run now")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
 
     command = shlex.join(["python", "-m", "benchmarks.full_size", *sys.argv[1:]])
     prior: list[dict[str, Any]] = []

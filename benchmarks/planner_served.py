@@ -270,15 +270,21 @@ def placements_for(key: str, args: argparse.Namespace, tmp: Path) -> dict[str, t
     return out
 
 
+def rehearse_args(args: argparse.Namespace) -> argparse.Namespace:
+    """benchmarks/full_size.py's options for `--rehearse`: its defaults (offline), with this
+    script's window and time scale."""
+    return full_size.parser().parse_args(
+        ["--duration", f"{args.rehearse_duration:g}", "--warmup", f"{args.rehearse_warmup:g}",
+         "--time-scale", f"{args.rehearse_time_scale:g}"])
+
+
 def rehearse(key: str, plan: str, placement: Placement, args: argparse.Namespace,
              tmp: Path) -> dict[str, Any]:
     """`helixserve rehearse --offline` of the placement (benchmarks/full_size.py's run)."""
     path = tmp / f"{key}-{plan}-rehearse.json"
     placement.save(path)
-    ns = argparse.Namespace(rate=1.0, concurrency=None, duration=args.rehearse_duration,
-                            warmup=args.rehearse_warmup, time_scale=args.rehearse_time_scale,
-                            workdir=None)
-    row = full_size.rehearse(key, path, "offline", ns, tmp / f"{key}-{plan}-report.json")
+    row = full_size.rehearse(key, path, "offline", rehearse_args(args),
+                             tmp / f"{key}-{plan}-report.json")
     s = full_size.summary(row)
     if not s:
         return {"error": f"rehearse failed (rc {row['rc']})"}

@@ -3,6 +3,7 @@ disagreements, and benchmarks/helix_sim.py's placement conversion."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -125,3 +126,29 @@ def test_the_served_estimate_predicts_milp_over_authors_against_the_simulation(c
     printed = capsys.readouterr().out
     assert "milp/authors predicted by estimate-vllm, simulated in vllm: 1.10 against 1.05 (+5%)" \
         in printed
+
+
+def test_rehearse_passes_full_size_every_option_it_reads(tmp_path, monkeypatch) -> None:
+    """`--rehearse` hands benchmarks/full_size.py a namespace of all its options (a new
+    option there once made it fail before starting anything)."""
+    from benchmarks import full_size
+
+    started: list[list[str]] = []
+
+    class Started(Exception):
+        pass
+
+    def popen(cmd: list[str], **_: object) -> None:
+        started.append(cmd)
+        raise Started
+
+    monkeypatch.setattr(full_size.subprocess, "Popen", popen)
+    args = argparse.Namespace(rehearse_duration=30.0, rehearse_warmup=10.0,
+                              rehearse_time_scale=4.0)
+    placement = Placement(model="llama-2-70b", cluster="c", num_layers=80, planner="milp",
+                          nodes=[NodeRange("n0", 0, 80)])
+    with pytest.raises(Started):
+        planner_served.rehearse("single-24", "milp", placement, args, tmp_path)
+    cmd = " ".join(started[0])
+    assert "rehearse" in cmd and "--offline" in cmd
+    assert "--duration 30 --warmup 10 --time-scale 4" in cmd
