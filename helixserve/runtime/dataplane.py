@@ -120,6 +120,17 @@ def frame(kind: int, body: bytes = b"") -> bytes:
     return HEADER.pack(len(body), kind) + body
 
 
+async def write_data(writer: asyncio.StreamWriter, message: Any) -> None:
+    """One DATA frame of `message` (a protobuf), its header and body written apart (the
+    body is not copied into a joined buffer; each write is its own TLS records:
+    `frame_wire_bytes`), then wait for the socket buffer to drain (back-pressure)."""
+    data = message.SerializeToString()
+    writer.write(HEADER.pack(len(data), DATA))
+    writer.write(data)
+    del data  # not kept while the stream waits for its next message
+    await writer.drain()
+
+
 async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     size, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
     if size > tp.MAX_MESSAGE_BYTES:
@@ -142,7 +153,7 @@ TLS_RECORD_PLAINTEXT_BYTES = 16384
 
 def frame_wire_bytes(message_bytes: int) -> int:
     """Bytes on the wire of one DATA frame carrying a message of `message_bytes` over mutual
-    TLS, written as `StreamPeer` writes it: the header and the body, each a write of its own
+    TLS, written as `write_data` writes it: the header and the body, each a write of its own
     and so its own TLS records (what the rehearsal's link proxy reads for it; gRPC's
     counterpart: transport `_wire_bytes`)."""
     records = 1 + -(-message_bytes // TLS_RECORD_PLAINTEXT_BYTES)
@@ -203,12 +214,8 @@ class StreamPeer(Peer):
     async def _write(self, first: Outgoing, writer: asyncio.StreamWriter) -> None:
         hello = True
         while True:
-            data = self.next_batch(first, hello).SerializeToString()
+            await write_data(writer, self.next_batch(first, hello))
             hello = False
-            writer.write(HEADER.pack(len(data), DATA))
-            writer.write(data)
-            del data  # not kept while the stream waits for the next item
-            await writer.drain()
             first = await self.next_item()
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -368,10 +375,7 @@ class Front:
 
     async def _write_results(self, stream: Any, writer: asyncio.StreamWriter) -> None:
         async for rb in self.worker.result_batches(stream):
-            data = rb.SerializeToString()
-            writer.write(HEADER.pack(len(data), DATA))
-            writer.write(data)
-            await writer.drain()
+            await write_data(writer, rb)
         if stream.refused:
             log.warning("refused a data-plane stream: %s", stream.refused)
             writer.write(frame(CLOSE, stream.refused.encode()))

@@ -1,8 +1,9 @@
 """The stream data plane's declared wire size is the size on the wire (runtime/dataplane.py
 `frame_wire_bytes`, what `StreamPeer` names to the rehearsal's link emulation with each
 message; gRPC's counterpart is tests/integration/rehearse/test_declared_sizes.py): DATA
-frames written as `StreamPeer` writes them, over real mutual TLS, through a byte-counting
-relay on loopback, sized around one TLS record (16 KiB). Byte counts only, no timing.
+frames written by `write_data`, as `StreamPeer` writes them, over real mutual TLS, through
+a byte-counting relay on loopback, sized around one TLS record (16 KiB). Byte counts only,
+no timing.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ pytestmark = pytest.mark.integration
 #: serialized message sizes: a decode batch, one just under, at and past one TLS record, a
 #: prefill chunk's several records
 SIZES = [180, 16379, 16384, 16385, 40_000, 100_000, 1]
+
+
+class _Serialized(bytes):
+    """A message of these serialized bytes (what `write_data` asks a protobuf for)."""
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (protobuf's name)
+        return bytes(self)
 
 
 def test_a_frame_crosses_as_frame_wire_bytes(tmp_path: Path) -> None:
@@ -63,10 +71,7 @@ def test_a_frame_crosses_as_frame_wire_bytes(tmp_path: Path) -> None:
         try:
             for size in [10, *SIZES]:  # the first frame settles the handshake's last bytes
                 before = relayed[0]
-                data = b"x" * size
-                writer.write(dataplane.HEADER.pack(len(data), dataplane.DATA))  # as StreamPeer
-                writer.write(data)
-                await writer.drain()
+                await dataplane.write_data(writer, _Serialized(b"x" * size))  # as StreamPeer
                 assert await asyncio.wait_for(received.get(), 30) == size
                 counts.append((size, relayed[0] - before))
         finally:
