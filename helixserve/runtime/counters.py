@@ -50,7 +50,8 @@ class CoordinatorCounts:
         """These counts with the live state: per node its client's view, whether the placement
         has a range on it, its supervisor's `processes` entry and the core's `prefix`
         (queried, hit) tokens; `prefix_totals` the core's (queried, hit) prompt tokens, each
-        request counted once as one vLLM server counts; requests running and waiting, and the rest as given."""
+        request counted once as one vLLM server counts; requests running and waiting, and
+        the rest as given."""
         per_node = {name: node_stats(n, placement.range_of(name) is not None,
                                      self.down_reasons.get(name, ""),
                                      ProcessStats(**processes[name]) if name in processes

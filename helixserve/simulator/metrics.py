@@ -66,14 +66,9 @@ def _node_summary(n: Any, duration_s: float) -> dict[str, Any]:
 def prefix_summary(result: SimResult) -> dict[str, Any]:
     """Prompt tokens looked up in the prefix caches and found on every hop, once per
     request (the core's totals, vLLM's prefix_cache_queries / hits: a route of three hops
-    weighs no more than one of two); a result without totals sums its per-node counters."""
-    totals = result.extra.get("prefix_totals")
-    if totals is not None:
-        queried, hit = totals  # type: ignore[misc]
-    else:
-        stats: dict[str, tuple[int, int]] = result.extra.get("prefix_stats") or {}  # type: ignore[assignment]
-        queried = sum(q for q, _ in stats.values())
-        hit = sum(h for _, h in stats.values())
+    weighs no more than one of two)."""
+    totals: tuple[int, int] = result.extra.get("prefix_totals") or (0, 0)  # type: ignore[assignment]
+    queried, hit = totals
     return {"queried_tokens": queried, "hit_tokens": hit,
             "hit_rate": hit / queried if queried else 0.0}
 
