@@ -120,14 +120,18 @@ def frame(kind: int, body: bytes = b"") -> bytes:
     return HEADER.pack(len(body), kind) + body
 
 
-async def write_data(writer: asyncio.StreamWriter, message: Any) -> None:
-    """One DATA frame of `message` (a protobuf), its header and body written apart (the
-    body is not copied into a joined buffer; each write is its own TLS records:
-    `frame_wire_bytes`), then wait for the socket buffer to drain (back-pressure)."""
+def put_data(writer: asyncio.StreamWriter, message: Any) -> None:
+    """One DATA frame of `message` (a protobuf) into the writer's buffer, its header and
+    body written apart (the body is not copied into a joined buffer; each write is its own
+    TLS records: `frame_wire_bytes`)."""
     data = message.SerializeToString()
     writer.write(HEADER.pack(len(data), DATA))
     writer.write(data)
-    del data  # not kept while the stream waits for its next message
+
+
+async def write_data(writer: asyncio.StreamWriter, message: Any) -> None:
+    """`put_data`, then wait for the socket buffer to drain (back-pressure)."""
+    put_data(writer, message)
     await writer.drain()
 
 
@@ -160,10 +164,17 @@ def frame_wire_bytes(message_bytes: int) -> int:
     return HEADER.size + message_bytes + records * tp.TLS_RECORD_OVERHEAD_BYTES
 
 
+#: a sender's socket buffer at most this full for `StreamPeer.notify` to write a step's
+#: message at once (asyncio's default high-water mark: past it `drain` would wait)
+WRITE_NOW_BYTES = 64 * 1024
+
+
 class StreamPeer(Peer):
     """The next hop's data-plane stream (module doc): batches as DATA frames, PINGs."""
 
     framing = staticmethod(frame_wire_bytes)
+    #: the stream's writer while it waits for items (`notify` may write for it)
+    _parked: asyncio.StreamWriter | None = None
 
     async def _run(self) -> None:
         while True:
@@ -212,11 +223,37 @@ class StreamPeer(Peer):
             t.result()  # its error, if any, is the stream's
 
     async def _write(self, first: Outgoing, writer: asyncio.StreamWriter) -> None:
-        hello = True
+        await write_data(writer, self.next_batch(first, hello=True))
         while True:
-            await write_data(writer, self.next_batch(first, hello))
-            hello = False
-            first = await self.next_item()
+            while self.queue.empty():
+                # parked: `notify` writes a step's batch itself while the socket has room
+                self._parked = writer
+                try:
+                    await self._wait()
+                finally:
+                    self._parked = None
+            first = self.queue.get_nowait()
+            self.queued_tokens -= first.tokens
+            await write_data(writer, self.next_batch(first, hello=False))
+
+    def notify(self) -> None:
+        """A step's items are queued: with the writer parked (idle, its hello sent) and
+        under WRITE_NOW_BYTES waiting in its socket buffer, their message is written now,
+        in the loop turn that queued them (a message costs no turn of its own); else the
+        writer is woken, and writes it once the buffer has drained (back-pressure)."""
+        writer = self._parked
+        if (writer is None or writer.is_closing()
+                or writer.transport.get_write_buffer_size() >= WRITE_NOW_BYTES):
+            super().notify()
+            return
+        while not self.queue.empty():
+            first = self.queue.get_nowait()
+            self.queued_tokens -= first.tokens
+            put_data(writer, self.next_batch(first, hello=False))
+            if writer.transport.get_write_buffer_size() >= WRITE_NOW_BYTES:
+                break
+        if not self.queue.empty():
+            super().notify()
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         silence_s = tp.KEEPALIVE_S + tp.KEEPALIVE_TIMEOUT_S

@@ -3,7 +3,10 @@
 Every item an engine step sends to the same next hop waits in that hop's `Peer.queue`
 (bounded by the worker: `Worker._dispatch`); the peer's writer takes everything queued, up to
 BATCH_BYTES, as one WorkBatch message (`Peer.next_batch`), so a step's items for a hop cross
-in one message. Two transports carry the messages (runtime/dataplane.py picks one):
+in one message. The writer is woken once per step, not per item (`Peer.notify`, after the
+step's items are queued), and waits on a plain future rather than a task of its own: a
+message costs its loop one turn, not three (docs/benchmarks.md, "Where the CPU goes"). Two
+transports carry the messages (runtime/dataplane.py picks one):
 - `GrpcPeer`: the worker's `Work` gRPC stream (the default);
 - `dataplane.StreamPeer`: length-prefixed frames on a mutual-TLS connection of their own.
 
@@ -108,47 +111,84 @@ class Outgoing:
             tp.forward_item_into(dst, self.msg, self.hidden, self.compute_s)
 
 
+class OutQueue:
+    """A next hop's items, oldest first: filled by the loop (`Worker._dispatch`), emptied by
+    the peer's writer. It wakes nobody: the worker calls `Peer.notify` once a step's items
+    are all queued (module doc)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        self._items: deque[Outgoing] = deque()
+
+    def put_nowait(self, out: Outgoing) -> None:
+        self._items.append(out)
+
+    def get_nowait(self) -> Outgoing:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+
 class Peer:
     """A persistent stream to one next-hop worker (module doc); `_run` is the transport's."""
 
     #: bytes on the wire of a message of n serialized bytes, as this transport frames it
     #: (what a declaration names to the rehearsal's link emulation; None: gRPC's)
     framing: Callable[[int], int] | None = None
+    # The current stream's wait for items: a plain future that `notify` completes. A broken
+    # stream's writer may be left suspended (gRPC leaves its request iterator so);
+    # cancelling its wait (`_stop_getter`) keeps it from ever taking an item meant for the
+    # next stream. The wait itself takes nothing: the writer takes items once woken.
+    _getter: asyncio.Future[None] | None = None
 
     def __init__(self, worker: Worker, address: str) -> None:
         self.worker = worker
         self.address = address
         #: items for the next hop with their coordinator's id (a continuation item names none)
-        self.queue: asyncio.Queue[Outgoing] = asyncio.Queue()
+        self.queue = OutQueue()
         #: tokens of the items in `queue` (bounded like the engine's queue: `Worker._dispatch`)
         self.queued_tokens = 0
         #: (request id, step id, coordinator id) of items written to the current stream
         self.sent: deque[tuple[str, int, str]] = deque(maxlen=SENT_MEMORY)
-        # The current stream's wait for its next item. A broken stream's writer may be left
-        # suspended (gRPC leaves its request iterator so); cancelling this wait keeps it from
-        # taking (and losing) an item meant for the next stream.
-        self._getter: asyncio.Future[Outgoing] | None = None
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
         raise NotImplementedError
 
+    def notify(self) -> None:
+        """Items were queued (all of one engine step's for this hop): wake the writer."""
+        getter = self._getter
+        if getter is not None and not getter.done():
+            getter.set_result(None)
+
+    async def _wait(self) -> None:
+        """Until `notify` (or a spurious wake-up: callers check the queue again)."""
+        getter = self._getter = asyncio.get_running_loop().create_future()
+        try:
+            await getter
+        finally:
+            if self._getter is getter:
+                self._getter = None
+
     async def _get(self) -> Outgoing:
-        out = await self.queue.get()
-        self.queued_tokens -= out.tokens  # at once: no cancellation between the two
+        while self.queue.empty():
+            await self._wait()
+        out = self.queue.get_nowait()
+        self.queued_tokens -= out.tokens
         return out
 
-    def _stop_getter(self) -> Outgoing | None:
-        """End the current stream's wait; the item it took and never wrote, if any."""
+    def _stop_getter(self) -> None:
+        """End the current stream's wait for items (module doc); it holds none."""
         getter, self._getter = self._getter, None
-        if getter is None:
-            return None
-        if not getter.done():
+        if getter is not None and not getter.done():
             getter.cancel()
-            return None
-        if getter.cancelled() or getter.exception() is not None:
-            return None
-        return getter.result()
 
     def next_batch(self, first: Outgoing, hello: bool) -> pb.WorkBatch:
         """`first` and everything queued since the last write (at least one engine step's
@@ -176,16 +216,8 @@ class Peer:
 
     async def next_item(self) -> Outgoing:
         """The next item to write: what queued while the last batch was written is taken at
-        once, without a task and a loop turn of its own (the wait is for an idle stream)."""
-        if not self.queue.empty():
-            first = self.queue.get_nowait()
-            self.queued_tokens -= first.tokens
-            return first
-        getter = self._getter = asyncio.ensure_future(self._get())
-        first = await getter
-        if self._getter is getter:
-            self._getter = None
-        return first
+        once, without a loop turn (the wait is for an idle stream)."""
+        return await self._get()
 
     def deliver_back(self, batch: pb.ResultBatch) -> None:
         """Downstream normally reports to the coordinator directly; anything arriving on the
@@ -198,19 +230,13 @@ class Peer:
     def broke(self, message: str) -> None:
         """The stream broke: its written items' fate is unknown, the queued ones wait for
         nothing; both are reported UNAVAILABLE (module doc)."""
-        taken = self._stop_getter()
-        if taken is not None:
-            self.sent.append((taken.request_id, taken.step_id, taken.coordinator_id))
+        self._stop_getter()
         self._fail_sent(message)
         self._fail_queued(message)
 
     def ended(self) -> None:
-        """The stream ended (normally or not): an item its wait took and never wrote."""
-        taken = self._stop_getter()
-        if taken is not None:
-            self.worker.report_error(taken.request_id, taken.step_id, taken.coordinator_id,
-                                     tp.UNAVAILABLE,
-                                     f"stream to next hop {self.address} ended")
+        """The stream ended (normally or not): its writer's wait, if any, ends with it."""
+        self._stop_getter()
 
     def _fail_sent(self, message: str) -> None:
         for request_id, step_id, coordinator_id in self.sent:

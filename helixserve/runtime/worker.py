@@ -716,6 +716,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
                   cache: CacheEvents | None = None) -> None:
         if cache:
             self._send_cache(cache)  # before the results: a finished request frees nothing yet
+        touched: list[Peer] = []  # next hops given items: woken once, after the loop
         for job, out in zip(batch, outputs, strict=True):
             item = job.item
             compute_s = item.compute_s + step_s
@@ -764,6 +765,10 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 peer.queued_tokens += len(item.token_ids)
                 peer.queue.put_nowait(Outgoing.of(job.msg, out.hidden, compute_s,
                                                    item.coordinator_id))
+                if peer not in touched:
+                    touched.append(peer)
+        for peer in touched:
+            peer.notify()
 
     def deliver(self, result: pb.WorkResult, coordinator_id: str, origin: _Stream | None) -> None:
         stream = self.coordinators.get(coordinator_id) or origin

@@ -13,7 +13,7 @@ import pytest
 from helixserve.errors import UserError
 from helixserve.runtime import dataplane
 from helixserve.runtime import transport as tp
-from helixserve.runtime.peers import Outgoing
+from helixserve.runtime.peers import Outgoing, OutQueue
 from helixserve.runtime.proto import helix_pb2 as pb
 
 
@@ -112,13 +112,14 @@ def test_a_stream_peer_sends_batches_and_reports_its_items_when_the_next_hop_clo
 
         hop = asyncio.ensure_future(next_hop())
         peer = Peer.__new__(Peer)
-        peer.worker, peer.address, peer.queue = worker, "127.0.0.1:9", asyncio.Queue()
+        peer.worker, peer.address, peer.queue = worker, "127.0.0.1:9", OutQueue()
         peer.sent, peer._getter, peer.queued_tokens = deque(maxlen=100), None, 0
         for i in range(2):  # one engine step's items: one message
             peer.queue.put_nowait(Outgoing(tp.continuation_to_pb(f"r{i}", 7, 3, [5]), "c"))
         task = asyncio.ensure_future(peer._run())
         await asyncio.wait_for(got_one.wait(), 10)
         peer.queue.put_nowait(Outgoing(tp.continuation_to_pb("r2", 7, 3, [5]), "c"))
+        peer.notify()  # the worker's, once a step's items are queued
         await asyncio.wait_for(got_two.wait(), 10)
         await hop
         for _ in range(100):

@@ -15,7 +15,7 @@ from test_worker_messages import CID, _coordinator_stream, _full, _worker
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime import worker as worker_mod
-from helixserve.runtime.peers import GrpcPeer
+from helixserve.runtime.peers import GrpcPeer, OutQueue
 from helixserve.runtime.worker import OUT_PAUSE, _Stream
 
 
@@ -84,7 +84,7 @@ def test_a_next_hops_backlog_is_bounded_and_its_items_replayed() -> None:
         w.coordinators[CID] = stream
         jobs = [w._accept(_full(f"r{i}"), stream, "i", 100) for i in range(3)]
         peer = GrpcPeer.__new__(GrpcPeer)  # a next hop that reads nothing
-        peer.worker, peer.address, peer.queue = w, "h:2", asyncio.Queue()
+        peer.worker, peer.address, peer.queue = w, "h:2", OutQueue()
         peer.sent, peer._getter, peer.queued_tokens = deque(), None, 0
         peer.task = asyncio.get_running_loop().create_future()  # running
         w.peers["h:2"] = peer

@@ -17,7 +17,7 @@ from helixserve.planner.placement import NodeRange
 from helixserve.request import SamplingParams
 from helixserve.runtime import security
 from helixserve.runtime import transport as tp
-from helixserve.runtime.peers import GrpcPeer, Outgoing
+from helixserve.runtime.peers import GrpcPeer, Outgoing, OutQueue
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.worker import Worker, _Job, _Stream
 
@@ -98,7 +98,7 @@ def test_one_message_per_step_to_the_next_hop() -> None:
         decode = [w._accept(tp.continuation_to_pb(f"r{i}", 100 + i, 3, [5]), stream, "i")
                   for i in range(16)]
         peer = GrpcPeer.__new__(GrpcPeer)  # the stream to the next hop, not connected
-        peer.worker, peer.address, peer.queue = w, "h:2", asyncio.Queue()
+        peer.worker, peer.address, peer.queue = w, "h:2", OutQueue()
         peer.sent, peer._getter, peer.queued_tokens = deque(), None, 0
         peer.task = asyncio.get_running_loop().create_future()  # running
         w.peers["h:2"] = peer
@@ -176,7 +176,7 @@ def test_a_backlog_for_the_next_hop_is_split_under_the_message_limit(
     async def main() -> None:
         w = _worker()
         peer = GrpcPeer.__new__(GrpcPeer)  # the stream to the next hop, not connected
-        peer.worker, peer.address, peer.queue = w, "h:2", asyncio.Queue()
+        peer.worker, peer.address, peer.queue = w, "h:2", OutQueue()
         peer.sent, peer._getter, peer.queued_tokens = deque(), None, 0
         item = _full("r0", hop=1)
         for i in range(10):
