@@ -118,6 +118,71 @@ def test_worker_reports_cache_events_before_results_and_all_it_holds_to_a_new_st
     asyncio.run(main())
 
 
+def test_cache_events_of_steps_without_results_are_reported_once_per_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage that sends coordinators nothing but cache reports sends one per
+    CACHE_REPORT_S, the steps' events merged (each name in its last state); a result takes
+    what waits with it, before it; the first events after a quiet spell go at once."""
+    import helixserve.runtime.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "CACHE_REPORT_S", 3600.0)  # never due in this test
+
+    async def main() -> None:
+        w = _caching_worker()
+        w.loop = asyncio.get_running_loop()
+        (results, first), stream = await open_coordinator_stream(w)
+        hello = await asyncio.wait_for(first, 5)
+        assert hello.cache.reset and not hello.cache.stored
+        w._send_cache(CacheEvents([H[0]], []))  # quiet until now: reported at once
+        batch = await asyncio.wait_for(results.__anext__(), 5)
+        assert list(batch.cache.stored) == [H[0]] and not batch.results
+        # three more steps within the interval: nothing sent, the events wait merged
+        w._send_cache(CacheEvents([H[1], H[2]], []))
+        w._send_cache(CacheEvents([H[3]], [H[1]]))
+        w._send_cache(CacheEvents([], [H[0]]))
+        await asyncio.sleep(0.05)
+        assert stream.out.empty() and w.cache_held == {H[2], H[3]}
+        # a result leaves: the waiting events go first, in the same message
+        w.report_error("r", 1, hello_cid(w), tp.UNAVAILABLE, "test")
+        batch = await asyncio.wait_for(results.__anext__(), 5)
+        assert set(batch.cache.stored) == {H[2], H[3]}
+        assert set(batch.cache.removed) == {H[0], H[1]} and not batch.cache.reset
+        assert [r.request_id for r in batch.results] == ["r"]
+        assert w._cache_flush is None and not w._cache_pending
+        await results.aclose()
+
+    asyncio.run(main())
+
+
+def test_waiting_cache_events_are_reported_when_the_interval_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import helixserve.runtime.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "CACHE_REPORT_S", 0.2)
+
+    async def main() -> None:
+        w = _caching_worker()
+        w.loop = asyncio.get_running_loop()
+        (results, first), _ = await open_coordinator_stream(w)
+        await asyncio.wait_for(first, 5)
+        w._send_cache(CacheEvents([H[0]], []))
+        w._send_cache(CacheEvents([H[1]], []))
+        w._send_cache(CacheEvents([], [], reset=True))
+        w._send_cache(CacheEvents([H[2]], []))
+        got = [await asyncio.wait_for(results.__anext__(), 5) for _ in range(2)]
+        assert list(got[0].cache.stored) == [H[0]]
+        # the reset drops what waited before it; the report says reset, then H[2]
+        assert got[1].cache.reset and list(got[1].cache.stored) == [H[2]]
+        await results.aclose()
+
+    asyncio.run(main())
+
+
+def hello_cid(w: Worker) -> str:
+    (cid,) = w.coordinators
+    return cid
+
+
 def test_engine_thread_takes_cache_events_after_each_step() -> None:
     w = _caching_worker()
     sent: list[Any] = []
