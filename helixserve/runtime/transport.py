@@ -310,13 +310,23 @@ class LinkLedger:
     def __init__(self, name: str) -> None:
         self.address = "\0" + name
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.settimeout(LEDGER_SEND_TIMEOUT_S)
+        # non-blocking first: a socket with a timeout polls before every send (a syscall
+        # more a message); only a full queue waits (`declare`)
+        self.sock.setblocking(False)
         self.lost_bytes = 0
         self.lost_declarations = 0
 
     def declare(self, src: str, address: str, num_bytes: int, wire_bytes: int = 0) -> None:
+        message = ledger_message(src, address, num_bytes, wire_bytes)
         try:
-            self.sock.sendto(ledger_message(src, address, num_bytes, wire_bytes), self.address)
+            try:
+                self.sock.sendto(message, self.address)
+            except BlockingIOError:  # the proxy's queue is full: wait for room, up to a bound
+                self.sock.settimeout(LEDGER_SEND_TIMEOUT_S)
+                try:
+                    self.sock.sendto(message, self.address)
+                finally:
+                    self.sock.setblocking(False)
         except OSError as exc:
             self.lost_bytes += num_bytes
             self.lost_declarations += 1
