@@ -79,9 +79,14 @@ class FakeWorker:
         self.delivered.append(result)
 
 
-def test_a_stream_peer_sends_batches_and_reports_its_items_when_the_next_hop_closes() -> None:
+@pytest.mark.parametrize("write_now_bytes", [dataplane.WRITE_NOW_BYTES, 0])
+def test_a_stream_peer_sends_batches_and_reports_its_items_when_the_next_hop_closes(
+        monkeypatch: pytest.MonkeyPatch, write_now_bytes: int) -> None:
     """A next hop (this test, on the other end of a socket) reads two batches, sends one
-    error back, then closes: the items it was sent are reported UNAVAILABLE."""
+    error back, then closes: the items it was sent are reported UNAVAILABLE. The second
+    batch is written by `notify` itself (the writer is parked, its socket has room), or
+    with WRITE_NOW_BYTES 0 (a socket buffer never under it) by the woken writer."""
+    monkeypatch.setattr(dataplane, "WRITE_NOW_BYTES", write_now_bytes)
 
     async def main() -> tuple[list[pb.WorkBatch], FakeWorker]:
         server_sock, client_sock = socket.socketpair()
@@ -120,6 +125,9 @@ def test_a_stream_peer_sends_batches_and_reports_its_items_when_the_next_hop_clo
         await asyncio.wait_for(got_one.wait(), 10)
         peer.queue.put_nowait(Outgoing(tp.continuation_to_pb("r2", 7, 3, [5]), "c"))
         peer.notify()  # the worker's, once a step's items are queued
+        # written in this very turn, or left to the woken writer (socket buffer "full")
+        assert (worker.messages, peer.queue.empty()) == (
+            (2, True) if write_now_bytes else (1, False))
         await asyncio.wait_for(got_two.wait(), 10)
         await hop
         for _ in range(100):
