@@ -413,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="demo KV per worker; the vLLM server gets 3x")
     ap.add_argument("--memory-gb", default=None,
                     help="the demos' --memory-gb (the workers' budgets the MILP plans for; "
-                    "1,1,1: two routes of 50%%, docs/benchmarks.md)")
+                    "1,1,1: two routes of 50%%; 1,1,1,1,1 with --demo-arg=--worker-link-fraction "
+                    "--demo-arg=0.3: four routes of 25%%, docs/benchmarks.md)")
     ap.add_argument("--demo-arg", action="append", default=[],
                     help="one more argument for every demo (repeat: --demo-arg=--worker-threads "
                     "--demo-arg=2)")

@@ -12,7 +12,11 @@ seed the hit rate of each, and the mechanism: how often a conversation's turn ra
 route of its previous turn, the most blocks each node's cache held, and how many it evicted.
 `--topology three` gives each of three nodes the whole model (three one-hop routes);
 `--topology equal` is `helixserve demo --memory-gb 1,1,1` (n3 [0, 10) -> n1 or n2 [10, 30),
-half and half).
+half and half); `--topology five` is `helixserve demo --memory-gb 1,1,1,1,1
+--worker-link-fraction 0.3` (n5 [0, 6) -> n1, n2, n3 or n4 [6, 30), a quarter each),
+`five-mid` the same five workers at the default fraction 0.5 (n1 [0, 6) -> n3, n4 or n5
+[6, 24) -> n2 [24, 30)) and `six` six workers (three disjoint two-stage pipelines), as the
+demo's MILP planned them with a profile of the 2-core VM.
 
 Timing is a stand-in for the 2-core VM (prefill 1 ms a token, a decode step 100 ms, for
 the whole model; split by layers): the hit rates depend on it only through the order of
@@ -45,6 +49,17 @@ TOPOLOGIES = {
     # `helixserve demo --memory-gb 1,1,1`: three equal workers, which the demo's MILP
     # plans as n3 [0, 10) -> n1 or n2 [10, 30), 50% / 50%
     "equal": [("n3", "T4", 0, 10), ("n1", "L4", 10, 30), ("n2", "A10", 10, 30)],
+    # `helixserve demo --memory-gb 1,1,1,1,1 --worker-link-fraction 0.3`: five equal
+    # workers, which the demo's MILP plans as n5 [0, 6) -> n1, n2, n3 or n4 [6, 30), 25% each
+    "five": [("n5", "T4", 0, 6), ("n1", "T4", 6, 30), ("n2", "T4", 6, 30),
+             ("n3", "T4", 6, 30), ("n4", "T4", 6, 30)],
+    # `helixserve demo --memory-gb 1,1,1,1,1` (link fraction 0.5): n1 [0, 6) -> n3, n4 or
+    # n5 [6, 24) -> n2 [24, 30), a third each
+    "five-mid": [("n1", "T4", 0, 6), ("n3", "T4", 6, 24), ("n4", "T4", 6, 24),
+                 ("n5", "T4", 6, 24), ("n2", "T4", 24, 30)],
+    # `helixserve demo --memory-gb 1,1,1,1,1,1`: three disjoint two-stage pipelines
+    "six": [("n1", "T4", 0, 15), ("n2", "T4", 15, 30), ("n3", "T4", 0, 15),
+            ("n4", "T4", 15, 30), ("n5", "T4", 0, 15), ("n6", "T4", 15, 30)],
 }
 PROMPT_MS_PER_TOKEN = 1.0
 DECODE_MS_PER_STEP = 100.0

@@ -1,8 +1,9 @@
 """`helixserve demo`: the whole system on this machine with one command.
 
 Prepares SmolLM2-135M-Instruct, profiles this CPU (short, cached), writes a cluster of 3 CPU
-worker nodes with unequal memory budgets, plans it with the MILP, starts the 3 workers and
-the OpenAI-compatible API on 127.0.0.1, and prints the placement and ready-to-paste examples.
+worker nodes with unequal memory budgets (or 1-6 nodes: `--memory-gb`, one budget each), plans
+it with the MILP, starts the workers the placement gives layers and the OpenAI-compatible API
+on 127.0.0.1, and prints the placement and ready-to-paste examples.
 On another --host it applies `serve`'s exposure rule (an API key or --allow-unauthenticated)
 and refuses --insecure (plaintext worker ports on a reachable address). Ctrl-C (or SIGTERM) stops the API, the coordinator and every worker.
 """
@@ -39,7 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo",
         help="run the whole system locally: 3 CPU workers + OpenAI API (SmolLM2-135M)",
         description="Prepare the demo model, profile this machine, plan 3 local CPU workers "
-        "with the MILP, start them and the OpenAI-compatible API on 127.0.0.1.",
+        "(1-6 with --memory-gb) with the MILP, start them and the OpenAI-compatible API on "
+        "127.0.0.1.",
     )
     p.add_argument("--port", type=int, default=8000, help="API port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="API and worker address")
@@ -53,7 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--memory-gb",
         default=None,
-        help="comma-separated memory budgets of the worker nodes in GB (default 0.15,0.30,0.50)",
+        help="comma-separated memory budgets of the worker nodes in GB, one per worker, 1 to "
+        "6 of them (default 0.15,0.30,0.50: 3 workers); more workers, more routes: with the "
+        "2-core VM's profile, 1,1,1,1,1 and --worker-link-fraction 0.3 planned one first "
+        "stage and four routes (docs/prefix-caching.md)",
     )
     p.add_argument(
         "--worker-link-fraction",

@@ -3,7 +3,7 @@
 `prepare_demo` makes everything the demo needs in a work dir: the demo model (SmolLM2-135M-
 Instruct), a short CPU profile of this machine, a cluster of 3 `cpu` nodes on 127.0.0.1 with
 unequal memory budgets (so the MILP places layers unevenly and the flow has more than one
-route), and the MILP placement. `run_stack` then serves it: coordinator over the workers,
+route; `memory_gb` with N budgets gives N nodes, up to 6), and the MILP placement. `run_stack` then serves it: coordinator over the workers,
 the OpenAI API on uvicorn, clean shutdown in reverse order.
 """
 
@@ -33,7 +33,11 @@ DEMO_MEMORY_GB = (0.15, 0.30, 0.50)
 #: splits over more than one route. The sockets are loopback: this is the planner's model of
 #: the cluster, not a throttle.
 DEMO_WORKER_LINK_FRACTION = 0.5
-DEMO_NODES = ("n1", "n2", "n3")
+#: the names of the demo's worker nodes: `--memory-gb` with N budgets gives the first N (the
+#: default budgets 3). More workers let the max flow split over more routes (each worker is a
+#: torch process of the 135M model with --worker-threads threads: 4-6 of them share a
+#: small machine's cores slowly but work).
+DEMO_NODES = ("n1", "n2", "n3", "n4", "n5", "n6")
 
 
 @dataclass

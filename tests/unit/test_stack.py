@@ -103,3 +103,19 @@ def test_workers_sharing_a_gpu_start_one_after_another(tmp_path, monkeypatch, on
         assert events == ["start n0", "start n1", "start n2"]
     procs.wait_ready()
     assert events[-3:] == ["ready n0", "ready n1", "ready n2"]
+
+
+def test_demo_memory_flag_gives_one_worker_per_budget_up_to_six():
+    """`--memory-gb` with N budgets plans N workers (more routes for the max flow); the
+    default stays the 3 unequal budgets, and 7 budgets or a non-positive one is refused."""
+    from helixserve.commands.demo import _memory
+    from helixserve.local.stack import DEMO_MEMORY_GB, DEMO_NODES
+
+    assert _memory(None) == DEMO_MEMORY_GB == (0.15, 0.30, 0.50)
+    assert DEMO_NODES[: len(DEMO_MEMORY_GB)] == ("n1", "n2", "n3")
+    assert _memory("1,1,1,1,1") == (1.0,) * 5
+    assert _memory("0.5,1,1,1,1,1") == (0.5, 1.0, 1.0, 1.0, 1.0, 1.0)
+    assert len(set(DEMO_NODES)) == len(DEMO_NODES) == 6
+    for bad in ("1,1,1,1,1,1,1", "1,0,1", ""):
+        with pytest.raises(UserError, match="--memory-gb: bad value"):
+            _memory(bad)

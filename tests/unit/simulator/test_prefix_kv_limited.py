@@ -36,3 +36,22 @@ def test_where_kv_binds_plain_routes_evict_what_cache_aware_ones_keep() -> None:
         assert aware["nodes"][n]["peak_cached_tokens"] <= aware["nodes"][n]["kv_tokens"]
     assert sum(plain["nodes"][n]["evicted_tokens"] for n in ("n2", "n3")) > 0
     assert aware["hit_rate"] > plain["hit_rate"]
+
+
+def test_five_workers_give_four_equal_routes_and_plain_routes_change_route_more() -> None:
+    """`--topology five` is `helixserve demo --memory-gb 1,1,1,1,1 --worker-link-fraction
+    0.3` as the demo's MILP planned it: n5 [0, 6) -> one of four [6, 30) workers, a quarter
+    each. With four routes a plain turn lands on its previous route less often than on two,
+    and cache-aware routes keep every conversation where its history is."""
+    placement = build("five", 384)[3]
+    shares = {f.dst: f.tokens_per_s for f in placement.flows if f.src == "n5"}
+    assert sorted(shares) == ["n1", "n2", "n3", "n4"]
+    assert max(shares.values()) - min(shares.values()) < 1e-6 * max(shares.values())
+    args: dict[str, Any] = dict(topology="five", kv_mib=384, conversations=8, turns=4,
+                                user_tokens=500, output_tokens=16, system_tokens=1000, seed=0,
+                                turn_gap_s=60.0, jitter_s=30.0)
+    plain = run(aware=False, **args)
+    aware = run(aware=True, **args)
+    assert plain["finished"] == aware["finished"] == plain["requests"] == 32
+    assert plain["same_route_as_previous_turn"] < 0.5 < aware["same_route_as_previous_turn"]
+    assert aware["hit_rate"] > plain["hit_rate"]
