@@ -27,6 +27,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 PIECE_CHARS = 8
 _TOKEN_TEXT = re.compile(r"tok(\d+)")
 _WORDS = re.compile(r"\S+")
+#: pieces whose ids `encode` keeps at most
+_KNOWN_PIECES = 1 << 16
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:
@@ -49,6 +51,8 @@ class EmulatedTokenizer:
         self.name_or_path = name
         self._special = {t for t in (bos_token_id, eos_token_id) if t is not None}
         self._vocab: dict[str, int] | None = None
+        #: piece -> id, for the pieces seen (a prompt repeats its words; bounded)
+        self._ids: dict[str, int] = {}
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> EmulatedTokenizer:
@@ -77,9 +81,17 @@ class EmulatedTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []
+        known = self._ids
         for word in _WORDS.findall(text):
-            ids.extend(self.piece_id(word[i : i + PIECE_CHARS])
-                       for i in range(0, len(word), PIECE_CHARS))
+            pieces = (word,) if len(word) <= PIECE_CHARS else [
+                word[i : i + PIECE_CHARS] for i in range(0, len(word), PIECE_CHARS)]
+            for piece in pieces:
+                token = known.get(piece)
+                if token is None:
+                    if len(known) >= _KNOWN_PIECES:
+                        known.clear()
+                    token = known[piece] = self.piece_id(piece)
+                ids.append(token)
         return ids
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:

@@ -270,6 +270,20 @@ def test_emulated_tokenizer_for_a_config_only_directory(tmp_path):
     assert has_tokenizer(tmp_path)
 
 
+def test_emulated_tokenizer_remembers_pieces_without_changing_ids(monkeypatch):
+    import helixserve.engine.emulated_tokenizer as et
+
+    text = "the averyveryverylongword tok77 the cat averyveryverylongword"
+    fresh = [1] + [EmulatedTokenizer(32000).piece_id(p) for p in
+                   ("the", "averyver", "yverylon", "gword", "tok77", "the", "cat",
+                    "averyver", "yverylon", "gword")]
+    tok = EmulatedTokenizer(32000)
+    assert tok.encode(text) == fresh and tok.encode(text) == fresh  # cold, then remembered
+    monkeypatch.setattr(et, "_KNOWN_PIECES", 3)  # a full table starts again, same ids
+    small = EmulatedTokenizer(32000)
+    assert small.encode(text) == fresh and len(small._ids) <= 3
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
