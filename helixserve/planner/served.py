@@ -43,9 +43,9 @@ Search (`served_search`), on the planner clock (clock.py: seconds, or counted wo
      `plan_served`), scored a batch at a time while the next batch fits in what is left
      (by the last batch's cost; then one at a time while one fits, by the last batch's mean,
      so the end of the budget is not left idle); duplicates once; whenever a start
-     becomes the best and is stage-structured, its block orders (step 2) are queued right
-     behind it, before the other starts (on helix-mix-42 the starts alone spend the
-     default budget);
+     becomes the best and is stage-structured in at most EARLY_ORDER_BLOCKS blocks (a
+     stacked tiling), its block orders (step 2) are queued right behind it, before the
+     other starts (on helix-mix-42 the starts alone spend the default budget);
   2. block orders: when the best start is stage-structured, its stages in the orders that
      move one machine kind's block to the end or the front (`block_orders`), a batch at a
      time while the next fits, the best taken when it is worth MIN_GAIN more (a random
@@ -105,6 +105,12 @@ PRESSURE_MOVES = 0.5
 SCREEN_SLACK = 0.05
 #: share of a stage-structured placement's other neighbours drawn by reordering its stages
 ORDER_MOVES = 0.3
+#: a leading start's block orders are queued before the other starts only when it has at
+#: most this many blocks of stages (a stacked tiling: each kind's stages together; 3 on
+#: helix-single-24, 7 on helix-mix-42, where the max-flow answer, stage-structured by the
+#: stage annealing, has 18 blocks and 34 orders, which would spend the budget before the
+#: tilings)
+EARLY_ORDER_BLOCKS = 8
 
 
 class ServedScorer(Protocol):
@@ -567,9 +573,13 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         lead = max(scored, key=lambda c: c.value) if scored else None
         if (order_step and lead is not None and key(lead.ranges) not in ordered
                 and key(lead.ranges) not in order_bar):
-            ordered.add(key(lead.ranges))
-            queued = [(f"block order of {lead.source}", r)
-                      for r in block_orders(lead.ranges, kind, L) if key(r) not in seen]
+            orders = block_orders(lead.ranges, kind, L)
+            if len(orders) > 2 * (EARLY_ORDER_BLOCKS - 1):
+                orders = []  # too many blocks: left to the step after the starts
+            else:
+                ordered.add(key(lead.ranges))
+            queued = [(f"block order of {lead.source}", r) for r in orders
+                      if key(r) not in seen]
             for _, r in queued:
                 seen.add(key(r))
                 order_bar[key(r)] = lead.value * (1 + MIN_GAIN)

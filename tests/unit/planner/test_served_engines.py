@@ -244,3 +244,34 @@ def test_wall_clock_cap_stops_the_work_clock():
     assert not clock.capped()  # outside the cap's block
     with clock.work_clock():  # no cap: the counter alone
         assert clock.now() < 1.0 and not clock.capped()
+
+
+def test_a_leader_of_many_blocks_keeps_its_orders_for_after_the_starts(net, counted):  # noqa: F811
+    from helixserve.planner.served import EARLY_ORDER_BLOCKS, block_orders
+
+    # 20 stages of 4 layers: L4 and T4 alternating over the first 16, then T4s (16 blocks)
+    alt: Ranges = {}
+    l4, t4 = iter(range(4, 12)), iter(range(12, 24))
+    for p in range(20):
+        alt[next(l4) if p < 16 and p % 2 == 0 else next(t4)] = (4 * p, 4 * p + 4)
+    kind = [f"{x.gpu}x{x.num_gpus}" for x in net.cluster.nodes]
+    orders = block_orders(alt, kind, 80)
+    assert len(orders) > 2 * (EARLY_ORDER_BLOCKS - 1)
+    petals, swarm = BASELINES["petals"](net), BASELINES["swarm"](net)
+
+    class Prefers:
+        def __init__(self) -> None:
+            self.calls: list[tuple[tuple[int, int, int], ...]] = []
+
+        def __call__(self, batch: Sequence[Ranges]) -> list[float]:
+            self.calls += [key(r) for r in batch]
+            clock.charge(len(batch))
+            return [2.0 if key(r) == key(alt) else 1.0 for r in batch]
+
+    scorer = Prefers()
+    out = served_search(net, [("petals", petals), ("alt", alt), ("swarm", swarm)], scorer,
+                        work(5.5), seed=0, max_stall=0)
+    # every start first; then the leader's orders (the step after the starts)
+    assert scorer.calls[:3] == [key(petals), key(alt), key(swarm)]
+    assert scorer.calls[3:] == [key(r) for r in orders[: len(scorer.calls) - 3]]
+    assert out.best.source == "alt"
