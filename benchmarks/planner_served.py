@@ -424,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="helixserve plan --work-limit for milp (the same placement on "
                         "any machine)")
     budget.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
-                        help="helixserve plan --time-limit for milp (default: plan's, 60 s)")
+                        help="helixserve plan --time-limit for milp (default: neither "
+                        "flag, plan's default budget: 600 work units capped at 600 s)")
     ap.add_argument("--jobs", type=int, default=None, help="helixserve plan --jobs for milp")
     ap.add_argument("--gpu-reserve-gb", type=float, default=None, metavar="GB",
                     help="helixserve plan --gpu-reserve-gb for every planned placement "

@@ -13,6 +13,8 @@ from helixserve.commands.costs import add_cost_args
 from helixserve.commands.served import (
     DEFAULT_ALSO,
     DEFAULT_REFERENCE,
+    DEFAULT_WALL_CAP_S,
+    DEFAULT_WORK_UNITS,
     FLOW_SHARE,
     REFERENCES,
     REPLAY_HORIZON_S,
@@ -24,8 +26,10 @@ EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "data" / "example"
 #: what milp maximises (--objective)
 OBJECTIVES = ("served", "flow")
 #: defaults of --time-limit and --serve-duration per objective (None: each placement in its
-#: own window, planner/window.py; with --serve-mode replay, 300 s past the last arrival)
-DEFAULT_TIME_LIMIT_S = {"served": 300.0, "flow": 60.0}
+#: own window, planner/window.py; with --serve-mode replay, 300 s past the last arrival).
+#: With neither --time-limit nor --work-limit the served objective's budget is work, not
+#: time (commands/served.py: DEFAULT_WORK_UNITS, capped at DEFAULT_WALL_CAP_S)
+DEFAULT_TIME_LIMIT_S = {"served": DEFAULT_WALL_CAP_S, "flow": 60.0}
 DEFAULT_SERVE_DURATION_S: dict[str, float | None] = {"served": None, "flow": 1200.0}
 
 
@@ -115,16 +119,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "planner before issue 34; its bound is printed either way). "
                    "docs/planner.md, 'The served objective'")
     p.add_argument("--time-limit", type=finite_float, default=None, metavar="SECONDS",
-                   help="wall-clock budget of the milp planner (default 300 with the served "
-                   f"objective, {FLOW_SHARE * 100:.0f}%% of it for the max-flow portfolio; 60 with "
-                   "--objective flow)")
+                   help="wall-clock budget of the milp planner (default with the served "
+                   f"objective: none, a work budget of {DEFAULT_WORK_UNITS:.0f} units capped at "
+                   f"{DEFAULT_WALL_CAP_S:.0f} s, see --work-limit; {FLOW_SHARE * 100:.0f}%% of "
+                   "it for the max-flow portfolio; 60 with --objective flow). With the served "
+                   "objective and --work-limit: a wall-clock cap behind the work budget")
     p.add_argument("--work-limit", type=finite_float, default=None, metavar="UNITS",
                    help="plan to a budget of work instead of time: every search stops after "
                    "this many units of counted work (a unit is about one second of one core of "
                    "the reference 2-core VM; docs/planner.md), so the same command "
                    "gives the same placement on any machine, under any load and with any "
                    "--jobs (which then only runs the seeds side by side). Overrides "
-                   "--time-limit")
+                   "--time-limit, which with the served objective stays as a wall-clock cap. "
+                   f"Default with the served objective: {DEFAULT_WORK_UNITS:.0f}, capped at "
+                   f"{DEFAULT_WALL_CAP_S:.0f} s (the output says when the cap stopped it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the local search")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="processes for milp's annealing searches, each with its own seed, "
@@ -203,6 +211,15 @@ def run(args: argparse.Namespace) -> int:
 
     served = args.objective == "served" and args.planner == "milp" and not args.from_placement
     objective = "served" if served else "flow"
+    # the served objective's budget: work (the same placement anywhere) with a wall-clock
+    # cap as a safety net; --time-limit alone keeps a wall-clock budget
+    args.wall_cap = None
+    args.default_budget = False
+    if served and args.work_limit is None and args.time_limit is None:
+        args.work_limit, args.wall_cap = DEFAULT_WORK_UNITS, DEFAULT_WALL_CAP_S
+        args.default_budget = True
+    elif served and args.work_limit is not None:
+        args.wall_cap = args.time_limit
     if args.time_limit is None:
         args.time_limit = DEFAULT_TIME_LIMIT_S[objective]
     if args.serve_duration is None:
@@ -380,7 +397,7 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
                       duration_s=args.serve_duration, mode=args.serve_mode,
                       time_limit_s=args.time_limit, work_limit=args.work_limit,
                       seed=args.seed, jobs=args.jobs, partial=partial, progress=progress,
-                      started=started)
+                      started=started, wall_cap_s=args.wall_cap)
     config, outcome = out.config, out.outcome
     window = (f"the trace replayed, {config.duration_s:.0f} s past its last arrival"
               if config.mode == "replay" else
@@ -400,4 +417,25 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
             + f"; {outcome.evaluations} placements simulated"
             + (f" ({outcome.also_evaluations} with {out.also}, the screen)" if both else "")
             + f", {out.sim_units:,.0f} work units of simulation")
+    line += "\n" + budget_line(args.work_limit, args.time_limit, args.wall_cap,
+                                args.default_budget, out.capped, outcome.stopped_by)
     return out.placement, line
+
+
+def budget_line(work_limit: float | None, time_limit_s: float, wall_cap_s: float | None,
+                default: bool, capped: bool, stopped_by: str) -> str:
+    """What budget the served objective had and what ended its search."""
+    ended = {"stall": "the climb found no gain in 50 steps",
+             "no neighbour": "no neighbour left to try"}.get(stopped_by, "")
+    if work_limit is None:
+        return (f"budget: {time_limit_s:g} s of wall clock (--time-limit); the placement "
+                "depends on this machine's speed and load; "
+                + (ended or "the time limit stopped it"))
+    what = (f"budget: {work_limit:g} work units" + (" (the default)" if default else "")
+            + (f", capped at {wall_cap_s:g} s of wall clock" if wall_cap_s is not None else ""))
+    if capped:
+        return (f"{what}; the wall-clock cap stopped it before the work budget: this "
+                f"placement depends on this machine's speed and load (--work-limit "
+                f"{work_limit:g} without a cap gives the same placement on any machine)")
+    return (f"{what}; {ended or 'the work budget stopped it'}: the same placement on any "
+            f"machine (--work-limit {work_limit:g})")

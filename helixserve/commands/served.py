@@ -30,6 +30,14 @@ TILING_STARTS = 12
 #: (docs/calibration.md): a fifth of the vllm model's events on helix-single-24, about half
 #: on helix-mix-42
 DEFAULT_ALSO = "helix-prototype"
+#: `plan`'s default budget with the served objective (no --time-limit, no --work-limit):
+#: units of work (the same placement on any machine), 20% of them for the max-flow
+#: portfolio; with --jobs 2 about 5 minutes on two free cores of the reference VM
+DEFAULT_WORK_UNITS = 600.0
+#: the wall-clock cap behind the default work budget, a safety net (issue 34: a 42-machine
+#: plan within 10 minutes on 2 cores): a loaded machine may reach it first, and the plan
+#: then says so (its placement depends on the machine's speed and load)
+DEFAULT_WALL_CAP_S = 600.0
 #: --serve-reference: what each engine model's ratio is taken over (planner/served.py,
 #: `served_search`'s `reference`: "first" is the max-flow answer, the first start)
 REFERENCES = {"max-flow": "first", "best": "best"}
@@ -235,6 +243,9 @@ class ServedPlan:
     sim_units: float = 0.0
     """Work units the simulations cost (SIM_EVENT_UNITS an event, on either clock: what
     `--work-limit` would charge them)."""
+    capped: bool = False
+    """The wall-clock cap (`plan_served`'s `wall_cap_s`) stopped the search before its work
+    budget did: the placement depends on the machine's speed and load."""
 
 
 def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
@@ -244,14 +255,42 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
                 mode: str = "saturate",
                 time_limit_s: float = 300.0, work_limit: float | None = None, seed: int = 0,
                 jobs: int | None = None, partial: bool = True, progress: Any = None,
-                started: float | None = None) -> ServedPlan:
+                started: float | None = None, wall_cap_s: float | None = None) -> ServedPlan:
     """The served objective (planner/served.py): the max-flow portfolio in FLOW_SHARE of the
     budget (`time_limit_s` seconds from `started`, or `work_limit` units), then its answers
     and their neighbours scored by simulating `requests` on `engine` in the rest: each in its
     own window (planner/window.py) when `duration_s` is None, else for `duration_s` (the
     first quarter, at most 300 s, not counted; in replay mode, past the last arrival).
     `also`: a second engine model each placement is simulated with the same way (the
-    search then maximises planner/served.py's `Objective` of the two)."""
+    search then maximises planner/served.py's `Objective` of the two). `wall_cap_s`: with
+    `work_limit`, a wall-clock cap from `started` behind it (clock.wall_cap; the plan's
+    `capped` says whether it stopped the search)."""
+    with clock_cap(wall_cap_s if work_limit is not None else None, started):
+        return _plan_served(cluster, model, cost, requests, engine=engine, also=also,
+                            combine=combine, reference=reference, duration_s=duration_s,
+                            mode=mode, time_limit_s=time_limit_s, work_limit=work_limit,
+                            seed=seed, jobs=jobs, partial=partial, progress=progress,
+                            started=started)
+
+
+def clock_cap(wall_cap_s: float | None, started: float | None) -> Any:
+    """clock.wall_cap at `wall_cap_s` seconds after `started` (a perf_counter reading; now
+    when None), or no cap when `wall_cap_s` is None."""
+    from contextlib import nullcontext
+
+    from helixserve.planner import clock
+
+    if wall_cap_s is None:
+        return nullcontext()
+    since = time.perf_counter() - (time.perf_counter() if started is None else started)
+    return clock.wall_cap(time.time() + wall_cap_s - since)
+
+
+def _plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *, engine: str,
+                 also: str | None, combine: str, reference: str, duration_s: float | None,
+                 mode: str, time_limit_s: float, work_limit: float | None, seed: int,
+                 jobs: int | None, partial: bool, progress: Any,
+                 started: float | None) -> ServedPlan:
     from contextlib import nullcontext
 
     from helixserve.planner import clock
@@ -350,4 +389,4 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
     events = scorer.events + (also_scorer.events if also_scorer is not None else 0)
     return ServedPlan(placement, flow, outcome, config, served,
                       also if also_scorer is not None else None,
-                      served_also, events * SIM_EVENT_UNITS)
+                      served_also, events * SIM_EVENT_UNITS, clock.capped())

@@ -12,6 +12,12 @@ its root node and its other nodes, each at a cost per model that grows with its 
 nonzeros (`NODE_COSTS`). The same inputs then give the same placement on any
 machine, under any load and with any `--jobs`.
 
+A wall-clock cap (`wall_cap`) may stand behind the work clock as a safety net (`plan`'s
+default: 600 units of work, capped at 600 s): once the wall clock passes it, every look at
+the work clock jumps past any deadline (`CAP_JUMP`), so the searches stop at their next
+look, and `capped()` says so (the placement then depends on the machine and its load). A
+search's worker processes get the same cap (parallel.py).
+
 The charges are calibrated so that a unit is about one second of one core of the reference
 machine, the project's 2-core VM (process CPU time, measured on the bundled example and on
 helix-single-24, helix-geo-24 and helix-mix-42; docs/planner.md, "A budget of work instead of
@@ -61,6 +67,12 @@ SOLVE_UNITS = 0.01
 # plans one thing at a time (the searches are single-threaded; parallel seeds run in
 # processes of their own), so one counter per process is enough.
 _work: list[float] | None = None
+#: the wall-clock cap of the work clock (a `time.time()` epoch, so that worker processes
+#: share it), None without one; and whether the cap has stopped a search
+_cap: float | None = None
+_capped: list[bool] = [False]
+#: units added to the work clock once its wall-clock cap has passed: beyond any deadline
+CAP_JUMP = 1e12
 
 
 def now() -> float:
@@ -68,7 +80,35 @@ def now() -> float:
     if _work is None:
         return time.perf_counter()
     _work[0] += TICK
+    if _cap is not None and not _capped[0] and time.time() >= _cap:
+        _capped[0] = True
+        _work[0] += CAP_JUMP
     return _work[0]
+
+
+def capped() -> bool:
+    """True once the wall-clock cap in force (`wall_cap`) stopped the work clock's searches;
+    False outside a `wall_cap` block."""
+    return _cap is not None and _capped[0]
+
+
+def cap_epoch() -> float | None:
+    """The wall-clock cap in force (a `time.time()` epoch), None without one."""
+    return _cap
+
+
+@contextmanager
+def wall_cap(epoch: float | None) -> Iterator[None]:
+    """Within the block, the work clock stops every search once `time.time()` reaches
+    `epoch` (None: no cap); `capped()` reports it within the block."""
+    global _cap
+    saved = _cap
+    _cap = epoch
+    _capped[0] = False
+    try:
+        yield
+    finally:
+        _cap = saved
 
 
 def counting() -> bool:

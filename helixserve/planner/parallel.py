@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, TypeVar
 
 from helixserve.errors import UserError
@@ -135,10 +135,10 @@ def _run_worker(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, A
 
 
 def _run_counted(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 start: float) -> tuple[R, float]:
-    """`fn` on a work clock from `start` (its deadline is in units of work too); the result
-    and where the clock ended."""
-    with clock.work_clock(start):
+                 start: float, cap: float | None = None) -> tuple[R, float]:
+    """`fn` on a work clock from `start` (its deadline is in units of work too), under the
+    caller's wall-clock cap `cap` (clock.wall_cap); the result and where the clock ended."""
+    with clock.wall_cap(cap) if cap is not None else nullcontext(), clock.work_clock(start):
         result = fn(*args, **kwargs)
         return result, clock.now()
 
@@ -165,7 +165,8 @@ def _run_seeds_counted(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict
             try:
                 with _main_module_hidden():  # workers start in submit()
                     for w, call in enumerate(calls):
-                        futures[w] = executor.submit(_run_counted, fn, args, call, start)
+                        futures[w] = executor.submit(_run_counted, fn, args, call, start,
+                                                     clock.cap_epoch())
             except OSError as exc:
                 if progress is not None:
                     progress(f"search workers could not start ({exc}); running the seeds "

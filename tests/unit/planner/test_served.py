@@ -162,3 +162,25 @@ def test_cli_served_objective_same_placement_whatever_jobs(tmp_path, capsys):
     assert "served (simulated, vllm engine, 40 s offline" in text
     assert "not a bound on served throughput" in text
     assert outs[0] == outs[1]
+
+
+def test_cli_says_what_budget_stopped_the_search(tmp_path, capsys):
+    from helixserve.cli import main
+
+    out = tmp_path / "p.json"
+    args = ["plan", "--example", "--work-limit", "3", "--serve-duration", "40", "--jobs", "1",
+            "--quiet", "--out", str(out)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "budget: 3 work units; " in text and "(--work-limit 3)" in text
+    assert "cap" not in text.split("budget:")[1]
+    # --time-limit with --work-limit: a wall-clock cap behind the work budget; one already
+    # passed stops every search at its first look (the first start is still scored)
+    assert main(args + ["--time-limit", "0.001"]) == 0
+    text = capsys.readouterr().out
+    assert "budget: 3 work units, capped at 0.001 s of wall clock; the wall-clock cap " \
+           "stopped it before the work budget" in text
+    assert json.loads(out.read_text())["planner"] == "milp"
+    # --time-limit alone: a wall-clock budget, as before
+    assert main(args[:2] + ["--time-limit", "5"] + args[4:]) == 0
+    assert "budget: 5 s of wall clock (--time-limit)" in capsys.readouterr().out

@@ -113,11 +113,12 @@ def test_block_orders_move_each_kind_to_the_front_or_the_end():
     kind = ["A", "A", "B", "C"]
     ranges = {0: (0, 2), 1: (2, 4), 2: (4, 6), 3: (6, 8)}  # blocks: A A | B | C
     got = block_orders(ranges, kind, 8)
+    # every block to the end first, then to the front (A first, C last: as it is)
     assert got == [
+        {2: (0, 2), 3: (2, 4), 0: (4, 6), 1: (6, 8)},  # A to the end
+        {0: (0, 2), 1: (2, 4), 3: (4, 6), 2: (6, 8)},  # B to the end
         {2: (0, 2), 0: (2, 4), 1: (4, 6), 3: (6, 8)},  # B to the front
         {3: (0, 2), 0: (2, 4), 1: (4, 6), 2: (6, 8)},  # C to the front
-        {2: (0, 2), 3: (2, 4), 0: (4, 6), 1: (6, 8)},  # A to the end (C last: as it is)
-        {0: (0, 2), 1: (2, 4), 3: (4, 6), 2: (6, 8)},  # B to the end
     ]
     assert block_orders({0: (0, 8)}, kind, 8) == []  # one block
     assert block_orders({0: (0, 5), 1: (3, 8)}, kind, 8) == []  # not stage-structured
@@ -190,3 +191,87 @@ def test_order_move_keeps_each_stage_and_moves_blocks():
         firsts.add(kind[min(new, key=lambda i: new[i])])
     assert firsts == {"A100", "L4", "T4"}  # the T4 block can come first, as can the L4s
     assert order_move({0: (0, 80)}, ["A100"], 80, rng) is None
+
+
+def test_a_leading_starts_block_orders_come_before_the_other_starts(net, counted):  # noqa: F811
+    from helixserve.planner.served import block_orders
+
+    # a stacked tiling: A100 pairs over 0-20, L4 pairs over 20-40, single T4s over 40-80
+    tiling: Ranges = {i: (10 * (i // 2), 10 * (i // 2) + 10) for i in range(4)}
+    tiling |= {4 + i: (20 + 5 * (i // 2), 25 + 5 * (i // 2)) for i in range(8)}
+    tiling |= {12 + i: (40 + 4 * i, 44 + 4 * i) for i in range(10)}
+    tiling |= {22: (40, 44), 23: (44, 48)}
+    kind = [f"{x.gpu}x{x.num_gpus}" for x in net.cluster.nodes]
+    orders = block_orders(tiling, kind, 80)
+    assert len(orders) == 4  # A100s, L4s to the end; L4s, T4s to the front
+    last = {i for i, (_, e) in orders[1].items() if e == 80}
+    assert all(net.cluster.nodes[i].gpu == "L4" for i in last)  # the L4s at the end
+
+    class OrderScorer:
+        """Rewards the L4s at the end (2.0), then the tiling as it is (1.5)."""
+
+        def __init__(self) -> None:
+            self.calls: list[tuple[tuple[int, int, int], ...]] = []
+
+        def __call__(self, batch: Sequence[Ranges]) -> list[float]:
+            out = []
+            for r in batch:
+                self.calls.append(key(r))
+                clock.charge(1.0)
+                ends = {net.cluster.nodes[i].gpu for i, (_, e) in r.items() if e == 80}
+                out.append(2.0 if ends == {"L4"} else 1.5 if key(r) == key(tiling) else 1.0)
+            return out
+
+    petals, swarm = BASELINES["petals"](net), BASELINES["swarm"](net)
+    scorer = OrderScorer()
+    starts = [("petals", petals), ("tiling", tiling), ("swarm", swarm)]
+    out = served_search(net, starts, scorer, work(5.5), seed=0, max_stall=0)
+    # the tiling leads after the first batch: its block orders (the end first) are scored
+    # before swarm, which the budget then leaves out; the L4s-at-the-end order is kept
+    assert scorer.calls == [key(petals), key(tiling)] + [key(r) for r in orders[:3]]
+    assert out.best.source == "block order of tiling" and out.best.value == 2.0
+    assert key(out.best.ranges) == key(orders[1])
+
+
+def test_wall_clock_cap_stops_the_work_clock():
+    import time
+
+    with clock.wall_cap(time.time() + 3600), clock.work_clock():
+        a = clock.now()
+        assert clock.now() - a < 1.0 and not clock.capped()
+    with clock.wall_cap(time.time() - 1.0), clock.work_clock():
+        assert clock.now() >= clock.CAP_JUMP and clock.capped()
+    assert not clock.capped()  # outside the cap's block
+    with clock.work_clock():  # no cap: the counter alone
+        assert clock.now() < 1.0 and not clock.capped()
+
+
+def test_a_leader_of_many_blocks_keeps_its_orders_for_after_the_starts(net, counted):  # noqa: F811
+    from helixserve.planner.served import EARLY_ORDER_BLOCKS, block_orders
+
+    # 20 stages of 4 layers: L4 and T4 alternating over the first 16, then T4s (16 blocks)
+    alt: Ranges = {}
+    l4, t4 = iter(range(4, 12)), iter(range(12, 24))
+    for p in range(20):
+        alt[next(l4) if p < 16 and p % 2 == 0 else next(t4)] = (4 * p, 4 * p + 4)
+    kind = [f"{x.gpu}x{x.num_gpus}" for x in net.cluster.nodes]
+    orders = block_orders(alt, kind, 80)
+    assert len(orders) > 2 * (EARLY_ORDER_BLOCKS - 1)
+    petals, swarm = BASELINES["petals"](net), BASELINES["swarm"](net)
+
+    class Prefers:
+        def __init__(self) -> None:
+            self.calls: list[tuple[tuple[int, int, int], ...]] = []
+
+        def __call__(self, batch: Sequence[Ranges]) -> list[float]:
+            self.calls += [key(r) for r in batch]
+            clock.charge(len(batch))
+            return [2.0 if key(r) == key(alt) else 1.0 for r in batch]
+
+    scorer = Prefers()
+    out = served_search(net, [("petals", petals), ("alt", alt), ("swarm", swarm)], scorer,
+                        work(5.5), seed=0, max_stall=0)
+    # every start first; then the leader's orders (the step after the starts)
+    assert scorer.calls[:3] == [key(petals), key(alt), key(swarm)]
+    assert scorer.calls[3:] == [key(r) for r in orders[: len(scorer.calls) - 3]]
+    assert out.best.source == "alt"
