@@ -55,14 +55,8 @@ worker's node; benchmarks/engine_stall_demo.py freezes one demo worker so).
 
 Prefix caching (docs/prefix-caching.md): after every engine step (and after releases or a
 range switch) the engine thread takes the engine's cache events (`take_cache_events`), and
-the loop sends them on every coordinator stream: always before any result that follows them
-(in the same ResultBatch when they are sent together), and on their own at most once per
-CACHE_REPORT_S. A step's events wait (merged with later ones, each block name in its last
-state) while the last report is younger than that, unless a result leaves first; so a
-stage that is not a route's last (its only traffic to coordinators is these reports) sends
-one report per CACHE_REPORT_S under load, not one per step (each a gRPC message for it and
-for every coordinator: docs/benchmarks.md, "Where the CPU goes"), and the first change
-after a quiet spell at once. The loop keeps the set of block names the engine holds, so a
+the loop sends them on every coordinator stream, in the ResultBatch of that step's results or
+alone, before those results. The loop keeps the set of block names the engine holds, so a
 coordinator stream that opens (a new coordinator, a reconnect) first gets all of them with
 `reset`. A request's first item may carry `prefix_token_ids` (its cached prefix), which every
 hop forwards; an engine that no longer holds it raises PrefixMissError, answered
@@ -172,12 +166,6 @@ BATCH_WAIT_ENV = "HELIXSERVE_BATCH_WAIT"
 #: ... waiting only for requests that ran in one of this many last steps (a request that
 #: stopped sending, say its coordinator holds it back, is not waited for again and again)
 BATCH_WAIT_STEPS = 2
-#: Seconds between two cache reports that no result carries (module doc, Prefix caching):
-#: a coordinator's view of a stage's prefix cache lags by at most this much more. What a
-#: late report costs: a new request with a cached prefix computes it again (a block stored
-#: but not yet reported), or runs into a prefix miss and is replayed (a block evicted but
-#: not yet reported), both as when reports cross a request on the wire.
-CACHE_REPORT_S = 0.5
 #: Test-only hang injection (module doc); never set in deployments.
 HANG_ENV = "HELIXSERVE_TEST_ENGINE_HANG"
 
@@ -382,12 +370,6 @@ class Worker(pb_grpc.HelixWorkerServicer):
         #: loop thread: the prefix block names the engine holds, from its cache events (a
         #: coordinator stream that opens gets them all first; module doc)
         self.cache_held: set[BlockHash] = set()
-        #: loop thread: cache events not reported yet (block name -> stored; a reset before
-        #: them), when the last report was sent (monotonic s), the flush waiting for its turn
-        self._cache_pending: dict[BlockHash, bool] = {}
-        self._cache_pending_reset = False
-        self._cache_reported_at = float("-inf")
-        self._cache_flush: asyncio.TimerHandle | None = None
 
     def _init_counters(self) -> None:
         """Counters of the bounds, the steps and the messages (Info reports them)."""
@@ -721,39 +703,11 @@ class Worker(pb_grpc.HelixWorkerServicer):
     # ---- loop thread: after a step ------------------------------------------------------
 
     def _send_cache(self, events: CacheEvents) -> None:
-        """Loop thread: the engine's cache events for every coordinator stream: now, or with
-        the next result, or CACHE_REPORT_S after the last report (module doc)."""
+        """Loop thread: the engine's cache events to every coordinator stream (module doc)."""
         if events.reset:
             self.cache_held.clear()
-            self._cache_pending.clear()
-            self._cache_pending_reset = True
         self.cache_held.difference_update(events.removed)
         self.cache_held.update(events.stored)
-        pending = self._cache_pending
-        pending.update(dict.fromkeys(events.removed, False))
-        pending.update(dict.fromkeys(events.stored, True))
-        if self._cache_flush is not None:
-            return  # a report is due already
-        wait_s = self._cache_reported_at + CACHE_REPORT_S - time.monotonic()
-        if wait_s <= 0 or self.loop is None:
-            self._report_cache()
-        else:
-            self._cache_flush = self.loop.call_later(wait_s, self._report_cache)
-
-    def _report_cache(self) -> None:
-        """Loop thread: the cache events not reported yet, to every coordinator stream."""
-        if self._cache_flush is not None:
-            self._cache_flush.cancel()
-            self._cache_flush = None
-        pending = self._cache_pending
-        if not pending and not self._cache_pending_reset:
-            return
-        events = CacheEvents([h for h, stored in pending.items() if stored],
-                             [h for h, stored in pending.items() if not stored],
-                             reset=self._cache_pending_reset)
-        self._cache_pending = {}
-        self._cache_pending_reset = False
-        self._cache_reported_at = time.monotonic()
         msg = tp.cache_events_to_pb(self.node, events)
         for stream in list(self.coordinators.values()):
             self._put(stream, msg)
@@ -817,8 +771,6 @@ class Worker(pb_grpc.HelixWorkerServicer):
             peer.notify()
 
     def deliver(self, result: pb.WorkResult, coordinator_id: str, origin: _Stream | None) -> None:
-        if self._cache_flush is not None:
-            self._report_cache()  # cache events before the results that follow them
         stream = self.coordinators.get(coordinator_id) or origin
         if stream is None:
             log.warning("no stream for result of %s: %s", result.request_id, result.error)
