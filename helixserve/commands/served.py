@@ -276,13 +276,11 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
 def clock_cap(wall_cap_s: float | None, started: float | None) -> Any:
     """clock.wall_cap at `wall_cap_s` seconds after `started` (a perf_counter reading; now
     when None), or no cap when `wall_cap_s` is None."""
-    from contextlib import nullcontext
-
     from helixserve.planner import clock
 
     if wall_cap_s is None:
-        return nullcontext()
-    since = time.perf_counter() - (time.perf_counter() if started is None else started)
+        return clock.wall_cap(None)
+    since = 0.0 if started is None else time.perf_counter() - started
     return clock.wall_cap(time.time() + wall_cap_s - since)
 
 

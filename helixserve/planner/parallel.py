@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from helixserve.errors import UserError
@@ -138,7 +138,7 @@ def _run_counted(fn: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, 
                  start: float, cap: float | None = None) -> tuple[R, float]:
     """`fn` on a work clock from `start` (its deadline is in units of work too), under the
     caller's wall-clock cap `cap` (clock.wall_cap); the result and where the clock ended."""
-    with clock.wall_cap(cap) if cap is not None else nullcontext(), clock.work_clock(start):
+    with clock.wall_cap(cap), clock.work_clock(start):
         result = fn(*args, **kwargs)
         return result, clock.now()
 

@@ -661,8 +661,8 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
     out.stopped_by = ("stall" if stall >= max_stall else "budget" if not fits()
                       else "no neighbour")
     say(f"served: the climb ended after {climbed} neighbours"
-        + (f" ({stall} batches without a gain)" if stall >= max_stall
-           else " (budget)" if not fits() else " (no neighbour left)"))
+        + {"stall": f" ({stall} batches without a gain)", "budget": " (budget)",
+           "no neighbour": " (no neighbour left)"}[out.stopped_by])
     if cur.value > out.best.value:
         out.best = cur
     out.evaluations = cache.evaluations

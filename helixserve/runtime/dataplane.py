@@ -232,9 +232,7 @@ class StreamPeer(Peer):
                     await self._wait()
                 finally:
                     self._parked = None
-            first = self.queue.get_nowait()
-            self.queued_tokens -= first.tokens
-            await write_data(writer, self.next_batch(first, hello=False))
+            await write_data(writer, self.next_batch(self._take(), hello=False))
 
     def notify(self) -> None:
         """A step's items are queued: with the writer parked (idle, its hello sent) and
@@ -247,9 +245,7 @@ class StreamPeer(Peer):
             super().notify()
             return
         while not self.queue.empty():
-            first = self.queue.get_nowait()
-            self.queued_tokens -= first.tokens
-            put_data(writer, self.next_batch(first, hello=False))
+            put_data(writer, self.next_batch(self._take(), hello=False))
             if writer.transport.get_write_buffer_size() >= WRITE_NOW_BYTES:
                 break
         if not self.queue.empty():

@@ -177,12 +177,19 @@ class Peer:
             if self._getter is getter:
                 self._getter = None
 
-    async def _get(self) -> Outgoing:
-        while self.queue.empty():
-            await self._wait()
+    def _take(self) -> Outgoing:
+        """The oldest queued item, its tokens no longer counted as queued (the queue must
+        not be empty)."""
         out = self.queue.get_nowait()
         self.queued_tokens -= out.tokens
         return out
+
+    async def _get(self) -> Outgoing:
+        """The next item to write: at once when one is queued (what queued while the last
+        batch was written), else after `notify` (the wait is for an idle stream)."""
+        while self.queue.empty():
+            await self._wait()
+        return self._take()
 
     def _stop_getter(self) -> None:
         """End the current stream's wait for items (module doc); it holds none."""
@@ -202,8 +209,7 @@ class Peer:
         items = [first]
         size = first.size_bytes()
         while size < BATCH_BYTES and not self.queue.empty():
-            item = self.queue.get_nowait()
-            self.queued_tokens -= item.tokens
+            item = self._take()
             items.append(item)
             item.write_into(batch.items.add())
             size += item.size_bytes()
@@ -213,11 +219,6 @@ class Peer:
         tp.declare_unsent(self.worker.node, self.address, [o.hidden for o in items],
                           message=batch, framing=self.framing)
         return batch
-
-    async def next_item(self) -> Outgoing:
-        """The next item to write: what queued while the last batch was written is taken at
-        once, without a loop turn (the wait is for an idle stream)."""
-        return await self._get()
 
     def deliver_back(self, batch: pb.ResultBatch) -> None:
         """Downstream normally reports to the coordinator directly; anything arriving on the
@@ -246,8 +247,7 @@ class Peer:
 
     def _fail_queued(self, message: str) -> None:
         while not self.queue.empty():
-            out = self.queue.get_nowait()
-            self.queued_tokens -= out.tokens
+            out = self._take()
             self.worker.report_error(out.request_id, out.step_id, out.coordinator_id,
                                      tp.UNAVAILABLE, message)
 
@@ -278,4 +278,4 @@ class GrpcPeer(Peer):
             yield batch
             del batch  # not kept while the stream waits for the next item
             hello = False
-            first = await self.next_item()
+            first = await self._get()
