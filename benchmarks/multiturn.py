@@ -3,7 +3,8 @@
 Issue 30's benchmark. Conversations share one system prompt (1,000 tokens by default,
 generated from a seed) and grow their history turn by turn (each request re-sends every
 earlier message and the assistant's actual replies); conversations run concurrently, the turns
-of one conversation one after another (helixserve/bench/conversations.py, multiturn.py). The
+of one conversation one after another (helixserve/bench/conversations.py, multiturn.py), each
+after the user's think time with `--think-time-s MEAN` (exponential per turn, seeded). The
 client is the `openai` package, streaming, so TTFT is what a chat client sees.
 
 Setups, each started as a user starts it, measured with the same conversations, and stopped
@@ -407,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-concurrency", type=int, default=None,
                     help="conversations in flight at once (default: all)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--think-time-s", type=float, default=0.0, metavar="MEAN",
+                    help="mean seconds a user waits before each turn (exponential, seeded; "
+                         "0: none). Without it equal conversations send their turns in the "
+                         "same order every round, and round-robin routes repeat")
     ap.add_argument("--engine", choices=("torch", "vllm"), default="torch",
                     help="the demo workers' engine")
     ap.add_argument("--worker-kv-cache-mb", type=int, default=128,
@@ -440,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         lo, hi = parse_turns(args.turns)
         conv_cfg = ConversationConfig(args.conversations, lo, hi, args.system_tokens,
-                                      args.user_tokens, args.user_tokens_range_ratio, args.seed)
+                                      args.user_tokens, args.user_tokens_range_ratio, args.seed,
+                                      args.think_time_s)
         conv_cfg.check()
         if args.output_tokens < 1:
             raise UserError(f"--output-tokens: must be >= 1, got {args.output_tokens}")

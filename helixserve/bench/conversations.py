@@ -48,6 +48,9 @@ class Conversation:
     index: int
     system_prompt: str
     user_turns: tuple[str, ...]
+    #: seconds the user waits before sending each turn (turn 0's: when the conversation
+    #: starts); empty: none, every turn is sent as soon as the previous reply ends
+    think_s: tuple[float, ...] = ()
 
     @property
     def num_turns(self) -> int:
@@ -82,6 +85,12 @@ class ConversationConfig:
     user_tokens: int = 32
     user_tokens_range_ratio: float = 0.5
     seed: int = 0
+    #: mean seconds a user waits before each turn (before the first: the conversation's
+    #: start), drawn from an exponential distribution per turn; 0: none. Without it,
+    #: conversations of equal shape finish their turns in the order they started and send the
+    #: next ones in that order too, so a round-robin router hands each conversation the same
+    #: route turn after turn: the lockstep of a benchmark, not of users
+    think_time_s: float = 0.0
 
     def check(self) -> None:
         """UserError naming the flag and the bad value (benchmarks/multiturn.py's names)."""
@@ -97,6 +106,8 @@ class ConversationConfig:
             raise UserError(
                 f"--user-tokens-range-ratio: must be in [0, 1), got {self.user_tokens_range_ratio}"
             )
+        if not 0.0 <= self.think_time_s < float("inf"):
+            raise UserError(f"--think-time-s: must be a number >= 0, got {self.think_time_s}")
 
 
 def make_system_prompt(num_tokens: int, seed: int) -> str:
@@ -112,7 +123,8 @@ def make_system_prompt(num_tokens: int, seed: int) -> str:
 def make_conversations(cfg: ConversationConfig) -> list[Conversation]:
     """`cfg.num_conversations` conversations sharing one system prompt; the same config gives
     the same text. Each conversation's user turns come from its own seeded stream, so the
-    first conversations are the same whatever the number of conversations."""
+    first conversations are the same whatever the number of conversations; think times come
+    from another stream, so they leave the text as it is without them."""
     cfg.check()
     system = make_system_prompt(cfg.system_prompt_tokens, cfg.seed)
     out = []
@@ -122,7 +134,11 @@ def make_conversations(cfg: ConversationConfig) -> list[Conversation]:
         lo = cfg.user_tokens * (1 - cfg.user_tokens_range_ratio)
         hi = cfg.user_tokens * (1 + cfg.user_tokens_range_ratio)
         user = tuple(make_text(max(2, round(rng.uniform(lo, hi))), rng) for _ in range(turns))
-        out.append(Conversation(i, system, user))
+        think: tuple[float, ...] = ()
+        if cfg.think_time_s > 0:
+            wait = random.Random(f"think-{cfg.seed}-{i}")
+            think = tuple(wait.expovariate(1.0 / cfg.think_time_s) for _ in range(turns))
+        out.append(Conversation(i, system, user, think))
     return out
 
 

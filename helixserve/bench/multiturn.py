@@ -97,11 +97,14 @@ async def send_turn(client: Any, cfg: ChatConfig, messages: list[dict[str, str]]
 
 
 async def run_conversation(client: Any, cfg: ChatConfig, conv: Conversation) -> list[TurnResult]:
-    """The turns of one conversation in order; a failed turn ends it (its history would lack
-    the reply), so the results may be fewer than its turns."""
+    """The turns of one conversation in order, each after its think time (if any); a failed
+    turn ends it (its history would lack the reply), so the results may be fewer than its
+    turns."""
     replies: list[str] = []
     results = []
     for turn in range(conv.num_turns):
+        if turn < len(conv.think_s) and conv.think_s[turn] > 0:
+            await asyncio.sleep(conv.think_s[turn])
         r = await send_turn(client, cfg, messages_for_turn(conv, turn, replies),
                             TurnResult(conv.index, turn))
         results.append(r)

@@ -59,6 +59,20 @@ def test_conversations_are_deterministic_share_the_system_prompt_and_differ() ->
     assert other[0].user_turns != convs[0].user_turns
 
 
+def test_think_times_are_seeded_exponential_and_leave_the_text_alone() -> None:
+    plain = ConversationConfig(num_conversations=40, min_turns=6, max_turns=6, seed=5)
+    thinking = ConversationConfig(num_conversations=40, min_turns=6, max_turns=6, seed=5,
+                                  think_time_s=2.0)
+    convs = make_conversations(thinking)
+    assert convs == make_conversations(thinking)
+    assert all(c.think_s == () for c in make_conversations(plain))
+    assert [c.user_turns for c in convs] == [c.user_turns for c in make_conversations(plain)]
+    waits = [w for c in convs for w in c.think_s]
+    assert len(waits) == 240 and all(w >= 0 for w in waits)
+    assert 1.5 < sum(waits) / len(waits) < 2.6  # mean 2 s: 240 draws, sd of the mean 0.13 s
+    assert len({c.think_s for c in convs}) == 40  # each conversation its own stream
+
+
 def test_history_grows_with_the_actual_replies_and_each_turn_extends_the_last() -> None:
     conv = Conversation(0, "SYS", ("u0", "u1", "u2"))
     replies = ["r0", "r1", "r2"]
@@ -88,7 +102,9 @@ def test_turns_flag_and_config_errors_name_the_flag_and_value() -> None:
     for field, value, flag in (("num_conversations", 0, "--conversations"),
                                ("user_tokens", 0, "--user-tokens"),
                                ("user_tokens_range_ratio", 1.0, "--user-tokens-range-ratio"),
-                               ("system_prompt_tokens", -1, "--system-tokens")):
+                               ("system_prompt_tokens", -1, "--system-tokens"),
+                               ("think_time_s", -1.0, "--think-time-s"),
+                               ("think_time_s", float("nan"), "--think-time-s")):
         with pytest.raises(UserError, match=f"{flag}: .*{value}"):
             make_conversations(ConversationConfig(**{field: value}))  # type: ignore[arg-type]
 

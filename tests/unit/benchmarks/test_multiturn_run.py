@@ -114,6 +114,26 @@ def test_every_turn_resends_the_history_with_the_servers_replies() -> None:
         assert r.output_tokens == 2
 
 
+def test_each_turn_waits_its_think_time_before_it_is_sent(monkeypatch) -> None:
+    from helixserve.bench import multiturn as chat
+
+    fake = FakeChat()
+    waited: list[tuple[float, int]] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(seconds: float) -> None:
+        waited.append((seconds, len(fake.requests)))  # the requests sent before the wait
+        await real_sleep(0)
+
+    monkeypatch.setattr(chat.asyncio, "sleep", sleep)
+    conv = make_conversations(ConversationConfig(num_conversations=1, min_turns=3, max_turns=3,
+                                                 system_prompt_tokens=20, user_tokens=4))[0]
+    conv = type(conv)(conv.index, conv.system_prompt, conv.user_turns, (0.5, 0.0, 1.25))
+    results, _ = _run_in_process(fake, [conv])
+    assert [r.turn for r in results if r.success] == [0, 1, 2]
+    assert waited == [(0.5, 0), (1.25, 2)]  # before turn 0 and turn 2; turn 1's is 0
+
+
 def test_a_failed_turn_ends_its_conversation_and_is_reported() -> None:
     fake = FakeChat()
     convs = make_conversations(ConversationConfig(num_conversations=2, system_prompt_tokens=20,
