@@ -448,6 +448,8 @@ class SchedulerCore:
             if req.request_id not in self._lookups:
                 self.prefix.count(route, info.prompt_tokens, cached)
                 self._lookups[req.request_id] = (route, info.prompt_tokens, cached)
+                if self.policy.cache_aware:
+                    self.prefix.admitted(req.request_id, tokens, info, self.prefix_block_size)
         self.kv.admit(info, [(h.name, h.end_layer - h.start_layer) for h in route.hops], now_s)
         self._routes[req.request_id] = route
         if cached:

@@ -81,6 +81,23 @@ loaded demo) waiting raised the cache-aware hit rate from 0.57-0.71 to 0.77-0.80
 lowered TTFT p90 from 38-72 s to 14-30 s; where no route was short, nothing changed
 (docs/prefix-caching.md "Routing").
 
+Shared prefixes do not steer. A prefix that several conversations share (a system prompt, a
+tool's instructions) soon sits on every route that serves them: the first request a route
+gets computes it once. Counted as a saving, it would send every new conversation to the
+routes already warm, where the load term sees only the requests in flight, not the
+conversations thinking between turns, so new conversations pile onto the first warm route;
+their growing histories then overflow its KV or its flow share and are pushed off one by one,
+each losing its history (on the demo's four routes with users who think between turns,
+every first turn went to one or two of them). So the rule treats the request's shared prefix
+as cached on every candidate: `effective(route) = max(cached(route), shared)`, in the cost,
+the one-more-block floor and the wait. A block is shared when two different blocks have
+followed it in admitted prompts (`SharedPrefixes`: it is where two prompts branch; a
+conversation's next turn only extends its last one, so its history never branches by
+itself), and a request's shared prefix runs to the last such block of its prompt. New
+conversations then take the router's pick (the flow's shares spread them), and only what is
+their own, their history, keeps them on a route. The admission's cached tokens stay what its
+route really holds.
+
 Router state. Asking the router for its pick advances its policy (maxflow's IWRR credits;
 the random and swarm coins). When another candidate is taken, `GraphRouter.take` tells the
 router: maxflow undoes the pick's credit update and credits the route taken instead, so the
@@ -247,6 +264,50 @@ def route_load(route: Route, state: Mapping[str, NodeState]) -> int:
     return load
 
 
+#: the blocks `SharedPrefixes` remembers (least recently seen dropped first): 65,536 blocks,
+#: about a million prompt tokens at 16 a block, some 10 MB
+SHARED_BLOCKS_KEPT = 1 << 16
+#: the span its names are taken over: the token chain alone, whatever the layers
+_CHAIN_SPAN = (0, 0)
+#: a block two different blocks have followed
+_BRANCH = b""
+
+
+class SharedPrefixes:
+    """Where admitted prompts branch: per block of a prompt's token chain, the block that
+    followed it, or `_BRANCH` once two different ones have (module doc, "Shared prefixes")."""
+
+    def __init__(self, kept: int = SHARED_BLOCKS_KEPT) -> None:
+        self.kept = kept
+        self._next: OrderedDict[BlockHash, BlockHash] = OrderedDict()
+
+    def add(self, chain: Sequence[BlockHash]) -> None:
+        """An admitted prompt's block names, in order."""
+        nxt = self._next
+        for parent, child in zip(chain, chain[1:], strict=False):
+            seen = nxt.get(parent)
+            if seen is None:
+                nxt[parent] = child
+            else:
+                if seen != child and seen != _BRANCH:
+                    nxt[parent] = _BRANCH
+                nxt.move_to_end(parent)
+        while len(nxt) > self.kept:
+            nxt.popitem(last=False)
+
+    def shared_blocks(self, chain: Sequence[BlockHash]) -> int:
+        """Blocks of `chain` from block 0 through the last one where prompts branched."""
+        nxt = self._next
+        shared = 0
+        for i, h in enumerate(chain):
+            seen = nxt.get(h)
+            if seen is None:
+                break
+            if seen == _BRANCH:
+                shared = i + 1
+        return shared
+
+
 class PrefixRouting:
     """The core's prefix state: the index, each request's names, the recent routes and the
     counters, per node (`stats`: node -> [prompt tokens queried, tokens hit]) and per
@@ -256,6 +317,7 @@ class PrefixRouting:
         self.index = PrefixIndex()
         self.names: dict[str, RequestNames] = {}
         self.recent = RecentRoutes(recent_routes)
+        self.shared = SharedPrefixes()
         self.stats: dict[str, list[int]] = {}
         self.total = [0, 0]
 
@@ -300,6 +362,24 @@ class PrefixRouting:
         self.total[0] += sign * prompt_tokens
         self.total[1] += sign * cached_tokens
 
+    def _chain(self, request_id: str, tokens: Sequence[int], block_size: int) -> list[BlockHash]:
+        names = self.names.get(request_id)
+        if names is None:
+            names = self.names[request_id] = RequestNames()
+        return names.names(tokens, len(tokens) // block_size, block_size, *_CHAIN_SPAN)
+
+    def admitted(self, request_id: str, tokens: Sequence[int], info: RequestInfo,
+                 block_size: int) -> None:
+        """A request's first admission: its prompt joins the shared prefixes' record."""
+        self.shared.add(self._chain(request_id, _prefill(tokens, info), block_size))
+
+    def shared_tokens(self, request_id: str, tokens: Sequence[int], block_size: int) -> int:
+        """Tokens of the prefill `tokens` that are a prefix other prompts share."""
+        if not tokens:
+            return 0
+        chain = self._chain(request_id, tokens, block_size)
+        return reusable_tokens(self.shared.shared_blocks(chain), len(tokens), block_size)
+
     def cached_tokens(self, request_id: str, tokens: Sequence[int], info: RequestInfo,
                       route: Route, block_size: int) -> int:
         """Tokens of the request's prefill that every hop of `route` holds."""
@@ -333,8 +413,9 @@ class PrefixRouting:
         if flow_excess is not None and weights.flow > 0:
             def excess(route: Route) -> float:
                 return float(flow_excess(route))
+        shared = self.shared_tokens(request_id, tokens, block_size)
         route, cached = self.choose(request_id, tokens, pick, usable, view, block_size,
-                                    weights, excess)
+                                    weights, excess, shared)
         if weights.wait_tokens > 0:
             def busy(route: Route) -> bool:
                 """Alive and accepted, and short of KV for the request only on hops where
@@ -355,7 +436,7 @@ class PrefixRouting:
                     continue
                 saved = reusable_tokens(self.matched(request_id, tokens, other, block_size),
                                         len(tokens), block_size)
-                if saved - cached >= weights.wait_tokens:
+                if max(saved, shared) - max(cached, shared) >= weights.wait_tokens:
                     return None
         if route != pick:
             # the router advanced its policy for `pick`; routers with state (maxflow's
@@ -369,14 +450,18 @@ class PrefixRouting:
     def choose(self, request_id: str, tokens: Sequence[int], pick: Route,
                usable: Callable[[Route], bool], state: Mapping[str, NodeState],
                block_size: int, weights: RouteWeights,
-               excess: Callable[[Route], float] | None = None) -> tuple[Route, int]:
+               excess: Callable[[Route], float] | None = None,
+               shared: int = 0) -> tuple[Route, int]:
         """The cheapest candidate by the module's rule and its cached tokens: `pick` (the
         router's), or a recent route `usable` accepts that reuses a block more than it.
-        `excess`: work beyond its flow share a route would carry (the flow term; None: 0)."""
+        `excess`: work beyond its flow share a route would carry (the flow term; None: 0).
+        `shared`: tokens of the prompt other prompts share, counted as cached on every
+        candidate ("Shared prefixes do not steer"); the cached tokens returned are the
+        route's own."""
         prompt = len(tokens)
 
         def cost(route: Route, cached: int) -> float:
-            c = weights.prefill * (prompt - cached) + \
+            c = weights.prefill * (prompt - max(cached, shared)) + \
                 weights.load_tokens * route_load(route, state)
             return c if excess is None else c + weights.flow * excess(route)
 
@@ -385,7 +470,7 @@ class PrefixRouting:
         best_cached = reusable_tokens(self.matched(request_id, tokens, pick, block_size, memo),
                                       prompt, block_size)
         best_cost: float | None = None  # the pick's, computed once another route qualifies
-        floor = best_cached + block_size
+        floor = max(best_cached, shared) + block_size
         for route in self.recent:
             if route == pick or not usable(route):
                 continue

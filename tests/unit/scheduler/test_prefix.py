@@ -18,7 +18,7 @@ from helixserve.prefix import CacheEvents, block_hashes, reusable_tokens
 from helixserve.scheduler import make_router
 from helixserve.scheduler.core import Admission, CoreRequest, SchedulerCore, SchedulerPolicy
 from helixserve.scheduler.kv import KvPolicy
-from helixserve.scheduler.prefix import PrefixIndex, RecentRoutes, RequestNames
+from helixserve.scheduler.prefix import PrefixIndex, RecentRoutes, RequestNames, SharedPrefixes
 from helixserve.scheduler.types import NodeState, RequestInfo, Route
 from helixserve.spec.cluster import COORDINATOR as C
 from tests.unit.scheduler.test_core import placement
@@ -488,10 +488,12 @@ def one_at_a_time(c: SchedulerCore, n: int) -> dict[str, int]:
 
 
 def test_the_flow_term_spreads_a_shared_prompt_over_routes_by_their_flow() -> None:
-    # the first conversation warms x; without the flow term x saves the system prompt (24
-    # tokens) against a cold y at every later pick of y, so y never gets one while idle
+    # the first conversation warms x, and x saves the second the system prompt (24 tokens)
+    # against a cold y; once two prompts have branched after it the system prompt is
+    # shared and steers no more ("Shared prefixes do not steer"), so even without the flow
+    # term the router's picks run from then on: 2 : 1 in all, x one ahead
     assert one_at_a_time(weighted_routes(2.0, 1.0, prefix_flow_weight=0.0), 30) == \
-        {"x": 30, "y": 0}
+        {"x": 20, "y": 10}
     # with it, x is taken over y only while its edge is less than 24 / 0.25 = 96 tokens of
     # work (36 a request) beyond its share; y then gets one, holds the prompt too, and the
     # routes share the conversations as the flow does, 2 : 1
@@ -499,6 +501,48 @@ def test_the_flow_term_spreads_a_shared_prompt_over_routes_by_their_flow() -> No
     assert sent["y"] >= 9 and abs(sent["x"] - 2 * sent["y"]) <= 3, sent
     sent = one_at_a_time(weighted_routes(1.0, 3.0), 40)
     assert sent["x"] >= 8 and abs(3 * sent["x"] - sent["y"]) <= 4, sent
+
+
+def test_prompts_branch_where_they_differ_and_a_conversation_never_by_itself() -> None:
+    turn0 = [b"s0", b"s1", b"a0"]
+    shared = SharedPrefixes()
+    shared.add(turn0)
+    assert shared.shared_blocks(turn0) == 0
+    shared.add([*turn0, b"a1", b"a2"])  # its next turn extends it: no branch
+    assert shared.shared_blocks([*turn0, b"a1", b"a3"]) == 0
+    shared.add([b"s0", b"s1", b"b0"])  # another conversation branches after s1
+    assert shared.shared_blocks([b"s0", b"s1", b"c0", b"c1"]) == 2
+    assert shared.shared_blocks([*turn0, b"a1"]) == 2
+    assert shared.shared_blocks([b"t0", b"s0", b"s1"]) == 0  # from block 0 only
+    bounded = SharedPrefixes(kept=3)
+    bounded.add([bytes([i]) for i in range(10)])
+    assert bounded.shared_blocks([bytes([i]) for i in range(10)]) == 0
+    assert len(bounded._next) == 3  # the least recently seen dropped
+
+
+def test_a_shared_prompt_steers_no_new_conversation_and_histories_keep_their_routes() -> None:
+    """New conversations, one at a time (no load term), no flow term: the first warms x and
+    the second follows the system prompt there; from then on the prompt is shared, the
+    router's picks spread the conversations, and each one's next turn returns to its route
+    for its history."""
+    c = weighted_routes(1.0, 1.0, prefix_flow_weight=0.0)
+    where: dict[int, str] = {}
+    first: dict[int, list[int]] = {}
+    for i in range(8):
+        tokens = SYSTEM + [1000 + i] * 8
+        d = admit(c, req(f"c{i}-t0", tokens))
+        where[i] = d.route.nodes[0]
+        first[i] = tokens + [2000 + i] * 4  # with its reply
+        holds(c, where[i], first[i], 0, 8)
+        c.finish(f"c{i}-t0")
+    assert [where[0], where[1]] == ["x", "x"]
+    assert list(where.values()).count("y") == 4  # the router's picks: x owed y two
+    for i in range(8):
+        tokens = first[i] + [3000 + i] * 8
+        d = admit(c, req(f"c{i}-t1", tokens))
+        assert d.route.nodes[0] == where[i], f"conversation {i} left its route"
+        assert d.cached_tokens == len(first[i])
+        c.finish(f"c{i}-t1")
 
 
 def test_a_conversation_sticks_to_its_route_while_the_flow_allows() -> None:
