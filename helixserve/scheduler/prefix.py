@@ -62,7 +62,7 @@ about one request of its share, so a conversation whose cached history saves mor
 Measured (docs/prefix-caching.md "Routing"): on the simulator's multi-turn tests
 (tests/unit/simulator/test_prefix_cache.py, maxflow) the flow term leaves the two one-node
 routes' hit rate at 0.854 (plain routes 0.722) and on four two-stage routes lowers it from
-0.872 to 0.813 while TTFT p50 drops from 0.042 s to 0.025 s (sticky conversations no longer
+0.836 to 0.813 while TTFT p50 drops from 0.030 s to 0.025 s (sticky conversations no longer
 queue on the routes they warmed first). It trades prefix hits for balance; of 0.25, 0.5
 and 1.0, 0.25 lost the fewest hits there and on helix-single-24.
 
