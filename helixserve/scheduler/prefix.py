@@ -88,7 +88,7 @@ routes already warm, where the load term sees only the requests in flight, not t
 conversations thinking between turns, so new conversations pile onto the first warm route;
 their growing histories then overflow its KV or its flow share and are pushed off one by one,
 each losing its history (on the demo's four routes with users who think between turns,
-every first turn went to one or two of them). So the rule treats the request's shared prefix
+five of the first six conversations started on one route). So the rule treats the request's shared prefix
 as cached on every candidate: `effective(route) = max(cached(route), shared)`, in the cost,
 the one-more-block floor and the wait. A block is shared when two different blocks have
 followed it in admitted prompts (`SharedPrefixes`: it is where two prompts branch; a
