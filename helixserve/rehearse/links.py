@@ -468,7 +468,12 @@ def socket_inode(host: str, port: int,
     (gRPC does: the address is then ::ffff:host). Give `remote`: Linux lets connect() reuse a
     local port for another destination, so host:port alone may name another process's
     socket (seen: the proxy's own connection to a worker, which made a worker's connection
-    the coordinator's and left its declared bytes charged nowhere; issue 27)."""
+    the coordinator's and left its declared bytes charged nowhere; issue 27).
+
+    A socket in TIME_WAIT is listed with inode 0 and may share host:port with a live one
+    (seen in CI: an earlier test's closed connection from the same port hid a live IPv6
+    caller), so it is passed over; 0 is returned only when nothing live matches."""
+    closed = None
     for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
         want = _packed(host, port, v6)
         peer = _packed(*remote, v6) if remote else None
@@ -479,8 +484,10 @@ def socket_inode(host: str, port: int,
         for line in lines:
             cols = line.split()
             if len(cols) > 9 and cols[1] == want and (peer is None or cols[2] == peer):
-                return int(cols[9])
-    return None
+                if int(cols[9]):
+                    return int(cols[9])
+                closed = 0
+    return closed
 
 
 def pid_holding(inode: int, pids: list[int]) -> int | None:

@@ -149,7 +149,7 @@ def test_proxy_names_the_calling_process() -> None:
             # as the proxy does (LinkProxy._source): a miss is looked up again, since on a
             # busy host /proc may list the socket a moment after the connection is accepted
             for _ in range(40):
-                name = resolver(peer)
+                name = resolver(peer, listener.getsockname())
                 if name != UNATTRIBUTED:
                     break
                 time.sleep(0.05)

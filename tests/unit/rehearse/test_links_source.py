@@ -39,3 +39,36 @@ def test_two_sockets_on_one_local_port_are_told_apart_by_what_they_called():
     finally:
         for sock in servers + clients:
             sock.close()
+
+
+def test_a_closed_connection_on_the_same_port_does_not_hide_a_live_one():
+    """CI failure: an earlier connection from the caller's port, closed by its side first,
+    sat in TIME_WAIT (inode 0) in /proc/net/tcp and the live caller was not looked for.
+    Where the kernel lists the two depends on their hashes, so ten ports are tried."""
+    for _ in range(10):
+        _closed_then_live()
+
+
+def _closed_then_live() -> None:
+    servers = [socket.socket() for _ in range(2)]
+    first, live = socket.socket(), socket.socket()
+    accepted = []
+    try:
+        for s in servers:
+            s.bind(("127.0.0.1", 0))
+            s.listen(1)
+        for c in (first, live):
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        first.bind(("127.0.0.1", 0))
+        port = first.getsockname()[1]
+        first.connect(servers[0].getsockname())
+        accepted.append(servers[0].accept()[0])
+        first.close()  # the active closer keeps the tuple in TIME_WAIT
+        accepted[0].close()
+        live.bind(("127.0.0.1", port))
+        live.connect(servers[1].getsockname())
+        assert socket_inode("127.0.0.1", port) == _inode(live)
+        assert socket_inode("127.0.0.1", port, servers[0].getsockname()) == 0
+    finally:
+        for sock in servers + [live] + accepted:
+            sock.close()
