@@ -39,6 +39,7 @@ from helixserve.rehearse.run import (
     offline_concurrency,
     request_timelines,
     simulate,
+    unsaturated_note,
 )
 
 FORMAT = "helixserve.rehearse/v1"
@@ -119,7 +120,8 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
         started = time.perf_counter()
         with cluster:
             start_s = time.perf_counter() - started
-            mode = (f"offline, {concurrency} streams" if opts.offline
+            mode = (f"offline, {concurrency} streams{unsaturated_note(inputs, concurrency)}"
+                    if opts.offline
                     else f"online, {opts.rate_per_s:g} requests/s" if opts.rate_per_s
                     else "online, the trace's arrivals")
             log(f"rehearse: started in {start_s:.1f} s; driving {opts.trace.name} ({mode}) for "

@@ -116,6 +116,17 @@ def offline_concurrency(inputs: RehearsalInputs, limit: int = MAX_OFFLINE_STREAM
     return max(1, min(limit, int(min(per_layer) / mean_tokens)))
 
 
+def unsaturated_note(inputs: RehearsalInputs, streams: int) -> str:
+    """"" or a note that `streams` keep fewer requests in flight than the KV holds: the
+    default's cap (MAX_OFFLINE_STREAMS) is a lighter load than a saturated cluster, and on
+    helix-mix-42 it ranks placements the other way round (docs/benchmarks.md, "The
+    rehearsal's 256 streams are a lighter load")."""
+    held = offline_concurrency(inputs, limit=4096)
+    if held <= streams:
+        return ""
+    return (f"; not saturated: the KV holds {held} requests, --concurrency {held} fills it")
+
+
 def bench_request(q: TraceRequest, rng: random.Random) -> BenchRequest:
     """The trace request as text: prompt_tokens - 1 one-token words, since the server's count
     includes the BOS token its tokenizer adds (the emulated tokenizer does)."""

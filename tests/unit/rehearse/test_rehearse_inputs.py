@@ -14,7 +14,13 @@ from helixserve.bench.client import RequestResult
 from helixserve.errors import UserError
 from helixserve.rehearse.inputs import load_inputs, reserve_ports
 from helixserve.rehearse.rehearsal import RehearsalOptions
-from helixserve.rehearse.run import Drive, Sent, measured_metrics, offline_concurrency
+from helixserve.rehearse.run import (
+    Drive,
+    Sent,
+    measured_metrics,
+    offline_concurrency,
+    unsaturated_note,
+)
 from helixserve.simulator.workload import TraceRequest
 
 TESTS = Path(__file__).resolve().parents[2]
@@ -56,6 +62,14 @@ def test_the_example_loads_with_flows_evaluated():
     assert len(inputs.requests) == 40 and inputs.requests[0].arrival_s == 0.0
     # offline streams: what the KV of the layer with the least holds, of mean requests
     assert 1 <= offline_concurrency(inputs) <= 256
+
+
+def test_fewer_streams_than_the_kv_holds_are_said_not_to_saturate():
+    inputs = load()
+    held = offline_concurrency(inputs, limit=4096)
+    assert unsaturated_note(inputs, held) == ""
+    assert unsaturated_note(inputs, held - 1) == (
+        f"; not saturated: the KV holds {held} requests, --concurrency {held} fills it")
 
 
 def test_node_not_in_the_cluster(tmp_path):
