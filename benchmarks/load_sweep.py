@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def sweep(args: argparse.Namespace) -> dict[str, Any]:
+def sweep(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     from helixserve.rehearse.inputs import load_inputs
     from helixserve.rehearse.run import OFFLINE_RAMP_S, offline_concurrency, simulate
 
@@ -81,8 +81,7 @@ def sweep(args: argparse.Namespace) -> dict[str, Any]:
                   f"{rows[-1]['decode_tokens_per_s']:.1f}", file=sys.stderr, flush=True)
     return {"cluster": str(args.cluster), "window": {"duration_s": duration,
                                                      "warmup_s": warmup},
-            "rows": rows, "command": " ".join(["python -m benchmarks.load_sweep",
-                                               *sys.argv[1:]]),
+            "rows": rows, "command": " ".join(["python -m benchmarks.load_sweep", *argv]),
             "machine": {"python": platform.python_version(), "platform": platform.platform()}}
 
 
@@ -103,9 +102,10 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     try:
-        result = sweep(args)
+        result = sweep(args, argv)
     except UserError as exc:
         print(f"load_sweep: {exc}", file=sys.stderr)
         return 2

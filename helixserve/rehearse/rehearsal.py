@@ -32,6 +32,7 @@ from helixserve.rehearse.cluster import (
 )
 from helixserve.rehearse.inputs import RehearsalInputs, load_inputs
 from helixserve.rehearse.run import (
+    MAX_CONCURRENCY,
     OFFLINE_RAMP_S,
     drive,
     errors_of,
@@ -83,8 +84,9 @@ class RehearsalOptions:
             raise UserError(f"--time-scale: bad value {self.time_scale:g}; need 0 < K <= 1000")
         if self.rate_per_s is not None and not self.rate_per_s > 0:
             raise UserError(f"--rate: bad value {self.rate_per_s:g}; need > 0 requests/s")
-        if self.concurrency is not None and not 1 <= self.concurrency <= 4096:
-            raise UserError(f"--concurrency: bad value {self.concurrency}; need 1..4096")
+        if self.concurrency is not None and not 1 <= self.concurrency <= MAX_CONCURRENCY:
+            raise UserError(f"--concurrency: bad value {self.concurrency}; need "
+                            f"1..{MAX_CONCURRENCY}")
         if self.payload_bytes_per_token is not None and self.payload_bytes_per_token < 1:
             raise UserError(f"--emulated-payload-bytes-per-token: bad value "
                             f"{self.payload_bytes_per_token}; need >= 1, or real")

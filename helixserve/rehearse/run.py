@@ -53,6 +53,8 @@ METRIC_KEYS = ("decode_tokens_per_s", "prompt_tokens_per_s", "ttft_p50_s", "ttft
                "tpot_p50_s", "tpot_p95_s")
 #: most streams an offline run keeps in flight (the coordinator queues at most 256 more)
 MAX_OFFLINE_STREAMS = 256
+#: most streams `--concurrency` may ask for
+MAX_CONCURRENCY = 4096
 #: seconds of cluster time an offline stream waits after a failed request before its next
 FAILED_PAUSE_S = 0.5
 #: seconds a client waits for a request before giving up on it (the run's cut comes first)
@@ -121,7 +123,7 @@ def unsaturated_note(inputs: RehearsalInputs, streams: int) -> str:
     default's cap (MAX_OFFLINE_STREAMS) is a lighter load than a saturated cluster, and on
     helix-mix-42 it ranks placements the other way round (docs/benchmarks.md, "The
     rehearsal's 256 streams are a lighter load")."""
-    held = offline_concurrency(inputs, limit=4096)
+    held = offline_concurrency(inputs, limit=MAX_CONCURRENCY)
     if held <= streams:
         return ""
     return (f"; not saturated: the KV holds {held} requests, --concurrency {held} fills it")
