@@ -62,7 +62,7 @@ import array
 import json
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from helixserve.costmodel import CostModel
@@ -290,9 +290,13 @@ class EmulatedEngine:
     def with_range(self, start_layer: int, end_layer: int) -> EmulatedEngine:
         """The same machine serving [start_layer, end_layer) (LoadRange); its KV is allocated
         by `allocate_kv`, after this engine's `release_memory` (as the torch engine's)."""
-        return EmulatedEngine(self.model, self.args, self.spec, start_layer, end_layer,
-                              self.dtype, self.block_size, allocate_kv=False,
-                              prefix_caching=self.prefix_caching)
+        engine = EmulatedEngine(self.model, self.args, self.spec, start_layer, end_layer,
+                                self.dtype, self.block_size, allocate_kv=False,
+                                prefix_caching=self.prefix_caching)
+        # the machine's report counts every step it emulated, under every range it held (the
+        # step times cached per batch shape are the old range's: not carried)
+        engine._n = replace(self._n, step_cache={})
+        return engine
 
     # ---- memory ------------------------------------------------------------------------
     def kv_blocks_for(self, kv_cache_bytes: int | None) -> int:

@@ -408,9 +408,10 @@ class EmulatedCluster:
 
     def stop(self) -> None:
         """Coordinator and API first (they release what the workers hold), then the workers,
-        then the proxy; each process group SIGTERMed, SIGKILLed after STOP_GRACE_S. Then
-        what each worker emulated, from its shutdown line. Safe to call twice."""
-        order = ["coordinator", *(f"worker-{n}" for n in self.nodes), "links", "forkserver"]
+        then the proxy; each process group SIGTERMed, SIGKILLed after STOP_GRACE_S; the fork
+        server last, once its children are gone (it reaps them). Then what each worker
+        emulated, from its shutdown line. Safe to call twice."""
+        order = ["coordinator", *(f"worker-{n}" for n in self.nodes), "links"]
         order = [n for n in order if n in self.procs]
         if "coordinator" in order:
             _stop_group(self.procs["coordinator"], STOP_GRACE_S)
@@ -418,11 +419,13 @@ class EmulatedCluster:
             _signal_group(self.procs[name], signal.SIGTERM)
         for name in order:
             _stop_group(self.procs[name], STOP_GRACE_S)
+        if self.forkserver is not None:
+            self.forkserver.close()  # a closed stdin ends it
+        if "forkserver" in self.procs:
+            _stop_group(self.procs["forkserver"], STOP_GRACE_S)
         proxy = self.procs.get("links")
         if proxy is not None and proxy.stdout is not None:
             proxy.stdout.close()
-        if self.forkserver is not None:
-            self.forkserver.close()
         for node in self.nodes:
             m = _REPORT_RE.search(self.log_tail(f"worker-{node}", 4000))
             if m:
@@ -430,6 +433,12 @@ class EmulatedCluster:
                     "steps": int(m.group(1)), "emulated_s": float(m.group(2)),
                     "prompt_tokens": int(m.group(3)), "decode_tokens": int(m.group(4)),
                     "cached_tokens": int(m.group(5)), "overrun_s": float(m.group(6))}
+            elif node not in self.emulated:
+                proc = self.procs.get(f"worker-{node}")
+                code = None if proc is None else proc.poll()
+                print(f"rehearse: worker-{node} left no EMULATED report line (exit code {code}; "
+                      f"its log: {self.logs / f'worker-{node}.log'})", file=sys.stderr,
+                      flush=True)
 
     def stopped(self) -> bool:
         return all(p.poll() is not None for p in self.procs.values())

@@ -94,7 +94,7 @@ def test_six_emulated_machines_measured_next_to_simulated(tmp_path):
     assert report["cpu_s"]["coordinator"] > 0 and report["cpu_s"]["workers"] > 0
     assert set(report["nodes"]) == {"a0", "a1", "t0", "t1", "t2", "t3"}
     assert all(n["busy_measured"] is not None and n["steps"] > 0
-               for n in report["nodes"].values())
+               for n in report["nodes"].values()), (report["nodes"], proc.stderr[-3000:])
     # the only route stage t0 -> t1 crosses regions: the link carries the real activations
     # (16 KiB a token) as the simulator sends them, plus gRPC and TLS framing
     cross = report["links"]["t0->t1"]

@@ -341,6 +341,11 @@ def test_a_new_range_live_frees_the_old_kv_first(profiles):
     new.allocate_kv(None)
     assert new.kv_stats()["total_blocks"] > engine(profiles, 0, 10).kv_stats()["total_blocks"]
     assert new.kv_stats()["used_blocks"] == 0 and (new.start_layer, new.end_layer) == (0, 8)
+    # the machine's report counts the steps of both ranges, each timed for its own range
+    new.step([WorkItem("b", 0, 8, 0, [1, 2, 3], None, None)])
+    assert new.report().steps == 2 and new.report().prompt_tokens == 6
+    assert e.step_time_s([WorkItem("c", 0, 10, 0, [1, 2, 3], None, None)]) > new.step_time_s(
+        [WorkItem("c", 0, 8, 0, [1, 2, 3], None, None)])
 
 
 def test_a_placed_worker_emulates_the_machine_its_cluster_file_names(tmp_path):
