@@ -43,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--serve-duration", type=finite_float, default=None, metavar="SECONDS",
                    help="with --served: plan's --serve-duration (default: each placement's "
                    "own window, as plan's)")
+    p.add_argument("--serve-concurrency", type=int, default=None, metavar="N",
+                   help="with --served: plan's --serve-concurrency, N requests in flight "
+                   "(default: as many as the placement's KV admits, as plan's)")
     p.add_argument("--seed", type=int, default=0, help="with --served: plan's --seed")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="with --served: processes for the simulations (default: the cores "
@@ -60,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     plot_path = check_image("--plot", args.plot) if args.plot else None
     if args.serve_duration is not None and args.serve_duration <= 0:
         raise UserError(f"--serve-duration: bad value {args.serve_duration!r}; must be > 0")
+    if args.serve_concurrency is not None and args.serve_concurrency < 1:
+        raise UserError(f"--serve-concurrency: bad value {args.serve_concurrency}; need an "
+                        "integer >= 1")
     cluster, model, cost = load_inputs(args)
     placement = load_placement(args.placement)
     result = evaluate(cluster, model, cost, placement,
@@ -142,10 +148,12 @@ def _served(args: argparse.Namespace, placement: Any) -> ServedEstimate:
     served, served_also, _ = served_estimate(
         cluster, model, cost, placement, requests, engine=args.serve_engine, also=also,
         duration_s=args.serve_duration, seed=args.seed, jobs=args.jobs,
-        partial=not args.no_partial_inference)
+        partial=not args.no_partial_inference, concurrency=args.serve_concurrency)
+    window = ("in its own window" if args.serve_duration is None else
+              f"{args.serve_duration:g} s, the first "
+              f"{min(300.0, args.serve_duration / 4):g} s not counted")
+    if args.serve_concurrency is not None:
+        window += f", {args.serve_concurrency} requests in flight"
     return ServedEstimate(args.serve_engine, served,
                           also if served_also is not None else None, served_also,
-                          cost.reserved_bytes_per_gpu / 1e9, source,
-                          "in its own window" if args.serve_duration is None else
-                          f"{args.serve_duration:g} s, the first "
-                          f"{min(300.0, args.serve_duration / 4):g} s not counted")
+                          cost.reserved_bytes_per_gpu / 1e9, source, window)

@@ -200,6 +200,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "its makespan: for a light or bursty load, where a route's per-token "
                    "latency bounds throughput; the swarm, separate and petals placements "
                    "then compete too")
+    p.add_argument("--serve-concurrency", type=int, default=None, metavar="N",
+                   help="the load the placement is planned for: N requests in flight (a closed "
+                   "loop: each finished request replaced by the trace's next), as a user "
+                   "whose cluster sees about N requests at once states it; default: as many "
+                   "as each placement's KV admits (saturated, Helix's offline setting). "
+                   "Placements rank differently at the two loads (docs/planner.md, 'Planning "
+                   "for a stated load')")
     p.set_defaults(func=run)
 
 
@@ -232,6 +239,18 @@ def run(args: argparse.Namespace) -> int:
         args.serve_duration = REPLAY_HORIZON_S
     if args.serve_duration is not None and args.serve_duration <= 0:
         raise UserError(f"--serve-duration: bad value {args.serve_duration!r}; must be > 0")
+    if args.serve_concurrency is not None:
+        if args.serve_concurrency < 1:
+            raise UserError(f"--serve-concurrency: bad value {args.serve_concurrency}; need "
+                            "an integer >= 1")
+        if args.serve_mode != "saturate":
+            raise UserError(f"--serve-concurrency: {args.serve_concurrency} with --serve-mode "
+                            f"{args.serve_mode}; a stated load needs --serve-mode saturate "
+                            "(replay serves the trace's own arrivals)")
+        if not served and not args.serve_trace:
+            raise UserError(f"--serve-concurrency: {args.serve_concurrency} needs a served "
+                            "score: the served objective (the default with --planner milp) "
+                            "or --serve-trace")
     if not 0.0 <= args.max_loss <= 1.0:
         raise UserError(f"--max-loss: bad value {args.max_loss}; must be a fraction in [0, 1]")
     # before the work: a path that cannot be written fails now, not after the solve
@@ -371,7 +390,8 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
         warmup_s=min(300.0, args.serve_duration / 4),
         seed=args.seed,
         mode=args.serve_mode,
-    )
+        concurrency=args.serve_concurrency,
+    ).check()
     progress(f"serving selection: simulating the {planned.planner} placement and the "
              f"other candidates, {config.duration_s:.0f} s each")
     chosen, report = select_placement(cluster, model, cost, [planned], requests, config,
@@ -381,8 +401,10 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
         print(f"serving selection ({args.serve_engine} engine, the trace replayed to its "
               f"end, decode tokens over its makespan; * = kept):")
     else:
+        load = ("" if config.concurrency is None
+                else f", {config.concurrency} requests in flight")
         print(f"serving selection ({args.serve_engine} engine, {config.duration_s:.0f} s "
-              f"offline, the first {config.warmup_s:.0f} s not counted; * = kept):")
+              f"offline{load}, the first {config.warmup_s:.0f} s not counted; * = kept):")
     print(format_selection(report))
     return chosen
 
@@ -395,6 +417,7 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
                       also=None if args.serve_also == "none" else args.serve_also,
                       combine=args.serve_combine, reference=args.serve_reference,
                       duration_s=args.serve_duration, mode=args.serve_mode,
+                      concurrency=args.serve_concurrency,
                       time_limit_s=args.time_limit, work_limit=args.work_limit,
                       seed=args.seed, jobs=args.jobs, partial=partial, progress=progress,
                       started=started, wall_cap_s=args.wall_cap)
@@ -405,6 +428,10 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
               "whole request lifetimes" if config.window is not None else
               f"{config.duration_s:.0f} s offline, the first {config.warmup_s:.0f} s not "
               f"counted")
+    if config.concurrency is not None:
+        window += f", {config.concurrency} requests in flight"
+    elif config.mode != "replay":
+        window += ", as many requests in flight as the KV admits"
     first = outcome.starts[0]
     both = out.also is not None and out.also_tokens_per_s is not None
     line = (f"served (simulated, {args.serve_engine} engine, {window}): "

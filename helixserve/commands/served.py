@@ -174,12 +174,14 @@ class SimScorer:
 
 
 def served_configs(engine: str, also: str | None, duration_s: float | None,
-                   mode: str = "saturate", seed: int = 0) -> tuple[Any, Any]:
+                   mode: str = "saturate", seed: int = 0,
+                   concurrency: int | None = None) -> tuple[Any, Any]:
     """The served objective's simulation settings (simulator.selection.SelectionConfig), for
     `engine` and for the second engine model `also` (None without one, or when it is
     `engine`): each placement in its own window (planner/window.py) when `duration_s` is
     None and `mode` is saturate, else `duration_s` seconds (the first quarter, at most
-    300 s, not counted; in replay mode past the last arrival)."""
+    300 s, not counted; in replay mode past the last arrival). `concurrency`: a closed loop
+    of that many requests in flight instead of what the KV admits (SelectionConfig)."""
     from helixserve.planner.window import ScoringWindow
     from helixserve.simulator.presets import engine_config
     from helixserve.simulator.selection import SelectionConfig
@@ -188,7 +190,8 @@ def served_configs(engine: str, also: str | None, duration_s: float | None,
     fixed_s = REPLAY_HORIZON_S if duration_s is None else duration_s
     config = SelectionConfig.from_engine(
         engine_config(engine), duration_s=fixed_s, warmup_s=min(300.0, fixed_s / 4),
-        seed=seed, mode=mode, window=ScoringWindow() if windowed else None).check()
+        seed=seed, mode=mode, window=ScoringWindow() if windowed else None,
+        concurrency=concurrency).check()
     if also is None or also == engine:
         return config, None
     fields = SelectionConfig.from_engine(engine_config(also)).engine_fields()
@@ -198,16 +201,18 @@ def served_configs(engine: str, also: str | None, duration_s: float | None,
 def served_estimate(cluster: Any, model: Any, cost: Any, placement: Any, requests: list[Any],
                     *, engine: str = "vllm", also: str | None = DEFAULT_ALSO,
                     duration_s: float | None = None, seed: int = 0, jobs: int | None = 1,
-                    partial: bool = True) -> tuple[float, float | None, Any]:
+                    partial: bool = True,
+                    concurrency: int | None = None) -> tuple[float, float | None, Any]:
     """What the served objective's scorer gives `placement` (`plan_served`'s numbers, as
     `plan` prints them): decode tokens/s in `engine` and in `also` (None without one), with
     the same settings (`served_configs`), the placement's flows recomputed with `cost` (give
     the engine's memory, as `plan` does) and its `route_within_regions` kept; and the
-    SelectionConfig used."""
+    SelectionConfig used. `concurrency`: plan's --serve-concurrency (None: saturated)."""
     from helixserve.planner.flow import FlowNetwork
     from helixserve.planner.parallel import check_jobs
 
-    config, also_config = served_configs(engine, also, duration_s, "saturate", seed)
+    config, also_config = served_configs(engine, also, duration_s, "saturate", seed,
+                                         concurrency)
     net = FlowNetwork(cluster, model, cost)
     ranges = {net.index[r.name]: (r.start_layer, r.end_layer) for r in placement.nodes}
     scores: list[float | None] = []
@@ -252,7 +257,7 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
                 engine: str = "vllm", also: str | None = DEFAULT_ALSO, combine: str = "min",
                 reference: str = DEFAULT_REFERENCE,
                 duration_s: float | None = None,
-                mode: str = "saturate",
+                mode: str = "saturate", concurrency: int | None = None,
                 time_limit_s: float = 300.0, work_limit: float | None = None, seed: int = 0,
                 jobs: int | None = None, partial: bool = True, progress: Any = None,
                 started: float | None = None, wall_cap_s: float | None = None) -> ServedPlan:
@@ -261,6 +266,8 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
     and their neighbours scored by simulating `requests` on `engine` in the rest: each in its
     own window (planner/window.py) when `duration_s` is None, else for `duration_s` (the
     first quarter, at most 300 s, not counted; in replay mode, past the last arrival).
+    `concurrency`: the load stated, requests in flight (None: what each placement's KV
+    admits; SelectionConfig.concurrency).
     `also`: a second engine model each placement is simulated with the same way (the
     search then maximises planner/served.py's `Objective` of the two). `wall_cap_s`: with
     `work_limit`, a wall-clock cap from `started` behind it (clock.wall_cap; the plan's
@@ -268,7 +275,8 @@ def plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *,
     with clock_cap(wall_cap_s if work_limit is not None else None, started):
         return _plan_served(cluster, model, cost, requests, engine=engine, also=also,
                             combine=combine, reference=reference, duration_s=duration_s,
-                            mode=mode, time_limit_s=time_limit_s, work_limit=work_limit,
+                            mode=mode, concurrency=concurrency,
+                            time_limit_s=time_limit_s, work_limit=work_limit,
                             seed=seed, jobs=jobs, partial=partial, progress=progress,
                             started=started)
 
@@ -286,7 +294,8 @@ def clock_cap(wall_cap_s: float | None, started: float | None) -> Any:
 
 def _plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *, engine: str,
                  also: str | None, combine: str, reference: str, duration_s: float | None,
-                 mode: str, time_limit_s: float, work_limit: float | None, seed: int,
+                 mode: str, concurrency: int | None, time_limit_s: float,
+                 work_limit: float | None, seed: int,
                  jobs: int | None, partial: bool, progress: Any,
                  started: float | None) -> ServedPlan:
     from contextlib import nullcontext
@@ -309,7 +318,7 @@ def _plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *, en
                 work_limit=FLOW_SHARE * work_limit if work_limit is not None else None,
                 candidates=candidates)
     net = FlowNetwork(cluster, model, cost)
-    config, also_config = served_configs(engine, also, duration_s, mode, seed)
+    config, also_config = served_configs(engine, also, duration_s, mode, seed, concurrency)
     windowed = config.window is not None
     scorer = SimScorer(net, requests, config, check_jobs(jobs), partial)
     also_scorer = (None if also_config is None else
@@ -355,9 +364,11 @@ def _plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *, en
             starts += [(f"stacked tiling {i + 1}", ranges_of(p))
                        for i, (_, p) in enumerate(tilings[:TILING_STARTS])]
         starts += rest
+        load = ("as many requests in flight as the KV admits" if concurrency is None
+                else f"{concurrency} requests in flight")
         say(f"served objective: {len(starts)} starts, simulated "
             f"{'each in its own window' if windowed else f'{config.duration_s:.0f} s each'} "
-            f"({engine} engine{f' and {also}' if also_scorer is not None else ''})")
+            f"({engine} engine{f' and {also}' if also_scorer is not None else ''}; {load})")
         outcome = served_search(net, starts, scorer, end, seed, progress=say,
                                 also=also_scorer, combine=combine,
                                 reference=REFERENCES[reference])

@@ -96,6 +96,11 @@ class SelectionConfig:
     #: saturate only: size each placement's run by the rule of planner/window.py (its fill
     #: time, then whole request lifetimes) instead of `duration_s` / `warmup_s`
     window: ScoringWindow | None = None
+    #: saturate only: a closed loop of this many requests in flight (each finished request
+    #: replaced by the trace's next), the load a user states (`plan --serve-concurrency`);
+    #: None: as many as the placement's KV admits (the admission queue kept full). It sets
+    #: both engine models' offline feed.
+    concurrency: int | None = None
     #: the engine model's other SimConfig fields, as (name, value) pairs (the KV watermark,
     #: the helix-prototype model's admission promise, offline feeder, per-layer cost, ...)
     engine_options: tuple[tuple[str, Any], ...] = ()
@@ -121,7 +126,23 @@ class SelectionConfig:
         if self.mode not in SELECTION_MODES:
             raise UserError(f"--serve-mode: unknown mode {self.mode!r}; known: "
                             f"{', '.join(SELECTION_MODES)}")
+        if self.concurrency is not None:
+            if self.concurrency < 1:
+                raise UserError(f"--serve-concurrency: bad value {self.concurrency}; need an "
+                                "integer >= 1")
+            if self.mode != "saturate":
+                raise UserError(f"--serve-concurrency: {self.concurrency} with --serve-mode "
+                                f"{self.mode}; a stated load needs --serve-mode saturate (replay "
+                                "serves the trace's own arrivals)")
         return self
+
+    def sim_options(self) -> dict[str, Any]:
+        """The engine model's other SimConfig fields, with the offline feed of `concurrency`
+        when one is stated (a closed loop of that many, as `rehearse --offline` drives it)."""
+        options = dict(self.engine_options)
+        if self.concurrency is not None:
+            options.update(offline_feed="closed", feed_initial_requests=self.concurrency)
+        return options
 
 
 @dataclass
@@ -276,7 +297,7 @@ def _run(cluster: ClusterSpec, model: ModelSpec, cost: CostModel, placement: Pla
         max_prompt_tokens=config.max_prompt_tokens,
         max_prefilling=config.max_prefilling,
         timeline_buckets=buckets,
-        **dict(config.engine_options),
+        **config.sim_options(),
     )
     return Simulation(cluster, model, cost, placement, list(requests), cfg).run()
 

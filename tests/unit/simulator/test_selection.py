@@ -214,3 +214,45 @@ def test_stacked_tilings_under_the_caps_are_the_full_enumeration(shared_data) ->
     assert not count.capped and count.candidates == 667
     unlimited = stacked_tilings(single, model, cost, max_tilings=10**9, max_steps=10**9)
     assert [(e, p.nodes) for e, p in tilings] == [(e, p.nodes) for e, p in unlimited]
+
+
+def test_a_stated_load_scores_placements_at_that_many_requests_in_flight() -> None:
+    """`plan --serve-concurrency N`: a closed loop of N requests. At one request in flight
+    two machines holding every layer serve more than a six-machine chain (a request's pace
+    is its route's per-token latency); saturated, the chain's KV and stages win."""
+    from helixserve.simulator.sim import SimConfig, Simulation
+
+    s = make_setup(MACHINES)
+    chain = Placement("tiny", "analytic", 4, "chain", [
+        NodeRange("f0", 0, 2), NodeRange("f1", 2, 4),
+        *(NodeRange(f"s{i}", i, i + 1) for i in range(4))])
+    fat = Placement("tiny", "analytic", 4, "fat", [NodeRange("f0", 0, 4), NodeRange("f1", 0, 4)])
+    reqs = fixed_requests(60, prompt=300, output=40)
+
+    def score(p: Placement, concurrency: int | None) -> float:
+        cfg = SelectionConfig(duration_s=120.0, warmup_s=20.0, concurrency=concurrency)
+        return simulate_candidate(s.cluster, s.model, s.cost, p, reqs, cfg)
+
+    assert score(fat, 1) > 2 * score(chain, 1)
+    assert score(chain, None) > 1.5 * score(fat, None)
+    assert score(chain, 1) < score(chain, 16) < score(chain, None)
+    # the score is the simulator's own closed loop of that many, both engine models alike
+    cfg = SelectionConfig(duration_s=120.0, warmup_s=20.0, concurrency=4,
+                          engine_options=(("offline_feed", "kv-feeder"),))
+    assert cfg.sim_options()["offline_feed"] == "closed"
+    result = Simulation(s.cluster, s.model, s.cost, chain, list(reqs), SimConfig(
+        duration_s=120.0, warmup_s=20.0, offline=True, offline_feed="closed",
+        feed_initial_requests=4)).run()
+    from helixserve.simulator.metrics import summarize
+
+    assert score(chain, 4) == pytest.approx(summarize(result)["decode_throughput_tokens_per_s"])
+
+
+@pytest.mark.parametrize(("concurrency", "mode", "needle"), [
+    (0, "saturate", "--serve-concurrency: bad value 0; need an integer >= 1"),
+    (8, "replay", "--serve-concurrency: 8 with --serve-mode replay; a stated load needs"),
+])
+def test_a_stated_load_that_cannot_be_served_is_refused(concurrency: int, mode: str,
+                                                       needle: str) -> None:
+    with pytest.raises(UserError, match=needle):
+        SelectionConfig(concurrency=concurrency, mode=mode).check()
