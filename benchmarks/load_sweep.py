@@ -77,7 +77,7 @@ def sweep(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                          "decode_tokens_per_s": round(m["decode_tokens_per_s"], 1),
                          "prompt_tokens_per_s": round(m["prompt_tokens_per_s"], 1),
                          "cpu_s": round(time.process_time() - t0, 1)})
-            print(f"  {path.name}: {streams} streams, decode "
+            print(f"  {path}: {streams} streams, decode "
                   f"{rows[-1]['decode_tokens_per_s']:.1f}", file=sys.stderr, flush=True)
     return {"cluster": str(args.cluster), "window": {"duration_s": duration,
                                                      "warmup_s": warmup},
@@ -85,18 +85,34 @@ def sweep(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "machine": {"python": platform.python_version(), "platform": platform.platform()}}
 
 
+def short_names(paths: list[str]) -> dict[str, str]:
+    """Each path by its file name, or by as many of its last parts as tell it apart from the
+    others (two `helix-mix-42-milp.json` in different folders)."""
+    out: dict[str, str] = {}
+    for path in paths:
+        parts = Path(path).parts
+        for k in range(1, len(parts) + 1):
+            tail = parts[-k:]
+            if sum(Path(o).parts[-k:] == tail for o in paths) == 1 or k == len(parts):
+                out[path] = str(Path(*tail))
+                break
+    return out
+
+
 def table(result: dict[str, Any]) -> str:
     rows = result["rows"]
     names = list(dict.fromkeys(r["placement"] for r in rows))
+    short = short_names(names)
+    width = max(40, *(len(x) + 2 for x in short.values()))
     first = {r["requested"]: r["decode_tokens_per_s"] for r in rows if r["placement"] == names[0]}
     w = result["window"]
     out = [f"{result['cluster']}: decode tokens/s, window {w['warmup_s']:g}-{w['duration_s']:g} s "
            "of cluster time (the rehearsal's simulator, closed loop of N streams)",
-           f"{'placement':<40}{'KV streams':>11}{'streams':>9}{'decode':>10}{'/ first':>9}"]
+           f"{'placement':<{width}}{'KV streams':>11}{'streams':>9}{'decode':>10}{'/ first':>9}"]
     for r in rows:
         base = first.get(r["requested"])
         ratio = f"{r['decode_tokens_per_s'] / base:.2f}" if base else "-"
-        out.append(f"{Path(r['placement']).name:<40}{r['kv_streams']:>11}{r['concurrency']:>9}"
+        out.append(f"{short[r['placement']]:<{width}}{r['kv_streams']:>11}{r['concurrency']:>9}"
                    f"{r['decode_tokens_per_s']:>10.1f}{ratio:>9}")
     return "\n".join(out)
 

@@ -30,3 +30,8 @@ def test_a_bad_window_exits_2_naming_the_flag(capsys):
     assert load_sweep.main(["--cluster", str(CLUSTER), "--placements", str(AUTHORS),
                             "--window", "10", "20"]) == 2
     assert "--window: bad value 10 20" in capsys.readouterr().err
+
+
+def test_placements_of_one_name_are_told_apart_by_their_folders():
+    names = load_sweep.short_names(["a/x/p.json", "a/y/p.json", "a/q.json"])
+    assert names == {"a/x/p.json": "x/p.json", "a/y/p.json": "y/p.json", "a/q.json": "q.json"}
