@@ -63,9 +63,10 @@ def run(args: argparse.Namespace) -> int:
     plot_path = check_image("--plot", args.plot) if args.plot else None
     if args.serve_duration is not None and args.serve_duration <= 0:
         raise UserError(f"--serve-duration: bad value {args.serve_duration!r}; must be > 0")
-    if args.serve_concurrency is not None and args.serve_concurrency < 1:
-        raise UserError(f"--serve-concurrency: bad value {args.serve_concurrency}; need an "
-                        "integer >= 1")
+    if args.serve_concurrency is not None:
+        from helixserve.simulator.selection import check_stated_load
+
+        check_stated_load(args.serve_concurrency)
     cluster, model, cost = load_inputs(args)
     placement = load_placement(args.placement)
     result = evaluate(cluster, model, cost, placement,

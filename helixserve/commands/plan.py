@@ -240,13 +240,9 @@ def run(args: argparse.Namespace) -> int:
     if args.serve_duration is not None and args.serve_duration <= 0:
         raise UserError(f"--serve-duration: bad value {args.serve_duration!r}; must be > 0")
     if args.serve_concurrency is not None:
-        if args.serve_concurrency < 1:
-            raise UserError(f"--serve-concurrency: bad value {args.serve_concurrency}; need "
-                            "an integer >= 1")
-        if args.serve_mode != "saturate":
-            raise UserError(f"--serve-concurrency: {args.serve_concurrency} with --serve-mode "
-                            f"{args.serve_mode}; a stated load needs --serve-mode saturate "
-                            "(replay serves the trace's own arrivals)")
+        from helixserve.simulator.selection import check_stated_load
+
+        check_stated_load(args.serve_concurrency, args.serve_mode)
         if not served and not args.serve_trace:
             raise UserError(f"--serve-concurrency: {args.serve_concurrency} needs a served "
                             "score: the served objective (the default with --planner milp) "

@@ -126,14 +126,7 @@ class SelectionConfig:
         if self.mode not in SELECTION_MODES:
             raise UserError(f"--serve-mode: unknown mode {self.mode!r}; known: "
                             f"{', '.join(SELECTION_MODES)}")
-        if self.concurrency is not None:
-            if self.concurrency < 1:
-                raise UserError(f"--serve-concurrency: bad value {self.concurrency}; need an "
-                                "integer >= 1")
-            if self.mode != "saturate":
-                raise UserError(f"--serve-concurrency: {self.concurrency} with --serve-mode "
-                                f"{self.mode}; a stated load needs --serve-mode saturate (replay "
-                                "serves the trace's own arrivals)")
+        check_stated_load(self.concurrency, self.mode)
         return self
 
     def sim_options(self) -> dict[str, Any]:
@@ -143,6 +136,19 @@ class SelectionConfig:
         if self.concurrency is not None:
             options.update(offline_feed="closed", feed_initial_requests=self.concurrency)
         return options
+
+
+def check_stated_load(concurrency: int | None, mode: str = "saturate") -> None:
+    """UserError naming `--serve-concurrency` unless it is None or N >= 1 with the saturate
+    mode (`SelectionConfig.concurrency`; `plan` checks it before any work)."""
+    if concurrency is None:
+        return
+    if concurrency < 1:
+        raise UserError(f"--serve-concurrency: bad value {concurrency}; need an integer >= 1")
+    if mode != "saturate":
+        raise UserError(f"--serve-concurrency: {concurrency} with --serve-mode {mode}; a "
+                        "stated load needs --serve-mode saturate (replay serves the trace's "
+                        "own arrivals)")
 
 
 @dataclass
