@@ -199,6 +199,13 @@ class EmulatedCluster:
         return CoordinatorConfig().hang_timeout_s * self.time_scale
 
     @property
+    def admission_timeout_s(self) -> float:
+        """How long a request waits for KV room before the API answers 503: its default x the
+        time scale (the same wait in cluster time: a rehearsal past saturation queues requests
+        as the cluster would)."""
+        return CoordinatorConfig().admission_timeout_s * self.time_scale
+
+    @property
     def api_url(self) -> str:
         return f"http://{HOST}:{self.ports.api}"
 
@@ -301,6 +308,7 @@ class EmulatedCluster:
             "serve", "--step-timeout-s", repr(self.step_timeout_s),
             "--stats-interval-s", repr(self.stats_interval_s),
             "--hang-timeout-s", repr(self.hang_timeout_s),
+            "--admission-timeout-s", repr(self.admission_timeout_s),
             "--cluster", str(self.cluster_path), *common, "--host", HOST,
             "--port", str(self.ports.api), "--profiles", str(self.inputs.profiles_path),
             "--gpu-reserve-gb", str(DEFAULT_RESERVED_GB_PER_GPU), "--no-replan",

@@ -24,9 +24,10 @@ def test_serves_timing_flags_are_the_coordinators_fields() -> None:
     parser = build_parser()
     base = ["serve", "--cluster", "c.yaml", "--placement", "p.json", "--model", "m"]
     args = parser.parse_args([*base, "--step-timeout-s", "1200", "--stats-interval-s", "2",
-                              "--hang-timeout-s", "80"])
+                              "--hang-timeout-s", "80", "--admission-timeout-s", "480"])
     options = timing_options(args)
-    assert options == {"step_timeout_s": 1200.0, "stats_interval_s": 2.0, "hang_timeout_s": 80.0}
+    assert options == {"step_timeout_s": 1200.0, "stats_interval_s": 2.0, "hang_timeout_s": 80.0,
+                       "admission_timeout_s": 480.0}
     CoordinatorConfig(**options).check()  # every name is a field
     assert timing_options(parser.parse_args(base)) == {}
     with pytest.raises(UserError, match="--admission-timeout-s: bad value 0"):
@@ -39,6 +40,7 @@ def test_the_coordinators_timing_grows_with_the_time_scale() -> None:
     assert cluster.step_timeout_s == CoordinatorConfig().step_timeout_s * 8.0
     assert cluster.stats_interval_s == CoordinatorConfig().stats_interval_s * 8.0
     assert cluster.hang_timeout_s == CoordinatorConfig().hang_timeout_s * 8.0
+    assert cluster.admission_timeout_s == CoordinatorConfig().admission_timeout_s * 8.0
 
 
 def test_a_profiled_child_writes_its_threads_stats(tmp_path: Path) -> None:
