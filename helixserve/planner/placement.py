@@ -77,6 +77,9 @@ class Placement:
     #: routers keep a request inside its region wherever the flow continues there (a
     #: serving-selection choice for multi-region clusters; see helixserve.scheduler.maxflow)
     route_within_regions: bool = False
+    #: the requests in flight the served objective scored it at (`plan --serve-concurrency`);
+    #: None: saturated, or not scored by serving
+    served_concurrency: int | None = None
     #: where it came from, the first word of its errors: the file it was read from, else
     #: "placement"
     source: str = field(default="placement", compare=False, repr=False)
@@ -132,6 +135,8 @@ class Placement:
                 out[key] = round(value, 6)
         if self.route_within_regions:
             out["route_within_regions"] = True
+        if self.served_concurrency is not None:
+            out["served_concurrency"] = self.served_concurrency
         return out
 
     def save(self, path: str | Path) -> None:
@@ -202,6 +207,11 @@ class Placement:
             raise UserError(f"{source}: route_within_regions: expected true or false, "
                             f"got {within!r}")
         placement.route_within_regions = within
+        load = data.get("served_concurrency")
+        if load is not None and (isinstance(load, bool) or not isinstance(load, int) or load < 1):
+            raise UserError(f"{source}: served_concurrency: expected an integer >= 1 (or null), "
+                            f"got {load!r}")
+        placement.served_concurrency = load
         placement.source = source
         placement.validate()
         return placement

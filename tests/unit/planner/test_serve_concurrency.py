@@ -30,6 +30,8 @@ def test_the_plan_says_the_load_it_was_scored_at_and_serves_less_at_a_light_one(
         m = re.search(r"\): ([\d,.]+) decode tokens/s", line)
         assert m, line
         served[load] = float(m.group(1).replace(",", ""))
+        # the placement says the load it was planned for (docs/formats.md), only when stated
+        assert json.loads(out.read_text()).get("served_concurrency") == (load and int(load))
     assert 0 < served["2"] < served[None]
     # evaluate --served scores the placement at the same load: plan's number
     assert main(["evaluate", "--example", "--placement", str(out), "--served",
@@ -52,3 +54,19 @@ def test_a_load_that_cannot_be_planned_for_is_one_line_and_exit_2(flags, needle,
     assert main(["plan", "--example", "--quiet", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_a_placement_keeps_its_stated_load_and_refuses_a_bad_one(tmp_path):
+    from helixserve.errors import UserError
+    from helixserve.planner import load_placement
+    from helixserve.planner.placement import NodeRange, Placement
+
+    p = Placement("m", "c", 4, "milp", [NodeRange("a", 0, 4)], served_concurrency=256)
+    path = tmp_path / "p.json"
+    p.save(path)
+    assert load_placement(path).served_concurrency == 256
+    raw = json.loads(path.read_text())
+    for bad in (0, 2.5, "256", True):
+        path.write_text(json.dumps({**raw, "served_concurrency": bad}))
+        with pytest.raises(UserError, match=rf"{path}: served_concurrency: expected an integer"):
+            load_placement(path)
