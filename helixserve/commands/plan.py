@@ -278,10 +278,10 @@ def run(args: argparse.Namespace) -> int:
                          jobs=args.jobs, work_limit=args.work_limit)
     if requests is not None and not served:
         placement = _select_by_serving(args, cluster, model, cost, placement, requests, progress)
-    if requests is not None or served:
-        placement.served_concurrency = args.serve_concurrency
         # the chosen candidate came out of the planning and the selection together
         placement.solve_time_s = time.perf_counter() - started
+    if requests is not None or served:
+        placement.served_concurrency = args.serve_concurrency
     result = evaluate(cluster, model, cost, placement, partial_inference=partial)
     held = {r.name for r in placement.nodes}
     unused = [n.name for n in cluster.nodes if n.name not in held]

@@ -441,9 +441,8 @@ class EmulatedCluster:
                     "steps": int(m.group(1)), "emulated_s": float(m.group(2)),
                     "prompt_tokens": int(m.group(3)), "decode_tokens": int(m.group(4)),
                     "cached_tokens": int(m.group(5)), "overrun_s": float(m.group(6))}
-            elif node not in self.emulated:
-                proc = self.procs.get(f"worker-{node}")
-                code = None if proc is None else proc.poll()
+            elif node not in self.emulated and f"worker-{node}" in self.procs:
+                code = self.procs[f"worker-{node}"].poll()
                 print(f"rehearse: worker-{node} left no EMULATED report line (exit code {code}; "
                       f"its log: {self.logs / f'worker-{node}.log'})", file=sys.stderr,
                       flush=True)
