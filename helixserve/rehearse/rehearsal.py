@@ -38,6 +38,7 @@ from helixserve.rehearse.run import (
     errors_of,
     measured_metrics,
     offline_concurrency,
+    planned_load_note,
     request_timelines,
     simulate,
     unsaturated_note,
@@ -123,6 +124,7 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
         with cluster:
             start_s = time.perf_counter() - started
             mode = (f"offline, {concurrency} streams{unsaturated_note(inputs, concurrency)}"
+                    f"{planned_load_note(inputs, concurrency)}"
                     if opts.offline
                     else f"online, {opts.rate_per_s:g} requests/s" if opts.rate_per_s
                     else "online, the trace's arrivals")

@@ -129,6 +129,17 @@ def unsaturated_note(inputs: RehearsalInputs, streams: int) -> str:
     return (f"; not saturated: the KV holds {held} requests, --concurrency {held} fills it")
 
 
+def planned_load_note(inputs: RehearsalInputs, streams: int) -> str:
+    """"" or a note that the placement was planned for another load than `streams` requests
+    in flight (its `served_concurrency`, `plan --serve-concurrency`): a placement ranks
+    differently at different loads (docs/planner.md, "Planning for a stated load")."""
+    planned = inputs.placement.served_concurrency
+    if planned is None or planned == streams:
+        return ""
+    return (f"; the placement was planned for {planned} requests in flight, --concurrency "
+            f"{planned} rehearses that load")
+
+
 def bench_request(q: TraceRequest, rng: random.Random) -> BenchRequest:
     """The trace request as text: prompt_tokens - 1 one-token words, since the server's count
     includes the BOS token its tokenizer adds (the emulated tokenizer does)."""

@@ -19,6 +19,7 @@ from helixserve.rehearse.run import (
     Sent,
     measured_metrics,
     offline_concurrency,
+    planned_load_note,
     unsaturated_note,
 )
 from helixserve.simulator.workload import TraceRequest
@@ -70,6 +71,18 @@ def test_fewer_streams_than_the_kv_holds_are_said_not_to_saturate():
     assert unsaturated_note(inputs, held) == ""
     assert unsaturated_note(inputs, held - 1) == (
         f"; not saturated: the KV holds {held} requests, --concurrency {held} fills it")
+
+
+def test_a_placement_planned_for_another_load_says_which(tmp_path):
+    inputs = load()
+    assert planned_load_note(inputs, 16) == ""  # planned saturated: nothing to say
+    raw = json.loads(PLACEMENT.read_text())
+    planned = load(placement_path=placement_with(tmp_path, served_concurrency=32))
+    assert planned_load_note(planned, 32) == ""
+    assert planned_load_note(planned, 16) == (
+        "; the placement was planned for 32 requests in flight, --concurrency 32 rehearses "
+        "that load")
+    assert raw.get("served_concurrency") is None
 
 
 def test_node_not_in_the_cluster(tmp_path):
