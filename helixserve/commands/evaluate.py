@@ -139,6 +139,7 @@ def _served(args: argparse.Namespace, placement: Any) -> ServedEstimate:
     requests (commands/served.py, `served_estimate`)."""
     from helixserve.commands.plan import _serve_requests, load_inputs
     from helixserve.commands.served import drawn_requests, served_estimate
+    from helixserve.simulator.selection import load_text
 
     cluster, model, cost = load_inputs(args, engine=args.serve_engine)
     if args.serve_trace:
@@ -154,7 +155,7 @@ def _served(args: argparse.Namespace, placement: Any) -> ServedEstimate:
               f"{args.serve_duration:g} s, the first "
               f"{min(300.0, args.serve_duration / 4):g} s not counted")
     if args.serve_concurrency is not None:
-        window += f", {args.serve_concurrency} requests in flight"
+        window += f", {load_text(args.serve_concurrency)}"
     return ServedEstimate(args.serve_engine, served,
                           also if served_also is not None else None, served_also,
                           cost.reserved_bytes_per_gpu / 1e9, source, window)

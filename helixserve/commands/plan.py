@@ -380,7 +380,7 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
     also routed within regions), whichever serves `requests` best."""
     from helixserve.planner.report import format_selection
     from helixserve.simulator.presets import engine_config
-    from helixserve.simulator.selection import SelectionConfig, select_placement
+    from helixserve.simulator.selection import SelectionConfig, load_text, select_placement
 
     config = SelectionConfig.from_engine(
         engine_config(args.serve_engine),
@@ -399,8 +399,7 @@ def _select_by_serving(args: argparse.Namespace, cluster: Any, model: Any, cost:
         print(f"serving selection ({args.serve_engine} engine, the trace replayed to its "
               f"end, decode tokens over its makespan; * = kept):")
     else:
-        load = ("" if config.concurrency is None
-                else f", {config.concurrency} requests in flight")
+        load = "" if config.concurrency is None else f", {load_text(config.concurrency)}"
         print(f"serving selection ({args.serve_engine} engine, {config.duration_s:.0f} s "
               f"offline{load}, the first {config.warmup_s:.0f} s not counted; * = kept):")
     print(format_selection(report))
@@ -411,6 +410,8 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
                  requests: list[Any], progress: Any, partial: bool,
                  started: float) -> tuple[Any, str]:
     """`plan_served` from the flags: the placement and the line that says what it serves."""
+    from helixserve.simulator.selection import load_text
+
     out = plan_served(cluster, model, cost, requests, engine=args.serve_engine,
                       also=None if args.serve_also == "none" else args.serve_also,
                       combine=args.serve_combine, reference=args.serve_reference,
@@ -426,10 +427,8 @@ def _plan_served(args: argparse.Namespace, cluster: Any, model: Any, cost: Any,
               "whole request lifetimes" if config.window is not None else
               f"{config.duration_s:.0f} s offline, the first {config.warmup_s:.0f} s not "
               f"counted")
-    if config.concurrency is not None:
-        window += f", {config.concurrency} requests in flight"
-    elif config.mode != "replay":
-        window += ", as many requests in flight as the KV admits"
+    if config.mode != "replay":
+        window += f", {load_text(config.concurrency)}"
     first = outcome.starts[0]
     both = out.also is not None and out.also_tokens_per_s is not None
     line = (f"served (simulated, {args.serve_engine} engine, {window}): "

@@ -306,7 +306,7 @@ def _plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *, en
     from helixserve.planner.portfolio import Candidate
     from helixserve.planner.registry import plan, to_placement
     from helixserve.planner.served import MIN_GAIN, Objective, served_search
-    from helixserve.simulator.selection import regional_pipelines
+    from helixserve.simulator.selection import load_text, regional_pipelines
 
     say = progress or (lambda msg: None)
     started = time.perf_counter() if started is None else started
@@ -364,8 +364,7 @@ def _plan_served(cluster: Any, model: Any, cost: Any, requests: list[Any], *, en
             starts += [(f"stacked tiling {i + 1}", ranges_of(p))
                        for i, (_, p) in enumerate(tilings[:TILING_STARTS])]
         starts += rest
-        load = ("as many requests in flight as the KV admits" if concurrency is None
-                else f"{concurrency} requests in flight")
+        load = load_text(concurrency)
         say(f"served objective: {len(starts)} starts, simulated "
             f"{'each in its own window' if windowed else f'{config.duration_s:.0f} s each'} "
             f"({engine} engine{f' and {also}' if also_scorer is not None else ''}; {load})")

@@ -138,6 +138,13 @@ class SelectionConfig:
         return options
 
 
+def load_text(concurrency: int | None) -> str:
+    """The load a served score assumed, as `plan` and `evaluate --served` print it."""
+    if concurrency is None:
+        return "as many requests in flight as the KV admits"
+    return f"{concurrency} requests in flight"
+
+
 def check_stated_load(concurrency: int | None, mode: str = "saturate") -> None:
     """UserError naming `--serve-concurrency` unless it is None or N >= 1 with the saturate
     mode (`SelectionConfig.concurrency`; `plan` checks it before any work)."""
