@@ -93,9 +93,12 @@ FORMAT = "helixserve.benchmarks.planner_served/v1"
 class Scoring:
     """The model, profiles, trace and clusters every scorer shares."""
 
-    def __init__(self, estimate_lengths: str = "held-out") -> None:
+    def __init__(self, estimate_lengths: str = "held-out",
+                 concurrency: int | None = None) -> None:
         #: ESTIMATE_LENGTHS: the lengths the served estimate draws its requests from
         self.estimate_lengths = estimate_lengths
+        #: --serve-concurrency: requests in flight in every simulated scorer (None: saturated)
+        self.concurrency = concurrency
         self.model: ModelSpec = load_model(full_size.MODEL)
         self.profiles: ProfileTable = load_profiles(full_size.PROFILES)
         self.trace: list[TraceRequest] = prepare_trace(load_azure_trace(full_size.TRACE))
@@ -129,8 +132,12 @@ class Scoring:
         p.throughput_tokens_per_s = res.throughput_tokens_per_s
         if not p.flows:
             return {"error": "serves 0 tokens/s (no chain of linked nodes holds every layer)"}
+        options = engine_config(engine)
+        if self.concurrency is not None:
+            # `helixserve simulate --offline --concurrency N`: plan's stated-load closed loop
+            options.update(offline_feed="closed", feed_initial_requests=self.concurrency)
         config = SimConfig(duration_s=window[0], warmup_s=window[1], offline=True,
-                           scheduler="maxflow", seed=0, **engine_config(engine))
+                           scheduler="maxflow", seed=0, **options)
         s = summarize(Simulation(cluster, self.model, cost, p, self.trace, config).run())
         return {"decode_tokens_per_s": round(s["decode_throughput_tokens_per_s"], 1),
                 "tpot_mean_s": round(s["tpot_s"]["mean"], 3),
@@ -154,7 +161,8 @@ class Scoring:
             try:
                 primary, also, _ = served_estimate(
                     self.cluster(key), self.model, cost, placement, self.estimate_requests(),
-                    engine="vllm", also="helix-prototype", jobs=1)
+                    engine="vllm", also="helix-prototype", jobs=1,
+                    concurrency=self.concurrency)
             except UserError as exc:
                 return {"error": str(exc)}
             wall = round(time.perf_counter() - started, 1)
@@ -273,9 +281,11 @@ def placements_for(key: str, args: argparse.Namespace, tmp: Path) -> dict[str, t
 def rehearse_args(args: argparse.Namespace) -> argparse.Namespace:
     """benchmarks/full_size.py's options for `--rehearse`: its defaults (offline), with this
     script's window and time scale."""
+    load = [] if args.serve_concurrency is None else [
+        "--concurrency", str(args.serve_concurrency)]
     return full_size.parser().parse_args(
         ["--duration", f"{args.rehearse_duration:g}", "--warmup", f"{args.rehearse_warmup:g}",
-         "--time-scale", f"{args.rehearse_time_scale:g}"])
+         "--time-scale", f"{args.rehearse_time_scale:g}", *load])
 
 
 def rehearse(key: str, plan: str, placement: Placement, args: argparse.Namespace,
@@ -379,7 +389,9 @@ def fmt(x: float | None, spec: str) -> str:
 def print_case(name: str, case: dict[str, Any]) -> None:
     scorers = [s for s in SCORERS if s in case["scores"]
                and any(v is not None for v in case["scores"][s].values())]
-    print(f"\n{name}, llama-2-70b: decode tokens/s")
+    load = case.get("serve_concurrency")
+    print(f"\n{name}, llama-2-70b: decode tokens/s" + (
+        "" if load is None else f"; {load} requests in flight in the simulated scorers"))
     width = {s: max(16, len(s) + 2) for s in scorers}
     print(f"{'placement':<15}" + "".join(f"{s:>{width[s]}}" for s in scorers))
     for plan in (p for p in PLANS if p in case["placements"]):
@@ -462,6 +474,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--helix-published", action="store_true",
                     help="also run the authors' placement with their own published simulator "
                     "cluster file (the number their artifact gives; details only)")
+    ap.add_argument("--serve-concurrency", type=int, default=None, metavar="N",
+                    help="the load of every simulated scorer: N requests in flight, a closed "
+                    "loop (estimate-*: evaluate --served --serve-concurrency N; vllm, "
+                    "helix-prototype: simulate --offline --concurrency N; the rehearsal: "
+                    "--concurrency N); default: saturated (the rehearsal: what the KV holds, "
+                    "at most 256). The evaluator's max flow and Helix's simulator (its own "
+                    "feeder) have no such load")
     ap.add_argument("--rehearse", action="store_true",
                     help="also score each placement with helixserve rehearse --offline "
                     "(benchmarks/full_size.py; minutes a placement)")
@@ -488,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         if window is not None and (window[0] <= 0 or not 0 <= window[1] < window[0]):
             ap.error(f"{flag}: bad value {window[0]:g} {window[1]:g}; need DURATION > 0 and "
                      "0 <= WARMUP < DURATION")
+    if args.serve_concurrency is not None and args.serve_concurrency < 1:
+        ap.error(f"--serve-concurrency: bad value {args.serve_concurrency}; need an integer >= 1")
     if args.placements is not None and not args.placements.is_dir():
         ap.error(f"--placements: {args.placements} is not a directory")
     args.planner_repo = args.planner_repo.resolve()
@@ -516,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                     "work_limit": args.work_limit, "time_limit_s": args.time_limit,
                     "gpu_reserve_gb": args.gpu_reserve_gb},
         "scorers": scorers,
+        "serve_concurrency": args.serve_concurrency,
         "windows_s": {"vllm": args.vllm_window, "helix-prototype": args.helix_prototype_window,
                       "helix-sim": args.helix_sim_window or [
                           helix_sim.WINDOW["warmup_s"] + helix_sim.WINDOW["duration_s"],
@@ -528,11 +550,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge and args.json and args.json.exists():
         priors.append(json.loads(args.json.read_text()))
     priors += [json.loads(path.read_text()) for path in args.merge_from]
+    for old in priors:
+        if old.get("serve_concurrency") != args.serve_concurrency:
+            ap.error(f"--merge-from: {old.get('command')!r} ran --serve-concurrency "
+                     f"{old.get('serve_concurrency')}, this run {args.serve_concurrency}; "
+                     "scores at two loads are not one table")
     if priors:
         report["merged_commands"] = [c for old in priors
                                      for c in old.get("merged_commands", [old.get("command")])]
     started = time.perf_counter()
-    scoring = Scoring(args.estimate_lengths)
+    scoring = Scoring(args.estimate_lengths, args.serve_concurrency)
     with tempfile.TemporaryDirectory(prefix="planner-served-") as tmp_name:
         tmp = Path(tmp_name)
         for key in args.clusters:
@@ -546,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                 "placements": {p: {**meta, "nodes": placement.to_dict()["nodes"]}
                                for p, (placement, meta) in plans.items()},
                 "scores": {s: {} for s in scorers}, "details": {s: {} for s in scorers},
-                "skipped": {},
+                "skipped": {}, "serve_concurrency": args.serve_concurrency,
             }
             for scorer in scorers:
                 if scorer == "helix-sim" and helix_missing:

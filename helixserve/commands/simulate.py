@@ -75,6 +75,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="keep the cluster saturated to measure its maximum throughput",
     )
     p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --offline: keep N requests in flight (a closed loop: each finished "
+        "request replaced by the trace's next), the load `plan --serve-concurrency N` "
+        "plans for and `rehearse --offline --concurrency N` drives; default: the engine "
+        "model's own offline feed (saturated)",
+    )
+    p.add_argument(
         "--poisson",
         action="store_true",
         help="Poisson arrivals at --rate instead of the trace's times (lengths "
@@ -294,6 +304,13 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise UserError(f"{flag}: bad value {value:g}; must be > 0")
     if args.warmup < 0:
         raise UserError(f"--warmup: bad value {args.warmup:g}; must be >= 0 (seconds)")
+    if args.concurrency is not None:
+        if args.concurrency < 1:
+            raise UserError(f"--concurrency: bad value {args.concurrency}; need an integer "
+                            ">= 1 (requests in flight)")
+        if not args.offline:
+            raise UserError(f"--concurrency: {args.concurrency} needs --offline (online, "
+                            "the trace's arrivals set the load)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -306,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.planner import PLANNERS, evaluate, load_placement, plan
     from helixserve.simulator.metrics import format_table, latencies, summarize
     from helixserve.simulator.presets import engine_gpu_reserve_gb
+    from helixserve.simulator.selection import load_text
     from helixserve.simulator.sim import SimConfig, Simulation
     from helixserve.simulator.workload import (
         LengthFilter,
@@ -317,6 +335,9 @@ def run(args: argparse.Namespace) -> int:
 
     _check_flags(args)
     engine = _engine_config(args)  # before loading and planning: a bad flag fails at once
+    if args.concurrency is not None:
+        # the closed loop that plan's served score at a stated load runs (SelectionConfig)
+        engine.update(offline_feed="closed", feed_initial_requests=args.concurrency)
     flags = read_cost_flags(args)
     json_path = check_output("--json", args.json) if args.json not in (None, "-") else None
     plot_dir = check_output("--plot", args.plot, directory=True) if args.plot else None
@@ -412,12 +433,15 @@ def run(args: argparse.Namespace) -> int:
     summary["engine"] = args.engine
     summary["gpu_reserve_gb"] = round(cost.reserved_bytes_per_gpu / 1e9, 6)
     summary["engine_config"] = engine
+    summary["offline_concurrency"] = args.concurrency
     if args.json == "-":
         print(json.dumps(summary, indent=1))
     else:
         print(format_table(summary))
         print(f"{'finished requests':<21}  {summary['requests_per_s']:.3f} requests/s after "
               f"the warmup (planned for --workload {args.workload})")
+        if args.concurrency is not None:
+            print(f"{'load':<21}  {load_text(args.concurrency)} (a closed loop)")
     outputs = []
     if json_path is not None:
         text = json.dumps(summary, indent=1) + "\n"

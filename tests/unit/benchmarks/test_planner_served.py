@@ -152,3 +152,40 @@ def test_rehearse_passes_full_size_every_option_it_reads(tmp_path, monkeypatch) 
     cmd = " ".join(started[0])
     assert "rehearse" in cmd and "--offline" in cmd
     assert "--duration 30 --warmup 10 --time-scale 4" in cmd
+
+
+def test_a_stated_load_runs_the_simulated_scorers_at_that_many_in_flight(tmp_path, capsys) -> None:
+    """--serve-concurrency N: the simulator scorer runs `helixserve simulate --offline
+    --concurrency N` (the same number), lighter than saturated, and the report says the load;
+    runs at two loads are not merged into one table."""
+    from helixserve.cli import main as cli
+
+    runs = {}
+    for load in (None, 8):
+        out = tmp_path / f"served-{load}.json"
+        extra = [] if load is None else ["--serve-concurrency", str(load)]
+        assert planner_served.main([
+            "--clusters", "single-24", "--plans", "authors", "--scorers", "vllm",
+            "--vllm-window", "60", "10", *extra, "--json", str(out)]) == 0
+        runs[load] = json.loads(out.read_text())
+    assert "8 requests in flight in the simulated scorers" in capsys.readouterr().out
+    assert runs[8]["serve_concurrency"] == 8 and runs[None]["serve_concurrency"] is None
+    light = runs[8]["clusters"]["helix-single-24"]["scores"]["vllm"]["authors"]
+    assert 0 < light < runs[None]["clusters"]["helix-single-24"]["scores"]["vllm"]["authors"]
+    sim = tmp_path / "sim.json"
+    repo = planner_served.full_size.REPO
+    assert cli(["simulate", "--cluster", str(repo / "examples/clusters/helix-single-24.yaml"),
+                "--model", str(planner_served.full_size.MODEL),
+                "--profiles", str(planner_served.full_size.PROFILES),
+                "--trace", str(planner_served.full_size.TRACE),
+                "--placement", str(repo / "benchmarks/helix-placements/"
+                                   "helix-single-24-llama-2-70b.json"),
+                "--offline", "--concurrency", "8", "--duration", "60", "--warmup", "10",
+                "--quiet", "--json", str(sim)]) == 0
+    assert round(json.loads(sim.read_text())["decode_throughput_tokens_per_s"], 1) == light
+    with pytest.raises(SystemExit) as exc:
+        planner_served.main(["--clusters", "single-24", "--plans", "authors", "--scorers",
+                             "vllm", "--serve-concurrency", "16", "--merge-from",
+                             str(tmp_path / "served-8.json")])
+    assert exc.value.code == 2
+    assert "scores at two loads are not one table" in capsys.readouterr().err

@@ -290,3 +290,42 @@ def test_route_within_regions_flag_is_recorded_and_changes_geo_routing(
 
     # the pipelines that must cross (L4s and T4s span two regions) still do, but less
     assert 0 < crossing(runs[True]) < crossing(runs[False])
+
+
+def test_offline_concurrency_keeps_that_many_requests_in_flight(
+    shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--offline --concurrency N`: the closed loop `plan --serve-concurrency N` scores, so a
+    lighter load serves less, and the JSON and the table say which load ran."""
+    placement = str(Path(__file__).resolve().parents[3] / "benchmarks" / "helix-placements"
+                    / "helix-single-24-llama-2-70b.json")
+    summaries: dict[int, dict[str, Any]] = {}
+    for n in (4, 48):
+        out = tmp_path / f"c{n}.json"
+        assert main(args(shared_data, "--placement", placement, "--offline", "--concurrency",
+                         str(n), "--duration", "90", "--warmup", "30", "--json",
+                         str(out))) == 0
+        assert f"{n} requests in flight (a closed loop)" in capsys.readouterr().out
+        summaries[n] = json.loads(out.read_text())
+    for n, s in summaries.items():
+        assert s["offline_concurrency"] == n
+        assert s["engine_config"]["offline_feed"] == "closed"
+        assert s["engine_config"]["feed_initial_requests"] == n
+        assert 0 < s["requests_in_flight"] <= n  # a finished request is replaced, no more
+    light, heavy = (summaries[n]["decode_throughput_tokens_per_s"] for n in (4, 48))
+    assert 0 < 3 * light < heavy
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (("--offline", "--concurrency", "0"),
+     "--concurrency: bad value 0; need an integer >= 1 (requests in flight)"),
+    (("--rate", "1", "--concurrency", "8"),
+     "--concurrency: 8 needs --offline (online, the trace's arrivals set the load)"),
+])
+def test_bad_concurrency_is_a_one_line_user_error(
+    shared_data: Path, capsys: pytest.CaptureFixture[str], extra: tuple[str, ...], message: str
+) -> None:
+    assert main(args(shared_data, "--placement", "separate", *extra)) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"helixserve simulate: error: {message}"
+    assert "planning" not in captured.err
