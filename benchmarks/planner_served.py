@@ -550,8 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge and args.json and args.json.exists():
         priors.append(json.loads(args.json.read_text()))
     priors += [json.loads(path.read_text()) for path in args.merge_from]
-    for old in priors:
-        if old.get("serve_concurrency") != args.serve_concurrency:
+    for old in priors:  # the evaluator and Helix's simulator have no load: any run merges
+        loaded = set(old.get("scorers", [])) - {"evaluator", "helix-sim"}
+        if loaded and old.get("serve_concurrency") != args.serve_concurrency:
             ap.error(f"--merge-from: {old.get('command')!r} ran --serve-concurrency "
                      f"{old.get('serve_concurrency')}, this run {args.serve_concurrency}; "
                      "scores at two loads are not one table")

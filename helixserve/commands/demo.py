@@ -130,7 +130,6 @@ def _given_credentials(tls: Any, nodes: list[str]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
     import signal
     import sys
 
@@ -145,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         usage_examples,
         workers_with_layers,
     )
+    from helixserve.runtime import eventloop
     from helixserve.runtime.costs import CostInputs
 
     if not 0 < args.port < 65536:
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
 
     log(f"demo: starting {len(to_start)} workers (logs in {workdir / 'logs'})")
     try:
-        asyncio.run(
+        eventloop.run(
             run_stack(
                 files.cluster_path,
                 files.placement_path,

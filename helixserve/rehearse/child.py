@@ -21,11 +21,10 @@ def main() -> int:
     die_with_parent()
     args = sys.argv[1:]
     if args[:1] == ["links"]:
-        import asyncio
-
         from helixserve.rehearse.links import run_proxy
+        from helixserve.runtime import eventloop
 
-        asyncio.run(run_proxy(args[1]))
+        eventloop.run(run_proxy(args[1]))
         return 0
     from helixserve.rehearse import forkserver
 

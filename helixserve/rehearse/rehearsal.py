@@ -100,6 +100,7 @@ class RehearsalOptions:
 def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[str, Any]:
     """The report (module doc); UserError before anything starts on bad input."""
     opts.check()
+    runtime_choices()  # a bad HELIXSERVE_* setting fails here, before anything starts
     inputs = load_inputs(opts.cluster, opts.model, opts.profiles, opts.placement, opts.trace,
                          opts.rate_per_s)
     concurrency = (opts.concurrency or offline_concurrency(inputs)) if opts.offline else 0
@@ -299,10 +300,23 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
         "processes": pids,
         "workdir": str(workdir) if workdir else None,
         "command": "helixserve " + _shell_join(sys.argv[1:]),
+        "runtime": runtime_choices(),
         "machine": {"hostname": platform.node(), "cpus": os.cpu_count(),
                     "platform": platform.platform(), "python": platform.python_version(),
                     "loadavg_1m_before": round(load[0], 2), "loadavg_1m_after": round(load[1], 2)},
     }
+
+
+def runtime_choices() -> dict[str, str]:
+    """The runtime's process-wide choices the children inherit from this environment: its
+    event loop (runtime/eventloop.py) and worker-to-worker data plane (runtime/dataplane.py)."""
+    from helixserve.runtime import dataplane, eventloop
+
+    try:
+        kind = dataplane.dataplane_kind()
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    return {"event_loop": eventloop.chosen(), "dataplane": kind}
 
 
 def _shell_join(argv: list[str]) -> str:

@@ -100,7 +100,8 @@ def format_report(r: dict[str, Any]) -> str:
     per_k = r["runtime_cpu_ms_per_token"]
     lines += [
         "",
-        f"runtime CPU: coordinator + API {c['coordinator']:.1f} s, workers {c['workers']:.1f} s "
+        f"runtime CPU{_choices(r)}: coordinator + API {c['coordinator']:.1f} s, workers "
+        f"{c['workers']:.1f} s "
         f"for {m['output_tokens']} output tokens: "
         + ("-" if per_k is None else f"{per_k:.2f} s per 1,000 tokens ({per_k:.2f} ms a token)")
         + _window_cpu(r),
@@ -111,6 +112,14 @@ def format_report(r: dict[str, Any]) -> str:
     for err in r["errors"]:
         lines.append(f"error: {err}")
     return "\n".join(lines)
+
+
+def _choices(r: dict[str, Any]) -> str:
+    """" (uvloop event loop, stream data plane)": what the runtime ran with, when recorded."""
+    run = r.get("runtime")
+    if not run:
+        return ""
+    return f" ({run['event_loop']} event loop, {run['dataplane']} data plane)"
 
 
 def _window_cpu(r: dict[str, Any]) -> str:

@@ -143,15 +143,18 @@ def test_rehearse_passes_full_size_every_option_it_reads(tmp_path, monkeypatch) 
         raise Started
 
     monkeypatch.setattr(full_size.subprocess, "Popen", popen)
-    args = argparse.Namespace(rehearse_duration=30.0, rehearse_warmup=10.0,
-                              rehearse_time_scale=4.0)
     placement = Placement(model="llama-2-70b", cluster="c", num_layers=80, planner="milp",
                           nodes=[NodeRange("n0", 0, 80)])
-    with pytest.raises(Started):
-        planner_served.rehearse("single-24", "milp", placement, args, tmp_path)
-    cmd = " ".join(started[0])
-    assert "rehearse" in cmd and "--offline" in cmd
-    assert "--duration 30 --warmup 10 --time-scale 4" in cmd
+    for load in (None, 256):
+        args = argparse.Namespace(rehearse_duration=30.0, rehearse_warmup=10.0,
+                                  rehearse_time_scale=4.0, serve_concurrency=load)
+        with pytest.raises(Started):
+            planner_served.rehearse("single-24", "milp", placement, args, tmp_path)
+    saturated, stated = (" ".join(cmd) for cmd in started)
+    for cmd in (saturated, stated):
+        assert "rehearse" in cmd and "--offline" in cmd
+        assert "--duration 30 --warmup 10 --time-scale 4" in cmd
+    assert "--concurrency" not in saturated and "--concurrency 256" in stated
 
 
 def test_a_stated_load_runs_the_simulated_scorers_at_that_many_in_flight(tmp_path, capsys) -> None:
