@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from helixserve.runtime import eventloop, security
+from helixserve.runtime import security
 from helixserve.runtime import transport as tp
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
@@ -228,7 +228,7 @@ def one_run(transport: str, certs: Path, args: argparse.Namespace) -> dict[str, 
          str(certs), str(args.messages)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        return eventloop.run(send(transport, port, certs, args))
+        return asyncio.run(send(transport, port, certs, args))
     finally:
         child.wait(timeout=30)
 
@@ -247,7 +247,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.receive:
         transport, port, certs, n = args.receive
-        eventloop.run(receive(transport, int(port), Path(certs), int(n)))
+        asyncio.run(receive(transport, int(port), Path(certs), int(n)))
         return 0
     certs = Path(tempfile.mkdtemp(prefix="helix-dataplane-")) / "certs"
     security.create_dev_credentials(certs, ["n0", "n1"])

@@ -130,6 +130,7 @@ def _given_credentials(tls: Any, nodes: list[str]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    import asyncio
     import signal
     import sys
 
@@ -144,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
         usage_examples,
         workers_with_layers,
     )
-    from helixserve.runtime import eventloop
     from helixserve.runtime.costs import CostInputs
 
     if not 0 < args.port < 65536:
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
 
     log(f"demo: starting {len(to_start)} workers (logs in {workdir / 'logs'})")
     try:
-        eventloop.run(
+        asyncio.run(
             run_stack(
                 files.cluster_path,
                 files.placement_path,

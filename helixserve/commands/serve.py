@@ -242,10 +242,10 @@ def check_kv_arguments(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import asyncio
     import sys
 
     from helixserve.errors import UserError
-    from helixserve.runtime import eventloop
 
     if not 0 <= args.port < 65536:
         raise UserError(f"--port: bad value {args.port}")
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         print(describe_placement(placement, cluster))
         print(f"serving on http://{args.host}:{args.port}/v1", flush=True)
 
-    eventloop.run(
+    asyncio.run(
         run_stack(
             args.cluster,
             args.placement,

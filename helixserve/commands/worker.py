@@ -370,7 +370,6 @@ def _serve_until_stopped(worker: Any, args: argparse.Namespace, tls: Any) -> Non
     import asyncio
     import signal
 
-    from helixserve.runtime import eventloop
     from helixserve.runtime.worker import serve
 
     async def main() -> None:
@@ -382,4 +381,4 @@ def _serve_until_stopped(worker: Any, args: argparse.Namespace, tls: Any) -> Non
         await serve(worker, args.host, args.port, drain_timeout_s=args.drain_timeout_s, stop=stop,
                     tls=tls, **stall)
 
-    eventloop.run(main())
+    asyncio.run(main())

@@ -21,10 +21,11 @@ def main() -> int:
     die_with_parent()
     args = sys.argv[1:]
     if args[:1] == ["links"]:
-        from helixserve.rehearse.links import run_proxy
-        from helixserve.runtime import eventloop
+        import asyncio
 
-        eventloop.run(run_proxy(args[1]))
+        from helixserve.rehearse.links import run_proxy
+
+        asyncio.run(run_proxy(args[1]))
         return 0
     from helixserve.rehearse import forkserver
 

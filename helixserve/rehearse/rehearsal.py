@@ -308,15 +308,14 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
 
 
 def runtime_choices() -> dict[str, str]:
-    """The runtime's process-wide choices the children inherit from this environment: its
-    event loop (runtime/eventloop.py) and worker-to-worker data plane (runtime/dataplane.py)."""
-    from helixserve.runtime import dataplane, eventloop
+    """The runtime's process-wide choices the children inherit from this environment: the
+    worker-to-worker data plane (runtime/dataplane.py, HELIXSERVE_DATAPLANE)."""
+    from helixserve.runtime import dataplane
 
     try:
-        kind = dataplane.dataplane_kind()
+        return {"dataplane": dataplane.dataplane_kind()}
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    return {"event_loop": eventloop.chosen(), "dataplane": kind}
 
 
 def _shell_join(argv: list[str]) -> str:

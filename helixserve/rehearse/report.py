@@ -115,11 +115,11 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def _choices(r: dict[str, Any]) -> str:
-    """" (uvloop event loop, stream data plane)": what the runtime ran with, when recorded."""
+    """" (stream data plane)": what the runtime ran with, when recorded."""
     run = r.get("runtime")
     if not run:
         return ""
-    return f" ({run['event_loop']} event loop, {run['dataplane']} data plane)"
+    return f" ({run['dataplane']} data plane)"
 
 
 def _window_cpu(r: dict[str, Any]) -> str:

@@ -194,6 +194,23 @@ def test_report_table_says_emulated_and_shows_missing_numbers_as_dashes():
     assert "unattributed" not in text  # none lost: no line
     report["unattributed_links"] = {"n0": {"bytes_in": 1000, "bytes_out": 234, "connections": 1}}
     assert "unattributed (caller not found, on no link): 1,234 bytes to n0" in format_report(report)
+    assert "runtime CPU: coordinator" in text  # a report without `runtime` (older JSON)
+    report["runtime"] = {"dataplane": "stream"}
+    assert "runtime CPU (stream data plane): coordinator" in format_report(report)
+
+
+def test_the_data_plane_is_recorded_and_a_bad_one_refused_before_anything_starts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from helixserve.rehearse.rehearsal import runtime_choices
+    from helixserve.runtime.dataplane import DATAPLANE_ENV
+
+    monkeypatch.delenv(DATAPLANE_ENV, raising=False)
+    assert runtime_choices() == {"dataplane": "grpc"}
+    monkeypatch.setenv(DATAPLANE_ENV, "stream")
+    assert runtime_choices() == {"dataplane": "stream"}
+    monkeypatch.setenv(DATAPLANE_ENV, "tcp")
+    with pytest.raises(UserError, match="HELIXSERVE_DATAPLANE: unknown data plane 'tcp'"):
+        runtime_choices()
 
 
 def test_unattributed_traffic_is_counted_between_the_runs_two_reads():
