@@ -68,7 +68,7 @@ from pathlib import Path
 from helixserve.costmodel import CostModel
 from helixserve.engine.config import ModelArgs
 from helixserve.engine.errors import InvalidWorkError
-from helixserve.engine.kv_blocks import BlockAllocator, Prefix
+from helixserve.engine.kv_blocks import BlockAllocator, Prefix, items_fit
 from helixserve.engine.protocol import (
     ItemOutput,
     KvStats,
@@ -409,6 +409,11 @@ class EmulatedEngine:
         return self.hidden_size * DTYPE_BYTES[dtype]
 
     # ---- the step ----------------------------------------------------------------------
+    def kv_fits(self, items: list[WorkItem]) -> bool:
+        """Whether `step(items)` would find its KV blocks (changes nothing): the worker asks
+        it to run the items that fit when a step is out of KV (runtime/worker.py)."""
+        return items_fit(self.kv, items)
+
     def step(self, items: list[WorkItem]) -> list[ItemOutput]:
         """One step over all items, taking the emulated time; outputs in the order of items.
         KvExhaustedError / InvalidWorkError / PrefixMissError change nothing and take no

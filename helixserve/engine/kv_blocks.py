@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from helixserve.engine.errors import InvalidWorkError, KvExhaustedError, PrefixMissError
 from helixserve.prefix import (
@@ -165,21 +166,7 @@ class BlockAllocator:
         hold the given total token counts; all or nothing (PrefixMissError, InvalidWorkError
         or KvExhaustedError change nothing). Returns the blocks handed out fresh (never the
         attached ones, whose KV is kept)."""
-        attach: dict[str, tuple[Prefix, list[BlockHash], list[int]]] = {}
-        for rid, prefix in (prefixes or {}).items():
-            if self._tables.get(rid):
-                raise InvalidWorkError(f"request {rid!r}: a prefix for a request whose KV this "
-                                       "cache already holds")
-            names = self.check_prefix(rid, prefix)
-            attach[rid] = (prefix, names, [self._block_of[h] for h in names])
-        # Attached blocks at reference 0 leave the evictable pool.
-        pinned = {b for _, _, blocks in attach.values() for b in blocks if self._ref[b] == 0}
-        needed = {}
-        for rid, n in demands.items():
-            have = len(attach[rid][2]) if rid in attach else len(self._tables.get(rid, ()))
-            needed[rid] = max(0, -(-n // self.block_size) - have)
-        total = sum(needed.values())
-        available = self.free_blocks - len(pinned)
+        attach, needed, total, available = self._plan(demands, prefixes)
         if total > available:
             raise KvExhaustedError(
                 f"KV cache full: step needs {total} more blocks of {self.block_size} tokens "
@@ -204,6 +191,36 @@ class BlockAllocator:
                 table.append(self._take_block())
                 fresh.append(table[-1])
         return fresh
+
+    def fits(self, demands: dict[str, int], prefixes: dict[str, Prefix] | None = None) -> bool:
+        """Whether `reserve(demands, prefixes)` would find its blocks free; changes nothing.
+        A prefix `reserve` would refuse for another reason (PrefixMissError,
+        InvalidWorkError) counts as fitting: `reserve` says why."""
+        try:
+            _, _, total, available = self._plan(demands, prefixes)
+        except (PrefixMissError, InvalidWorkError):
+            return True
+        return total <= available
+
+    def _plan(self, demands: dict[str, int], prefixes: dict[str, Prefix] | None
+              ) -> tuple[dict[str, tuple[Prefix, list[BlockHash], list[int]]], dict[str, int],
+                         int, int]:
+        """What `reserve` takes: the prefixes' cached blocks to attach, the fresh blocks each
+        request needs, their total and the blocks free for them."""
+        attach: dict[str, tuple[Prefix, list[BlockHash], list[int]]] = {}
+        for rid, prefix in (prefixes or {}).items():
+            if self._tables.get(rid):
+                raise InvalidWorkError(f"request {rid!r}: a prefix for a request whose KV this "
+                                       "cache already holds")
+            names = self.check_prefix(rid, prefix)
+            attach[rid] = (prefix, names, [self._block_of[h] for h in names])
+        # Attached blocks at reference 0 leave the evictable pool.
+        pinned = {b for _, _, blocks in attach.values() for b in blocks if self._ref[b] == 0}
+        needed = {}
+        for rid, n in demands.items():
+            have = len(attach[rid][2]) if rid in attach else len(self._tables.get(rid, ()))
+            needed[rid] = max(0, -(-n // self.block_size) - have)
+        return attach, needed, sum(needed.values()), self.free_blocks - len(pinned)
 
     def attach(self, request_id: str, prefix: Prefix) -> None:
         """Give a new request the cached blocks of `prefix` (shared, reference + 1)."""
@@ -306,3 +323,14 @@ class BlockAllocator:
 
     def _copy_block(self, src: int, dst: int) -> None:
         """Copy a block's KV (nothing to copy here; the torch cache copies its slots)."""
+
+
+def items_fit(kv: BlockAllocator, items: Sequence[Any]) -> bool:
+    """Whether an engine step over `items` (engine WorkItems) would find its KV blocks in
+    `kv`: the demands and prefixes the emulated and torch engines reserve, checked without
+    changing anything (`BlockAllocator.fits`). Conservative for a request the step rewinds or
+    restarts from a prefix (the blocks that would free first are not counted)."""
+    demands = {it.request_id: it.position + len(it.token_ids) for it in items}
+    prefixes = {it.request_id: Prefix(it.prefix_token_ids, it.start_layer, it.end_layer)
+                for it in items if it.prefix_token_ids}
+    return kv.fits(demands, prefixes)

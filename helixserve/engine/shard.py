@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from helixserve.engine.config import ModelArgs
 from helixserve.engine.history import RequestHistory
 from helixserve.engine.host_copy import from_host, to_host
-from helixserve.engine.kv_blocks import Prefix
+from helixserve.engine.kv_blocks import Prefix, items_fit
 from helixserve.engine.kv_cache import KVCacheLayout, PagedKVCache
 from helixserve.engine.loader import load_range
 from helixserve.engine.model import (
@@ -304,6 +304,11 @@ class ShardEngine:
         return self._seq_len.get(request_id, 0)
 
     # ---- the step ----------------------------------------------------------------------
+    def kv_fits(self, items: list[WorkItem]) -> bool:
+        """Whether `step(items)` would find its KV blocks (changes nothing): the worker asks
+        it to run the items that fit when a step is out of KV (runtime/worker.py)."""
+        return items_fit(self.kv, items)
+
     @torch.inference_mode()
     def step(self, items: list[WorkItem]) -> list[ItemOutput]:
         """One batched forward over all items; outputs in the order of `items`."""

@@ -384,6 +384,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
         #: items, streams and forwards refused by the bounds (module doc, Flooding), since start
         self.refused_full = 0
         self.streams_ended_unread = 0
+        #: items a step out of KV failed while the items that fit ran (`_step_apart`)
+        self.kv_refused_items = 0
         #: queue_limit_tokens(), refreshed at start and with every incoming message
         self._queue_limit = QUEUE_MIN_TOKENS
         self._kv_tokens = 0
@@ -593,21 +595,49 @@ class Worker(pb_grpc.HelixWorkerServicer):
         try:
             outputs = self.engine.step(items)
         except Exception as exc:
-            # KV full, or an item the wire validation let through that the engine refuses:
-            # retry one by one so that only the offending requests fail.
             if not isinstance(exc, KvExhaustedError | PrefixMissError):
                 log.warning("engine step of %d items failed: %s", len(items), exc)
-            outputs = []
-            for it in items:
-                try:
-                    outputs.extend(self.engine.step([it]))
-                except Exception as one_exc:
-                    outputs.append(one_exc)
+            outputs = self._step_apart(items, exc)
         step_s = time.perf_counter() - t0
         self._record_step(step_s, len(items), sum(len(it.token_ids) for it in items))
         cache = self._take_cache_events()
         assert self.loop is not None
         self.loop.call_soon_threadsafe(self._dispatch, batch, outputs, step_s, cache)
+
+    def _step_apart(self, items: list[Any], exc: Exception) -> list[Any]:
+        """Engine thread: the outputs of a step the engine refused with `exc` (an exception
+        in place of an item's output fails that item). Out of KV, with an engine that says
+        what fits (`kv_fits`): the items that fit, taken in the batch's order, run as one
+        step and the others fail with KvExhaustedError, so their requests are preempted, as
+        the simulator preempts a request that cannot grow. Otherwise (an item the wire
+        validation let through that the engine refuses, a prefix miss) one by one, so that
+        only the offending requests fail; a step of one item takes about a step's time, so
+        out of KV that would stall the node for a step per item."""
+        fits = getattr(self.engine, "kv_fits", None)
+        if isinstance(exc, KvExhaustedError) and fits is not None:
+            keep: list[Any] = []
+            for it in items:
+                if fits([*keep, it]):
+                    keep.append(it)
+            if len(keep) < len(items):
+                try:
+                    ran = iter(self.engine.step(keep) if keep else [])
+                except Exception:
+                    pass  # refused for another reason as well: one by one
+                else:
+                    self.kv_refused_items += len(items) - len(keep)
+                    kept = {id(it) for it in keep}
+                    why = (f"{exc} (the step ran the {len(keep)} of its {len(items)} items "
+                           "that fit)")
+                    return [next(ran) if id(it) in kept else KvExhaustedError(why)
+                            for it in items]
+        outputs: list[Any] = []
+        for it in items:
+            try:
+                outputs.extend(self.engine.step([it]))
+            except Exception as one_exc:
+                outputs.append(one_exc)
+        return outputs
 
     def _take_cache_events(self) -> CacheEvents | None:
         """Engine thread: the engine's cache events since the last call (None: none, or an

@@ -135,6 +135,23 @@ def test_a_step_beyond_the_kv_raises_the_typed_error_and_changes_nothing(profile
     assert e.seq_len("keep") == 38
 
 
+def test_kv_fits_says_what_a_step_would_find_without_changing_anything(profiles):
+    per_block = 10 * load_model(MODEL).kv_bytes_per_token_per_layer * 16
+    e = engine(profiles, 0, 10, kv_cache_bytes=6 * per_block)
+    e.step([WorkItem("keep", 0, 10, 0, list(range(37)), None, None)])  # 3 of 6 blocks
+    grow = WorkItem("keep", 0, 10, 37, [1], None, None)  # fits in its third block
+    big = WorkItem("big", 0, 10, 0, [3] * 60, None, None)  # 4 blocks
+    small = WorkItem("small", 0, 10, 0, [3] * 40, None, None)  # 3 blocks
+    before = e.kv_stats()
+    assert e.kv_fits([grow, small]) and not e.kv_fits([grow, big])
+    assert not e.kv_fits([grow, small, WorkItem("more", 0, 10, 0, [1], None, None)])
+    assert e.kv_stats() == before and not e.seq_len("small")
+    with pytest.raises(KvExhaustedError):
+        e.step([grow, big])
+    e.step([grow, small])  # what kv_fits said fits, fits
+    assert e.kv_stats()["used_blocks"] == 6
+
+
 def test_the_worker_maps_typed_errors_to_wire_codes():
     from helixserve.runtime import transport as tp
     from helixserve.runtime.worker import engine_error_status

@@ -182,9 +182,11 @@ def test_eviction_under_pressure_keeps_blocks_in_use_and_outputs(engines, text_i
     # a step needing more than the free and evictable blocks is refused, changing nothing
     stats = e.kv_stats()
     assert (stats["free_blocks"], stats["cached_blocks"]) == (2, 2)
+    big = [WorkItem("r4", 0, 30, 0, text_ids[:17], None, GREEDY),
+           WorkItem("r3", 0, 30, len(p3), [r3.tokens[-1]], None, GREEDY)]
+    assert not e.kv_fits(big) and e.kv_fits(big[1:])  # said without changing anything
     with pytest.raises(KvExhaustedError) as err:
-        e.step([WorkItem("r4", 0, 30, 0, text_ids[:17], None, GREEDY),
-                WorkItem("r3", 0, 30, len(p3), [r3.tokens[-1]], None, GREEDY)])
+        e.step(big)
     assert (err.value.needed_blocks, err.value.free_blocks) == (3, 2)
     assert e.kv_stats() == stats and not e.take_cache_events()
     # a prefix whose blocks were evicted is refused before anything changes

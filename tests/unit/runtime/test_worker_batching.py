@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from helixserve.engine.errors import KvExhaustedError
 from helixserve.planner.placement import NodeRange
 from helixserve.runtime.worker import Worker, _Job
 
@@ -123,3 +124,60 @@ def test_bad_batch_wait_environment_value_is_a_user_error(text: str,
         _batch_wait_default()
     monkeypatch.setenv(BATCH_WAIT_ENV, "1.5")
     assert _batch_wait_default() == 1.5
+
+
+class KvEngine(FakeEngine):
+    """KV for `capacity` tokens: a step that needs more fails changing nothing (as the
+    engines' all-or-nothing reserve), a step that fits holds its tokens."""
+
+    def __init__(self, steps: int, capacity: int, dry_run: bool) -> None:
+        super().__init__(steps)
+        self.capacity, self.held = capacity, 0
+        if dry_run:
+            self.kv_fits = lambda items: self.held + self._tokens(items) <= self.capacity
+
+    @staticmethod
+    def _tokens(items: list[Any]) -> int:
+        return sum(len(it.token_ids) for it in items)
+
+    def step(self, items: list[Any]) -> list[Any]:
+        if self.held + self._tokens(items) > self.capacity:
+            self.calls.append([("refused", len(items))])
+            raise KvExhaustedError(f"KV cache full: {self._tokens(items)} tokens, "
+                                   f"{self.capacity - self.held} free")
+        self.held += self._tokens(items)
+        return super().step(items)
+
+
+def _run_out_of_kv(dry_run: bool, steps: int) -> tuple[list[Any], list[Any]]:
+    jobs = [_job("a", 400), _job("b", 400), _job("c", 1)]
+    engine = KvEngine(steps, capacity=450, dry_run=dry_run)
+    dispatched: list[Any] = []
+    worker = Worker(engine, node="n", model="m", backend="torch", device="cpu",
+                    step_prompt_tokens=None, batch_wait=0.0)
+    engine.worker = worker
+    worker.loop = SimpleNamespace(  # type: ignore[assignment]
+        call_soon_threadsafe=lambda fn, *a: dispatched.append(a[1]) if a and
+        fn == worker._dispatch else None)
+    worker.inbox.put(jobs)
+    t = threading.Thread(target=worker._engine_loop, daemon=True)
+    t.start()
+    t.join(10.0)
+    assert not t.is_alive()
+    return engine.calls, dispatched[0]
+
+
+def test_out_of_kv_the_items_that_fit_run_as_one_step_and_the_rest_fail() -> None:
+    # b's 400 tokens do not fit beside a's: a and c run in one step, b fails out of KV
+    # (its request is preempted); no step of one item each
+    calls, outputs = _run_out_of_kv(dry_run=True, steps=2)
+    assert calls == [[("refused", 3)], [("a", 400), ("c", 1)]]
+    assert isinstance(outputs[1], KvExhaustedError)
+    assert "the step ran the 2 of its 3 items that fit" in str(outputs[1])
+    assert not isinstance(outputs[0], Exception) and not isinstance(outputs[2], Exception)
+
+
+def test_out_of_kv_an_engine_that_cannot_say_what_fits_runs_one_item_a_step() -> None:
+    calls, outputs = _run_out_of_kv(dry_run=False, steps=4)
+    assert calls == [[("refused", 3)], [("a", 400)], [("refused", 1)], [("c", 1)]]
+    assert [isinstance(o, KvExhaustedError) for o in outputs] == [False, True, False]
