@@ -353,9 +353,22 @@ class VllmStageEngine:
         hit = self.pool.get_cached_block(name, [0])
         return None if hit is None else hit[0]
 
-    def _reserve(self, items: list[WorkItem], attach: dict[str, list[Any]]) -> list[BatchEntry]:
-        """Attach cached prefixes and allocate every block the step needs, or raise
-        KvExhaustedError changing nothing."""
+    def kv_fits(self, items: list[WorkItem]) -> bool:
+        """Whether `step(items)` would find its KV blocks in vLLM's pool (changes nothing):
+        the worker asks it to run the items that fit when a step is out of KV
+        (runtime/worker.py). A missing prefix counts as fitting (`step` says why); a
+        request the step restarts is counted with the blocks it holds (conservative)."""
+        try:
+            attach = self._find_prefixes(items)
+        except PrefixMissError:
+            return True
+        _, total, free = self._need(items, attach)
+        return total <= free
+
+    def _need(self, items: list[WorkItem], attach: dict[str, list[Any]]
+              ) -> tuple[dict[str, int], int, int]:
+        """The fresh blocks each item's request needs, their total (with the attached blocks
+        that leave the free queue) and the pool's free blocks."""
         need: dict[str, int] = {}
         for it in items:
             have = len(attach.get(it.request_id, self._blocks.get(it.request_id, ())))
@@ -363,7 +376,12 @@ class VllmStageEngine:
                                       - have)
         # attached blocks nobody uses leave the free queue (they count as free until then)
         revived = {b.block_id for blocks in attach.values() for b in blocks if b.ref_cnt == 0}
-        total, free = sum(need.values()) + len(revived), self.pool.get_num_free_blocks()
+        return need, sum(need.values()) + len(revived), self.pool.get_num_free_blocks()
+
+    def _reserve(self, items: list[WorkItem], attach: dict[str, list[Any]]) -> list[BatchEntry]:
+        """Attach cached prefixes and allocate every block the step needs, or raise
+        KvExhaustedError changing nothing."""
+        need, total, free = self._need(items, attach)
         if total > free:
             raise KvExhaustedError(f"KV cache full: step needs {total} blocks, {free} free",
                                    needed_blocks=total, free_blocks=free)

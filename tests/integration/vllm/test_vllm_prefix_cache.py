@@ -140,6 +140,11 @@ def test_a_tiny_kv_budget_evicts_cached_blocks_lru_before_refusing_a_step(stages
         # c's first 2 blocks are still cached but a request on them needs 2 more blocks:
         # 4 in all (the cached ones count as free until attached), 2 free: refused as a whole
         again = Run("t2-c-again", done[2].prompt, cached=64)
+        s0 = stages[0]
+        first = WorkItem(again.request_id, s0.start, s0.end, 64, again.prompt[64:],
+                         prefix_token_ids=again.prompt[:64])
+        small = WorkItem("t2-small", s0.start, s0.end, 0, words[:16])  # one block of the 2
+        assert s0.call("kv_fits", [first]) is False and s0.call("kv_fits", [small]) is True
         with pytest.raises(Exception) as err:
             generate(stages[:1], [again], 1)
         assert getattr(err.value, "kind", None) == "KvExhaustedError", err.value

@@ -57,6 +57,8 @@ def _serve(conn: Any, model: str, start: int, end: int, kv_bytes: int, block: in
                 result = eng.free(args)
             elif op == "seq_len":
                 result = eng.seq_len(args)
+            elif op == "kv_fits":
+                result = eng.kv_fits(args)
             elif op == "kv_stats":
                 result = dict(eng.kv_stats()), eng._count_cached_free()
             elif op == "events":
