@@ -56,6 +56,7 @@ from benchmarks import full_size, helix_sim
 from helixserve.costmodel import CostModel
 from helixserve.errors import UserError
 from helixserve.planner import Placement, evaluate, load_placement
+from helixserve.simulator.config import closed_loop
 from helixserve.simulator.metrics import summarize
 from helixserve.simulator.presets import engine_config, engine_gpu_reserve_gb
 from helixserve.simulator.sim import SimConfig, Simulation
@@ -134,8 +135,7 @@ class Scoring:
             return {"error": "serves 0 tokens/s (no chain of linked nodes holds every layer)"}
         options = engine_config(engine)
         if self.concurrency is not None:
-            # `helixserve simulate --offline --concurrency N`: plan's stated-load closed loop
-            options.update(offline_feed="closed", feed_initial_requests=self.concurrency)
+            options.update(closed_loop(self.concurrency))
         config = SimConfig(duration_s=window[0], warmup_s=window[1], offline=True,
                            scheduler="maxflow", seed=0, **options)
         s = summarize(Simulation(cluster, self.model, cost, p, self.trace, config).run())

@@ -321,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
     from helixserve.commands.plan import check_model_path
     from helixserve.errors import UserError
     from helixserve.planner import PLANNERS, evaluate, load_placement, plan
+    from helixserve.simulator.config import closed_loop
     from helixserve.simulator.metrics import format_table, latencies, summarize
     from helixserve.simulator.presets import engine_gpu_reserve_gb
     from helixserve.simulator.selection import load_text
@@ -336,8 +337,7 @@ def run(args: argparse.Namespace) -> int:
     _check_flags(args)
     engine = _engine_config(args)  # before loading and planning: a bad flag fails at once
     if args.concurrency is not None:
-        # the closed loop that plan's served score at a stated load runs (SelectionConfig)
-        engine.update(offline_feed="closed", feed_initial_requests=args.concurrency)
+        engine.update(closed_loop(args.concurrency))
     flags = read_cost_flags(args)
     json_path = check_output("--json", args.json) if args.json not in (None, "-") else None
     plot_dir = check_output("--plot", args.plot, directory=True) if args.plot else None

@@ -299,6 +299,7 @@ def simulate(inputs: RehearsalInputs, *, offline: bool, duration_s: float, warmu
     {"metrics": the METRIC_KEYS and request counts, "summary": the simulator's summary}.
     `ramp_s`: offline, seconds of cluster time between the streams' first requests (the
     client's OFFLINE_RAMP_S / time scale)."""
+    from helixserve.simulator.config import closed_loop
     from helixserve.simulator.metrics import latencies, summarize
     from helixserve.simulator.sim import SimConfig, Simulation
     from helixserve.spec.scheduling import RUNTIME_VICTIM_RULE
@@ -307,7 +308,7 @@ def simulate(inputs: RehearsalInputs, *, offline: bool, duration_s: float, warmu
     requests = inputs.requests if offline else [
         q for q in inputs.requests if q.arrival_s < duration_s]
     config = SimConfig(duration_s=duration_s, warmup_s=warmup_s, offline=offline,
-                       offline_feed="closed", feed_initial_requests=max(1, concurrency),
+                       **closed_loop(max(1, concurrency)),
                        feed_interval_s=ramp_s, scheduler="maxflow",
                        victim_rule=RUNTIME_VICTIM_RULE, **fields)
     sim = Simulation(inputs.cluster, inputs.model, inputs.cost, inputs.placement, requests,

@@ -384,8 +384,6 @@ class Worker(pb_grpc.HelixWorkerServicer):
         #: items, streams and forwards refused by the bounds (module doc, Flooding), since start
         self.refused_full = 0
         self.streams_ended_unread = 0
-        #: items a step out of KV failed while the items that fit ran (`_step_apart`)
-        self.kv_refused_items = 0
         #: queue_limit_tokens(), refreshed at start and with every incoming message
         self._queue_limit = QUEUE_MIN_TOKENS
         self._kv_tokens = 0
@@ -625,7 +623,6 @@ class Worker(pb_grpc.HelixWorkerServicer):
                 except Exception:
                     pass  # refused for another reason as well: one by one
                 else:
-                    self.kv_refused_items += len(items) - len(keep)
                     kept = {id(it) for it in keep}
                     why = (f"{exc} (the step ran the {len(keep)} of its {len(items)} items "
                            "that fit)")

@@ -4,6 +4,7 @@ the field and the bad value. Presets of these fields per engine: simulator/prese
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from helixserve.errors import UserError
 from helixserve.scheduler.core import SchedulerPolicy
@@ -12,6 +13,13 @@ from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK
 
 #: values of `SimConfig.offline_feed`
 OFFLINE_FEEDS = ("saturate", "kv-feeder", "closed")
+
+
+def closed_loop(in_flight: int) -> dict[str, Any]:
+    """The SimConfig fields of a stated load: `in_flight` requests, each finished one
+    replaced by the next (the `closed` offline feed), as `plan --serve-concurrency`,
+    `simulate --offline --concurrency` and `rehearse --offline --concurrency` run it."""
+    return {"offline_feed": "closed", "feed_initial_requests": in_flight}
 
 
 @dataclass

@@ -54,6 +54,7 @@ from helixserve.planner.placement import NodeRange, Placement
 from helixserve.planner.window import ScoringWindow, fill_time_s, mean_lengths
 from helixserve.scheduler import make_router
 from helixserve.scheduler.options import router_options
+from helixserve.simulator.config import closed_loop
 from helixserve.simulator.metrics import summarize
 from helixserve.simulator.sim import SimConfig, Simulation
 from helixserve.simulator.tilings import stacked_tilings
@@ -134,7 +135,7 @@ class SelectionConfig:
         when one is stated (a closed loop of that many, as `rehearse --offline` drives it)."""
         options = dict(self.engine_options)
         if self.concurrency is not None:
-            options.update(offline_feed="closed", feed_initial_requests=self.concurrency)
+            options.update(closed_loop(self.concurrency))
         return options
 
 
