@@ -182,6 +182,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="fraction of each node's KV cache kept free at admission for running requests "
         "to grow into (on-demand allocation; default 0.01, as vLLM)",
     )
+    engine.add_argument(
+        "--layer-overhead-ms",
+        type=finite_float,
+        default=None,
+        metavar="MS",
+        help="milliseconds every layer of an iteration costs beyond the per-layer profiles "
+        "(helix-prototype: 3.5, fitted to the prototype's run; the others and Helix's own "
+        "simulator: 0; docs/calibration.md)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--sample",
@@ -264,7 +273,9 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
             raise UserError(f"{flag}: must be >= 1, got {value}")
     if args.kv_watermark is not None and not 0 <= args.kv_watermark < 1:
         raise UserError(f"--kv-watermark: must be in [0, 1), got {args.kv_watermark}")
-    return engine_config(
+    if args.layer_overhead_ms is not None and args.layer_overhead_ms < 0:
+        raise UserError(f"--layer-overhead-ms: must be >= 0, got {args.layer_overhead_ms}")
+    config = engine_config(
         args.engine,
         kv_allocation=args.kv_allocation,
         chunked_prefill=args.chunked_prefill,
@@ -272,6 +283,9 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
         max_prefilling=args.max_prefilling,
         kv_watermark=args.kv_watermark,
     )
+    if args.layer_overhead_ms is not None:
+        config["layer_overhead_s"] = args.layer_overhead_ms / 1000.0
+    return config
 
 
 def _check_flags(args: argparse.Namespace) -> None:

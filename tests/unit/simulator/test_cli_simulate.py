@@ -222,12 +222,35 @@ def test_engine_flags_override_the_preset(
     assert off["engine_config"]["max_prompt_tokens"] == 512
 
 
+def test_layer_overhead_flag_sets_the_prototype_models_per_layer_cost(
+    shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # helix-prototype's fitted 3.5 ms a layer and iteration (docs/calibration.md); 0 runs the
+    # same rules without it, as Helix's own simulator does
+    fitted = simulate_tiny(shared_data, tmp_path, capsys, "--engine", "helix-prototype")
+    zero = simulate_tiny(
+        shared_data, tmp_path, capsys, "--engine", "helix-prototype", "--layer-overhead-ms", "0")
+    more = simulate_tiny(
+        shared_data, tmp_path, capsys, "--engine", "helix-prototype", "--layer-overhead-ms", "10")
+    assert fitted["engine_config"]["layer_overhead_s"] == 0.0035
+    assert zero["engine_config"]["layer_overhead_s"] == 0.0
+    assert more["engine_config"]["layer_overhead_s"] == 0.01
+    rates = [s["decode_throughput_tokens_per_s"] for s in (zero, fitted, more)]
+    assert rates[0] > rates[1] > rates[2] > 0
+    # any engine takes it: the vllm model with a per-layer cost serves less than without
+    vllm = simulate_tiny(shared_data, tmp_path, capsys)
+    slow = simulate_tiny(shared_data, tmp_path, capsys, "--layer-overhead-ms", "10")
+    assert "layer_overhead_s" not in vllm["engine_config"]
+    assert slow["decode_throughput_tokens_per_s"] < vllm["decode_throughput_tokens_per_s"]
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
         ("--max-batched-prompt-tokens", "0", "--max-batched-prompt-tokens: must be >= 1, got 0"),
         ("--max-prefilling", "-3", "--max-prefilling: must be >= 1, got -3"),
         ("--kv-watermark", "1.5", "--kv-watermark: must be in [0, 1), got 1.5"),
+        ("--layer-overhead-ms", "-1", "--layer-overhead-ms: must be >= 0, got -1.0"),
         ("--engine", "sglang", "--engine: unknown engine model 'sglang'; known: helix-prototype, reserve, vllm"),
         (
             "--kv-allocation",
