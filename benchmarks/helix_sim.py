@@ -34,6 +34,10 @@ and matplotlib 3.8; newer versions ran here (networkx 3.6, matplotlib 3.11, nump
     python -m benchmarks.helix_sim score --helix-artifact PATH --cluster helix-single-24 \\
         --placement benchmarks/helix-placements/helix-single-24-llama-2-70b.json
 
+`flow` instead of `score` stops before simulating and prints what their scheduler plans
+with: the value of its max flow over their node and link capacities, and the least KV a
+layer has over its holders (seconds, little memory).
+
 A node holding more layers than Helix's model of its GPU holds (their per-GPU cap, e.g. 4
 layers on a T4) cannot be scored: their KV table has no entry there (their Separate
 Pipelines baseline used hand-written files for that), and `score` says so.
@@ -122,11 +126,14 @@ def solution_ini(placement: Placement, num_nodes: int, where: str) -> str:
 def score(artifact: Path, cluster: str, placement: Placement | None, *,
           python: str = sys.executable, partial_inference: bool = True,
           window: tuple[float, float] | None = None, timeout_s: float = 7200.0,
-          keep: Path | None = None) -> dict[str, Any]:
+          keep: Path | None = None, flow_only: bool = False) -> dict[str, Any]:
     """Helix's simulator's decode tokens/s for `placement` on `cluster` (None: the authors'
     own placement with their own simulator cluster file, exactly as published). `window`
     (warmup s, counted s): None or WINDOW runs their `simulate_maxflow_offline` itself; any
     other, `_simulate_offline`, the same steps with that window.
+
+    `flow_only`: no simulation; what their scheduler plans with for the placement
+    (`_flow_of`): {"flow_tokens_per_s", "min_layer_kv_tokens", ...}.
 
     Returns {"decode_tokens_per_s", "wall_s", ...}, or {"error": why} when it cannot run."""
     why = missing_artifact(artifact)
@@ -145,6 +152,7 @@ def score(artifact: Path, cluster: str, placement: Placement | None, *,
             "cluster_ini": str(base / ini),
             "model": MODELS["llama-2-70b"],
             "window": list(window) if window else [WINDOW["warmup_s"], WINDOW["duration_s"]],
+            "flow_only": flow_only,
         }
         if placement is None:
             sol, sim_cluster = AUTHORS_FILES[cluster]
@@ -181,6 +189,8 @@ def score(artifact: Path, cluster: str, placement: Placement | None, *,
             return {"error": f"Helix's simulator failed (rc {proc.returncode}): "
                              + " | ".join(tail)}
         result: dict[str, Any] = json.loads(out.read_text())
+        if flow_only:
+            return result | {"wall_s": round(wall_s, 1)}
         return result | {"wall_s": round(wall_s, 1), "window_s": job["window"]}
 
 
@@ -216,6 +226,9 @@ def _drive(job_path: Path) -> int:
     kwargs = {"model_name": model_name, "solution_file_name": job["solution"],
               "complete_cluster_file_name": job["cluster_ini"],
               "simulator_cluster_file_name": sim_cluster, "machine_num_dict": machine_num_dict}
+    if job.get("flow_only"):
+        Path("result.json").write_text(json.dumps(_flow_of(**kwargs) | note))
+        return 0
     warmup_s, duration_s = job["window"]
     if (warmup_s, duration_s) == (WINDOW["warmup_s"], WINDOW["duration_s"]):
         decode = step3.simulate_maxflow_offline(**kwargs)
@@ -236,17 +249,35 @@ def _simulate_offline(model_name: Any, solution_file_name: str, complete_cluster
     """`simulate_maxflow_offline` of the artifact's step3_simulation.py, step by step, with
     its window (`warm_up, duration = 60, 600` there) as parameters; the latency sums it
     computes and discards are left out."""
-    from simulator.event_simulator.cluster_simulator import (
-        ClusterSimulator,
-        RequestPhase,
-        SchedulingMethod,
-    )
+    from simulator.event_simulator.cluster_simulator import RequestPhase
+    from simulator.trace_generator.simulator_query_feeder import OfflineRequestFeeder
+
+    simulator, finish_model_loading_time = _ready_simulator(
+        model_name, solution_file_name, complete_cluster_file_name,
+        simulator_cluster_file_name, machine_num_dict)
+    feeder = OfflineRequestFeeder(initial_query_count=20, start_time=finish_model_loading_time,
+                                  duration=warmup_s + duration_s, stop_at_duration=True,
+                                  feed_hwm=0.8, seed=0)
+    feeder.auto_simulate(simulator=simulator, watch_items=["all"], watch_interval=200)
+    start, end = finish_model_loading_time + warmup_s, finish_model_loading_time + warmup_s + duration_s
+    total_tokens = 0
+    for at, request in simulator.finished_requests.values():
+        if request.phase != RequestPhase.Initialization and start <= at <= end:
+            total_tokens += request.token_seq_length
+    return total_tokens / duration_s
+
+
+def _ready_simulator(model_name: Any, solution_file_name: str, complete_cluster_file_name: str,
+                     simulator_cluster_file_name: str,
+                     machine_num_dict: dict[str, int]) -> tuple[Any, float]:
+    """Their simulator with the placement laid out and the MaxFlow scheduler ready, as
+    `simulate_maxflow_offline` prepares it; and when the layers finished loading."""
+    from simulator.event_simulator.cluster_simulator import ClusterSimulator, SchedulingMethod
     from simulator.initial_layout.layout_synthesizer import LayoutMethod, LayoutSynthesizer
     from simulator.scheduler.global_maxflow.global_maxflow_scheduler import (
         KVParameters,
         SchedulingMode,
     )
-    from simulator.trace_generator.simulator_query_feeder import OfflineRequestFeeder
 
     layout_synthesizer = LayoutSynthesizer(
         complete_cluster_file_name=complete_cluster_file_name,
@@ -265,16 +296,25 @@ def _simulate_offline(model_name: Any, solution_file_name: str, complete_cluster
     simulator.mark_as_ready()
     finish_model_loading_time = layout_synthesizer.set_layout(simulator=simulator)
     simulator.update_scheduler()
-    feeder = OfflineRequestFeeder(initial_query_count=20, start_time=finish_model_loading_time,
-                                  duration=warmup_s + duration_s, stop_at_duration=True,
-                                  feed_hwm=0.8, seed=0)
-    feeder.auto_simulate(simulator=simulator, watch_items=["all"], watch_interval=200)
-    start, end = finish_model_loading_time + warmup_s, finish_model_loading_time + warmup_s + duration_s
-    total_tokens = 0
-    for at, request in simulator.finished_requests.values():
-        if request.phase != RequestPhase.Initialization and start <= at <= end:
-            total_tokens += request.token_seq_length
-    return total_tokens / duration_s
+    return simulator, finish_model_loading_time
+
+
+def _flow_of(**kwargs: Any) -> dict[str, Any]:
+    """What their MaxFlow scheduler plans with for the placement, without simulating: the
+    value of its max flow (tokens/s, from their node and link capacities) and the KV each
+    layer has summed over its holders, as their feeder's `bottleneck_usage` counts it (a
+    node's KV spread evenly over its layers), at the layer where it is least."""
+    simulator, _ = _ready_simulator(**kwargs)
+    core = simulator.scheduler.core
+    per_layer = [0.0] * simulator.model_manager.get_num_layers()
+    for status in core.kv_expectation.node_uid_to_status.values():
+        k = status.end_layer_idx - status.start_layer_idx
+        for layer in range(status.start_layer_idx, status.end_layer_idx):
+            per_layer[layer] += status.total_kv_capacity / k
+    least = min(per_layer)
+    return {"flow_tokens_per_s": round(float(core.flow_graph.flow_value), 1),
+            "min_layer_kv_tokens": round(least),
+            "min_kv_layers": [i for i, v in enumerate(per_layer) if v == least]}
 
 
 def _write_simulator_cluster(model_name: Any, machine_num_dict: dict[str, int],
@@ -337,6 +377,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulated warmup and counted seconds (default: the authors' 60 600)")
     s.add_argument("--keep", type=Path, default=None, metavar="DIR",
                    help="keep the generated ilp_sol.ini, simulator_cluster.ini and the log")
+    f = sub.add_parser("flow", help="Helix's max flow of one placement and its least KV a "
+                       "layer, as their scheduler plans with them (no simulation; seconds)")
+    f.add_argument("--helix-artifact", type=Path, required=True, metavar="PATH")
+    f.add_argument("--cluster", choices=list(CLUSTERS), required=True)
+    f.add_argument("--placement", type=Path, default=None,
+                   help="our placement JSON (default: the authors' own files, as published)")
+    f.add_argument("--python", default=sys.executable,
+                   help="interpreter with their requirements (gurobipy, networkx, matplotlib)")
     d = sub.add_parser("_drive", help=argparse.SUPPRESS)
     d.add_argument("job", type=Path)
     args = ap.parse_args(argv)
@@ -347,9 +395,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result = score(args.helix_artifact, args.cluster, placement, python=args.python,
-                   partial_inference=not args.no_partial_inference,
-                   window=tuple(args.window) if args.window else None, keep=args.keep)
+    if args.what == "flow":
+        result = score(args.helix_artifact, args.cluster, placement, python=args.python,
+                       flow_only=True)
+    else:
+        result = score(args.helix_artifact, args.cluster, placement, python=args.python,
+                       partial_inference=not args.no_partial_inference,
+                       window=tuple(args.window) if args.window else None, keep=args.keep)
     print(json.dumps(result, indent=1))
     return 1 if "error" in result else 0
 

@@ -24,7 +24,8 @@ Scorers, each a decode tokens/s:
 - `vllm`, `helix-prototype`: `helixserve simulate --offline --engine E` on the Azure
   conversation trace, maxflow routing, each engine's memory; windows as docs/calibration.md
   (600 s with 60 s warmup, and the prototype's 300 s with 60 s), `--vllm-window`,
-  `--prototype-window`;
+  `--prototype-window`; the trace from its start, or with `--trace-start F` from that
+  fraction of its requests on (cycled): another sample of the day's requests;
 - `helix-sim`: Helix's own simulator from the public artifact, run as its authors run
   Helix's placement (`benchmarks/helix_sim.py`; needs `--helix-artifact PATH`, else the
   column is skipped with a note);
@@ -88,6 +89,8 @@ ESTIMATE_LENGTHS = {
 }
 #: (duration s, warmup s) of each simulated engine, as docs/calibration.md runs them
 WINDOWS = {"vllm": (600.0, 60.0), "helix-prototype": (300.0, 60.0)}
+#: the scorers that run the trace (`--trace-start`)
+SIMULATED = set(WINDOWS)
 FORMAT = "helixserve.benchmarks.planner_served/v1"
 
 
@@ -95,7 +98,7 @@ class Scoring:
     """The model, profiles, trace and clusters every scorer shares."""
 
     def __init__(self, estimate_lengths: str = "held-out",
-                 concurrency: int | None = None) -> None:
+                 concurrency: int | None = None, trace_start: float = 0.0) -> None:
         #: ESTIMATE_LENGTHS: the lengths the served estimate draws its requests from
         self.estimate_lengths = estimate_lengths
         #: --serve-concurrency: requests in flight in every simulated scorer (None: saturated)
@@ -103,6 +106,11 @@ class Scoring:
         self.model: ModelSpec = load_model(full_size.MODEL)
         self.profiles: ProfileTable = load_profiles(full_size.PROFILES)
         self.trace: list[TraceRequest] = prepare_trace(load_azure_trace(full_size.TRACE))
+        #: --trace-start: the simulated scorers run the trace from this fraction of it on,
+        #: cycled (0: from its start)
+        self.trace_start = trace_start
+        first = int(trace_start * len(self.trace))
+        self.scored_trace = self.trace[first:] + self.trace[:first]
         self.clusters: dict[str, ClusterSpec] = {}
         #: (cluster, id of the placement) -> engine -> the served estimate's details
         self.estimates: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
@@ -138,7 +146,8 @@ class Scoring:
             options.update(closed_loop(self.concurrency))
         config = SimConfig(duration_s=window[0], warmup_s=window[1], offline=True,
                            scheduler="maxflow", seed=0, **options)
-        s = summarize(Simulation(cluster, self.model, cost, p, self.trace, config).run())
+        s = summarize(Simulation(cluster, self.model, cost, p, self.scored_trace,
+                                 config).run())
         return {"decode_tokens_per_s": round(s["decode_throughput_tokens_per_s"], 1),
                 "tpot_mean_s": round(s["tpot_s"]["mean"], 3),
                 "in_flight_end": s["requests_in_flight"], "wall_s": round(s["wall_s"], 1)}
@@ -481,6 +490,12 @@ def main(argv: list[str] | None = None) -> int:
                     "--concurrency N); default: saturated (the rehearsal: what the KV holds, "
                     "at most 256). The evaluator's max flow and Helix's simulator (its own "
                     "feeder) have no such load")
+    ap.add_argument("--trace-start", type=float, default=0.0, metavar="FRACTION",
+                    help="the vllm and helix-prototype scorers run the trace from this "
+                    "fraction of its requests on, cycled (default 0: from its start). The "
+                    "trace's requests change over the day (the first half's outputs are "
+                    "longer), so a ratio that holds on one part may not on another; other "
+                    "starts say how much")
     ap.add_argument("--rehearse", action="store_true",
                     help="also score each placement with helixserve rehearse --offline "
                     "(benchmarks/full_size.py; minutes a placement)")
@@ -509,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
                      "0 <= WARMUP < DURATION")
     if args.serve_concurrency is not None and args.serve_concurrency < 1:
         ap.error(f"--serve-concurrency: bad value {args.serve_concurrency}; need an integer >= 1")
+    if not 0.0 <= args.trace_start < 1.0:
+        ap.error(f"--trace-start: bad value {args.trace_start:g}; need 0 <= FRACTION < 1")
     if args.placements is not None and not args.placements.is_dir():
         ap.error(f"--placements: {args.placements} is not a directory")
     args.planner_repo = args.planner_repo.resolve()
@@ -538,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
                     "gpu_reserve_gb": args.gpu_reserve_gb},
         "scorers": scorers,
         "serve_concurrency": args.serve_concurrency,
+        "trace_start": args.trace_start,
         "windows_s": {"vllm": args.vllm_window, "helix-prototype": args.helix_prototype_window,
                       "helix-sim": args.helix_sim_window or [
                           helix_sim.WINDOW["warmup_s"] + helix_sim.WINDOW["duration_s"],
@@ -556,11 +574,15 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--merge-from: {old.get('command')!r} ran --serve-concurrency "
                      f"{old.get('serve_concurrency')}, this run {args.serve_concurrency}; "
                      "scores at two loads are not one table")
+        if loaded & SIMULATED and old.get("trace_start", 0.0) != args.trace_start:
+            ap.error(f"--merge-from: {old.get('command')!r} ran --trace-start "
+                     f"{old.get('trace_start', 0.0):g}, this run {args.trace_start:g}; scores "
+                     "on two parts of the trace are not one table")
     if priors:
         report["merged_commands"] = [c for old in priors
                                      for c in old.get("merged_commands", [old.get("command")])]
     started = time.perf_counter()
-    scoring = Scoring(args.estimate_lengths, args.serve_concurrency)
+    scoring = Scoring(args.estimate_lengths, args.serve_concurrency, args.trace_start)
     with tempfile.TemporaryDirectory(prefix="planner-served-") as tmp_name:
         tmp = Path(tmp_name)
         for key in args.clusters:
