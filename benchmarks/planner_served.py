@@ -24,8 +24,8 @@ Scorers, each a decode tokens/s:
 - `vllm`, `helix-prototype`: `helixserve simulate --offline --engine E` on the Azure
   conversation trace, maxflow routing, each engine's memory; windows as docs/calibration.md
   (600 s with 60 s warmup, and the prototype's 300 s with 60 s), `--vllm-window`,
-  `--prototype-window`; the trace from its start, or with `--trace-start F` from that
-  fraction of its requests on (cycled): another sample of the day's requests;
+  `--prototype-window`; the trace from its start, or with `--trace-start F` only its
+  requests from that fraction of them on (cycled): another sample of the day's requests;
 - `helix-sim`: Helix's own simulator from the public artifact, run as its authors run
   Helix's placement (`benchmarks/helix_sim.py`; needs `--helix-artifact PATH`, else the
   column is skipped with a note);
@@ -106,11 +106,11 @@ class Scoring:
         self.model: ModelSpec = load_model(full_size.MODEL)
         self.profiles: ProfileTable = load_profiles(full_size.PROFILES)
         self.trace: list[TraceRequest] = prepare_trace(load_azure_trace(full_size.TRACE))
-        #: --trace-start: the simulated scorers run the trace from this fraction of it on,
-        #: cycled (0: from its start)
+        #: --trace-start: the simulated scorers run the trace's requests from this fraction
+        #: of them on, cycled (0: all, from the start). A cut, not a rotation: the simulator
+        #: takes requests in arrival order, so the ones before the cut would come first again
         self.trace_start = trace_start
-        first = int(trace_start * len(self.trace))
-        self.scored_trace = self.trace[first:] + self.trace[:first]
+        self.scored_trace = self.trace[int(trace_start * len(self.trace)):]
         self.clusters: dict[str, ClusterSpec] = {}
         #: (cluster, id of the placement) -> engine -> the served estimate's details
         self.estimates: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
@@ -491,8 +491,8 @@ def main(argv: list[str] | None = None) -> int:
                     "at most 256). The evaluator's max flow and Helix's simulator (its own "
                     "feeder) have no such load")
     ap.add_argument("--trace-start", type=float, default=0.0, metavar="FRACTION",
-                    help="the vllm and helix-prototype scorers run the trace from this "
-                    "fraction of its requests on, cycled (default 0: from its start). The "
+                    help="the vllm and helix-prototype scorers run the trace's requests from "
+                    "this fraction of them on, only those, cycled (default 0: all). The "
                     "trace's requests change over the day (the first half's outputs are "
                     "longer), so a ratio that holds on one part may not on another; other "
                     "starts say how much")

@@ -196,27 +196,31 @@ def test_a_stated_load_runs_the_simulated_scorers_at_that_many_in_flight(tmp_pat
 
 def test_trace_start_runs_the_simulated_scorers_on_the_trace_from_that_point(tmp_path,
                                                                              capsys) -> None:
-    """--trace-start F: the simulator scorer runs the trace from that fraction of its requests
-    on, cycled: what `helixserve simulate` gives on the trace file cut there and its first
-    rows put after the rest. Runs on two parts of the trace do not merge; a fraction outside
+    """--trace-start F: the simulator scorer runs only the trace's requests from that fraction
+    of them on: what `helixserve simulate` gives on the trace file cut there, and not what
+    the whole trace gives. Runs on two parts of the trace do not merge; a fraction outside
     [0, 1) exits 2."""
     from helixserve.cli import main as cli
     from helixserve.simulator.workload import load_azure_trace, prepare_trace
 
-    out = tmp_path / "half.json"
-    assert planner_served.main([
-        "--clusters", "single-24", "--plans", "authors", "--scorers", "vllm",
-        "--vllm-window", "60", "10", "--trace-start", "0.5", "--json", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert report["trace_start"] == 0.5
-    half = report["clusters"]["helix-single-24"]["scores"]["vllm"]["authors"]
+    scores = {}
+    for start in ("0", "0.5"):
+        out = tmp_path / f"start-{start}.json"
+        assert planner_served.main([
+            "--clusters", "single-24", "--plans", "authors", "--scorers", "vllm",
+            "--vllm-window", "60", "10", "--trace-start", start, "--json", str(out)]) == 0
+        report = json.loads(out.read_text())
+        assert report["trace_start"] == float(start)
+        scores[start] = report["clusters"]["helix-single-24"]["scores"]["vllm"]["authors"]
+    half = scores["0.5"]
+    assert half != scores["0"]  # other requests, another score
     # the request the run starts at, as a row of the trace file (request ids count its rows)
     kept = prepare_trace(load_azure_trace(planner_served.full_size.TRACE))
     row = int(kept[len(kept) // 2].request_id.removeprefix("req-"))
     header, *rows = planner_served.full_size.TRACE.read_text().splitlines()
     assert row > 0 and len(rows) > row
     cut = tmp_path / "cut.csv"
-    cut.write_text("\n".join([header, *rows[row:], *rows[:row]]) + "\n")
+    cut.write_text("\n".join([header, *rows[row:]]) + "\n")
     repo = planner_served.full_size.REPO
     sim = tmp_path / "sim.json"
     assert cli(["simulate", "--cluster", str(repo / "examples/clusters/helix-single-24.yaml"),
@@ -227,7 +231,7 @@ def test_trace_start_runs_the_simulated_scorers_on_the_trace_from_that_point(tmp
                 "--offline", "--duration", "60", "--warmup", "10", "--quiet",
                 "--json", str(sim)]) == 0
     assert round(json.loads(sim.read_text())["decode_throughput_tokens_per_s"], 1) == half
-    for argv in (["--trace-start", "0", "--merge-from", str(out)], ["--trace-start", "1"]):
+    for argv in (["--merge-from", str(out)], ["--trace-start", "1"]):
         with pytest.raises(SystemExit) as exc:
             planner_served.main(["--clusters", "single-24", "--plans", "authors",
                                  "--scorers", "vllm", *argv])
