@@ -36,7 +36,8 @@ and matplotlib 3.8; newer versions ran here (networkx 3.6, matplotlib 3.11, nump
 
 `flow` instead of `score` stops before simulating and prints what their scheduler plans
 with: the value of its max flow over their node and link capacities, and the least KV a
-layer has over its holders (seconds, little memory).
+layer has over its holders (seconds, little memory). Both take `--python PY`, an
+interpreter with their requirements, to keep gurobipy out of this one's environment.
 
 A node holding more layers than Helix's model of its GPU holds (their per-GPU cap, e.g. 4
 layers on a T4) cannot be scored: their KV table has no entry there (their Separate

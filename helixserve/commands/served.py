@@ -32,8 +32,11 @@ TILING_STARTS = 12
 DEFAULT_ALSO = "helix-prototype"
 #: `plan`'s default budget with the served objective (no --time-limit, no --work-limit):
 #: units of work (the same placement on any machine), 20% of them for the max-flow
-#: portfolio; with --jobs 2 about 5 minutes on two free cores of the reference VM
-DEFAULT_WORK_UNITS = 600.0
+#: portfolio. With --jobs 2 on two free cores of the reference VM: 6.5 minutes on
+#: helix-single-24, 8.3 on helix-mix-42 (issue 34: within 10 on 42 machines). 600 until
+#: 2026-12-07: on helix-single-24 it ended before the climb, whose pick serves 1.18x / 1.22x
+#: the authors' placement where the 600-unit one served 1.16x / 1.07x (docs/benchmarks.md)
+DEFAULT_WORK_UNITS = 1000.0
 #: the wall-clock cap behind the default work budget, a safety net (issue 34: a 42-machine
 #: plan within 10 minutes on 2 cores): a loaded machine may reach it first, and the plan
 #: then says so (its placement depends on the machine's speed and load)

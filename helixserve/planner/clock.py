@@ -13,7 +13,7 @@ nonzeros (`NODE_COSTS`). The same inputs then give the same placement on any
 machine, under any load and with any `--jobs`.
 
 A wall-clock cap (`wall_cap`) may stand behind the work clock as a safety net (`plan`'s
-default: 600 units of work, capped at 600 s): once the wall clock passes it, every look at
+default: 1,000 units of work, capped at 600 s): once the wall clock passes it, every look at
 the work clock jumps past any deadline (`CAP_JUMP`), so the searches stop at their next
 look, and `capped()` says so (the placement then depends on the machine and its load). A
 search's worker processes get the same cap (parallel.py).
