@@ -109,7 +109,6 @@ class Scoring:
         #: --trace-start: the simulated scorers run the trace's requests from this fraction
         #: of them on, cycled (0: all, from the start). A cut, not a rotation: the simulator
         #: takes requests in arrival order, so the ones before the cut would come first again
-        self.trace_start = trace_start
         self.scored_trace = self.trace[int(trace_start * len(self.trace)):]
         self.clusters: dict[str, ClusterSpec] = {}
         #: (cluster, id of the placement) -> engine -> the served estimate's details
