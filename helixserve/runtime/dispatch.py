@@ -11,9 +11,10 @@ A request's steps all go to the first hop of its route; each worker forwards the
 - **Decode** (`decode`): one step per token, sent as soon as the token arrives: a continuation
   item (request id, step id, position, token) when every worker of the route takes them
   (wire version 2), else a full item.
-- **Release** (`release`): free the request's KV on every hop of a route, also on nodes
-  believed down (if only the stream broke, the worker still holds the KV; a dead one fails
-  the call at once).
+- **Release** (`release`): free the request's KV on every hop of a route: its id rides the
+  node's Work stream (the next message, wire version 3); a node believed down gets a
+  Release call instead (if only the stream broke, the worker still holds the KV; a dead one
+  fails the call at once).
 
 Every step gets a step id unique on this coordinator, recorded in the request's `pending`
 set until its result comes back (results.py).
@@ -101,9 +102,14 @@ class Dispatch:
         self.nodes[fl.hops[0].name].send(item)
 
     def release(self, internal_id: str, hops: tuple[NodeRange, ...]) -> None:
-        """Free the request's KV on every hop of `hops` (in the background)."""
+        """Free the request's KV on every hop of `hops`: with the next message on the
+        node's Work stream, or a Release call in the background where the stream cannot
+        carry it (NodeClient.release_on_stream)."""
         for h in hops:
-            task = self.spawn(self.nodes[h.name].release([internal_id]))
+            node = self.nodes[h.name]
+            if node.release_on_stream(internal_id):
+                continue
+            task = self.spawn(node.release([internal_id]))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 

@@ -2,7 +2,9 @@
 
 Items for the worker are queued and sent in batches (all items queued since the last write go in
 one WorkBatch message: the decode steps the coordinator sends in one event-loop turn travel
-together). A request's later decode steps go as continuation items (`send_continuation`: request
+together), and so are the ids of finished requests to free there (`release_on_stream`,
+WorkBatch.release_ids): a Release call per request and hop cost the worker and the
+coordinator about half a millisecond of CPU each (docs/runtime.md, Release). A request's later decode steps go as continuation items (`send_continuation`: request
 id, step id, position, token) when the worker speaks wire version 2 (`continuation_ok`).
 Results (sampled tokens, prefill acks, per-item errors) arrive on the stream's responses and are
 handed to the coordinator's callback with this node's name: which worker sent a result is the
@@ -71,7 +73,8 @@ class NodeClient:
         self.alive = False
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.HelixWorkerStub | None = None
-        self._outgoing: asyncio.Queue[pb.WorkItem | None] = asyncio.Queue()
+        #: items for the stream, and request ids to release on it (str); None ends it
+        self._outgoing: asyncio.Queue[pb.WorkItem | str | None] = asyncio.Queue()
         self._stream_task: asyncio.Task[None] | None = None
         self._last_revive = 0.0
         self._route_pb_cache: dict[tuple[object, ...], list[pb.Hop]] = {}
@@ -160,19 +163,23 @@ class NodeClient:
         yield tp.work_batch_pb([], coordinator_id=self.coordinator_id, sender="coordinator",
                                coordinator_token=self.coordinator_token)
         while True:
-            first = await self._outgoing.get()
-            if first is None:
-                return
-            items = [first]
-            while not self._outgoing.empty():
+            nxt = await self._outgoing.get()
+            items: list[pb.WorkItem] = []
+            releases: list[str] = []
+            while nxt is not None:
+                if isinstance(nxt, str):
+                    releases.append(nxt)
+                else:
+                    items.append(nxt)
+                if self._outgoing.empty():
+                    break
                 nxt = self._outgoing.get_nowait()
-                if nxt is None:
-                    yield tp.work_batch_pb(items)
-                    return
-                items.append(nxt)
-            self.messages_out += 1
-            self.items_out += len(items)
-            yield tp.work_batch_pb(items)
+            if items or releases:
+                self.messages_out += 1
+                self.items_out += len(items)
+                yield tp.work_batch_pb(items, release_ids=releases)
+            if nxt is None:
+                return
 
     async def _run_stream(self) -> None:
         assert self._stub is not None
@@ -216,6 +223,15 @@ class NodeClient:
                           token_ids: list[int]) -> None:
         """A decode step of a request whose first item went to this worker before."""
         self._outgoing.put_nowait(tp.continuation_to_pb(request_id, step_id, position, token_ids))
+
+    def release_on_stream(self, request_id: str) -> bool:
+        """Free the request's KV on this worker with the stream's next message (wire
+        version 3), in order with the items sent before it; False where the stream cannot
+        carry it (down, an older worker): then `release` calls Release."""
+        if not self.alive or self.info is None or self.info.wire_version < 3:
+            return False
+        self._outgoing.put_nowait(request_id)
+        return True
 
     @property
     def continuation_ok(self) -> bool:

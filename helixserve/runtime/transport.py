@@ -141,8 +141,10 @@ PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED.value[0]
 
 
 #: the wire contract this side speaks (InfoReply.wire_version): 2 = continuation items (a decode
-#: item after a request's first carries only what changed; see WorkItem in proto/helix.proto)
-WIRE_VERSION = 2
+#: item after a request's first carries only what changed; see WorkItem in proto/helix.proto);
+#: 3 = releases on the coordinator's Work stream (WorkBatch.release_ids) instead of a Release
+#: call per request and hop
+WIRE_VERSION = 3
 
 
 #: how the error text of a prefix miss starts (with status FAILED_PRECONDITION)
@@ -733,9 +735,9 @@ def item_from_pb(msg: pb.WorkItem, expect: ExpectedInput, where: str = "item") -
 
 def work_batch_pb(
     items: Sequence[pb.WorkItem], coordinator_id: str = "", sender: str = "",
-    coordinator_token: str = "",
+    coordinator_token: str = "", release_ids: Sequence[str] = (),
 ) -> pb.WorkBatch:
-    batch = pb.WorkBatch(items=items)
+    batch = pb.WorkBatch(items=items, release_ids=release_ids)
     if coordinator_id or sender:
         batch.hello.CopyFrom(pb.StreamHello(coordinator_id=coordinator_id, sender=sender,
                                             coordinator_token=coordinator_token))
@@ -886,7 +888,8 @@ class WorkerInfo:
     step_tokens_sum: int = 0
     engine: str = "torch"
     vllm_version: str = ""
-    #: 0/1: full items only; 2: continuation items too (WIRE_VERSION)
+    #: 0/1: full items only; 2: continuation items too; 3: releases on the Work stream too
+    #: (WIRE_VERSION)
     wire_version: int = 0
     #: Work/result messages sent and the items they carried (items per message)
     work_messages_out: int = 0

@@ -92,7 +92,9 @@ the worker that is its route's previous hop. Info and health answer any member o
 Without TLS (`--insecure`, loopback only, development) the same checks run on what the
 caller declares: a coordinator's hello must carry the secret its id is derived from, and a
 worker's hello names its node. Either way, items on a coordinator stream must name that
-coordinator, Release frees only requests of the coordinator that proves its id, and an item
+coordinator, Release frees only requests of the coordinator that proves its id (and release
+ids on a Work stream only that stream's coordinator's; a worker's stream sending any is
+refused), and an item
 whose request holds KV here for another coordinator is refused. An item is forwarded only
 to an address of the worker's peer policy (its placement's nodes): a forged next hop gets a
 per-item PERMISSION_DENIED and nothing is connected.
@@ -962,10 +964,34 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     # everything the cache holds, first (module doc)
                     self._put(stream, tp.cache_events_to_pb(
                         self.node, CacheEvents(list(self.cache_held), [], reset=True)))
+        if batch.release_ids and not self._release_on_stream(batch, stream, limit):
+            return False
         jobs = [job for i, msg in enumerate(batch.items)
                 if (job := self._accept(msg, stream, f"items[{i}]", limit)) is not None]
         if jobs:
             self.inbox.put(jobs)
+        return True
+
+    def _release_on_stream(self, batch: pb.WorkBatch, stream: _Stream, limit: int) -> bool:
+        """A coordinator's releases in its Work stream's message (WorkBatch.release_ids):
+        freed as Release frees them, before the message's items, for the coordinator whose
+        hello (id and token, its certificate with TLS) opened the stream. False: refused, on a
+        stream without a coordinator hello or past the message bound."""
+        cid = stream.coordinator_id
+        refusal = ""
+        if not cid:
+            refusal = (f"{len(batch.release_ids)} release ids on a stream without a coordinator "
+                       "hello (only a coordinator frees requests)")
+            stream.refused_code = grpc.StatusCode.PERMISSION_DENIED
+        elif len(batch.release_ids) > limit:
+            self.refused_full += 1
+            refusal = f"{len(batch.release_ids)} release ids in one message, limit {limit}"
+            stream.refused_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+        if refusal:
+            stream.refused = f"node {self.node}: {refusal}; stream refused"
+            log.warning("refused a stream: %s", stream.refused)
+            return False
+        self.inbox.put(_Release([(cid, rid) for rid in batch.release_ids], Future()))
         return True
 
     def _peer(self, context: grpc.aio.ServicerContext) -> security.PeerIdentity | None:

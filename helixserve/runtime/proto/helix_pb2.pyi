@@ -112,12 +112,14 @@ class StreamHello(_message.Message):
     def __init__(self, coordinator_id: _Optional[str] = ..., sender: _Optional[str] = ..., coordinator_token: _Optional[str] = ...) -> None: ...
 
 class WorkBatch(_message.Message):
-    __slots__ = ("hello", "items")
+    __slots__ = ("hello", "items", "release_ids")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     hello: StreamHello
     items: _containers.RepeatedCompositeFieldContainer[WorkItem]
-    def __init__(self, hello: _Optional[_Union[StreamHello, _Mapping]] = ..., items: _Optional[_Iterable[_Union[WorkItem, _Mapping]]] = ...) -> None: ...
+    release_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hello: _Optional[_Union[StreamHello, _Mapping]] = ..., items: _Optional[_Iterable[_Union[WorkItem, _Mapping]]] = ..., release_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

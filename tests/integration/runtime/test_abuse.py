@@ -7,7 +7,9 @@ without a client certificate, a certificate of another CA, a forged next hop (a 
 that counts connections), another coordinator's id on a stream and in Release, and items
 meant to hijack the running request's results or KV. Every attempt must be refused; the
 request must complete with the same tokens as an undisturbed run (nothing freed, nothing
-lost) and the listener must see no connection. With valid credentials of the wrong role (a worker's
+lost) and the listener must see no connection; the running request's id as release ids on
+the attacker's own coordinator stream frees nothing, on a worker's stream it is refused.
+With valid credentials of the wrong role (a worker's
 certificate, the coordinator's where a worker's is due) it tries LoadRange, Release, a
 coordinator stream and items at hop >= 1 from a node that is not the route's previous hop:
 all refused, the range unchanged. The counts are in docs/security.md.
@@ -223,6 +225,26 @@ async def _attack(creds: Any, cluster: ClusterSpec, coord: Coordinator, other_ca
                     assert cid == own_id and reply.released == 0, reply
                     tally["Release of another's request: refused"] += 1  # freed nothing
 
+    # 6b: the running request's id as release ids on a Work stream: the attacker's own
+    # coordinator stream (accepted: frees only its own coordinator's requests, so nothing) and
+    # a worker's (n1's) stream without a coordinator hello (refused)
+    for address in addresses.values():
+        batch = tp.work_batch_pb([], coordinator_id=own_id, sender="coordinator",
+                                 coordinator_token=own_token, release_ids=[victim_rid])
+        reply = await _stream_once(address, tls, batch)
+        tally["release ids of another's request (stream): tried"] += 1
+        assert not isinstance(reply, grpc.aio.AioRpcError), reply
+        tally["release ids of another's request (stream): refused"] += 1  # freed nothing
+        batch = tp.work_batch_pb([], sender="n0", release_ids=[victim_rid])
+        reply = await _stream_once(address, creds.nodes["n1"], batch)
+        tally["release ids of another's request (stream): tried"] += 1
+        ok = (isinstance(reply, grpc.aio.AioRpcError)
+              and reply.code() == grpc.StatusCode.PERMISSION_DENIED
+              and "without a coordinator hello" in (reply.details() or ""))
+        tally["release ids of another's request (stream): refused"] += ok
+        assert ok, reply
+        assert (await _info_async(address, tls)).active_requests == 1
+
     # 7: items on the attacker's own stream naming the victim's coordinator (result
     # injection) or the victim's request id (KV corruption), and a first-hop item from a
     # stream that is not a coordinator's
@@ -328,7 +350,7 @@ def test_abuse_is_refused_and_nothing_is_lost(tls_stack, demo_model, tmp_path):
     assert listener.accepted == 0  # nothing connected to the forged next hop
     tried = sum(v for k, v in tally.items() if k.endswith(": tried"))
     refused = sum(v for k, v in tally.items() if k.endswith(": refused"))
-    assert tried == refused == 2 * 3 * 3 + 3 + 4 + 6 + 3 + 2 * 3 + 3
+    assert tried == refused == 2 * 3 * 3 + 3 + 4 + 6 + 4 + 3 + 2 * 3 + 3
     for address in (str(n.address) for n in cluster.nodes):
         info = _info(address, security.sync_channel(address, creds.coordinator))
         assert info.active_requests == 0 and info.kv_used_blocks == 0

@@ -173,6 +173,14 @@ def test_cancel_mid_stream_frees_kv_on_every_worker(workers, demo_model, prompts
     async def main() -> tuple[dict[str, int], dict[str, int]]:
         coord = await Coordinator.create(make_cluster(list(even.values())), even_placement(),
                                          demo_model)
+        rpc_releases: list[str] = []
+
+        async def no_release_call(ids: list[str]) -> int:
+            rpc_releases.extend(ids)  # frees nothing: the stream's release ids must
+            return 0
+
+        for node in coord.nodes.values():
+            node.release = no_release_call  # type: ignore[method-assign]
         try:
             gens = [coord.generate(GenerationRequest(f"cancel-{i}", p, GREEDY, max_tokens=500,
                                                      ignore_eos=True))
@@ -185,6 +193,7 @@ def test_cancel_mid_stream_frees_kv_on_every_worker(workers, demo_model, prompts
                 await g.aclose()  # what the API does when the client disconnects
             after = await wait_kv_empty(even)
             assert coord.stats().running == 0
+            assert rpc_releases == []  # freed by release ids on the Work streams
             return during, after
         finally:
             await coord.close()

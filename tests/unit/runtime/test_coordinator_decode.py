@@ -61,6 +61,10 @@ class FakeNode:
         self.released += ids
         return len(ids)
 
+    def release_on_stream(self, request_id: str) -> bool:
+        self.released.append(request_id)
+        return True
+
     async def check_alive(self, timeout_s: float) -> bool:
         return True
 

@@ -50,6 +50,9 @@ class FakeNode:
     async def release(self, ids: list[str]) -> int:
         return len(ids)
 
+    def release_on_stream(self, request_id: str) -> bool:
+        return True
+
     async def check_alive(self, timeout_s: float) -> bool:
         return True
 

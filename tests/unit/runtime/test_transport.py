@@ -186,7 +186,7 @@ def test_info_reports_the_wire_version_and_message_counts():
         busy_fraction=0.0, steps=0, items_run=0, active_requests=0, draining=False,
         eos_token_ids=(), wire_version=tp.WIRE_VERSION, work_messages_out=3,
         work_items_out=48)))
-    assert (info.wire_version, info.work_messages_out, info.work_items_out) == (2, 3, 48)
+    assert (info.wire_version, info.work_messages_out, info.work_items_out) == (3, 3, 48)
     # a worker of an older contract reports no version: full items only
     assert tp.info_from_pb(tp.pb.InfoReply()).wire_version == 0
 
