@@ -57,6 +57,7 @@ from helixserve.rehearse.links import (
     read_unattributed,
 )
 from helixserve.runtime.config import CoordinatorConfig
+from helixserve.runtime.threads import THREAD_KINDS, thread_cpu_seconds
 from helixserve.runtime.transport import LINK_LEDGER_ENV
 from helixserve.spec.cluster import COORDINATOR
 
@@ -98,6 +99,10 @@ class Ports:
         ports = reserve_ports(base_port, needs, HOST)
         return cls(ports[0], {n: ports[1 + 2 * i] for i, n in enumerate(nodes)},
                    {n: ports[2 + 2 * i] for i, n in enumerate(nodes)})
+
+
+#: how `Cluster.cpu` names the workers' CPU by kind of thread (`threads/event_loop`, ...)
+THREADS_KEY = "threads/"
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -360,12 +365,18 @@ class EmulatedCluster:
     # ---- during the run ------------------------------------------------------------------
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds so far of every live child, by name."""
+        """CPU seconds so far of every live child, by name, and of the workers' threads by
+        kind, summed over the workers (`threads/<kind>`: runtime/threads.py THREAD_KINDS)."""
         out = {}
+        threads = dict.fromkeys(THREAD_KINDS, 0.0)
         for name, proc in self.procs.items():
             s = cpu_seconds(proc.pid)
             if s is not None:
                 out[name] = s
+            if name.startswith("worker-"):
+                for kind, v in (thread_cpu_seconds(proc.pid) or {}).items():
+                    threads[kind] += v
+        out.update({f"{THREADS_KEY}{kind}": v for kind, v in threads.items()})
         return out
 
     def unattributed(self) -> dict[str, dict[str, int]]:

@@ -27,6 +27,7 @@ from typing import Any
 from helixserve.errors import UserError
 from helixserve.rehearse.cluster import (
     DEFAULT_PAYLOAD_BYTES_PER_TOKEN,
+    THREADS_KEY,
     EmulatedCluster,
     check_workdir,
 )
@@ -43,6 +44,7 @@ from helixserve.rehearse.run import (
     simulate,
     unsaturated_note,
 )
+from helixserve.runtime.threads import THREAD_KINDS
 
 FORMAT = "helixserve.rehearse/v1"
 
@@ -209,6 +211,11 @@ def _runtime_ms_per_token(cpu: dict[str, float] | None, tokens: float) -> float 
     return runtime_s * 1000.0 / tokens
 
 
+def _by_thread(cpu: dict[str, float]) -> dict[str, float]:
+    """The workers' CPU seconds by kind of thread (runtime/threads.py THREAD_KINDS)."""
+    return {kind: round(cpu.get(f"{THREADS_KEY}{kind}", 0.0), 3) for kind in THREAD_KINDS}
+
+
 def _own_cpu_s() -> float:
     t = os.times()
     return t.user + t.system
@@ -281,12 +288,14 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
         **({"cpu_s_window": {
             "coordinator": window_cpu.get("coordinator", 0.0),
             "workers": sum(v for n, v in window_cpu.items() if n.startswith("worker-")),
-            "links": window_cpu.get("links", 0.0)}} if window_cpu else {}),
+            "links": window_cpu.get("links", 0.0),
+            "worker_threads": _by_thread(window_cpu)}} if window_cpu else {}),
         "preemptions": {"measured": coordinator["preemptions"],
                         "simulated": summary["preemptions"]},
         "reroutes": coordinator["reroutes"],
         "cpu_s": {"coordinator": coordinator_s, "workers": workers_s,
                   "links": cpu.get("links", 0.0), "client": client_cpu_s,
+                  "worker_threads": _by_thread(cpu),
                   "window_s": window_s, "wall_s": wall_s},
         "nodes": nodes,
         "links": link_rows,

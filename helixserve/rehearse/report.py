@@ -105,6 +105,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"for {m['output_tokens']} output tokens: "
         + ("-" if per_k is None else f"{per_k:.2f} s per 1,000 tokens ({per_k:.2f} ms a token)")
         + _window_cpu(r),
+        _threads_line(r),
         f"emulation's own CPU (not the runtime's): link proxy {c['links']:.1f} s, load client "
         f"{c['client']:.1f} s; {r['machine']['cpus']} CPUs, load "
         f"{r['machine']['loadavg_1m_before']} -> {r['machine']['loadavg_1m_after']}",
@@ -120,6 +121,19 @@ def _choices(r: dict[str, Any]) -> str:
     if not run:
         return ""
     return f" ({run['dataplane']} data plane)"
+
+
+def _threads_line(r: dict[str, Any]) -> str:
+    """The workers' CPU by kind of thread (runtime/threads.py), over the window when it was
+    measured, else over the run."""
+    w = r.get("cpu_s_window") or {}
+    t, where = (w["worker_threads"], "in the window") if "worker_threads" in w else (
+        r["cpu_s"].get("worker_threads"), "over the run")
+    if not t:
+        return "workers' CPU by thread: not measured"
+    return (f"workers' CPU by thread {where}: event loop {t['event_loop']:.1f} s, engine "
+            f"threads {t['engine']:.1f} s, gRPC core threads {t['grpc_core']:.1f} s, other "
+            f"(gRPC's poller, exited threads) {t['other']:.1f} s")
 
 
 def _window_cpu(r: dict[str, Any]) -> str:

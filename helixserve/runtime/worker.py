@@ -131,6 +131,7 @@ from helixserve.runtime.peers import (  # noqa: F401 (tests and benchmarks impor
 )
 from helixserve.runtime.proto import helix_pb2 as pb
 from helixserve.runtime.proto import helix_pb2_grpc as pb_grpc
+from helixserve.runtime.threads import ENGINE_THREAD, name_os_thread
 
 # the process around a Worker (gRPC server, health, drain): importable from here too
 from helixserve.runtime.worker_server import ENGINE_STALL_S, SERVICE_NAME, serve  # noqa: F401
@@ -449,6 +450,7 @@ class Worker(pb_grpc.HelixWorkerServicer):
     # ---- engine thread -----------------------------------------------------------------
 
     def _engine_loop(self) -> None:
+        name_os_thread(ENGINE_THREAD)  # its CPU apart from the loop's (runtime/threads.py)
         pending: deque[_Job] = deque()
         while True:
             drained = self._take_inbox(pending)

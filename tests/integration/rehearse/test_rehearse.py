@@ -92,6 +92,12 @@ def test_six_emulated_machines_measured_next_to_simulated(tmp_path):
     assert measured["requests_failed"] == 0 and report["errors"] == []
     assert report["runtime_cpu_ms_per_token"] > 0
     assert report["cpu_s"]["coordinator"] > 0 and report["cpu_s"]["workers"] > 0
+    # the workers' CPU by thread: the named engine threads and the event loops both ran, and
+    # the kinds add up to the workers' CPU (each is read at the same moments as the total)
+    threads = report["cpu_s"]["worker_threads"]
+    assert threads["engine"] > 0 and threads["event_loop"] > 0, threads
+    assert abs(sum(threads.values()) - report["cpu_s"]["workers"]) < 0.1, threads
+    assert "workers' CPU by thread" in proc.stdout
     assert set(report["nodes"]) == {"a0", "a1", "t0", "t1", "t2", "t3"}
     assert all(n["busy_measured"] is not None and n["steps"] > 0
                for n in report["nodes"].values()), (report["nodes"], proc.stderr[-3000:])

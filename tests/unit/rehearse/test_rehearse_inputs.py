@@ -195,6 +195,11 @@ def test_report_table_says_emulated_and_shows_missing_numbers_as_dashes():
     report["unattributed_links"] = {"n0": {"bytes_in": 1000, "bytes_out": 234, "connections": 1}}
     assert "unattributed (caller not found, on no link): 1,234 bytes to n0" in format_report(report)
     assert "runtime CPU: coordinator" in text  # a report without `runtime` (older JSON)
+    assert "workers' CPU by thread: not measured" in text  # an older report: no split
+    report["cpu_s"]["worker_threads"] = {"event_loop": 1.2, "engine": 0.5, "grpc_core": 0.3,
+                                         "other": 0.1}
+    assert ("workers' CPU by thread over the run: event loop 1.2 s, engine threads 0.5 s, "
+            "gRPC core threads 0.3 s") in format_report(report)
     report["runtime"] = {"dataplane": "stream"}
     assert "runtime CPU (stream data plane): coordinator" in format_report(report)
 
