@@ -78,7 +78,8 @@ class NodeClient:
         self._stream_task: asyncio.Task[None] | None = None
         self._last_revive = 0.0
         self._route_pb_cache: dict[tuple[object, ...], list[pb.Hop]] = {}
-        #: Work messages sent on the stream and the items they carried (items per message)
+        #: Work messages with items sent on the stream and the items they carried (items per
+        #: message; a message of release ids alone is not counted)
         self.messages_out = 0
         self.items_out = 0
         #: an Info call is under way; Info calls in a row that got no answer in time
@@ -174,9 +175,10 @@ class NodeClient:
                 if self._outgoing.empty():
                     break
                 nxt = self._outgoing.get_nowait()
-            if items or releases:
+            if items:
                 self.messages_out += 1
                 self.items_out += len(items)
+            if items or releases:
                 yield tp.work_batch_pb(items, release_ids=releases)
             if nxt is None:
                 return
