@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -40,7 +41,7 @@ def test_an_engine_named_thread_s_cpu_is_counted_as_the_engine_s() -> None:
     ready.wait()
     assert named == [True]
     assert t.native_id is not None
-    comm = open(f"/proc/{os.getpid()}/task/{t.native_id}/comm").read().strip()
+    comm = Path(f"/proc/{os.getpid()}/task/{t.native_id}/comm").read_text().strip()
     assert comm == ENGINE_THREAD
     assert burnt.wait(30)
     after = thread_cpu_seconds(os.getpid())
@@ -50,7 +51,7 @@ def test_an_engine_named_thread_s_cpu_is_counted_as_the_engine_s() -> None:
     assert after["engine"] - before["engine"] >= 0.25
     # the kinds add up to the process's CPU (the rest counted as "other")
     total = sum(after.values())
-    stat = open(f"/proc/{os.getpid()}/stat").read()
+    stat = Path(f"/proc/{os.getpid()}/stat").read_text()
     fields = stat[stat.rindex(")") + 2:].split()
     assert abs(total - (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")) < 0.05
 
