@@ -19,19 +19,30 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from helixserve.local.launch import (
+    free_port,
+    spawn_worker,
+    stop_processes,
+    wait_grpc_ready,
+    worker_command,
+)
+from helixserve.runtime.threads import process_cpu_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid`, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    s = process_cpu_seconds(pid)
+    if s is None:
+        raise RuntimeError(f"release_cost: the worker (pid {pid}) is gone")
+    return s
 
 
 async def _measure(port: int, pid: int, releases: int, gap_s: float) -> dict[str, Any]:
@@ -46,7 +57,7 @@ async def _measure(port: int, pid: int, releases: int, gap_s: float) -> dict[str
     out: dict[str, Any] = {}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = pb_grpc.HelixWorkerStub(ch)
-        info = tp.info_from_pb(await stub.Info(pb.InfoRequest(), timeout=60, wait_for_ready=True))
+        info = tp.info_from_pb(await stub.Info(pb.InfoRequest(), timeout=30))
         out["worker_wire_version"] = info.wire_version
 
         worker0, own0 = _cpu_s(pid), time.process_time()
@@ -99,19 +110,20 @@ def main(argv: list[str] | None = None) -> int:
         print("release_cost: --releases must be >= 1 and --gap-ms >= 0", file=sys.stderr)
         return 2
 
-    from helixserve.local.launch import free_port
-
     port = free_port()
-    cmd = [sys.executable, "-m", "helixserve", "worker", "--model",
-           str(REPO / "examples/models/llama-2-70b"), "--layers", "0:10", "--port", str(port),
-           "--engine", "emulated", "--gpu", "A100-40GB", "--profiles",
-           str(REPO / "examples/profiles/helix-measured.csv"), "--insecure"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        res = asyncio.run(_measure(port, proc.pid, args.releases, args.gap_ms / 1000))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    cmd = worker_command(REPO / "examples/models/llama-2-70b", "n0", port, layers=(0, 10),
+                         engine="emulated",
+                         extra_args=["--gpu", "A100-40GB", "--profiles",
+                                     str(REPO / "examples/profiles/helix-measured.csv"),
+                                     "--insecure"])
+    with tempfile.TemporaryDirectory(prefix="release-cost-") as tmp:
+        log = Path(tmp) / "worker.log"
+        proc = spawn_worker(cmd, log)
+        try:
+            wait_grpc_ready("n0", f"127.0.0.1:{port}", proc, log)
+            res = asyncio.run(_measure(port, proc.pid, args.releases, args.gap_ms / 1000))
+        finally:
+            stop_processes([proc])
 
     rows = []
     print(f"{'how':<40} {'worker ms':>10} {'coordinator ms':>15}   (CPU a release)")

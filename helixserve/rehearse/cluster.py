@@ -57,7 +57,7 @@ from helixserve.rehearse.links import (
     read_unattributed,
 )
 from helixserve.runtime.config import CoordinatorConfig
-from helixserve.runtime.threads import THREAD_KINDS, thread_cpu_seconds
+from helixserve.runtime.threads import THREAD_KINDS, process_cpu_seconds, thread_cpu_seconds
 from helixserve.runtime.transport import LINK_LEDGER_ENV
 from helixserve.spec.cluster import COORDINATOR
 
@@ -103,17 +103,6 @@ class Ports:
 
 #: how `Cluster.cpu` names the workers' CPU by kind of thread (`threads/event_loop`, ...)
 THREADS_KEY = "threads/"
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a live process, from /proc/PID/stat (None once it is gone)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name (field 2) may hold spaces: split after its closing parenthesis
-    fields = text[text.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 #: real bytes (on the wire + declared) an HTTP/2 stream may have unacknowledged on a
@@ -370,12 +359,16 @@ class EmulatedCluster:
         out = {}
         threads = dict.fromkeys(THREAD_KINDS, 0.0)
         for name, proc in self.procs.items():
-            s = cpu_seconds(proc.pid)
+            if name.startswith("worker-"):  # its kinds of threads add up to its CPU
+                by_kind = thread_cpu_seconds(proc.pid)
+                if by_kind is not None:
+                    out[name] = sum(by_kind.values())
+                    for kind, v in by_kind.items():
+                        threads[kind] += v
+                continue
+            s = process_cpu_seconds(proc.pid)
             if s is not None:
                 out[name] = s
-            if name.startswith("worker-"):
-                for kind, v in (thread_cpu_seconds(proc.pid) or {}).items():
-                    threads[kind] += v
         out.update({f"{THREADS_KEY}{kind}": v for kind, v in threads.items()})
         return out
 

@@ -37,15 +37,26 @@ def name_os_thread(name: str) -> bool:
 
 
 def _ticks(stat: str) -> int:
+    """utime + stime, in clock ticks, of a /proc `stat` line."""
     fields = stat[stat.rindex(")") + 2:].split()  # the name may hold spaces and parentheses
     return int(fields[11]) + int(fields[12])
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process, all its threads, from /proc/PID/stat (None once it
+    is gone, or without /proc)."""
+    try:
+        return _ticks(Path(f"/proc/{pid}/stat").read_text()) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float] | None:
     """CPU seconds (user + system) of process `pid` by kind of thread (THREAD_KINDS): its
     main thread (a worker's event loop), threads named ENGINE_THREAD, gRPC core's threads,
     and the rest (Python threads such as gRPC's poller, and threads that already exited:
-    the process's total less the three). None once the process is gone (or without /proc)."""
+    the process's total less the three, so the kinds add up to `process_cpu_seconds`). None
+    once the process is gone (or without /proc)."""
     hz = os.sysconf("SC_CLK_TCK")
     try:
         total = _ticks(Path(f"/proc/{pid}/stat").read_text())

@@ -936,27 +936,21 @@ class Worker(pb_grpc.HelixWorkerServicer):
         """One incoming message: its hello checked, its items admitted to the engine's
         queue. False when the stream is refused (`stream.refused` says why)."""
         self._queue_limit = limit = self.queue_limit_tokens()
-        if len(batch.items) > limit:
-            self.refused_full += 1
-            stream.refused_code = grpc.StatusCode.RESOURCE_EXHAUSTED
-            stream.refused = (f"node {self.node}: {len(batch.items)} items in one "
-                              f"message, limit {limit}; stream refused")
-            log.warning("refused a stream: %s", stream.refused)
-            return False
+        for what, count in (("items", len(batch.items)), ("release ids", len(batch.release_ids))):
+            if count > limit:
+                return self._refuse_stream(stream, f"{count} {what} in one message, limit {limit}",
+                                           grpc.StatusCode.RESOURCE_EXHAUSTED)
         hello = tp.hello_of(batch)
         if hello is not None:
             cid, claimed = hello
             refusal = self._hello_refusal(cid, tp.hello_token(batch), stream)
-            if (not refusal and cid and cid not in self.coordinators
-                    and len(self.coordinators) >= MAX_COORDINATOR_STREAMS):
-                self.refused_full += 1
-                stream.refused_code = grpc.StatusCode.RESOURCE_EXHAUSTED
-                refusal = (f"{len(self.coordinators)} coordinator streams open, limit "
-                           f"{MAX_COORDINATOR_STREAMS}")
             if refusal:
-                log.warning("refused a stream: %s", refusal)
-                stream.refused = f"node {self.node}: {refusal}; stream refused"
-                return False
+                return self._refuse_stream(stream, refusal)
+            if cid and cid not in self.coordinators and len(
+                    self.coordinators) >= MAX_COORDINATOR_STREAMS:
+                return self._refuse_stream(
+                    stream, f"{len(self.coordinators)} coordinator streams open, limit "
+                            f"{MAX_COORDINATOR_STREAMS}", grpc.StatusCode.RESOURCE_EXHAUSTED)
             if stream.peer is None:  # plaintext: the sender is what it declares
                 stream.sender = claimed
             stream.coordinator_id = cid
@@ -966,35 +960,32 @@ class Worker(pb_grpc.HelixWorkerServicer):
                     # everything the cache holds, first (module doc)
                     self._put(stream, tp.cache_events_to_pb(
                         self.node, CacheEvents(list(self.cache_held), [], reset=True)))
-        if batch.release_ids and not self._release_on_stream(batch, stream, limit):
-            return False
+        if batch.release_ids:
+            # a coordinator's releases (WorkBatch.release_ids): freed as Release frees them,
+            # before the message's items, for the coordinator whose hello (id and token, its
+            # certificate with TLS) opened the stream
+            cid = stream.coordinator_id
+            if not cid:
+                return self._refuse_stream(
+                    stream, f"{len(batch.release_ids)} release ids on a stream without a "
+                            "coordinator hello (only a coordinator frees requests)")
+            self.inbox.put(_Release([(cid, rid) for rid in batch.release_ids], Future()))
         jobs = [job for i, msg in enumerate(batch.items)
                 if (job := self._accept(msg, stream, f"items[{i}]", limit)) is not None]
         if jobs:
             self.inbox.put(jobs)
         return True
 
-    def _release_on_stream(self, batch: pb.WorkBatch, stream: _Stream, limit: int) -> bool:
-        """A coordinator's releases in its Work stream's message (WorkBatch.release_ids):
-        freed as Release frees them, before the message's items, for the coordinator whose
-        hello (id and token, its certificate with TLS) opened the stream. False: refused, on a
-        stream without a coordinator hello or past the message bound."""
-        cid = stream.coordinator_id
-        refusal = ""
-        if not cid:
-            refusal = (f"{len(batch.release_ids)} release ids on a stream without a coordinator "
-                       "hello (only a coordinator frees requests)")
-            stream.refused_code = grpc.StatusCode.PERMISSION_DENIED
-        elif len(batch.release_ids) > limit:
+    def _refuse_stream(self, stream: _Stream, why: str,
+                       code: grpc.StatusCode = grpc.StatusCode.PERMISSION_DENIED) -> bool:
+        """Refuse `stream` for `why` (its handler aborts it with `code`; a bound past,
+        RESOURCE_EXHAUSTED, is counted in `refused_full`): False, for `receive` to return."""
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self.refused_full += 1
-            refusal = f"{len(batch.release_ids)} release ids in one message, limit {limit}"
-            stream.refused_code = grpc.StatusCode.RESOURCE_EXHAUSTED
-        if refusal:
-            stream.refused = f"node {self.node}: {refusal}; stream refused"
-            log.warning("refused a stream: %s", stream.refused)
-            return False
-        self.inbox.put(_Release([(cid, rid) for rid in batch.release_ids], Future()))
-        return True
+        stream.refused_code = code
+        stream.refused = f"node {self.node}: {why}; stream refused"
+        log.warning("refused a stream: %s", stream.refused)
+        return False
 
     def _peer(self, context: grpc.aio.ServicerContext) -> security.PeerIdentity | None:
         """The caller's certificate identity; None on a plaintext worker. With TLS a caller
