@@ -313,9 +313,23 @@ def _flow_of(**kwargs: Any) -> dict[str, Any]:
         for layer in range(status.start_layer_idx, status.end_layer_idx):
             per_layer[layer] += status.total_kv_capacity / k
     least = min(per_layer)
-    return {"flow_tokens_per_s": round(float(core.flow_graph.flow_value), 1),
+    graph = core.flow_graph
+    nodes: dict[str, dict[str, Any]] = {}
+    for uid, node in sorted(simulator.compute_nodes.items()):
+        if not node.in_vram_model_layers:
+            continue
+        edge = (f"{uid}_start", f"{uid}_end")
+        nodes[f"n{uid - NODE_OFFSET}"] = {
+            "layers": [min(node.in_vram_model_layers), max(node.in_vram_model_layers) + 1],
+            "capacity_tokens_per_s": round(float(graph.flow_graph[edge[0]][edge[1]]["capacity"]), 1),
+            "flow_tokens_per_s": round(float(graph.flow_dict[edge[0]][edge[1]]), 1)}
+    return {"flow_tokens_per_s": round(float(graph.flow_value), 1),
             "min_layer_kv_tokens": round(least),
-            "min_kv_layers": [i for i, v in enumerate(per_layer) if v == least]}
+            "min_kv_layers": [i for i, v in enumerate(per_layer) if v == least],
+            # their router never sends a request along an edge under 5% of its vertex's
+            # outflow: a node its max flow leaves at 0 runs nothing and its KV holds nothing
+            "idle_nodes": [name for name, n in nodes.items() if n["flow_tokens_per_s"] <= 0],
+            "nodes": nodes}
 
 
 def _write_simulator_cluster(model_name: Any, machine_num_dict: dict[str, int],

@@ -191,6 +191,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(helix-prototype: 3.5, fitted to the prototype's run; the others and Helix's own "
         "simulator: 0; docs/calibration.md)",
     )
+    p.add_argument(
+        "--helix-router",
+        action="store_true",
+        help="maxflow: route as Helix's scheduler (its simulator and its prototype's host) "
+        "does: over the solver's flow as given, flow edges under 5%% of their vertex's "
+        "outflow masked, never outside the flow (a request KV keeps off every flow edge "
+        "waits); the default spreads the flow and spills past full nodes, as helixserve's "
+        "coordinator does",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--sample",
@@ -253,7 +262,7 @@ def _progress_bar() -> Callable[[float], None]:
 def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
     """The SimConfig engine fields: the --engine preset with the flags given over it."""
     from helixserve.errors import UserError
-    from helixserve.simulator.presets import ENGINES, engine_config
+    from helixserve.simulator.presets import ENGINES, HELIX_ROUTER, engine_config
     from helixserve.spec.scheduling import KV_ALLOCATIONS
 
     if args.engine not in ENGINES:
@@ -285,6 +294,11 @@ def _engine_config(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.layer_overhead_ms is not None:
         config["layer_overhead_s"] = args.layer_overhead_ms / 1000.0
+    if args.helix_router:
+        if args.scheduler != "maxflow":
+            raise UserError(f"--helix-router: routes over the max flow; --scheduler is "
+                            f"{args.scheduler!r}, not maxflow")
+        config |= HELIX_ROUTER
     return config
 
 

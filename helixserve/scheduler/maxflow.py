@@ -51,6 +51,13 @@ from helixserve.scheduler.spread import spread_flows
 from helixserve.scheduler.types import NodeState, RequestInfo, Route
 from helixserve.spec.cluster import COORDINATOR
 
+#: flow edges under this share of their vertex's outflow are masked: rounding noise of the LP
+MIN_FLOW_SHARE = 0.01
+#: the share under which Helix's scheduler masks a flow edge (`SchedulerNode.
+#: schedule_initialization` of the artifact's global_maxflow/scheduler_core.py: "token
+#: throughput <= 0.05 * total used token throughput"), in its simulator and its prototype's host
+HELIX_MIN_FLOW_SHARE = 0.05
+
 
 class MaxFlowRouter(GraphRouter):
     name = "maxflow"
@@ -59,7 +66,7 @@ class MaxFlowRouter(GraphRouter):
         self,
         placement: Placement,
         seed: int = 0,
-        min_flow_share: float = 0.01,
+        min_flow_share: float = MIN_FLOW_SHARE,
         spread: bool = True,
         spill: bool = True,
         edges: Iterable[tuple[str, str]] | None = None,

@@ -4,6 +4,8 @@ router `SimConfig.scheduler` names, told the cluster's facts (`router_options`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from helixserve.costmodel import CostModel
 from helixserve.planner.placement import Placement
 from helixserve.scheduler import make_router
@@ -34,8 +36,12 @@ def placement_nodes(cluster: ClusterSpec, placement: Placement, cost: CostModel,
 def config_router(config: SimConfig, cluster: ClusterSpec, model: ModelSpec,
                   placement: Placement, cost: CostModel) -> GraphRouter:
     """The router of `config.scheduler` over `placement`, seeded by `config.seed`."""
-    # the spread is the maxflow policy's knob; the other policies route without a flow
-    knobs = {"spread": config.router_spread} if config.scheduler == "maxflow" else {}
+    # the spread, the spill and the share masked are the maxflow policy's knobs; the other
+    # policies route without a flow
+    knobs: dict[str, Any] = {}
+    if config.scheduler == "maxflow":
+        knobs = {"spread": config.router_spread, "spill": config.router_spill,
+                 "min_flow_share": config.router_min_flow_share}
     return make_router(
         config.scheduler,
         placement,

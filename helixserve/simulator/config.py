@@ -9,6 +9,7 @@ from typing import Any
 from helixserve.errors import UserError
 from helixserve.scheduler.core import SchedulerPolicy
 from helixserve.scheduler.kv import KvPolicy
+from helixserve.scheduler.maxflow import MIN_FLOW_SHARE
 from helixserve.spec.scheduling import DEFAULT_KV_WATERMARK
 
 #: values of `SimConfig.offline_feed`
@@ -82,6 +83,13 @@ class SimConfig:
     #: flow as given (False, as Helix's IWRR does); see helixserve/scheduler/maxflow.py.
     #: The other routing policies have no flow to spread and ignore it
     router_spread: bool = True
+    #: maxflow router: when KV masks every flow edge out of a vertex, try the valid hops the
+    #: flow does not use (True, helixserve's runtime) or make the request wait (False, as
+    #: Helix's scheduler does: it never routes outside its flow)
+    router_spill: bool = True
+    #: maxflow router: flow edges carrying less than this share of their vertex's outflow
+    #: are masked (scheduler/maxflow.py; Helix's scheduler masks under HELIX_MIN_FLOW_SHARE)
+    router_min_flow_share: float = MIN_FLOW_SHARE
     #: seconds added to every layer an iteration runs, on top of the profile's time: per-layer
     #: costs a real engine pays that a per-layer profile leaves out (e.g. Helix's prototype
     #: schedules each layer in Python, in eager mode; docs/calibration.md fits it)
@@ -130,6 +138,9 @@ class SimConfig:
                             f">= 0, got {self.feed_initial_requests}, {self.feed_interval_s}")
         if not 0 < self.feed_kv_fraction <= 1:
             raise UserError(f"feed_kv_fraction: must be in (0, 1], got {self.feed_kv_fraction}")
+        if not 0 <= self.router_min_flow_share < 1:
+            raise UserError(f"router_min_flow_share: must be in [0, 1), got "
+                            f"{self.router_min_flow_share}")
         self.scheduler_policy()
         return self
 

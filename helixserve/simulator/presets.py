@@ -37,6 +37,7 @@ from typing import Any
 
 from helixserve.costmodel.model import VLLM_RESERVED_GB_PER_GPU
 from helixserve.errors import UserError
+from helixserve.scheduler.maxflow import HELIX_MIN_FLOW_SHARE
 from helixserve.spec.scheduling import (
     DEFAULT_KV_WATERMARK,
     DEFAULT_MAX_PREFILLING,
@@ -83,6 +84,17 @@ ENGINES: dict[str, dict[str, Any]] = {
         "router_spread": False,  # IWRR over the max-flow solution as solved
         "layer_overhead_s": HELIX_PROTOTYPE_LAYER_OVERHEAD_S,
     },
+}
+
+#: the maxflow router's knobs as Helix's scheduler has them (`--helix-router`): IWRR over the
+#: solver's flow as given, edges under 5% of their vertex's outflow masked, no hop outside the
+#: flow. helix-prototype keeps spread off but spills and masks at 1%: with the flows of our
+#: LP, Helix's masks would idle nodes that Helix's own flow (over its own node capacities)
+#: uses, e.g. 4 of the authors' 24 on helix-single-24 (docs/benchmarks.md, "Helix's router")
+HELIX_ROUTER: dict[str, Any] = {
+    "router_spread": False,
+    "router_spill": False,
+    "router_min_flow_share": HELIX_MIN_FLOW_SHARE,
 }
 
 #: GB per GPU each engine keeps outside weights and KV (None: the cost model's default)

@@ -192,6 +192,29 @@ def test_router_spread_false_routes_over_the_solvers_flow() -> None:
     assert weights == pytest.approx(flows)
 
 
+def test_helix_router_masks_edges_under_5_percent_and_never_spills() -> None:
+    # Helix's scheduler (scheduler_core.py): edges under 5% of the vertex's outflow are masked
+    # and nothing goes outside the flow; helixserve's router keeps a 3% edge and may spill
+    from helixserve.planner.placement import Flow
+    from helixserve.simulator.presets import HELIX_ROUTER
+
+    s = make_setup([Machine("a", "T4", 0, 2, decode_ms=1.0, max_decode=64),
+                    Machine("b", "L4", 0, 2, decode_ms=1.0, max_decode=64),
+                    Machine("c", "A100-40GB", 2, 4, decode_ms=1.0, max_decode=64)])
+    s.placement.flows = [Flow("coordinator", "a", 97.0), Flow("coordinator", "b", 3.0),
+                         Flow("a", "c", 97.0), Flow("b", "c", 3.0), Flow("c", "coordinator", 100.0)]
+    reqs = fixed_requests(40, prompt=16, output=8, gap_s=0.01)
+    ours = Simulation(s.cluster, s.model, s.cost, s.placement, reqs,
+                      SimConfig(router_spread=False))
+    assert set(ours.router.weights["coordinator"]) == {"a", "b"}
+    helix = Simulation(s.cluster, s.model, s.cost, s.placement, reqs, SimConfig(**HELIX_ROUTER))
+    assert helix.router.weights["coordinator"] == {"a": 97.0}
+    assert helix.router.spill_edges == set()
+    helix.run()
+    assert helix.nodes["b"].iters == 0 and helix.nodes["a"].iters > 0
+    assert len(helix.finished) == 40
+
+
 def test_helix_prototype_engine_preset() -> None:
     config = engine_config("helix-prototype", max_prefilling=8)
     assert config["max_prefilling"] == 8

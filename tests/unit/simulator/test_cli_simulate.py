@@ -244,6 +244,31 @@ def test_layer_overhead_flag_sets_the_prototype_models_per_layer_cost(
     assert slow["decode_throughput_tokens_per_s"] < vllm["decode_throughput_tokens_per_s"]
 
 
+def test_helix_router_flag_sets_helix_schedulers_routing_rules(
+    shared_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plain = simulate_tiny(shared_data, tmp_path, capsys, "--engine", "helix-prototype")
+    helix = simulate_tiny(shared_data, tmp_path, capsys, "--engine", "helix-prototype",
+                          "--helix-router")
+    assert "router_spill" not in plain["engine_config"]
+    assert plain["engine_config"]["router_spread"] is False
+    assert {k: helix["engine_config"][k] for k in
+            ("router_spread", "router_spill", "router_min_flow_share")} == {
+        "router_spread": False, "router_spill": False, "router_min_flow_share": 0.05}
+    assert helix["decode_throughput_tokens_per_s"] > 0
+
+
+def test_helix_router_needs_the_maxflow_scheduler(
+    shared_data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(args(shared_data, "--placement", "separate", "--offline", "--scheduler",
+                     "swarm", "--helix-router"))
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        "helixserve simulate: error: --helix-router: routes over the max flow; --scheduler "
+        "is 'swarm', not maxflow")
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
