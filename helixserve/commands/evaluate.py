@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--serve-engine", default="vllm", choices=("vllm", "reserve"),
                    help="with --served: the engine model (default vllm, as plan's)")
     p.add_argument("--serve-also", default="helix-prototype",
-                   choices=("helix-prototype", "vllm", "reserve", "none"),
+                   choices=("helix-prototype", "helix-host", "vllm", "reserve", "none"),
                    help="with --served: the second engine model (default helix-prototype, "
                    "as plan's; none: --serve-engine alone)")
     p.add_argument("--serve-trace", metavar="TRACE.csv",

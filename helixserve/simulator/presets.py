@@ -97,11 +97,17 @@ HELIX_ROUTER: dict[str, Any] = {
     "router_min_flow_share": HELIX_MIN_FLOW_SHARE,
 }
 
+#: helix-prototype routed as Helix's host routes (HELIX_ROUTER) over the placement's flows:
+#: a node our LP's flow leaves at zero runs nothing. An experiment for the served objective's
+#: second model (`plan --serve-also helix-host`; docs/benchmarks.md, "Helix's router")
+ENGINES["helix-host"] = {**ENGINES["helix-prototype"], **HELIX_ROUTER}
+
 #: GB per GPU each engine keeps outside weights and KV (None: the cost model's default)
 ENGINE_GPU_RESERVE_GB: dict[str, float | None] = {
     "vllm": VLLM_RESERVED_GB_PER_GPU,
     "reserve": None,
     "helix-prototype": VLLM_RESERVED_GB_PER_GPU,  # the same vLLM 0.4.0 measurements
+    "helix-host": VLLM_RESERVED_GB_PER_GPU,
 }
 
 def engine_gpu_reserve_gb(name: str, override: float | None = None) -> float | None:

@@ -256,6 +256,11 @@ def test_helix_router_flag_sets_helix_schedulers_routing_rules(
             ("router_spread", "router_spill", "router_min_flow_share")} == {
         "router_spread": False, "router_spill": False, "router_min_flow_share": 0.05}
     assert helix["decode_throughput_tokens_per_s"] > 0
+    # helix-host: the prototype model routed so, a name for plan's --serve-also
+    host = simulate_tiny(shared_data, tmp_path, capsys, "--engine", "helix-host")
+    assert host["engine"] == "helix-host"
+    assert host["engine_config"] == helix["engine_config"]
+    assert host["decode_throughput_tokens_per_s"] == helix["decode_throughput_tokens_per_s"]
 
 
 def test_helix_router_needs_the_maxflow_scheduler(
@@ -276,7 +281,7 @@ def test_helix_router_needs_the_maxflow_scheduler(
         ("--max-prefilling", "-3", "--max-prefilling: must be >= 1, got -3"),
         ("--kv-watermark", "1.5", "--kv-watermark: must be in [0, 1), got 1.5"),
         ("--layer-overhead-ms", "-1", "--layer-overhead-ms: must be >= 0, got -1.0"),
-        ("--engine", "sglang", "--engine: unknown engine model 'sglang'; known: helix-prototype, reserve, vllm"),
+        ("--engine", "sglang", "--engine: unknown engine model 'sglang'; known: helix-host, helix-prototype, reserve, vllm"),
         (
             "--kv-allocation",
             "lazy",
