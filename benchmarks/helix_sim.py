@@ -34,7 +34,8 @@ and matplotlib 3.8; newer versions ran here (networkx 3.6, matplotlib 3.11, nump
     python -m benchmarks.helix_sim score --helix-artifact PATH --cluster helix-single-24 \\
         --placement benchmarks/helix-placements/helix-single-24-llama-2-70b.json
 
-`flow` instead of `score` stops before simulating and prints what their scheduler plans
+`score --window WARMUP DURATION` runs the same steps in another window than the authors'
+60 s + 600 s (`_simulate_offline`). `flow` instead of `score` stops before simulating and prints what their scheduler plans
 with: the value of its max flow over their node and link capacities, and the least KV a
 layer has over its holders (seconds, little memory). Both take `--python PY`, an
 interpreter with their requirements, to keep gurobipy out of this one's environment.

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from helixserve.commands.served import ALSO_CHOICES
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from helixserve.commands.args import finite_float
@@ -34,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--serve-engine", default="vllm", choices=("vllm", "reserve"),
                    help="with --served: the engine model (default vllm, as plan's)")
     p.add_argument("--serve-also", default="helix-prototype",
-                   choices=("helix-prototype", "helix-host", "vllm", "reserve", "none"),
+                   choices=ALSO_CHOICES,
                    help="with --served: the second engine model (default helix-prototype, "
                    "as plan's; none: --serve-engine alone)")
     p.add_argument("--serve-trace", metavar="TRACE.csv",

@@ -11,6 +11,7 @@ from typing import Any
 from helixserve.commands.args import finite_float
 from helixserve.commands.costs import add_cost_args
 from helixserve.commands.served import (
+    ALSO_CHOICES,
     DEFAULT_ALSO,
     DEFAULT_REFERENCE,
     DEFAULT_WALL_CAP_S,
@@ -167,7 +168,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "--gpu-reserve-gb is given; with --objective flow the memory is the "
                    "plan's: pass --gpu-reserve-gb 4.5 to plan and select with vLLM's")
     p.add_argument("--serve-also", default=DEFAULT_ALSO,
-                   choices=("helix-prototype", "helix-host", "vllm", "reserve", "none"),
+                   choices=ALSO_CHOICES,
                    help="with the served objective: a second engine model every placement is "
                    "also simulated with (default helix-prototype, the Helix authors' "
                    "prototype: admission on prompt + 240 promised tokens, whole prompts, a "

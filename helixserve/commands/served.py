@@ -30,6 +30,8 @@ TILING_STARTS = 12
 #: (docs/calibration.md): a fifth of the vllm model's events on helix-single-24, about half
 #: on helix-mix-42
 DEFAULT_ALSO = "helix-prototype"
+#: --serve-also's choices (plan and evaluate --served): an engine model (simulator/presets.py) or none
+ALSO_CHOICES = ("helix-prototype", "helix-host", "vllm", "reserve", "none")
 #: `plan`'s default budget with the served objective (no --time-limit, no --work-limit):
 #: units of work (the same placement on any machine), 20% of them for the max-flow
 #: portfolio. With --jobs 2 on two free cores of the reference VM: 6.5 minutes on

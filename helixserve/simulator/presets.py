@@ -15,8 +15,9 @@ watermark; it matters only with on-demand allocation, where running requests gro
   host that admits a request when prompt + 240 tokens (its expected output) on every node of
   the route keep the node's promises under 85% of its KV, and routes by IWRR over the
   solver's flow (no spread; past full nodes it spills, where Helix's host makes the request
-  wait: `HELIX_ROUTER` below and `helix-host` route as it does); offline, its feeder (`offline_feed="kv-feeder"`: 20 requests,
-  then one per finished prompt or request while the busiest layer is at most 80% promised);
+  wait: `HELIX_ROUTER` below and `helix-host` route as it does); offline, its feeder
+  (`offline_feed="kv-feeder"`: 20 requests, then one per finished prompt or request while
+  the busiest layer is at most 80% promised);
   and a per-layer cost of `HELIX_PROTOTYPE_LAYER_OVERHEAD_S` a layer and iteration that its
   engine and host pay beyond the per-layer profiles, fitted to the prototype's own online
   run on Helix's placement (`benchmarks/calibration.py`).
