@@ -16,7 +16,9 @@ A wall-clock cap (`wall_cap`) may stand behind the work clock as a safety net (`
 default: 1,000 units of work, capped at 600 s): once the wall clock passes it, every look at
 the work clock jumps past any deadline (`CAP_JUMP`), so the searches stop at their next
 look, and `capped()` says so (the placement then depends on the machine and its load). A
-search's worker processes get the same cap (parallel.py).
+search whose steps cannot stop halfway (the served objective's batches of simulations, a
+minute or more each on helix-mix-42) does not start one that would end past the cap
+(`wall_left`, `stop_at_cap`). A search's worker processes get the same cap (parallel.py).
 
 The charges are calibrated so that a unit is about one second of one core of the reference
 machine, the project's 2-core VM (process CPU time, measured on the bundled example and on
@@ -109,6 +111,24 @@ def wall_cap(epoch: float | None) -> Iterator[None]:
         yield
     finally:
         _cap = saved
+
+
+def wall_left() -> float:
+    """Seconds of wall clock left before the cap in force (`wall_cap`); infinite without one.
+    A search whose next step cannot stop halfway (a batch of simulations: planner/served.py)
+    asks before it starts one, so that the cap is not overrun by a step's length."""
+    return float("inf") if _cap is None else _cap - time.time()
+
+
+def stop_at_cap() -> None:
+    """Stop every search of the work clock now, as the cap passing would, and let `capped()`
+    say so: for a search whose next step would end past the cap (`wall_left`). No-op
+    outside a `wall_cap` block."""
+    if _cap is None or _capped[0]:
+        return
+    _capped[0] = True
+    if _work is not None:
+        _work[0] += CAP_JUMP
 
 
 def counting() -> bool:

@@ -75,6 +75,7 @@ clusters; docs/planner.md, "What the bound bounds").
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -522,16 +523,26 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
     # scored by both, sets the objective's references, and the others are screened
     # against the best start so far
     scored: list[Scored] = []
-    step_cost, step_len = 0.0, 1
+    step_cost, step_len, step_wall = 0.0, 1, 0.0
 
     def fits() -> int:
         """Candidates the next batch may hold: `batch` while a batch costing the last one's
         fits in what is left, else 1 while one costing the last batch's mean fits (the end of
-        the budget is not left idle: on helix-mix-42 a batch costs up to 290 units), else 0."""
+        the budget is not left idle: on helix-mix-42 a batch costs up to 290 units), else 0.
+        A wall-clock cap (`plan`'s default) is read by the last batch's wall time a
+        placement: a batch cannot stop halfway, and on a VM slower than the reference one
+        started just before the cap ran helix-mix-42's default plan 61 s past its 600 s; a
+        batch that would end past the cap is not started, and the search stops as the cap
+        stops it."""
         left = deadline_s - clock.now()
-        if step_cost <= left:
-            return batch
-        return 1 if step_cost / max(1, step_len) <= left else 0
+        take = batch if step_cost <= left else 1 if step_cost / max(1, step_len) <= left else 0
+        wall, each = clock.wall_left(), step_wall / max(1, step_len)
+        if take == batch and batch * each > wall:
+            take = 1
+        if take == 1 and each > wall:
+            clock.stop_at_cap()
+            take = 0
+        return take
 
     kind = [f"{x.gpu}x{x.num_gpus}" for x in net.cluster.nodes]
     # starts whose block orders were queued, and each queued order's bar: its start's value
@@ -544,7 +555,7 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         if not take:
             say(f"served: {len(unique) - b} starts left unscored (budget)")
             break
-        started = clock.now()
+        started, started_wall = clock.now(), time.time()
         chunk = unique[b : b + take]
         b += len(chunk)
         best_value = max((c.value for c in scored), default=-1.0)
@@ -565,7 +576,8 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
             elif also_cache is not None:
                 say(f"served: {source} serves {also_cache.values[key(ranges)]:,.1f} in the "
                     "second engine model: screened out")
-        step_cost, step_len = clock.now() - started, len(chunk)
+        step_cost, step_len, step_wall = (clock.now() - started, len(chunk),
+                                          time.time() - started_wall)
         # a new best start that is stage-structured: its block orders next, before the
         # other starts (on helix-mix-42 the starts spend the default budget, and one block
         # order of stacked tiling 1 serves 1.23x / 1.14x the authors' placement where the
@@ -617,13 +629,14 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
             break
         chunk_orders = orders[tried : tried + take]
         tried += len(chunk_orders)
-        started = clock.now()
+        started, started_wall = clock.now(), time.time()
         cap = (1 + SCREEN_SLACK) * objective.ratios(cur.served_tokens_per_s,
                                                     cur.also_tokens_per_s or 0.0)[0]
         for c in score([("block order", r) for r in chunk_orders], threshold, cap):
             if c is not None and c.value > (threshold if top is None else top.value):
                 top = c
-        step_cost, step_len = clock.now() - started, len(chunk_orders)
+        step_cost, step_len, step_wall = (clock.now() - started, len(chunk_orders),
+                                          time.time() - started_wall)
     if top is not None:
         cur = top
         out.steps.append(cur)
@@ -634,7 +647,7 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         say(f"served: {tried} of the best start's {len(orders)} block orders scored, none "
             f"worth {MIN_GAIN:.1%} more")
     while stall < max_stall and (take := fits()):
-        started = clock.now()
+        started, started_wall = clock.now(), time.time()
         cands = neighbours(cur.ranges, kmax, L, rng, take,
                            set(cache.values) | (set(also_cache.values) if also_cache else set()),
                            _pressure(cur.ranges, scorer, also), kind)
@@ -646,7 +659,8 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
                                                     cur.also_tokens_per_s or 0.0)[0]
         found = [c for c in score([("climb", r) for r in cands], threshold, cap)
                  if c is not None]
-        step_cost, step_len = clock.now() - started, len(cands)
+        step_cost, step_len, step_wall = (clock.now() - started, len(cands),
+                                          time.time() - started_wall)
         top = max(found, key=lambda c: c.value, default=None)
         if top is not None and top.value > threshold:
             cur = top

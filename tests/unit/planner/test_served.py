@@ -184,3 +184,40 @@ def test_cli_says_what_budget_stopped_the_search(tmp_path, capsys):
     # --time-limit alone: a wall-clock budget, as before
     assert main(args[:2] + ["--time-limit", "5"] + args[4:]) == 0
     assert "budget: 5 s of wall clock (--time-limit)" in capsys.readouterr().out
+
+
+class SlowScorer(KVScorer):
+    """KVScorer that takes `seconds` of wall clock a placement, as a simulation takes half a
+    minute or more on a 42-machine cluster."""
+
+    def __init__(self, net: FlowNetwork, seconds: float) -> None:
+        super().__init__(net)
+        self.seconds = seconds
+
+    def __call__(self, batch: Sequence[Ranges]) -> list[float]:
+        import time
+
+        time.sleep(self.seconds * len(batch))
+        return super().__call__(batch)
+
+
+def test_a_batch_that_would_end_past_the_wall_clock_cap_is_not_started(net):
+    """The cap stops the search before a batch that the last batch's wall time says would
+    end past it (not at the batch's end, a whole batch late), and `capped()` says so; without
+    a cap the same budget scores more. No wall time is asserted: the first batch (two starts)
+    sleeps 0.8 s and the cap is 1 s away, so on any machine neither a batch nor one
+    placement more (0.4 s) fits before it (on a very slow one the cap passes first, and the
+    search stops as well)."""
+    import time
+
+    with clock.work_clock():
+        free = SlowScorer(net, 0.0)
+        served_search(net, starts_of(net), free, work(40 * UNITS), seed=3)
+        assert len(free.calls) > 2 and not clock.capped()
+    with clock.wall_cap(time.time() + 1.0), clock.work_clock():
+        slow = SlowScorer(net, 0.4)
+        out = served_search(net, starts_of(net), slow, work(40 * UNITS), seed=3)
+        assert clock.capped()
+    # the first batch always runs (the two starts); nothing after it
+    assert slow.calls == free.calls[:2] and out.evaluations == 2
+    assert out.stopped_by == "budget"

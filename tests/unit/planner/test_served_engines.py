@@ -244,6 +244,13 @@ def test_wall_clock_cap_stops_the_work_clock():
     assert not clock.capped()  # outside the cap's block
     with clock.work_clock():  # no cap: the counter alone
         assert clock.now() < 1.0 and not clock.capped()
+        assert clock.wall_left() == float("inf")
+        clock.stop_at_cap()  # no cap to stop at: nothing happens
+        assert clock.now() < 1.0 and not clock.capped()
+    with clock.wall_cap(time.time() + 3600), clock.work_clock():
+        assert 3500 < clock.wall_left() <= 3600
+        clock.stop_at_cap()  # as if the cap had passed
+        assert clock.now() >= clock.CAP_JUMP and clock.capped()
 
 
 def test_a_leader_of_many_blocks_keeps_its_orders_for_after_the_starts(net, counted):  # noqa: F811
