@@ -643,8 +643,10 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         say(f"served block order: {top.served_tokens_per_s:,.1f} decode tokens/s"
             + ("" if top.also_tokens_per_s is None else
                f", {top.also_tokens_per_s:,.1f} in the second (value {top.value:.3f})"))
+    elif orders and not tried:
+        say(f"served: the best placement's {len(orders)} block orders left unscored (budget)")
     elif orders:
-        say(f"served: {tried} of the best start's {len(orders)} block orders scored, none "
+        say(f"served: {tried} of the best placement's {len(orders)} block orders scored, none "
             f"worth {MIN_GAIN:.1%} more")
     while stall < max_stall and (take := fits()):
         started, started_wall = clock.now(), time.time()

@@ -282,3 +282,25 @@ def test_a_leader_of_many_blocks_keeps_its_orders_for_after_the_starts(net, coun
     assert scorer.calls[:3] == [key(petals), key(alt), key(swarm)]
     assert scorer.calls[3:] == [key(r) for r in orders[: len(scorer.calls) - 3]]
     assert out.best.source == "alt"
+
+
+def test_block_orders_the_budget_left_unscored_are_reported_so(net, counted):  # noqa: F811
+    # the leader of many blocks above, with the budget spent by the starts: its orders are
+    # reported left unscored, not "scored, none worth more"
+    alt: Ranges = {}
+    l4, t4 = iter(range(4, 12)), iter(range(12, 24))
+    for p in range(20):
+        alt[next(l4) if p < 16 and p % 2 == 0 else next(t4)] = (4 * p, 4 * p + 4)
+    petals, swarm = BASELINES["petals"](net), BASELINES["swarm"](net)
+
+    def scorer(batch: Sequence[Ranges]) -> list[float]:
+        clock.charge(len(batch))
+        return [2.0 if key(r) == key(alt) else 1.0 for r in batch]
+
+    said: list[str] = []
+    starts = [("petals", petals), ("alt", alt), ("swarm", swarm)]
+    out = served_search(net, starts, scorer, work(3.0), seed=0, max_stall=0,
+                        progress=said.append)
+    assert out.best.source == "alt"
+    assert any("block orders left unscored (budget)" in s for s in said), said
+    assert not any("block orders scored" in s for s in said), said
