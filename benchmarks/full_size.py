@@ -296,6 +296,8 @@ def summary(row: dict[str, Any]) -> dict[str, Any]:
         "concurrency": rep["concurrency"],
         "loadavg_after": rep["machine"]["loadavg_1m_after"],
         "failed": m["requests_failed"],
+        # whether this host kept up with the emulated cluster (None: an older report)
+        "host_kept_up": (rep.get("host") or {}).get("kept_up"),
     }
 
 
@@ -324,7 +326,9 @@ def print_table(cluster: str, rows: list[dict[str, Any]], time_scale: float) -> 
               f"{fmt(s['tpot_p50_simulated'], '9.3f')} "
               f"{fmt(s['runtime_cpu_ms_per_token'], '10.2f')} "
               f"{fmt(s.get('runtime_cpu_ms_per_token_window'), '5.2f')} {fmt(s['start_s'], '7.1f')} "
-              f"{pss:>11} {rss:>11} {fmt(s['overrun_s'], '9.1f')}")
+              f"{pss:>11} {rss:>11} {fmt(s['overrun_s'], '9.1f')}"
+              + ("  (the host did not keep up: raise --time-scale)"
+                 if s.get("host_kept_up") is False else ""))
 
 
 def planner_point(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -309,6 +309,7 @@ def rehearse(key: str, plan: str, placement: Placement, args: argparse.Namespace
     return {"decode_tokens_per_s": round(s["decode_measured"], 1),
             "simulated_decode_tokens_per_s": s["decode_simulated"],
             "failed_requests": s["failed"], "time_scale": args.rehearse_time_scale,
+            "host_kept_up": s.get("host_kept_up"),
             "command": row["command"], "wall_s": row["wall_s"]}
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import platform
 import shutil
@@ -264,7 +265,7 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
     runtime_ms = _runtime_ms_per_token(cpu, measured["output_tokens"])
     # the window alone (after the warm-up: the steady state, not the cold start's prefill)
     window_ms = _runtime_ms_per_token(window_cpu, measured["decode_tokens_per_s"] * window_s)
-    return {
+    report = {
         "format": FORMAT,
         "emulated": True,
         "cluster": inputs.cluster.name,
@@ -314,6 +315,53 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
                     "platform": platform.platform(), "python": platform.python_version(),
                     "loadavg_1m_before": round(load[0], 2), "loadavg_1m_after": round(load[1], 2)},
     }
+    report["host"] = host_check(report)
+    return report
+
+
+#: The host kept up with the emulated cluster (docs/rehearse.md, Output, "host:"):
+#: the rehearsal's processes (runtime, link proxy, load client) used under this share of the
+#: host's cores, over the run and in the window. Runs that matched the simulator within
+#: 0.9-1.05 used 0.03-0.45; the saturated helix-mix-42 run that fell to 0.61x of it with
+#: 2,756 requests failed used 0.79 over the run and 0.90 in the window (docs/benchmarks.md).
+HOST_CPU_SHARE_MAX = 0.7
+#: ... and the emulated GPUs' steps ended late by under this share of their emulated time
+#: (those runs: at most 0.008; the starved one 0.033)
+OVERRUN_SHARE_MAX = 0.02
+#: the share of the cores a suggested time scale aims the rehearsal at
+HOST_CPU_SHARE_AIM = 0.4
+
+
+def host_check(report: dict[str, Any]) -> dict[str, Any]:
+    """Whether this host kept up with the emulated cluster, from a report's own numbers: the
+    share of the host's cores the rehearsal's processes used (over the run, and in the
+    window when it was measured; the load client's CPU is known over the run only), the
+    share of the emulated GPU time that steps overran, and, when it did not keep up, the
+    time scale that would bring it to HOST_CPU_SHARE_AIM (CPU a token grows on a starved
+    host, so take it as a least)."""
+    k = report["time_scale"]
+    cpus = report["machine"]["cpus"] or 1
+    c = report["cpu_s"]
+    run_s = c["coordinator"] + c["workers"] + c["links"] + c["client"]
+    share = run_s / (cpus * c["wall_s"]) if c["wall_s"] else None
+    w = report.get("cpu_s_window")
+    window_wall_s = (report["duration_s"] - report["warmup_s"]) * k
+    share_window = ((w["coordinator"] + w["workers"] + w["links"]) / (cpus * window_wall_s)
+                    if w and window_wall_s > 0 else None)
+    emulated_s = sum((n["busy_measured"] or 0.0) * report["duration_s"] * k
+                     for n in report["nodes"].values())
+    overrun_s = sum(n["overrun_s"] or 0.0 for n in report["nodes"].values())
+    overrun = overrun_s / emulated_s if emulated_s else None
+    worst = max((x for x in (share, share_window) if x is not None), default=None)
+    kept_up = ((worst is None or worst < HOST_CPU_SHARE_MAX)
+               and (overrun is None or overrun < OVERRUN_SHARE_MAX))
+    hint = None
+    if not kept_up:
+        hint = math.ceil(k * max(worst or 0.0, HOST_CPU_SHARE_MAX) / HOST_CPU_SHARE_AIM)
+        hint = max(hint, math.ceil(k) + 1)
+    rnd = (lambda x: None if x is None else round(x, 4))  # noqa: E731
+    return {"cpu_share": rnd(share), "cpu_share_window": rnd(share_window),
+            "overrun_share": rnd(overrun), "kept_up": kept_up, "time_scale_hint": hint}
 
 
 def runtime_choices() -> dict[str, str]:

@@ -110,9 +110,30 @@ def format_report(r: dict[str, Any]) -> str:
         f"{c['client']:.1f} s; {r['machine']['cpus']} CPUs, load "
         f"{r['machine']['loadavg_1m_before']} -> {r['machine']['loadavg_1m_after']}",
     ]
+    lines += _host_lines(r)
     for err in r["errors"]:
         lines.append(f"error: {err}")
     return "\n".join(lines)
+
+
+def _host_lines(r: dict[str, Any]) -> list[str]:
+    """Whether this host kept up (rehearsal.host_check), and what to do when it did not."""
+    h = r.get("host")
+    if not h:
+        return []
+    cpus = r["machine"]["cpus"]
+    window = ("" if h["cpu_share_window"] is None
+              else f" ({_pct(h['cpu_share_window'])} in the window)")
+    over = ("-" if h["overrun_share"] is None else f"{100 * h['overrun_share']:.1f}%")
+    lines = [f"host: the rehearsal's processes used {_pct(h['cpu_share'])} of the {cpus} "
+             f"CPUs over the run{window}; the emulated GPUs' steps ran late by {over} of "
+             "their time"]
+    if not h["kept_up"]:
+        lines.append(
+            "WARNING: this host did not keep up with the emulated cluster: the measured side "
+            "understates what the cluster would serve (its own CPU, not the runtime's, is the "
+            f"limit); rerun with --time-scale {h['time_scale_hint']} or more, or a lighter load")
+    return lines
 
 
 def _choices(r: dict[str, Any]) -> str:

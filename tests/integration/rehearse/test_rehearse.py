@@ -98,6 +98,11 @@ def test_six_emulated_machines_measured_next_to_simulated(tmp_path):
     assert threads["engine"] > 0 and threads["event_loop"] > 0, threads
     assert abs(sum(threads.values()) - report["cpu_s"]["workers"]) < 0.1, threads
     assert "workers' CPU by thread" in proc.stdout
+    # whether the host kept up, from the report's own numbers (rehearsal.host_check)
+    host = report["host"]
+    assert 0 < host["cpu_share"] <= 1.0 and 0 <= host["overrun_share"] < 1.0, host
+    assert isinstance(host["kept_up"], bool), host
+    assert "host: the rehearsal's processes used" in proc.stdout
     assert set(report["nodes"]) == {"a0", "a1", "t0", "t1", "t2", "t3"}
     assert all(n["busy_measured"] is not None and n["steps"] > 0
                for n in report["nodes"].values()), (report["nodes"], proc.stderr[-3000:])
