@@ -253,14 +253,21 @@ def test_wall_clock_cap_stops_the_work_clock():
         assert clock.now() >= clock.CAP_JUMP and clock.capped()
 
 
-def test_a_leader_of_many_blocks_keeps_its_orders_for_after_the_starts(net, counted):  # noqa: F811
-    from helixserve.planner.served import EARLY_ORDER_BLOCKS, block_orders
 
-    # 20 stages of 4 layers: L4 and T4 alternating over the first 16, then T4s (16 blocks)
+def alternating_stages() -> Ranges:
+    """20 stages of 4 layers of the `net` fixture's cluster: L4 and T4 alternating over the
+    first 16, then T4s (16 blocks)."""
     alt: Ranges = {}
     l4, t4 = iter(range(4, 12)), iter(range(12, 24))
     for p in range(20):
         alt[next(l4) if p < 16 and p % 2 == 0 else next(t4)] = (4 * p, 4 * p + 4)
+    return alt
+
+
+def test_a_leader_of_many_blocks_keeps_its_orders_for_after_the_starts(net, counted):  # noqa: F811
+    from helixserve.planner.served import EARLY_ORDER_BLOCKS, block_orders
+
+    alt = alternating_stages()
     kind = [f"{x.gpu}x{x.num_gpus}" for x in net.cluster.nodes]
     orders = block_orders(alt, kind, 80)
     assert len(orders) > 2 * (EARLY_ORDER_BLOCKS - 1)
@@ -287,10 +294,7 @@ def test_a_leader_of_many_blocks_keeps_its_orders_for_after_the_starts(net, coun
 def test_block_orders_the_budget_left_unscored_are_reported_so(net, counted):  # noqa: F811
     # the leader of many blocks above, with the budget spent by the starts: its orders are
     # reported left unscored, not "scored, none worth more"
-    alt: Ranges = {}
-    l4, t4 = iter(range(4, 12)), iter(range(12, 24))
-    for p in range(20):
-        alt[next(l4) if p < 16 and p % 2 == 0 else next(t4)] = (4 * p, 4 * p + 4)
+    alt = alternating_stages()
     petals, swarm = BASELINES["petals"](net), BASELINES["swarm"](net)
 
     def scorer(batch: Sequence[Ranges]) -> list[float]:
