@@ -463,6 +463,24 @@ def _pressure(ranges: Ranges, *scorers: ServedScorer | None) -> dict[int, float]
     return out
 
 
+@dataclass
+class _LastBatch:
+    """The served search's last batch of simulations, which `fits()` sizes the next one by:
+    its work units, its placements (at least 1) and its wall seconds."""
+
+    cost: float = 0.0
+    size: int = 1
+    wall: float = 0.0
+    _started: tuple[float, float] = (0.0, 0.0)
+
+    def start(self) -> None:
+        self._started = (clock.now(), time.time())
+
+    def end(self, size: int) -> None:
+        work, wall = self._started
+        self.cost, self.size, self.wall = clock.now() - work, max(1, size), time.time() - wall
+
+
 def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer: ServedScorer,
                   deadline_s: float, seed: int = 0, batch: int = BATCH,
                   max_stall: int = 50,
@@ -523,7 +541,7 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
     # scored by both, sets the objective's references, and the others are screened
     # against the best start so far
     scored: list[Scored] = []
-    step_cost, step_len, step_wall = 0.0, 1, 0.0
+    last = _LastBatch()
 
     def fits() -> int:
         """Candidates the next batch may hold: `batch` while a batch costing the last one's
@@ -535,8 +553,8 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         batch that would end past the cap is not started, and the search stops as the cap
         stops it."""
         left = deadline_s - clock.now()
-        take = batch if step_cost <= left else 1 if step_cost / max(1, step_len) <= left else 0
-        wall, each = clock.wall_left(), step_wall / max(1, step_len)
+        take = batch if last.cost <= left else 1 if last.cost / last.size <= left else 0
+        wall, each = clock.wall_left(), last.wall / last.size
         if take == batch and batch * each > wall:
             take = 1
         if take == 1 and each > wall:
@@ -555,7 +573,7 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         if not take:
             say(f"served: {len(unique) - b} starts left unscored (budget)")
             break
-        started, started_wall = clock.now(), time.time()
+        last.start()
         chunk = unique[b : b + take]
         b += len(chunk)
         best_value = max((c.value for c in scored), default=-1.0)
@@ -576,8 +594,7 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
             elif also_cache is not None:
                 say(f"served: {source} serves {also_cache.values[key(ranges)]:,.1f} in the "
                     "second engine model: screened out")
-        step_cost, step_len, step_wall = (clock.now() - started, len(chunk),
-                                          time.time() - started_wall)
+        last.end(len(chunk))
         # a new best start that is stage-structured: its block orders next, before the
         # other starts (on helix-mix-42 the starts spend the default budget, and one block
         # order of stacked tiling 1 serves 1.23x / 1.14x the authors' placement where the
@@ -629,14 +646,13 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
             break
         chunk_orders = orders[tried : tried + take]
         tried += len(chunk_orders)
-        started, started_wall = clock.now(), time.time()
+        last.start()
         cap = (1 + SCREEN_SLACK) * objective.ratios(cur.served_tokens_per_s,
                                                     cur.also_tokens_per_s or 0.0)[0]
         for c in score([("block order", r) for r in chunk_orders], threshold, cap):
             if c is not None and c.value > (threshold if top is None else top.value):
                 top = c
-        step_cost, step_len, step_wall = (clock.now() - started, len(chunk_orders),
-                                          time.time() - started_wall)
+        last.end(len(chunk_orders))
     if top is not None:
         cur = top
         out.steps.append(cur)
@@ -649,7 +665,7 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
         say(f"served: {tried} of the best placement's {len(orders)} block orders scored, none "
             f"worth {MIN_GAIN:.1%} more")
     while stall < max_stall and (take := fits()):
-        started, started_wall = clock.now(), time.time()
+        last.start()
         cands = neighbours(cur.ranges, kmax, L, rng, take,
                            set(cache.values) | (set(also_cache.values) if also_cache else set()),
                            _pressure(cur.ranges, scorer, also), kind)
@@ -661,8 +677,7 @@ def served_search(net: FlowNetwork, starts: Sequence[tuple[str, Ranges]], scorer
                                                     cur.also_tokens_per_s or 0.0)[0]
         found = [c for c in score([("climb", r) for r in cands], threshold, cap)
                  if c is not None]
-        step_cost, step_len, step_wall = (clock.now() - started, len(cands),
-                                          time.time() - started_wall)
+        last.end(len(cands))
         top = max(found, key=lambda c: c.value, default=None)
         if top is not None and top.value > threshold:
             cur = top
