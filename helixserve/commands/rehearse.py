@@ -59,6 +59,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="bytes a token the workers' activation messages carry (default 64); "
                    "the rest of the real size is declared to the link proxy, which charges it "
                    "on the link as if sent; real (or 0): the real bytes cross")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="run every worker and the coordinator + API with --no-prefix-caching "
+                   "(no prefix cache, no cache reports, no cache-aware routes), and the "
+                   "simulator without its prefix cache")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the report here")
     p.set_defaults(func=run)
 
@@ -83,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         placement=args.placement, trace=args.trace, rate_per_s=args.rate,
         offline=args.offline, duration_s=args.duration, warmup_s=args.warmup,
         time_scale=args.time_scale, concurrency=args.concurrency, base_port=args.base_port,
-        workdir=args.workdir, payload_bytes_per_token=payload)
+        workdir=args.workdir, payload_bytes_per_token=payload,
+        prefix_caching=not args.no_prefix_caching)
 
     def on_sigterm(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # unwinds through the cluster's stop, as Ctrl-C does

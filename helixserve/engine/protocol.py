@@ -110,6 +110,9 @@ class Engine(Protocol):
     #: hidden states' dtype: a torch dtype, or its wire name for the emulated engine
     dtype: Any
     eos_token_ids: list[int]
+    #: whether finished requests' prefix blocks are kept for reuse (the worker's
+    #: --no-prefix-caching turns it off)
+    prefix_caching: bool
 
     def step(self, items: list[WorkItem]) -> list[ItemOutput]:
         """One batched step over `items` (at most one per request); outputs in their order.

@@ -48,6 +48,8 @@ from helixserve.rehearse.run import (
 from helixserve.runtime.threads import THREAD_KINDS
 
 FORMAT = "helixserve.rehearse/v1"
+#: the workers' and `serve`'s flag when the rehearsal runs without prefix caching
+NO_PREFIX_CACHING = ("--no-prefix-caching",)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class RehearsalOptions:
     #: bytes a token the activation messages carry, the rest declared to the link proxy and
     #: charged there (cluster.py); None: the real bytes cross
     payload_bytes_per_token: int | None = DEFAULT_PAYLOAD_BYTES_PER_TOKEN
+    #: the workers' prefix caches and the coordinator's cache-aware routes; off: every
+    #: worker and `serve` run with --no-prefix-caching, and the simulator without its cache
+    prefix_caching: bool = True
 
     def check(self) -> RehearsalOptions:
         if not 0 < self.duration_s <= 86400:
@@ -115,7 +120,9 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
         cluster = EmulatedCluster(inputs, workdir, time_scale=opts.time_scale,
                                   base_port=opts.base_port,
                                   max_seconds=opts.duration_s * opts.time_scale + 1800.0,
-                                  payload_bytes_per_token=opts.payload_bytes_per_token)
+                                  payload_bytes_per_token=opts.payload_bytes_per_token,
+                                  worker_args=() if opts.prefix_caching else NO_PREFIX_CACHING,
+                                  serve_args=() if opts.prefix_caching else NO_PREFIX_CACHING)
     except BaseException:
         if temporary:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -160,7 +167,8 @@ def run_rehearsal(opts: RehearsalOptions, log: Callable[[str], None]) -> dict[st
             f"{measured['requests_finished']} finished in the window; simulating the same")
         sim = simulate(inputs, offline=opts.offline, duration_s=opts.duration_s,
                        warmup_s=opts.warmup_s, concurrency=concurrency,
-                       ramp_s=OFFLINE_RAMP_S / opts.time_scale)
+                       ramp_s=OFFLINE_RAMP_S / opts.time_scale,
+                       prefix_caching=opts.prefix_caching)
     except BaseException:
         if temporary:
             log(f"rehearse: logs kept in {workdir / 'logs'}")
@@ -279,6 +287,7 @@ def build_report(opts: RehearsalOptions, inputs: RehearsalInputs, *, measured: d
         "duration_s": opts.duration_s,
         "warmup_s": opts.warmup_s,
         "time_scale": k,
+        "prefix_caching": opts.prefix_caching,
         # activations' bytes a token on the wire (None: the real size; the rest declared)
         "payload_bytes_per_token": opts.payload_bytes_per_token,
         "measured": measured,

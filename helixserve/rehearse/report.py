@@ -51,7 +51,8 @@ def format_report(r: dict[str, Any]) -> str:
         "OpenAI API, gRPC and mutual TLS",
         f"cluster {r['cluster']} ({len(r['nodes'])} placed nodes), model {r['model']}, placement "
         f"{r['placement']['planner']} (max flow "
-        f"{r['placement']['max_flow_tokens_per_s'] or 0:.0f} tokens/s), {mode}",
+        f"{r['placement']['max_flow_tokens_per_s'] or 0:.0f} tokens/s), {mode}"
+        + ("" if r.get("prefix_caching", True) else ", prefix caching off"),
         f"window {r['warmup_s']:g}..{r['duration_s']:g} s of cluster time"
         + (f"; time scale {k:g}: every GPU and link time x {k:g}, measured times / {k:g}"
            if k != 1 else "; time scale 1"),

@@ -294,11 +294,13 @@ def simulator_fields(inputs: RehearsalInputs) -> dict[str, Any]:
 
 
 def simulate(inputs: RehearsalInputs, *, offline: bool, duration_s: float, warmup_s: float,
-             concurrency: int, ramp_s: float = 0.0) -> dict[str, Any]:
+             concurrency: int, ramp_s: float = 0.0,
+             prefix_caching: bool = True) -> dict[str, Any]:
     """`helixserve simulate`'s code path on the same placement and requests (module doc):
     {"metrics": the METRIC_KEYS and request counts, "summary": the simulator's summary}.
     `ramp_s`: offline, seconds of cluster time between the streams' first requests (the
-    client's OFFLINE_RAMP_S / time scale)."""
+    client's OFFLINE_RAMP_S / time scale). `prefix_caching`: the simulator's prefix cache
+    (it only hits for requests whose token ids the trace gives)."""
     from helixserve.simulator.config import closed_loop
     from helixserve.simulator.metrics import latencies, summarize
     from helixserve.simulator.sim import SimConfig, Simulation
@@ -310,7 +312,8 @@ def simulate(inputs: RehearsalInputs, *, offline: bool, duration_s: float, warmu
     config = SimConfig(duration_s=duration_s, warmup_s=warmup_s, offline=offline,
                        **closed_loop(max(1, concurrency)),
                        feed_interval_s=ramp_s, scheduler="maxflow",
-                       victim_rule=RUNTIME_VICTIM_RULE, **fields)
+                       victim_rule=RUNTIME_VICTIM_RULE, prefix_caching=prefix_caching,
+                       **fields)
     sim = Simulation(inputs.cluster, inputs.model, inputs.cost, inputs.placement, requests,
                      config)
     result = sim.run()

@@ -100,6 +100,7 @@ async def serve(
         f"KV {info.kv_capacity_tokens} tokens, listening on {host}:{bound} "
         f"({'mutual TLS' if tls else 'plaintext, no authentication'}; "
         f"data plane {worker.dataplane}; "
+        f"prefix caching {'on' if worker.engine.prefix_caching else 'off'}; "
         f"forwards to: {worker.peer_policy.describe()})",
         flush=True,
     )

@@ -84,6 +84,7 @@ def test_six_emulated_machines_measured_next_to_simulated(tmp_path):
     assert "EMULATED" in proc.stdout and "measured (EMULATED)" in proc.stdout
     report = json.loads(out.read_text())
     assert report["format"] == "helixserve.rehearse/v1" and report["emulated"] is True
+    assert report["prefix_caching"] is True
     for side in ("measured", "simulated"):
         assert all(report[side][k] > 0 for k in METRICS), report[side]
     measured, simulated = report["measured"], report["simulated"]
@@ -126,12 +127,19 @@ def test_six_emulated_machines_measured_next_to_simulated(tmp_path):
 
 
 def test_online_arrivals_at_a_rate(tmp_path):
-    """The trace's arrivals rescaled to 3 requests/s: the same arrivals on both sides."""
+    """The trace's arrivals rescaled to 3 requests/s: the same arrivals on both sides; with
+    --no-prefix-caching every worker runs without its prefix cache and the report says so."""
     out = tmp_path / "report.json"
-    proc = rehearse(tmp_path / "run", "--rate", "3", "--duration", "8", "--json", str(out))
+    proc = rehearse(tmp_path / "run", "--rate", "3", "--duration", "8", "--no-prefix-caching",
+                    "--json", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["mode"] == "online" and report["rate_per_s"] == 3
+    assert report["prefix_caching"] is False
+    assert "online, 3 requests/s, prefix caching off" in proc.stdout
+    logs = sorted((tmp_path / "run" / "logs").glob("worker-*.log"))
+    assert len(logs) == 6
+    assert all("prefix caching off;" in log.read_text() for log in logs)
     measured, simulated = report["measured"], report["simulated"]
     # arrivals of 8 s at 3/s (the first at 0): the same requests sent on both sides
     assert measured["requests_sent"] == simulated["requests_sent"] > 15
