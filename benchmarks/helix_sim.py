@@ -40,6 +40,19 @@ with: the value of its max flow over their node and link capacities, and the lea
 layer has over its holders (seconds, little memory). Both take `--python PY`, an
 interpreter with their requirements, to keep gurobipy out of this one's environment.
 
+`proxy` stands in for `score` in seconds instead of 20 minutes and ~30 GiB (helix-mix-42):
+their scheduler's max flow for the placement (`flow`), then OUR simulator with Helix's
+rules (helix-prototype's engine without a per-layer cost, Helix's router: IWRR over the
+flow as given, edges under 5% masked, no spill) routing by THEIR flow, once per
+`--hash-seeds` seed, averaged. What it gets right and wrong, against `score` on 13
+placements of the three clusters: docs/benchmarks.md, "A stand-in for Helix's simulator".
+
+Every run sets their subprocess's PYTHONHASHSEED (`score(hash_seed=...)`, default 0):
+their flow graph is built by iterating sets, so how the max flow splits over the links
+(not its value), which nodes their router idles and what their simulator serves depend
+on it (the authors' helix-geo-24 placement: 109.77 and 100.18 decode tokens/s with seeds 1
+and 2); unset, each run drew its own.
+
 A node holding more layers than Helix's model of its GPU holds (their per-GPU cap, e.g. 4
 layers on a T4) cannot be scored: their KV table has no entry there (their Separate
 Pipelines baseline used hand-written files for that), and `score` says so.
@@ -76,6 +89,21 @@ AUTHORS_FILES = {
     "helix-geo-24": ("layout_llama70b/ilp/ilp_sol.ini", "layout_llama70b/ilp/simulator_cluster.ini"),
     "helix-mix-42": ("layout_llama70b/ilp/ilp_sol.ini", "layout_llama70b/ilp/simulator_cluster.ini"),
 }
+#: our cluster file and the authors' placement file for each cluster (for `proxy`)
+CLUSTER_FILES = {
+    "helix-single-24": "examples/clusters/helix-single-24.yaml",
+    "helix-geo-24": "examples/clusters/helix-geo-24.yaml",
+    "helix-mix-42": "benchmarks/helix-clusters/helix-mix-42.yaml",
+}
+AUTHORS_PLACEMENTS = {c: f"benchmarks/helix-placements/{c}-llama-2-70b.json" for c in CLUSTERS}
+#: `proxy`'s simulator: our engine with Helix's simulator's rules (whole prompts, its
+#: admission and feeder, no per-layer cost beyond the profiles) and Helix's router (IWRR
+#: over the flow as given, edges under 5% masked, no spill), as in docs/benchmarks.md,
+#: "Helix's simulator in its authors' window" and "Helix's router"
+PROXY_FLAGS = ["--engine", "helix-prototype", "--layer-overhead-ms", "0", "--helix-router",
+               "--model", "examples/models/llama-2-70b",
+               "--profiles", "examples/profiles/helix-measured.csv",
+               "--trace", "examples/traces/azure-llm-conv-2023.csv", "--offline"]
 #: our model name -> Helix's `ModelName` member
 MODELS = {"llama-2-70b": "LLaMa70B"}
 #: Helix's node index offset (0 and 1 are its source and sink)
@@ -128,7 +156,8 @@ def solution_ini(placement: Placement, num_nodes: int, where: str) -> str:
 def score(artifact: Path, cluster: str, placement: Placement | None, *,
           python: str = sys.executable, partial_inference: bool = True,
           window: tuple[float, float] | None = None, timeout_s: float = 7200.0,
-          keep: Path | None = None, flow_only: bool = False) -> dict[str, Any]:
+          keep: Path | None = None, flow_only: bool = False,
+          hash_seed: int = 0) -> dict[str, Any]:
     """Helix's simulator's decode tokens/s for `placement` on `cluster` (None: the authors'
     own placement with their own simulator cluster file, exactly as published). `window`
     (warmup s, counted s): None or WINDOW runs their `simulate_maxflow_offline` itself; any
@@ -136,6 +165,11 @@ def score(artifact: Path, cluster: str, placement: Placement | None, *,
 
     `flow_only`: no simulation; what their scheduler plans with for the placement
     (`_flow_of`): {"flow_tokens_per_s", "min_layer_kv_tokens", ...}.
+
+    `hash_seed`: their subprocess's PYTHONHASHSEED. Their flow graph is built by iterating
+    sets, so the max flow's split over the links (not its value) depends on it, and with
+    the split which nodes their router idles and what it serves (up to 9% here): a fixed
+    seed makes a run repeatable, other seeds sample the spread.
 
     Returns {"decode_tokens_per_s", "wall_s", ...}, or {"error": why} when it cannot run."""
     why = missing_artifact(artifact)
@@ -171,6 +205,7 @@ def score(artifact: Path, cluster: str, placement: Placement | None, *,
         (work / "job.json").write_text(json.dumps(job))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(artifact), str(REPO)])
+        env["PYTHONHASHSEED"] = str(hash_seed)
         started = time.perf_counter()
         try:
             proc = subprocess.run([python, "-m", "benchmarks.helix_sim", "_drive", "job.json"],
@@ -192,8 +227,9 @@ def score(artifact: Path, cluster: str, placement: Placement | None, *,
                              + " | ".join(tail)}
         result: dict[str, Any] = json.loads(out.read_text())
         if flow_only:
-            return result | {"wall_s": round(wall_s, 1)}
-        return result | {"wall_s": round(wall_s, 1), "window_s": job["window"]}
+            return result | {"wall_s": round(wall_s, 1), "hash_seed": hash_seed}
+        return result | {"wall_s": round(wall_s, 1), "window_s": job["window"],
+                         "hash_seed": hash_seed}
 
 
 def _drive(job_path: Path) -> int:
@@ -324,7 +360,20 @@ def _flow_of(**kwargs: Any) -> dict[str, Any]:
             "layers": [min(node.in_vram_model_layers), max(node.in_vram_model_layers) + 1],
             "capacity_tokens_per_s": round(float(graph.flow_graph[edge[0]][edge[1]]["capacity"]), 1),
             "flow_tokens_per_s": round(float(graph.flow_dict[edge[0]][edge[1]]), 1)}
+    # the flow on each link (their `<uid>_out -> <uid>_in` edges) in our placement's `flows`
+    # terms, the coordinator standing for their source and sink nodes: what their router's
+    # IWRR weighs, before its masks
+    ends = {simulator.source_node.node_uid, simulator.sink_node.node_uid}
+
+    def vertex(v: str) -> str:
+        uid = int(v.rsplit("_", 1)[0])
+        return "coordinator" if uid in ends else f"n{uid - NODE_OFFSET}"
+
+    edges = [{"src": vertex(u), "dst": vertex(v), "tokens_per_s": round(float(f), 3)}
+             for u, out in graph.flow_dict.items() for v, f in out.items()
+             if f > 0 and u.endswith("_out") and v.endswith("_in")]
     return {"flow_tokens_per_s": round(float(graph.flow_value), 1),
+            "edges": edges,
             "min_layer_kv_tokens": round(least),
             "min_kv_layers": [i for i, v in enumerate(per_layer) if v == least],
             # their router never sends a request along an edge under 5% of its vertex's
@@ -375,6 +424,77 @@ def _write_simulator_cluster(model_name: Any, machine_num_dict: dict[str, int],
     return {"nodes_used": len(used), "partial_inference": job["partial_inference"]}
 
 
+def with_flows(placement_json: dict[str, Any], flow: dict[str, Any]) -> dict[str, Any]:
+    """The placement (its JSON) routed by Helix's max flow (`_flow_of`'s result): its
+    `flows` replaced by their links' flows, its throughput by their flow's value."""
+    if not flow.get("edges"):
+        raise ValueError("Helix's flow has no edges: nothing to route over")
+    return placement_json | {"flows": flow["edges"],
+                             "throughput_tokens_per_s": flow["flow_tokens_per_s"]}
+
+
+def simulate_routed(cluster: str, routed: dict[str, Any], window: tuple[float, float], *,
+                    keep: Path | None = None, tag: str = "") -> dict[str, Any]:
+    """Our simulator with Helix's rules (PROXY_FLAGS) on `routed` (a placement's JSON whose
+    flows the router follows), offline, `window` = (warmup s, counted s): its --json
+    report, or {"error": why}."""
+    warmup_s, duration_s = window
+    with tempfile.TemporaryDirectory(prefix="helix-proxy-") as tmp:
+        routed_path = Path(tmp) / "placement.json"
+        routed_path.write_text(json.dumps(routed))
+        out = Path(tmp) / "sim.json"
+        cmd = [sys.executable, "-m", "helixserve", "simulate", "--cluster",
+               str(REPO / CLUSTER_FILES[cluster]), "--placement", str(routed_path),
+               *PROXY_FLAGS, "--warmup", f"{warmup_s:g}", "--duration",
+               f"{warmup_s + duration_s:g}", "--quiet", "--json", str(out)]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
+            return {"error": f"simulate failed (rc {proc.returncode}): " + " | ".join(tail)}
+        if keep is not None:
+            keep.mkdir(parents=True, exist_ok=True)
+            shutil.copy(routed_path, keep / f"placement-helix-flow-{tag}.json")
+            shutil.copy(out, keep / f"simulate-{tag}.json")
+        report: dict[str, Any] = json.loads(out.read_text())
+        return report
+
+
+def proxy(artifact: Path, cluster: str, placement_path: Path | None, *,
+          python: str = sys.executable,
+          window: tuple[float, float] = (WINDOW["warmup_s"], WINDOW["duration_s"]),
+          hash_seeds: tuple[int, ...] = (0, 1, 2), keep: Path | None = None) -> dict[str, Any]:
+    """Helix's simulator, approximated in seconds: their scheduler's max flow for the
+    placement (`flow`, about a second: their code, their node and link capacities), then our
+    simulator with Helix's rules (PROXY_FLAGS) routing by that flow, offline, in `window`
+    (warmup s, counted s); once for each of `hash_seeds` (their flow's split over the links
+    depends on it, see `score`). Returns {"decode_tokens_per_s" (the mean), "runs" (each
+    seed's), "helix_flow_tokens_per_s", "wall_s", ...} or {"error": why}. How well it
+    tracks their simulator: docs/benchmarks.md, "A stand-in for Helix's simulator"."""
+    started = time.perf_counter()
+    path = Path(placement_path or REPO / AUTHORS_PLACEMENTS[cluster])
+    placement = load_placement(path)
+    runs: list[dict[str, Any]] = []
+    for seed in hash_seeds:
+        flow = score(artifact, cluster, placement, python=python, flow_only=True,
+                     hash_seed=seed)
+        if "error" in flow:
+            return flow
+        sim = simulate_routed(cluster, with_flows(json.loads(path.read_text()), flow),
+                              window, keep=keep, tag=f"seed{seed}")
+        if "error" in sim:
+            return sim
+        runs.append({"hash_seed": seed,
+                     "decode_tokens_per_s": round(float(sim["decode_throughput_tokens_per_s"]), 2),
+                     "idle_nodes": flow["idle_nodes"]})
+    decodes = [r["decode_tokens_per_s"] for r in runs]
+    return {"decode_tokens_per_s": round(sum(decodes) / len(decodes), 2),
+            "decode_min_max": [min(decodes), max(decodes)], "runs": runs,
+            "helix_flow_tokens_per_s": flow["flow_tokens_per_s"],
+            "window_s": list(window),
+            "placement": str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
+            "wall_s": round(time.perf_counter() - started, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.helix_sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -393,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulated warmup and counted seconds (default: the authors' 60 600)")
     s.add_argument("--keep", type=Path, default=None, metavar="DIR",
                    help="keep the generated ilp_sol.ini, simulator_cluster.ini and the log")
+    s.add_argument("--hash-seed", type=int, default=0, metavar="SEED",
+                   help="their subprocess's PYTHONHASHSEED (default 0; their max flow's "
+                   "split over the links depends on it)")
     f = sub.add_parser("flow", help="Helix's max flow of one placement and its least KV a "
                        "layer, as their scheduler plans with them (no simulation; seconds)")
     f.add_argument("--helix-artifact", type=Path, required=True, metavar="PATH")
@@ -401,6 +524,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="our placement JSON (default: the authors' own files, as published)")
     f.add_argument("--python", default=sys.executable,
                    help="interpreter with their requirements (gurobipy, networkx, matplotlib)")
+    f.add_argument("--hash-seed", type=int, default=0, metavar="SEED",
+                   help="their subprocess's PYTHONHASHSEED (default 0)")
+    x = sub.add_parser("proxy", help="Helix's simulator approximated in seconds: our "
+                       "simulator with Helix's rules, routed by Helix's own max flow")
+    x.add_argument("--helix-artifact", type=Path, required=True, metavar="PATH")
+    x.add_argument("--cluster", choices=list(CLUSTERS), required=True)
+    x.add_argument("--placement", type=Path, default=None,
+                   help="our placement JSON (default: the authors' placement, "
+                   "benchmarks/helix-placements)")
+    x.add_argument("--python", default=sys.executable,
+                   help="interpreter with their requirements (gurobipy, networkx, matplotlib)")
+    x.add_argument("--window", type=float, nargs=2, default=None, metavar=("WARMUP", "DURATION"),
+                   help="simulated warmup and counted seconds (default: the authors' 60 600)")
+    x.add_argument("--hash-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="SEED",
+                   help="their subprocess's PYTHONHASHSEED for each run, averaged (their "
+                   "flow's split over the links depends on it; default 0 1 2)")
+    x.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                   help="keep the placement routed by Helix's flow and the simulator's JSON")
     d = sub.add_parser("_drive", help=argparse.SUPPRESS)
     d.add_argument("job", type=Path)
     args = ap.parse_args(argv)
@@ -411,13 +552,19 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.what == "flow":
+    if args.what == "proxy":
+        result = proxy(args.helix_artifact, args.cluster, args.placement, python=args.python,
+                       window=tuple(args.window) if args.window else
+                       (WINDOW["warmup_s"], WINDOW["duration_s"]),
+                       hash_seeds=tuple(args.hash_seeds), keep=args.keep)
+    elif args.what == "flow":
         result = score(args.helix_artifact, args.cluster, placement, python=args.python,
-                       flow_only=True)
+                       flow_only=True, hash_seed=args.hash_seed)
     else:
         result = score(args.helix_artifact, args.cluster, placement, python=args.python,
                        partial_inference=not args.no_partial_inference,
-                       window=tuple(args.window) if args.window else None, keep=args.keep)
+                       window=tuple(args.window) if args.window else None, keep=args.keep,
+                       hash_seed=args.hash_seed)
     print(json.dumps(result, indent=1))
     return 1 if "error" in result else 0
 
