@@ -47,7 +47,8 @@ flow as given, edges under 5% masked, no spill) routing by THEIR flow, once per
 `--hash-seeds` seed, averaged. What it gets right and wrong, against `score` on 13
 placements of the three clusters: docs/benchmarks.md, "A stand-in for Helix's simulator".
 
-Every run sets their subprocess's PYTHONHASHSEED (`score(hash_seed=...)`, default 0):
+Every run sets their subprocess's PYTHONHASHSEED (`score` and `flow --hash-seed SEED`,
+default 0):
 their flow graph is built by iterating sets, so how the max flow splits over the links
 (not its value), which nodes their router idles and what their simulator serves depend
 on it (the authors' helix-geo-24 placement: 109.77 and 100.18 decode tokens/s with seeds 1
