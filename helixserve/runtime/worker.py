@@ -542,7 +542,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
 
     def _next_batch(self, pending: deque[_Job]) -> tuple[list[_Job], deque[_Job]]:
         """One item per request per step, FIFO, within the step budget (module doc): the
-        step's jobs, and what stays pending (released requests' jobs dropped)."""
+        step's jobs, and what stays pending (released requests' jobs dropped, and jobs for
+        a range this worker no longer holds told UNAVAILABLE: `_outdated`)."""
         heads: list[_Job] = []
         seen: set[str] = set()
         live: list[_Job] = []
@@ -554,6 +555,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
             item = job.item
             rid = item.request_id
             if (item.coordinator_id, rid) in released:
+                taken += len(item.token_ids)
+                continue
+            if self.range_changes and self._outdated(job):
                 taken += len(item.token_ids)
                 continue
             live.append(job)
@@ -569,6 +573,26 @@ class Worker(pb_grpc.HelixWorkerServicer):
         rest = deque(j for j in live if id(j) not in chosen) if len(batch) < len(live) else deque()
         self.taken_tokens += taken + sum(map(_job_tokens, batch))
         return batch, rest
+
+    def _outdated(self, job: _Job) -> bool:
+        """Engine thread: whether `job` is for layers outside the engine's range, and if so
+        its request is told UNAVAILABLE (replay it) and forgotten, as `_switch` tells the
+        requests it finds. Such a job was accepted against the range held before a switch
+        and reached the engine thread after it (the loop thread checks items against
+        `expect`, which the switch changes on this thread): run, the new engine would refuse
+        it as invalid work and the request would fail instead of being replayed."""
+        item, engine = job.item, self.engine
+        if engine.start_layer <= item.hop.start_layer and item.hop.end_layer <= engine.end_layer:
+            return False
+        rid, cid = item.request_id, item.coordinator_id
+        self.released.put((cid, rid), cid, None)
+        message = (f"node {self.node}: re-planned to layers [{engine.start_layer}, "
+                   f"{engine.end_layer}); replay the request")
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(self._forget, cid, rid)
+        self.loop.call_soon_threadsafe(self.report_error, rid, item.step_id, cid,
+                                       tp.UNAVAILABLE, message)
+        return True
 
     def _run_step(self, batch: list[_Job]) -> None:
         """Engine thread: one engine step over `batch`; its outputs go to the event loop."""

@@ -33,7 +33,7 @@ class FakeEngine:
 
 def _job(rid: str, tokens: int, route: str = "r") -> _Job:
     hop = NodeRange("n", 0, 2)
-    item = SimpleNamespace(request_id=rid, coordinator_id="c", hop=hop, position=0,
+    item = SimpleNamespace(request_id=rid, coordinator_id="c", hop=hop, position=0, step_id=0,
                            route=(hop, NodeRange(route, 2, 4)),
                            token_ids=[1] * tokens, hidden=None, sampling=None, sample=True,
                            num_prompt_tokens=None, prefix_token_ids=None)
@@ -181,3 +181,33 @@ def test_out_of_kv_an_engine_that_cannot_say_what_fits_runs_one_item_a_step() ->
     calls, outputs = _run_out_of_kv(dry_run=False, steps=4)
     assert calls == [[("refused", 3)], [("a", 400)], [("refused", 1)], [("c", 1)]]
     assert [isinstance(o, KvExhaustedError) for o in outputs] == [False, True, False]
+
+
+def test_a_job_for_a_range_the_worker_no_longer_holds_is_replayed_not_run() -> None:
+    """A job accepted against the range held before a LoadRange switch can reach the engine
+    thread after it (the loop thread checks items against the old range): it is dropped
+    and its request told UNAVAILABLE (the coordinator replays it), not run on the new
+    engine, which would refuse it as invalid work and fail the request (seen in CI:
+    test_z_killing_the_only_holder_of_layers_replans_and_serves_again)."""
+    from collections import deque
+
+    from helixserve.runtime import transport as tp
+
+    worker = Worker(FakeEngine(1), node="n", model="m", backend="torch", device="cpu")
+    calls: list[tuple[Any, ...]] = []
+    worker.loop = SimpleNamespace(  # type: ignore[assignment]
+        call_soon_threadsafe=lambda fn, *a: calls.append((fn.__name__, *a)))
+    old, other = _job("a", 1), _job("b", 1)
+    batch, rest = worker._next_batch(deque([old, other]))
+    assert [j.item.request_id for j in batch] == ["a", "b"] and not calls  # range as held
+
+    moved = FakeEngine(1)
+    moved.start_layer, moved.end_layer = 2, 4  # re-planned: [0, 2) is no longer here
+    worker.engine, worker.range_changes = moved, 1  # type: ignore[assignment]
+    batch, rest = worker._next_batch(deque([old, other]))
+    assert batch == [] and not rest
+    errors = [c for c in calls if c[0] == "report_error"]
+    assert [(c[1], c[4]) for c in errors] == [("a", tp.UNAVAILABLE), ("b", tp.UNAVAILABLE)]
+    assert all("re-planned to layers [2, 4); replay the request" in c[5] for c in errors)
+    assert [c[0] for c in calls].count("_forget") == 2
+    assert ("c", "a") in worker.released  # a late item of the old attempt is dropped
