@@ -575,24 +575,28 @@ class Worker(pb_grpc.HelixWorkerServicer):
         return batch, rest
 
     def _outdated(self, job: _Job) -> bool:
-        """Engine thread: whether `job` is for layers outside the engine's range, and if so
-        its request is told UNAVAILABLE (replay it) and forgotten, as `_switch` tells the
-        requests it finds. Such a job was accepted against the range held before a switch
-        and reached the engine thread after it (the loop thread checks items against
-        `expect`, which the switch changes on this thread): run, the new engine would refuse
-        it as invalid work and the request would fail instead of being replayed."""
-        item, engine = job.item, self.engine
-        if engine.start_layer <= item.hop.start_layer and item.hop.end_layer <= engine.end_layer:
+        """Engine thread: whether `job` is for layers this worker no longer holds; if so its
+        request is told to replay (`_replay`), as `_switch` tells the requests it finds.
+        Such a job was accepted against the range held before a switch and reached the
+        engine thread after it (the loop thread checks items against `expect`, which the
+        switch changes on this thread): run, the new engine would refuse it as invalid work
+        and the request would fail instead of being replayed."""
+        item = job.item
+        if self._holds(item.hop.start_layer, item.hop.end_layer):
             return False
-        rid, cid = item.request_id, item.coordinator_id
+        self._replay(item.request_id, item.coordinator_id, item.step_id)
+        return True
+
+    def _replay(self, rid: str, cid: str, step_id: int) -> None:
+        """Engine thread, after a switch: request `rid` of coordinator `cid` is dropped here
+        (its late items too) and told UNAVAILABLE, so that its coordinator replays it."""
         self.released.put((cid, rid), cid, None)
-        message = (f"node {self.node}: re-planned to layers [{engine.start_layer}, "
-                   f"{engine.end_layer}); replay the request")
+        message = (f"node {self.node}: re-planned to layers [{self.expect.start_layer}, "
+                   f"{self.expect.end_layer}); replay the request")
         assert self.loop is not None
         self.loop.call_soon_threadsafe(self._forget, cid, rid)
-        self.loop.call_soon_threadsafe(self.report_error, rid, item.step_id, cid,
-                                       tp.UNAVAILABLE, message)
-        return True
+        self.loop.call_soon_threadsafe(self.report_error, rid, step_id, cid, tp.UNAVAILABLE,
+                                       message)
 
     def _run_step(self, batch: list[_Job]) -> None:
         """Engine thread: one engine step over `batch`; its outputs go to the event loop."""
@@ -682,13 +686,9 @@ class Worker(pb_grpc.HelixWorkerServicer):
         # Info (loop thread) reports this until the new KV cache exists: between the two,
         # either engine's cache is a one-block placeholder, not a capacity to route by
         self._kv_frozen = self.engine.kv_stats()
-        message = (f"node {self.node}: re-planned to layers [{new.start_layer}, "
-                   f"{new.end_layer}); replay the request")
         moved = dict(self.active)
         moved.update((j.item.request_id, j.item.coordinator_id) for j in pending)
         self.taken_tokens += sum(map(_job_tokens, pending))
-        for rid, cid in moved.items():
-            self.released.put((cid, rid), cid, None)
         self.active.clear()
         self._ran.clear()
         self.engine.release_memory()
@@ -699,10 +699,8 @@ class Worker(pb_grpc.HelixWorkerServicer):
             start_layer=new.start_layer, end_layer=new.end_layer,
             num_model_layers=new.num_model_layers, hidden_size=new.hidden_size, dtype=new.dtype)
         self.range_changes += 1
-        assert self.loop is not None
         for rid, cid in moved.items():
-            self.loop.call_soon_threadsafe(self._forget, cid, rid)
-            self.loop.call_soon_threadsafe(self.report_error, rid, 0, cid, tp.UNAVAILABLE, message)
+            self._replay(rid, cid, 0)
         m.done.set_result((len(moved), time.perf_counter() - t0))
 
     def _free(self, requests: list[tuple[str, str]]) -> int:
@@ -1122,8 +1120,11 @@ class Worker(pb_grpc.HelixWorkerServicer):
         if not self.range_changes or msg.hop_index >= len(msg.route):
             return False
         hop = msg.route[msg.hop_index]
-        return not (self.expect.start_layer <= hop.start_layer
-                    and hop.end_layer <= self.expect.end_layer)
+        return not self._holds(hop.start_layer, hop.end_layer)
+
+    def _holds(self, start_layer: int, end_layer: int) -> bool:
+        """Whether layers [start_layer, end_layer) lie in the range this worker holds now."""
+        return self.expect.start_layer <= start_layer and end_layer <= self.expect.end_layer
 
     async def LoadRange(  # noqa: N802
         self, request: pb.LoadRangeRequest, context: grpc.aio.ServicerContext

@@ -189,6 +189,7 @@ def test_a_job_for_a_range_the_worker_no_longer_holds_is_replayed_not_run() -> N
     and its request told UNAVAILABLE (the coordinator replays it), not run on the new
     engine, which would refuse it as invalid work and fail the request (seen in CI:
     test_z_killing_the_only_holder_of_layers_replans_and_serves_again)."""
+    import dataclasses
     from collections import deque
 
     from helixserve.runtime import transport as tp
@@ -204,6 +205,7 @@ def test_a_job_for_a_range_the_worker_no_longer_holds_is_replayed_not_run() -> N
     moved = FakeEngine(1)
     moved.start_layer, moved.end_layer = 2, 4  # re-planned: [0, 2) is no longer here
     worker.engine, worker.range_changes = moved, 1  # type: ignore[assignment]
+    worker.expect = dataclasses.replace(worker.expect, start_layer=2, end_layer=4)  # as _switch
     batch, rest = worker._next_batch(deque([old, other]))
     assert batch == [] and not rest
     errors = [c for c in calls if c[0] == "report_error"]
