@@ -500,47 +500,41 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.helix_sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
-    s = sub.add_parser("score", help="one placement in Helix's simulator, offline")
-    s.add_argument("--helix-artifact", type=Path, required=True, metavar="PATH")
-    s.add_argument("--cluster", choices=list(CLUSTERS), required=True)
-    s.add_argument("--placement", type=Path, default=None,
-                   help="our placement JSON (default: the authors' own files, as published)")
+    # what every command takes: the artifact, the cluster, the placement, their interpreter
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--helix-artifact", type=Path, required=True, metavar="PATH")
+    common.add_argument("--cluster", choices=list(CLUSTERS), required=True)
+    common.add_argument("--placement", type=Path, default=None,
+                        help="our placement JSON (default: the authors' placement; `score` "
+                        "and `flow`: their own files, as published)")
+    common.add_argument("--python", default=sys.executable,
+                        help="interpreter with their requirements (gurobipy, networkx, "
+                        "matplotlib)")
+    window = argparse.ArgumentParser(add_help=False)
+    window.add_argument("--window", type=float, nargs=2, default=None,
+                        metavar=("WARMUP", "DURATION"),
+                        help="simulated warmup and counted seconds (default: the authors' "
+                        "60 600)")
+    seed_help = "their subprocess's PYTHONHASHSEED (their max flow's split over the links "
+    s = sub.add_parser("score", parents=[common, window],
+                       help="one placement in Helix's simulator, offline")
     s.add_argument("--no-partial-inference", action="store_true",
                    help="links only where one range ends exactly where the next starts (as the "
                    "authors generated their files)")
-    s.add_argument("--python", default=sys.executable,
-                   help="interpreter with their requirements (gurobipy, networkx, matplotlib)")
-    s.add_argument("--window", type=float, nargs=2, default=None, metavar=("WARMUP", "DURATION"),
-                   help="simulated warmup and counted seconds (default: the authors' 60 600)")
     s.add_argument("--keep", type=Path, default=None, metavar="DIR",
                    help="keep the generated ilp_sol.ini, simulator_cluster.ini and the log")
     s.add_argument("--hash-seed", type=int, default=0, metavar="SEED",
-                   help="their subprocess's PYTHONHASHSEED (default 0; their max flow's "
-                   "split over the links depends on it)")
-    f = sub.add_parser("flow", help="Helix's max flow of one placement and its least KV a "
-                       "layer, as their scheduler plans with them (no simulation; seconds)")
-    f.add_argument("--helix-artifact", type=Path, required=True, metavar="PATH")
-    f.add_argument("--cluster", choices=list(CLUSTERS), required=True)
-    f.add_argument("--placement", type=Path, default=None,
-                   help="our placement JSON (default: the authors' own files, as published)")
-    f.add_argument("--python", default=sys.executable,
-                   help="interpreter with their requirements (gurobipy, networkx, matplotlib)")
+                   help=seed_help + "depends on it; default 0)")
+    f = sub.add_parser("flow", parents=[common], help="Helix's max flow of one placement and "
+                       "its least KV a layer, as their scheduler plans with them (no "
+                       "simulation; seconds)")
     f.add_argument("--hash-seed", type=int, default=0, metavar="SEED",
-                   help="their subprocess's PYTHONHASHSEED (default 0)")
-    x = sub.add_parser("proxy", help="Helix's simulator approximated in seconds: our "
-                       "simulator with Helix's rules, routed by Helix's own max flow")
-    x.add_argument("--helix-artifact", type=Path, required=True, metavar="PATH")
-    x.add_argument("--cluster", choices=list(CLUSTERS), required=True)
-    x.add_argument("--placement", type=Path, default=None,
-                   help="our placement JSON (default: the authors' placement, "
-                   "benchmarks/helix-placements)")
-    x.add_argument("--python", default=sys.executable,
-                   help="interpreter with their requirements (gurobipy, networkx, matplotlib)")
-    x.add_argument("--window", type=float, nargs=2, default=None, metavar=("WARMUP", "DURATION"),
-                   help="simulated warmup and counted seconds (default: the authors' 60 600)")
+                   help=seed_help + "depends on it; default 0)")
+    x = sub.add_parser("proxy", parents=[common, window],
+                       help="Helix's simulator approximated in seconds: our simulator with "
+                       "Helix's rules, routed by Helix's own max flow")
     x.add_argument("--hash-seeds", type=int, nargs="+", default=[0, 1, 2], metavar="SEED",
-                   help="their subprocess's PYTHONHASHSEED for each run, averaged (their "
-                   "flow's split over the links depends on it; default 0 1 2)")
+                   help=seed_help + "depends on it), one run each, averaged (default 0 1 2)")
     x.add_argument("--keep", type=Path, default=None, metavar="DIR",
                    help="keep the placement routed by Helix's flow and the simulator's JSON")
     d = sub.add_parser("_drive", help=argparse.SUPPRESS)
